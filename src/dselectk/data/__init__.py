@@ -1,0 +1,1 @@
+"""Loaders for the datasets used in the DSelect-k paper."""

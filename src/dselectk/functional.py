@@ -1,0 +1,232 @@
+"""Pure tensor math of DSelect-k (Hazimeh et al., NeurIPS 2021) and of the competing gates.
+
+Every function here is stateless and works on any leading batch shape, so the same code serves a
+static gate (``alpha: (K,)``), a bank of static gates (``(T, K)``) and a per-example gate
+(``(B, K)`` or ``(B, T, K)``). Modules in :mod:`dselectk.gates` are thin wrappers around these.
+
+Shape letters: B batch, T gates (tasks), K selectors, M = ceil(log2 n) bits, N = 2**M codes,
+n experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "binary_entropy",
+    "code_table",
+    "dselect_k_weights",
+    "entropy",
+    "keep_topk",
+    "num_bits",
+    "selector",
+    "selector_entropy",
+    "selector_naive",
+    "smooth_step",
+    "topk_softmax",
+    "unused_code_penalty",
+]
+
+
+def num_bits(num_experts: int) -> int:
+    """m = ceil(log2 n): bits a single expert selector needs for n experts (Appendix B.2)."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts < 2:
+        raise ValueError(f"num_experts must be >= 2, got {num_experts}")
+    return (num_experts - 1).bit_length()
+
+
+def _check_gamma(gamma: float | Tensor) -> None:
+    if isinstance(gamma, Tensor):
+        if gamma.numel() != 1:
+            raise ValueError(f"gamma must be a scalar, got a tensor of shape {tuple(gamma.shape)}")
+        if torch.compiler.is_compiling():
+            return
+        g = float(gamma)
+    else:
+        g = float(gamma)
+    if not (g > 0.0 and math.isfinite(g)):
+        raise ValueError(f"gamma must be a finite number > 0, got {g}")
+
+
+def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
+    """Cubic smooth-step S(t; γ) of Section 3.1.3.
+
+    S(t) = 0 for t <= -γ/2, 1 for t >= γ/2, and -2t³/γ³ + 3t/(2γ) + 1/2 in between. It is C¹ with
+    S'(±γ/2) = 0, and returns exact 0/1 outside the fractional region, so the gradient there is
+    exactly zero (the property that freezes a converged selector).
+
+    Args:
+        t: any shape.
+        gamma: width γ > 0 of the fractional region (a float or a 0-d tensor, e.g. a buffer a
+            schedule updates in place).
+
+    Returns:
+        Tensor of the shape of ``t``.
+    """
+    _check_gamma(gamma)
+    # With s = t/γ the cubic is s(1.5 - 2s²) + 0.5; clamping s to [-1/2, 1/2] makes both ends
+    # exact in floating point (0.5 * 1.0 ± 0.5) and gives a zero gradient outside.
+    s = (t / gamma).clamp(-0.5, 0.5)
+    return s * (1.5 - 2.0 * s * s) + 0.5
+
+
+def code_table(num_experts: int, *, device: torch.device | None = None) -> Tensor:
+    """Binary codes of the experts: ``table[i, j]`` is bit j of i (least significant bit first).
+
+    Row i (0-based) is the code of expert i + 1 in the paper's 1-based notation, i.e. the set
+    B(i) of Section 3.1.1. Built with integer bit operations (no string round trips).
+
+    Returns:
+        bool tensor of shape (n, M).
+    """
+    m = num_bits(num_experts)
+    idx = torch.arange(num_experts, device=device)
+    return ((idx.unsqueeze(-1) >> torch.arange(m, device=device)) & 1).bool()
+
+
+def selector(p: Tensor, num_experts: int | None = None) -> Tensor:
+    """Single expert selector r(p) of Section 3.1.1, Eq. (r(z)_i), for p = S(z) in [0, 1]^M.
+
+    r(p)_i = prod_{j in B(i-1)} p_j * prod_{j not in B(i-1)} (1 - p_j). r(p) is the joint law of
+    M independent bits (bit j is 1 with probability p_j, bit 1 the least significant), so it is
+    expanded by M successive outer products in O(N) work instead of an (N, M) product table.
+
+    Args:
+        p: (..., M) bit probabilities.
+        num_experts: keep only the first n entries (n not a power of two, Appendix B.2);
+            default all N = 2**M.
+
+    Returns:
+        (..., n) selector outputs.
+    """
+    out = _expand_bits(p, p.new_ones(()).expand(*p.shape[:-1], 1))
+    return out if num_experts is None else out[..., :num_experts]
+
+
+def _expand_bits(p: Tensor, w: Tensor) -> Tensor:
+    """Multiply ``w (..., 1)`` by the joint law of the bits ``p (..., M)``: returns (..., 2**M)."""
+    for j in range(p.shape[-1]):
+        pj = p[..., j : j + 1]
+        # New index = old index + 2**j * bit_j: the bit-0 half comes first.
+        w = torch.cat((w * (1.0 - pj), w * pj), dim=-1)
+    return w
+
+
+def selector_naive(p: Tensor, num_experts: int | None = None) -> Tensor:
+    """Reference formulation of r(p): the paper's product formula over an (N, M) code table.
+
+    This is the way a reader would first code Eq. (r(z)_i); kept for tests and benchmarks.
+    """
+    m = p.shape[-1]
+    table = code_table(2**m, device=p.device)  # (N, M)
+    factors = torch.where(table, p.unsqueeze(-2), 1.0 - p.unsqueeze(-2))  # (..., N, M)
+    out = factors.prod(dim=-1)
+    return out if num_experts is None else out[..., :num_experts]
+
+
+def dselect_k_weights(
+    alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0, num_experts: int | None = None
+) -> Tensor:
+    """DSelect-k gate q̃(α, Z) = Σ_i σ(α)_i r(S(z⁽ⁱ⁾)) (Section 3.1.3, Eq. smoothed_router).
+
+    Used for the static gate (α, Z parameters) and the per-example gate (α = Gx, Z = Wx,
+    Section 3.2) alike.
+
+    Args:
+        alpha: (..., K) selector logits.
+        z: (..., K, M) encoding variables.
+        gamma: smooth-step width γ.
+        num_experts: n <= 2**M; entries beyond n are dropped (Appendix B.2, no renormalisation,
+            as in the reference implementation; see :func:`unused_code_penalty`).
+
+    Returns:
+        (..., n) expert weights; on the simplex when n = 2**M (Proposition 2).
+    """
+    if alpha.shape[-1] != z.shape[-2]:
+        raise ValueError(
+            f"alpha has {alpha.shape[-1]} selectors but z has {z.shape[-2]} (expected alpha "
+            f"(..., K) and z (..., K, M))"
+        )
+    p = smooth_step(z, gamma)
+    # σ(α)_i enters as the starting mass of selector i, so the K weighted selectors cost one
+    # expansion and one sum.
+    w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)  # (..., N)
+    return w if num_experts is None else w[..., :num_experts]
+
+
+def binary_entropy(p: Tensor) -> Tensor:
+    """h(p) = -p log p - (1-p) log(1-p), exactly 0 with a finite gradient at p in {0, 1}."""
+    tiny = torch.finfo(p.dtype).tiny
+    q = 1.0 - p
+    return -(p * torch.log(p.clamp_min(tiny)) + q * torch.log(q.clamp_min(tiny)))
+
+
+def entropy(prob: Tensor, dim: int = -1) -> Tensor:
+    """Shannon entropy (nats) of probability vectors along ``dim``; safe at exact zeros."""
+    tiny = torch.finfo(prob.dtype).tiny
+    return -(prob * torch.log(prob.clamp_min(tiny))).sum(dim=dim)
+
+
+def selector_entropy(p: Tensor) -> Tensor:
+    """Entropy h(r(p)) of each selector, computed as Σ_j h(p_j) in O(M).
+
+    Because r(p) is the joint law of M independent bits, its entropy is the sum of the bits'
+    binary entropies (over all N = 2**M codes). Proven against :func:`entropy` of
+    :func:`selector` in the tests.
+
+    Args:
+        p: (..., M) bit probabilities S(z).
+
+    Returns:
+        (...,) entropies.
+    """
+    return binary_entropy(p).sum(dim=-1)
+
+
+def unused_code_penalty(p: Tensor, num_experts: int, xi: float) -> Tensor:
+    """Appendix B.2 penalty ξ / Σ_{i<=n} r(p)_i for each selector, when n < 2**M.
+
+    Σ_{i<=n} r(p)_i is the probability that the M-bit number is < n, computed from the bits by a
+    carry recursion in O(M) (no expansion). The denominator is clamped at the dtype's eps so that
+    a selector parked on an unused code gives a large but finite penalty.
+
+    Args:
+        p: (..., M) bit probabilities.
+        num_experts: n.
+        xi: ξ >= 0.
+
+    Returns:
+        (...,) penalties (zeros when n = 2**M).
+    """
+    m = p.shape[-1]
+    if num_experts >= 2**m:
+        return p.new_zeros(p.shape[:-1])
+    # P(X < n) from the most significant bit down: where n has bit 1, X < n if X's bit is 0
+    # (then any lower bits) or X's bit is 1 and the rest is smaller; where n has bit 0, X's bit
+    # must be 0 and the rest smaller.
+    less = p.new_zeros(p.shape[:-1])
+    for j in range(m):  # least significant first: less_j = P(X mod 2^(j+1) < n mod 2^(j+1))
+        pj = p[..., j]
+        less = (1.0 - pj) + pj * less if (num_experts >> j) & 1 else (1.0 - pj) * less
+    return xi / less.clamp_min(torch.finfo(p.dtype).eps)
+
+
+def keep_topk(logits: Tensor, k: int) -> Tensor:
+    """KeepTopK(v)_i = v_i if v_i is among the k largest entries of v, else -inf (Section 2)."""
+    vals, idx = logits.topk(k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
+
+
+def topk_softmax(logits: Tensor, k: int) -> Tensor:
+    """Top-k gate σ(KeepTopK(v)) along the last dim, computed as a softmax over the k kept logits.
+
+    Equals ``softmax(keep_topk(v, k))`` (tested) without an n-wide softmax over -inf entries.
+    """
+    vals, idx = logits.topk(k, dim=-1)
+    return torch.zeros_like(logits).scatter(-1, idx, F.softmax(vals, dim=-1))

@@ -1,0 +1,23 @@
+"""Gates: DSelect-k and the competing gates of the paper, behind one interface."""
+
+from dselectk.gates.ablation import SoftmaxSelectorGate
+from dselectk.gates.base import Gate, GateOutput
+from dselectk.gates.dselect_k import DSelectK
+from dselectk.gates.gumbel import GumbelSoftmaxGate
+from dselectk.gates.registry import GATES, gate_names, make_gate, register_gate
+from dselectk.gates.softmax import SoftmaxGate
+from dselectk.gates.topk import TopKGate
+
+__all__ = [
+    "GATES",
+    "DSelectK",
+    "Gate",
+    "GateOutput",
+    "GumbelSoftmaxGate",
+    "SoftmaxGate",
+    "SoftmaxSelectorGate",
+    "TopKGate",
+    "gate_names",
+    "make_gate",
+    "register_gate",
+]

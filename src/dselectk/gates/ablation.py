@@ -1,0 +1,117 @@
+"""Softmax-selector ablation gates of Appendix C.1."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from dselectk import functional as DF
+from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+
+__all__ = ["SoftmaxSelectorGate"]
+
+
+class SoftmaxSelectorGate(Gate):
+    """Ablation gate h(α, β) = Σ_{i<=k} σ(α)_i σ(β⁽ⁱ⁾ / τ) (Appendix C.1, "Ablation").
+
+    DSelect-k with each binary-encoded selector r(S(z⁽ⁱ⁾)) replaced by a softmax over the n
+    experts. Two ways to push each σ(β⁽ⁱ⁾) to a one-hot vector, as in the paper:
+
+    * "Ablation (Annealing)": anneal the temperature τ from a start s down to 1e-16 on a log
+      scale over training (attach a :class:`~dselectk.schedules.GeometricSchedule` to
+      ``temperature``); ``entropy_reg=0``.
+    * "Ablation (Entropy)": τ = 1 and the auxiliary loss λ Σ_i h(σ(β⁽ⁱ⁾ / τ)).
+
+    Args:
+        num_experts: n >= 2.
+        k: number of selectors, 1 <= k <= n.
+        temperature: τ > 0 (settable, schedulable).
+        entropy_reg: λ >= 0.
+        init_std: β ~ N(0, init_std²) (distinct values avoid the paper's footnote case of ties
+            that annealing cannot break); α starts at 0.
+        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        k: int,
+        *,
+        in_features: int | None = None,
+        temperature: float = 1.0,
+        entropy_reg: float = 0.0,
+        init_std: float = 0.01,
+        num_gates: int | None = None,
+        bias: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        super().__init__(
+            num_experts,
+            in_features=in_features,
+            num_gates=num_gates,
+            bias=bias,
+            check_finite=check_finite,
+        )
+        self.k = check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        self.register_buffer("_temperature", torch.tensor(1.0))
+        self.register_buffer("_entropy_reg", torch.tensor(0.0))
+        self.temperature = temperature
+        self.entropy_reg = entropy_reg
+        self._build_logits()
+        if self.static:
+            with torch.no_grad():
+                nn.init.normal_(self.logits, std=check_nonnegative("init_std", init_std))
+                self.logits[..., :k] = 0.0
+
+    def _logit_shape(self) -> tuple[int, ...]:
+        return (self.k * (1 + self.num_experts),)
+
+    @property
+    def temperature(self) -> float:
+        """Softmax temperature τ > 0 of the selectors."""
+        return float(self._temperature)
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        v = float(value)
+        if not (v > 0.0 and math.isfinite(v)):
+            raise ValueError(f"temperature must be a finite number > 0, got {value}")
+        self._temperature.fill_(v)
+
+    @property
+    def entropy_reg(self) -> float:
+        """Entropy regularisation weight λ >= 0."""
+        return float(self._entropy_reg)
+
+    @entropy_reg.setter
+    def entropy_reg(self, value: float) -> None:
+        self._entropy_reg.fill_(check_nonnegative("entropy_reg", value))
+
+    def selectors(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """σ(α) (..., K) and the selector outputs σ(β⁽ⁱ⁾/τ) (..., K, n)."""
+        alpha = logits[..., : self.k]
+        beta = logits[..., self.k :].unflatten(-1, (self.k, self.num_experts))
+        return torch.softmax(alpha, dim=-1), torch.softmax(beta / self._temperature, dim=-1)
+
+    def gate(self, logits: Tensor) -> GateOutput:
+        a, s = self.selectors(logits)
+        weights = (a.unsqueeze(-1) * s).sum(dim=-2)
+        per_gate = self._entropy_reg * DF.entropy(s).sum(dim=-1)
+        return GateOutput(weights, self._reduce_aux(per_gate))
+
+    @torch.no_grad()
+    def hard_weights(self, x: Tensor | None = None) -> Tensor:
+        """Weights after the paper's post-hoc heuristic: each selector replaced by its argmax."""
+        a, s = self.selectors(self.compute_logits(x))
+        onehot = torch.zeros_like(s).scatter(-1, s.argmax(dim=-1, keepdim=True), 1.0)
+        return (a.unsqueeze(-1) * onehot).sum(dim=-2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, k={self.k}, temperature={self.temperature:g}, "
+            f"entropy_reg={self.entropy_reg:g}"
+        )

@@ -1,0 +1,205 @@
+"""DSelect-k gate, static (Section 3.1) and per-example (Section 3.2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from dselectk import functional as DF
+from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+
+__all__ = ["DSelectK"]
+
+_INITS = ("paper", "spread")
+
+
+class DSelectK(Gate):
+    """DSelect-k: k single expert selectors over a binary encoding smoothed by a smooth-step.
+
+    Static (``in_features=None``): q̃(α, Z) = Σ_{i<=k} σ(α)_i r(S(z⁽ⁱ⁾)) with α ∈ R^k and
+    Z ∈ R^{k×m}, m = ceil(log2 n): k + k·m parameters per gate (Section 3.1.3).
+    Per-example: v(G, W, x) = Σ_i σ(Gx + b_G)_i r(S(W⁽ⁱ⁾x + b_W)) (Section 3.2); G and all W⁽ⁱ⁾
+    are one fused linear layer.
+
+    The auxiliary loss is λ Σ_i h(r(S(z⁽ⁱ⁾))) (entropy regulariser, Section 3.1.3), computed as
+    the sum of the bits' binary entropies, plus ξ Σ_i 1/Σ_{j<=n} r(S(z⁽ⁱ⁾))_j when n is not a
+    power of two (Appendix B.2). Per-example, both are per example and averaged over the batch.
+
+    Differences from the paper: optional biases in the per-example gate (on by default); an
+    optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
+    distinct random expert, to keep selectors from collapsing onto the same expert.
+
+    Args:
+        num_experts: n >= 2 (any n; Appendix B.2 handles non powers of two).
+        k: number of selectors, 1 <= k <= n (at most k experts once S(Z) is binary).
+        in_features: None (static) or input size p (per-example).
+        gamma: smooth-step width γ > 0. Settable; a schedule may anneal it towards 0.
+        entropy_reg: λ >= 0. Settable; a schedule may change it.
+        xi: ξ >= 0, weight of the unused-code penalty (only when n is not a power of two).
+        init: "paper": Z (static) or the Z rows of the layer (per-example) ~ U(-γ/100, γ/100),
+            so every S(Z_ij) starts strictly inside (0, 1); "spread": as "paper" plus an offset
+            of ±γ/4 per bit towards a distinct random code per selector (S = 0.84 or 0.16).
+        num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        k: int,
+        *,
+        in_features: int | None = None,
+        gamma: float = 1.0,
+        entropy_reg: float = 0.0,
+        xi: float = 1.0,
+        init: str = "paper",
+        num_gates: int | None = None,
+        bias: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        super().__init__(
+            num_experts,
+            in_features=in_features,
+            num_gates=num_gates,
+            bias=bias,
+            check_finite=check_finite,
+        )
+        self.k = check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        if init not in _INITS:
+            raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+        self.max_nonzeros = self.k  # once S(Z) is binary
+        self.num_bits = DF.num_bits(num_experts)
+        self.xi = check_nonnegative("xi", xi)
+        # Schedulable scalars live in buffers: they follow .to(), are saved in the state_dict
+        # (a resumed run continues its anneal) and change in place, so torch.compile does not
+        # recompile when a schedule moves them.
+        self.register_buffer("_gamma", torch.tensor(1.0))
+        self.register_buffer("_entropy_reg", torch.tensor(0.0))
+        self.gamma = gamma
+        self.entropy_reg = entropy_reg
+        self.init = init
+        self._build_logits()
+        self.reset_parameters()
+
+    def _logit_shape(self) -> tuple[int, ...]:
+        return (self.k * (1 + self.num_bits),)
+
+    # -- schedulable hyperparameters ------------------------------------------------------
+    @property
+    def gamma(self) -> float:
+        """Smooth-step width γ > 0."""
+        return float(self._gamma)
+
+    @gamma.setter
+    def gamma(self, value: float) -> None:
+        v = float(value)
+        if not (v > 0.0 and math.isfinite(v)):
+            raise ValueError(f"gamma must be a finite number > 0, got {value}")
+        self._gamma.fill_(v)
+
+    @property
+    def entropy_reg(self) -> float:
+        """Entropy regularisation weight λ >= 0."""
+        return float(self._entropy_reg)
+
+    @entropy_reg.setter
+    def entropy_reg(self, value: float) -> None:
+        self._entropy_reg.fill_(check_nonnegative("entropy_reg", value))
+
+    # -- parameters -----------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as in the reference: every S(Z_ij) strictly inside (0, 1) (Section 3.1.3)."""
+        bound = self.gamma / 100.0
+        k, m = self.k, self.num_bits
+        if self.static:
+            self.logits.uniform_(-bound, bound)
+            offset = self._spread_offset(self.logits.shape[:-1])
+            if offset is not None:
+                self.logits[..., k:] += offset.flatten(-2)
+            return
+        assert self.proj is not None
+        g = 1 if self.num_gates is None else self.num_gates
+        w = self.proj.weight.view(g, k * (1 + m), -1)
+        nn.init.uniform_(w, -bound, bound)
+        if self.proj.bias is not None:
+            b = self.proj.bias.view(g, k * (1 + m))
+            nn.init.uniform_(b, -bound, bound)
+            offset = self._spread_offset((g,))
+            if offset is not None:
+                b[:, k:] += offset.flatten(-2)
+
+    def _spread_offset(self, lead: tuple[int, ...]) -> Tensor | None:
+        """(*lead, K, M) offsets ±γ/4 towards k distinct random codes per gate, or None."""
+        if self.init != "spread":
+            return None
+        n_gates = math.prod(lead)
+        codes = torch.stack([torch.randperm(self.num_experts)[: self.k] for _ in range(n_gates)])
+        bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
+        return ((bits.float() * 2 - 1) * (self.gamma / 4)).view(*lead, self.k, self.num_bits)
+
+    def split_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Split flat logits (..., K(1+M)) into α (..., K) and Z (..., K, M)."""
+        alpha = logits[..., : self.k]
+        z = logits[..., self.k :].unflatten(-1, (self.k, self.num_bits))
+        return alpha, z
+
+    @property
+    def alpha(self) -> Tensor:
+        """Static gate: the selector logits α, (K,) or (T, K) (a view of the parameter)."""
+        self._require_static("alpha")
+        return self.split_logits(self.logits)[0]
+
+    @property
+    def z(self) -> Tensor:
+        """Static gate: the encoding variables Z, (K, M) or (T, K, M) (a view of the parameter)."""
+        self._require_static("z")
+        return self.split_logits(self.logits)[1]
+
+    def _require_static(self, name: str) -> None:
+        if not self.static:
+            raise AttributeError(f"{name} is a parameter of static gates only; use bits(x)")
+
+    # -- math -----------------------------------------------------------------------------
+    def gate(self, logits: Tensor) -> GateOutput:
+        alpha, z = self.split_logits(logits)
+        p = DF.smooth_step(z, self._gamma)  # (*lead, K, M)
+        w = DF._expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1))  # (*lead, K, N)
+        weights = w.sum(dim=-2)[..., : self.num_experts]
+        per_gate = self._entropy_reg * DF.selector_entropy(p).sum(dim=-1)
+        if self.num_experts < 2**self.num_bits and self.xi > 0:
+            per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
+        return GateOutput(weights, self._reduce_aux(per_gate))
+
+    # -- introspection --------------------------------------------------------------------
+    @torch.no_grad()
+    def bits(self, x: Tensor | None = None) -> Tensor:
+        """S(Z) (static, (K, M) or (T, K, M)) or S(Wx) per example ((B, [T,] K, M))."""
+        _, z = self.split_logits(self.compute_logits(x))
+        return DF.smooth_step(z, self._gamma)
+
+    @torch.no_grad()
+    def binary_fraction(self, x: Tensor | None = None) -> float:
+        """Fraction of the entries of S(Z) (or of S(Wx) over the batch) that are exactly 0 or 1."""
+        p = self.bits(x)
+        return float(((p == 0) | (p == 1)).float().mean())
+
+    @torch.no_grad()
+    def is_binary(self, x: Tensor | None = None) -> Tensor:
+        """Static: whether S(Z) is binary, per gate (bool, () or (T,)).
+
+        Per-example: the fraction of the examples of ``x`` whose S(Wx) is binary, per gate
+        (float, () or (T,)).
+        """
+        p = self.bits(x)
+        binary = ((p == 0) | (p == 1)).flatten(-2).all(dim=-1)  # (*lead,)
+        return binary if self.static else binary.float().mean(dim=0)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, k={self.k}, gamma={self.gamma:g}, "
+            f"entropy_reg={self.entropy_reg:g}, init={self.init!r}"
+        )

@@ -1,0 +1,127 @@
+"""Gumbel-softmax gate of Appendix D (after AdaShare, Sun et al., 2020)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dselectk.gates.base import Gate, GateOutput, check_nonnegative
+
+__all__ = ["GumbelSoftmaxGate"]
+
+
+class GumbelSoftmaxGate(Gate):
+    """d(α, U)_i = σ(α)_i U_i with binary U_i ~ Bernoulli(ψ_i) learned by the Gumbel-softmax trick.
+
+    Appendix D ("Gumbel-softmax Gate"): each expert i has a keep/drop variable U_i with
+    ψ_i = σ(ℓ_i). In training, U is sampled with the two-class Gumbel-softmax (binary Concrete)
+    relaxation at temperature τ, hard (straight-through) by default as in AdaShare; in eval, U_i
+    is the most likely value, 1[ψ_i > 1/2]. The auxiliary loss is AdaShare's sparsity penalty
+    λ Σ_i log ψ_i, which pushes ψ towards 0 (fewer experts); note that it is unbounded below and
+    only the data loss balances it, so it cannot fix the number of experts the way k does.
+
+    Differences from the paper: none intended. Like the paper's gate, the output is *not* on the
+    simplex (Σ_i d_i = Σ_{i: U_i=1} σ(α)_i <= 1, and 0 if no expert is kept).
+
+    Args:
+        num_experts: n >= 2.
+        sparsity_reg: λ >= 0.
+        temperature: τ > 0 of the relaxation (settable, schedulable; AdaShare anneals it).
+        hard: straight-through hard samples in training (AdaShare) or soft relaxed samples.
+        init_keep_logit: initial ℓ_i (ψ_i = σ(ℓ_i)); the default 2.0 keeps ~88 % of the experts
+            at the start, as AdaShare initialises its policy towards executing every block.
+        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+    """
+
+    on_simplex = False
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        in_features: int | None = None,
+        sparsity_reg: float = 0.0,
+        temperature: float = 1.0,
+        hard: bool = True,
+        init_keep_logit: float = 2.0,
+        num_gates: int | None = None,
+        bias: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        super().__init__(
+            num_experts,
+            in_features=in_features,
+            num_gates=num_gates,
+            bias=bias,
+            check_finite=check_finite,
+        )
+        self.hard = bool(hard)
+        self.register_buffer("_temperature", torch.tensor(1.0))
+        self.register_buffer("_sparsity_reg", torch.tensor(0.0))
+        self.temperature = temperature
+        self.sparsity_reg = sparsity_reg
+        self._build_logits()
+        with torch.no_grad():
+            if self.static:
+                self.logits.zero_()
+                self.logits[..., num_experts:] = float(init_keep_logit)
+            elif self.proj is not None and self.proj.bias is not None:
+                b = self.proj.bias.view(-1, 2 * num_experts)
+                b[:, num_experts:] = float(init_keep_logit)
+
+    def _logit_shape(self) -> tuple[int, ...]:
+        return (2 * self.num_experts,)  # α (n) then the keep logits ℓ (n)
+
+    @property
+    def temperature(self) -> float:
+        """Temperature τ > 0 of the Gumbel-softmax relaxation."""
+        return float(self._temperature)
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        v = float(value)
+        if not (v > 0.0 and math.isfinite(v)):
+            raise ValueError(f"temperature must be a finite number > 0, got {value}")
+        self._temperature.fill_(v)
+
+    @property
+    def sparsity_reg(self) -> float:
+        """Weight λ >= 0 of the sparsity penalty λ Σ log ψ."""
+        return float(self._sparsity_reg)
+
+    @sparsity_reg.setter
+    def sparsity_reg(self, value: float) -> None:
+        self._sparsity_reg.fill_(check_nonnegative("sparsity_reg", value))
+
+    def gate(self, logits: Tensor) -> GateOutput:
+        alpha, keep = logits.split(self.num_experts, dim=-1)
+        if self.training:
+            # Two-class Gumbel-softmax == binary Concrete: the difference of two Gumbels is
+            # logistic noise.
+            u = torch.rand_like(keep).clamp(1e-6, 1 - 1e-6)
+            soft = torch.sigmoid((keep + torch.log(u) - torch.log1p(-u)) / self._temperature)
+            mask = soft
+            if self.hard:
+                mask = (soft > 0.5).to(soft.dtype) + soft - soft.detach()
+        else:
+            mask = (keep > 0).to(keep.dtype)
+        weights = torch.softmax(alpha, dim=-1) * mask
+        penalty = self._sparsity_reg * F.logsigmoid(keep).sum(dim=-1)
+        return GateOutput(weights, self._reduce_aux(penalty))
+
+    @torch.no_grad()
+    def keep_probability(self, x: Tensor | None = None) -> Tensor:
+        """ψ = σ(ℓ): probability that each expert is kept, shaped like the weights."""
+        return torch.sigmoid(self.compute_logits(x)[..., self.num_experts :])
+
+    @torch.no_grad()
+    def expected_nonzeros(self, x: Tensor | None = None) -> Tensor:
+        """E[number of selected experts] = Σ_i ψ_i, per gate (static) or per example."""
+        return self.keep_probability(x).sum(dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, temperature={self.temperature:g}, hard={self.hard}"
+

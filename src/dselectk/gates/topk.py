@@ -1,0 +1,121 @@
+"""Top-k gate σ(KeepTopK(Ax + b)) (Section 2; Shazeer et al., 2017)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dselectk import functional as DF
+from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+
+__all__ = ["TopKGate", "cv_squared"]
+
+
+def cv_squared(x: Tensor) -> Tensor:
+    """Squared coefficient of variation along the last dim (Shazeer et al.'s balancing loss)."""
+    if x.shape[-1] < 2:
+        return x.new_zeros(x.shape[:-1])
+    return x.var(dim=-1) / (x.mean(dim=-1) ** 2 + 1e-10)
+
+
+class TopKGate(Gate):
+    """Top-k gate: softmax over the k largest logits, zero elsewhere (Section 2).
+
+    Options from Shazeer et al. (2017), both off by default because the paper's comparison does
+    not use them: ``noisy=True`` adds trainable Gaussian noise to the logits during training
+    (per-example gates only), and ``balance_weight > 0`` adds the importance loss
+    CV²(Σ_batch g(x)) and, when noisy, the load loss CV²(Σ_batch P(x, i)). Balancing is only
+    defined for per-example gates.
+
+    Static gates initialise their logits ~ N(0, init_std²) so that the initial top k is random
+    rather than the first k experts.
+
+    Args:
+        num_experts: n >= 2.
+        k: 1 <= k <= n.
+        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        noisy: noisy top-k gating (per-example only).
+        balance_weight: weight of the balancing losses (per-example only).
+        init_std: standard deviation of the initial static logits.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        k: int,
+        *,
+        in_features: int | None = None,
+        num_gates: int | None = None,
+        bias: bool = True,
+        noisy: bool = False,
+        balance_weight: float = 0.0,
+        init_std: float = 0.01,
+        check_finite: bool = False,
+    ) -> None:
+        super().__init__(
+            num_experts,
+            in_features=in_features,
+            num_gates=num_gates,
+            bias=bias,
+            check_finite=check_finite,
+        )
+        self.k = check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        self.max_nonzeros = self.k
+        self.balance_weight = check_nonnegative("balance_weight", balance_weight)
+        self.noisy = bool(noisy)
+        if self.static and (self.noisy or self.balance_weight > 0):
+            raise ValueError(
+                "noisy gating and balance_weight need a per-example gate (pass in_features)"
+            )
+        self._build_logits()
+        if self.static:
+            nn.init.normal_(self.logits, std=check_nonnegative("init_std", init_std))
+        self.noise_proj: nn.Linear | None = None
+        if self.noisy:
+            assert self.in_features is not None
+            g = 1 if self.num_gates is None else self.num_gates
+            self.noise_proj = nn.Linear(self.in_features, g * num_experts, bias=bias)
+            nn.init.zeros_(self.noise_proj.weight)
+
+    def _logit_shape(self) -> tuple[int, ...]:
+        return (self.num_experts,)
+
+    def forward(self, x: Tensor | None = None) -> GateOutput:
+        clean = self.compute_logits(x)
+        if not (self.noisy and self.training):
+            return self.gate(clean)
+        assert self.noise_proj is not None and x is not None
+        std = F.softplus(self.noise_proj(x)).view_as(clean) + 1e-2
+        noisy = clean + torch.randn_like(clean) * std
+        out = self.gate(noisy)
+        if self.balance_weight > 0:
+            load = self._load(clean, noisy, std).sum(dim=0)  # (*gates, n)
+            aux = out.aux_loss + self.balance_weight * cv_squared(load).sum()
+            return GateOutput(out.weights, aux)
+        return out
+
+    def gate(self, logits: Tensor) -> GateOutput:
+        weights = DF.topk_softmax(logits, self.k)
+        aux = logits.new_zeros(())
+        if self.balance_weight > 0:
+            importance = weights.sum(dim=0)  # (*gates, n)
+            aux = self.balance_weight * cv_squared(importance).sum()
+        return GateOutput(weights, aux)
+
+    def _load(self, clean: Tensor, noisy: Tensor, std: Tensor) -> Tensor:
+        """P(x, i): probability that expert i stays in the top k under a fresh noise draw."""
+        k = self.k
+        top = noisy.topk(min(k + 1, self.num_experts), dim=-1).values
+        threshold_in = top[..., k : k + 1] if k < self.num_experts else top[..., -1:]
+        threshold_out = top[..., k - 1 : k]
+        is_in = noisy > threshold_in
+        normal = torch.distributions.Normal(clean.new_zeros(()), clean.new_ones(()))
+        prob_in = normal.cdf((clean - threshold_in) / std)
+        prob_out = normal.cdf((clean - threshold_out) / std)
+        return torch.where(is_in, prob_in, prob_out)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, k={self.k}, noisy={self.noisy}"
