@@ -295,7 +295,7 @@ def _save_npz_atomic(path: Path, arrays: dict[str, npt.NDArray[np.generic]]) -> 
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

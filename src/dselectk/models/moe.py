@@ -1,0 +1,245 @@
+"""Mixture of experts (Eq. 1), multi-gate MoE (Figure 1, right) and the shared-bottom baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.base import Gate
+
+__all__ = ["MoE", "MoEOutput", "MultiGateMoE", "MultiTaskOutput", "SharedBottom"]
+
+
+class MoEOutput(NamedTuple):
+    """Output of :class:`MoE`."""
+
+    output: Tensor
+    """(B, D) mixture Σ_i f_i(x) g(x)_i."""
+    aux_loss: Tensor
+    """Scalar auxiliary loss of the gate."""
+    weights: Tensor
+    """Gate weights, (n,) static or (B, n) per-example."""
+
+
+class MultiTaskOutput(NamedTuple):
+    """Output of the multi-task models."""
+
+    outputs: list[Tensor]
+    """One (B, out_t) tensor per task."""
+    aux_loss: Tensor
+    """Scalar: sum of every gate's auxiliary loss."""
+    gate_weights: Tensor | None
+    """(T, n) for static gates, (B, T, n) otherwise; None for :class:`SharedBottom`."""
+
+
+def _active_experts(weights: Tensor, num_experts: int) -> Tensor | None:
+    """Indices of the experts some gate weight uses, or None when all are used."""
+    used = (weights != 0).reshape(-1, num_experts).any(dim=0)
+    if bool(used.all()):
+        return None
+    return used.nonzero().squeeze(-1)
+
+
+def _mix(expert_out: Tensor, weights: Tensor) -> Tensor:
+    """Combine (E, B, D) expert outputs with (T, E) or (B, T, E) weights into (T, B, D)."""
+    if weights.dim() == 2:  # static: one matmul for all tasks
+        e, b, d = expert_out.shape
+        return (weights @ expert_out.reshape(e, b * d)).view(-1, b, d)
+    return torch.bmm(weights, expert_out.transpose(0, 1)).transpose(0, 1)  # (T, B, D)
+
+
+class _ExpertMixer(nn.Module):
+    """Experts + gates → mixed expert outputs, with automatic conditional computation."""
+
+    def __init__(self, experts: nn.Module, conditional: bool) -> None:
+        super().__init__()
+        n = getattr(experts, "num_members", None)
+        if not isinstance(n, int):
+            raise TypeError(
+                "experts must be an expert bank with a num_members attribute "
+                "(dselectk.layers.StackedMLP or ExpertList)"
+            )
+        self.experts = experts
+        self.num_experts = n
+        self.conditional = bool(conditional)
+
+    def mix(self, x: Tensor, weights: Tensor) -> Tensor:
+        """(T, B, D) mixtures. Experts no weight uses are skipped, forward and backward.
+
+        Skipping is exact: an expert whose weight is exactly zero in every gate contributes
+        nothing to the output, and DSelect-k and Top-k weights that are exactly zero have exactly
+        zero gradients as well (S'(z) = 0 on binary bits; top-k masks).
+        """
+        active = _active_experts(weights, self.num_experts) if self.conditional else None
+        if active is None:
+            return _mix(self.experts(x), weights)
+        return _mix(self.experts(x, active), weights.index_select(-1, active))
+
+
+class MoE(nn.Module):
+    """A mixture of experts with one gate: Σ_i f_i(x) g(x)_i (Eq. 1).
+
+    Args:
+        experts: an expert bank (:class:`~dselectk.layers.StackedMLP` or
+            :class:`~dselectk.layers.ExpertList`) with E members.
+        gate: a single gate (``num_gates=None``) over E experts.
+        conditional: skip experts the gate gives exactly zero weight (exact; see
+            :meth:`_ExpertMixer.mix`).
+    """
+
+    def __init__(self, experts: nn.Module, gate: Gate, *, conditional: bool = True) -> None:
+        super().__init__()
+        self.mixer = _ExpertMixer(experts, conditional)
+        if not isinstance(gate, Gate):
+            raise TypeError(f"gate must be a dselectk Gate, got {type(gate).__name__}")
+        if gate.num_experts != self.mixer.num_experts:
+            raise ValueError(
+                f"gate has num_experts={gate.num_experts} but experts has "
+                f"{self.mixer.num_experts} members"
+            )
+        if gate.num_gates is not None:
+            raise ValueError("MoE takes a single gate (num_gates=None); see MultiGateMoE")
+        self.gate = gate
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        out = self.gate(None if self.gate.static else x)
+        w = out.weights.unsqueeze(-2)  # (1, n) or (B, 1, n)
+        return MoEOutput(self.mixer.mix(x, w)[0], out.aux_loss, out.weights)
+
+
+class MultiGateMoE(nn.Module):
+    """Multi-gate MoE (Ma et al., 2018; Figure 1, right): shared experts, one gate per task.
+
+    Args:
+        experts: an expert bank with E members taking the (bottom's) input.
+        gates: either one gate module with ``num_gates=T`` (all tasks' gates computed in one
+            batched op; preferred) or a sequence of T single gates (any mix of kinds).
+        towers: T task towers applied to each task's mixture, a
+            :class:`~dselectk.layers.StackedMLP` with T members (one batched op), or None
+            (the mixtures are the outputs).
+        bottom: optional module applied to the input first (e.g. embeddings); experts and
+            per-example gates see its output.
+        conditional: skip experts no task uses (exact; automatic once gates are sparse).
+    """
+
+    def __init__(
+        self,
+        experts: nn.Module,
+        gates: Gate | Sequence[Gate],
+        towers: Sequence[nn.Module] | nn.Module | None = None,
+        *,
+        bottom: nn.Module | None = None,
+        conditional: bool = True,
+    ) -> None:
+        super().__init__()
+        self.mixer = _ExpertMixer(experts, conditional)
+        n = self.mixer.num_experts
+        if isinstance(gates, Gate):
+            if gates.num_gates is None:
+                raise ValueError("a single gate module must have num_gates=T (one per task)")
+            self.num_tasks = gates.num_gates
+            self.gates: nn.Module = gates
+            gate_list: list[Gate] = [gates]
+        else:
+            gate_list = list(gates)
+            if not gate_list:
+                raise ValueError("gates must hold at least one gate")
+            for i, g in enumerate(gate_list):
+                if not isinstance(g, Gate):
+                    raise TypeError(f"gates[{i}] must be a dselectk Gate, got {type(g).__name__}")
+                if g.num_gates is not None:
+                    raise ValueError(f"gates[{i}] must be a single gate (num_gates=None)")
+            self.num_tasks = len(gate_list)
+            self.gates = nn.ModuleList(gate_list)
+        for i, g in enumerate(gate_list):
+            if g.num_experts != n:
+                raise ValueError(f"gate {i} has num_experts={g.num_experts}, experts has {n}")
+        self.towers = self._check_towers(towers)
+        self.bottom = bottom
+
+    def _check_towers(
+        self, towers: Sequence[nn.Module] | nn.Module | None
+    ) -> nn.Module | None:
+        if towers is None:
+            return None
+        if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
+            count = getattr(towers, "num_members", None)
+            if count != self.num_tasks:
+                raise ValueError(
+                    f"towers must have one member per task ({self.num_tasks}), got {count}"
+                )
+            return towers
+        towers = nn.ModuleList(towers)
+        if len(towers) != self.num_tasks:
+            raise ValueError(f"towers must hold {self.num_tasks} modules, got {len(towers)}")
+        return towers
+
+    def gate_weights(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Stacked gate weights ((T, n) if all gates are static, else (B, T, n)) and aux loss."""
+        if isinstance(self.gates, Gate):
+            out = self.gates(None if self.gates.static else h)
+            return out.weights, out.aux_loss
+        outs = [g(None if g.static else h) for g in self.gates]  # type: ignore[operator]
+        aux = torch.stack([o.aux_loss for o in outs]).sum()
+        ws = [o.weights for o in outs]
+        if all(w.dim() == 1 for w in ws):
+            return torch.stack(ws), aux
+        b = h.shape[0]
+        return torch.stack([w.expand(b, -1) for w in ws], dim=1), aux
+
+    def forward(self, x: Tensor) -> MultiTaskOutput:
+        h = x if self.bottom is None else self.bottom(x)
+        weights, aux = self.gate_weights(h)
+        mixed = self.mixer.mix(h, weights)  # (T, B, D)
+        return MultiTaskOutput(_apply_towers(self.towers, mixed), aux, weights)
+
+
+def _apply_towers(towers: nn.Module | None, mixed: Tensor) -> list[Tensor]:
+    """Per-task outputs from (T, B, D) inputs."""
+    if towers is None:
+        return list(mixed.unbind(0))
+    if isinstance(towers, nn.ModuleList):
+        return [t(m) for t, m in zip(towers, mixed.unbind(0))]
+    return list(towers(mixed).unbind(0))
+
+
+class SharedBottom(nn.Module):
+    """Shared-bottom multi-task baseline (Caruana, 1997): one shared network, T towers.
+
+    Args:
+        shared: the shared network.
+        towers: T towers, a StackedMLP with T members, or a sequence of modules.
+        num_tasks: T (checked against ``towers``).
+        bottom: optional module applied before ``shared`` (e.g. embeddings).
+    """
+
+    def __init__(
+        self,
+        shared: nn.Module,
+        towers: Sequence[nn.Module] | nn.Module,
+        *,
+        bottom: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.shared = shared
+        self.bottom = bottom
+        if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
+            count = getattr(towers, "num_members", None)
+            if not isinstance(count, int):
+                raise TypeError("towers must be a StackedMLP or a sequence of modules")
+            self.num_tasks = count
+            self.towers: nn.Module = towers
+        else:
+            self.towers = nn.ModuleList(towers)
+            self.num_tasks = len(self.towers)
+            if self.num_tasks < 1:
+                raise ValueError("towers must hold at least one module")
+
+    def forward(self, x: Tensor) -> MultiTaskOutput:
+        h = x if self.bottom is None else self.bottom(x)
+        s = self.shared(h)
+        mixed = s.unsqueeze(0).expand(self.num_tasks, *s.shape)
+        return MultiTaskOutput(_apply_towers(self.towers, mixed), s.new_zeros(()), None)
