@@ -1,4 +1,4 @@
-"""dselectk: DSelect-k (Hazimeh et al., NeurIPS 2021) and competing gates for MoE / multi-task models."""
+"""dselectk: DSelect-k (Hazimeh et al., NeurIPS 2021) and competing gates for MoE models."""
 
 from dselectk import functional
 from dselectk.gates import (

@@ -34,6 +34,9 @@ class SoftmaxSelectorGate(Gate):
         in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
+    _temperature: Tensor
+    _entropy_reg: Tensor
+
     def __init__(
         self,
         num_experts: int,

@@ -140,9 +140,7 @@ class Gate(nn.Module):
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x must have shape (batch, {self.in_features}), got {tuple(x.shape)}"
-            )
+            raise ValueError(f"x must have shape (batch, {self.in_features}), got {tuple(x.shape)}")
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("x contains NaN or inf (check_finite=True)")
         return x

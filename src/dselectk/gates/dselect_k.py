@@ -44,6 +44,9 @@ class DSelectK(Gate):
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
+    _gamma: Tensor
+    _entropy_reg: Tensor
+
     def __init__(
         self,
         num_experts: int,

@@ -37,6 +37,8 @@ class GumbelSoftmaxGate(Gate):
     """
 
     on_simplex = False
+    _temperature: Tensor
+    _sparsity_reg: Tensor
 
     def __init__(
         self,
@@ -124,4 +126,3 @@ class GumbelSoftmaxGate(Gate):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, temperature={self.temperature:g}, hard={self.hard}"
-

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,12 @@ from dselectk.gates.base import check_positive_int
 
 __all__ = ["ExpertList", "StackedMLP"]
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "identity": lambda t: t}
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "tanh": torch.tanh,
+    "identity": lambda t: t,
+}
 
 
 class StackedMLP(nn.Module):
@@ -48,16 +54,18 @@ class StackedMLP(nn.Module):
             raise ValueError("layer_sizes must name at least one layer")
         sizes = [check_positive_int("layer_sizes[i]", s) for s in layer_sizes]
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.activation = activation
         self.dropout = float(dropout)
         self.final_activation = bool(final_activation)
         self.out_features = sizes[-1]
-        dims = [in_features, *sizes]
+        dims = [in_features, *sizes]  # consecutive pairs give each layer's shape
         self.weights = nn.ParameterList(
-            nn.Parameter(torch.empty(num_members, a, b)) for a, b in zip(dims[:-1], dims[1:])
+            nn.Parameter(torch.empty(num_members, a, b)) for a, b in itertools.pairwise(dims)
         )
         self.biases = nn.ParameterList(nn.Parameter(torch.empty(num_members, b)) for b in sizes)
         self.reset_parameters()

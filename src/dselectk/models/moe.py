@@ -160,9 +160,7 @@ class MultiGateMoE(nn.Module):
         self.towers = self._check_towers(towers)
         self.bottom = bottom
 
-    def _check_towers(
-        self, towers: Sequence[nn.Module] | nn.Module | None
-    ) -> nn.Module | None:
+    def _check_towers(self, towers: Sequence[nn.Module] | nn.Module | None) -> nn.Module | None:
         if towers is None:
             return None
         if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
@@ -182,7 +180,8 @@ class MultiGateMoE(nn.Module):
         if isinstance(self.gates, Gate):
             out = self.gates(None if self.gates.static else h)
             return out.weights, out.aux_loss
-        outs = [g(None if g.static else h) for g in self.gates]  # type: ignore[operator]
+        assert isinstance(self.gates, nn.ModuleList)
+        outs = [g(None if g.static else h) for g in self.gates]
         aux = torch.stack([o.aux_loss for o in outs]).sum()
         ws = [o.weights for o in outs]
         if all(w.dim() == 1 for w in ws):

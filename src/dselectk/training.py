@@ -1,0 +1,335 @@
+"""A plain, reusable multi-task training loop.
+
+Per-task losses are combined as a weighted **sum** Σ_t w_t ℓ_t, as in the reference Keras setup
+(Keras sums the losses of a multi-output model). A mean over tasks would silently scale every
+gate's regulariser λ by T relative to the data loss; with the sum, λ means the same thing
+whatever the number of tasks. Auxiliary losses returned by the model (entropy terms, penalties,
+balancing) are added unscaled.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.schedules import AttributeScheduler
+
+__all__ = [
+    "LOSSES",
+    "History",
+    "TaskData",
+    "TrainConfig",
+    "evaluate",
+    "make_optimizer",
+    "seed_everything",
+    "train",
+]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def _mse(pred: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(pred.reshape(y.shape), y)
+
+
+def _bce(pred: Tensor, y: Tensor) -> Tensor:
+    return F.binary_cross_entropy_with_logits(pred.reshape(y.shape), y.to(pred.dtype))
+
+
+LOSSES: dict[str, LossFn] = {"mse": _mse, "bce": _bce, "ce": F.cross_entropy}
+"""Named per-task losses: mean squared error, binary cross-entropy on logits, cross-entropy."""
+
+
+@dataclass
+class TaskData:
+    """Inputs shared by all tasks and one target tensor per task (first dim: examples)."""
+
+    x: Tensor
+    ys: list[Tensor]
+
+    def __post_init__(self) -> None:
+        if not self.ys:
+            raise ValueError("ys must hold one target tensor per task")
+        n = self.x.shape[0]
+        for i, y in enumerate(self.ys):
+            if y.shape[0] != n:
+                raise ValueError(f"ys[{i}] has {y.shape[0]} rows but x has {n}")
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def batch(self, idx: Tensor) -> TaskData:
+        return TaskData(self.x[idx], [y[idx] for y in self.ys])
+
+
+@dataclass
+class TrainConfig:
+    """Settings of :func:`train`.
+
+    Attributes:
+        optimizer: "adam", "adagrad" or "sgd".
+        lr: learning rate.
+        batch_size: examples per step.
+        epochs: passes over the training data.
+        task_weights: w_t of the summed loss; default all 1.
+        seed: seeds Python, NumPy and torch (and the shuffling) when not None.
+        record_every: record the gate weights every N steps (0: never).
+        early_stopping_patience: stop after this many epochs without a lower validation loss
+            and restore the best weights (None: no early stopping).
+        progress: show a progress bar.
+        weight_decay: optimizer weight decay.
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    batch_size: int = 256
+    epochs: int = 10
+    task_weights: Sequence[float] | None = None
+    seed: int | None = 0
+    record_every: int = 0
+    early_stopping_patience: int | None = None
+    progress: bool = True
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "adagrad", "sgd"):
+            raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        check_positive_int("batch_size", self.batch_size)
+        check_positive_int("epochs", self.epochs, 0)
+        check_positive_int("record_every", self.record_every, 0)
+        if self.early_stopping_patience is not None:
+            check_positive_int("early_stopping_patience", self.early_stopping_patience)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if self.task_weights is not None:
+            for w in self.task_weights:
+                check_nonnegative("task_weights[i]", w)
+
+
+@dataclass
+class History:
+    """What :func:`train` measured."""
+
+    train_loss: list[float] = field(default_factory=list)
+    """Mean total training loss (summed task losses + auxiliary) per epoch."""
+    val_losses: list[list[float]] = field(default_factory=list)
+    """Per-epoch validation loss of each task."""
+    steps: int = 0
+    best_epoch: int | None = None
+    recorded_steps: list[int] = field(default_factory=list)
+    recorded_weights: list[Tensor] = field(default_factory=list)
+    """Gate weights at ``recorded_steps`` (static gates; per-example: mean over the batch)."""
+    stopped_early: bool = False
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds code that uses the global NumPy RNG
+    torch.manual_seed(seed)
+
+
+def make_optimizer(
+    name: str, params: Any, lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """Adam, Adagrad or SGD (``foreach`` implementations, fused where torch offers it)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
+
+
+def _resolve_losses(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[LossFn]:
+    items = [losses] * num_tasks if isinstance(losses, str) or callable(losses) else list(losses)
+    if len(items) != num_tasks:
+        raise ValueError(f"losses must name one loss per task ({num_tasks}), got {len(items)}")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in LOSSES:
+                raise ValueError(f"unknown loss {item!r}; expected one of {sorted(LOSSES)}")
+            out.append(LOSSES[item])
+        else:
+            out.append(item)
+    return out
+
+
+def _task_losses(model: nn.Module, data: TaskData, fns: list[LossFn]) -> tuple[list[Tensor], Any]:
+    out = model(data.x)
+    if len(out.outputs) != len(fns):
+        raise ValueError(f"model has {len(out.outputs)} task outputs but {len(fns)} losses")
+    return [fn(p, y) for fn, p, y in zip(fns, out.outputs, data.ys)], out
+
+
+def _loss_names(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[str | None]:
+    if isinstance(losses, str):
+        return [losses] * num_tasks
+    if callable(losses):
+        return [None] * num_tasks
+    return [item if isinstance(item, str) else None for item in losses]
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: TaskData,
+    losses: str | LossFn | Sequence[str | LossFn],
+    batch_size: int = 4096,
+) -> dict[str, list[float]]:
+    """Mean loss of each task over ``data`` (model in eval mode), and accuracy for "ce"/"bce".
+
+    Returns:
+        ``{"loss": [...], "accuracy": [...]}`` (accuracy is NaN for regression tasks).
+    """
+    fns = _resolve_losses(losses, len(data.ys))
+    kinds = _loss_names(losses, len(fns))
+    was_training = model.training
+    model.eval()
+    sums = [0.0] * len(fns)
+    correct = [0.0] * len(fns)
+    for start in range(0, len(data), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(data)))
+        batch = data.batch(idx)
+        task_losses, out = _task_losses(model, batch, fns)
+        for t, (loss, pred, y) in enumerate(zip(task_losses, out.outputs, batch.ys)):
+            sums[t] += float(loss) * len(idx)
+            if kinds[t] == "ce":
+                correct[t] += float((pred.argmax(-1) == y).sum())
+            elif kinds[t] == "bce":
+                correct[t] += float(((pred.reshape(y.shape) > 0) == (y > 0.5)).sum())
+            else:
+                correct[t] = math.nan
+    model.train(was_training)
+    n = len(data)
+    return {"loss": [s / n for s in sums], "accuracy": [c / n for c in correct]}
+
+
+def _gate_snapshot(model: nn.Module, x: Tensor) -> Tensor | None:
+    out = model(x)
+    w = getattr(out, "gate_weights", None)
+    if w is None:
+        w = getattr(out, "weights", None)
+    if w is None:
+        return None
+    w = w.detach()
+    if w.dim() == 3 or (w.dim() == 2 and w.shape[0] == x.shape[0] and not _is_static(model)):
+        w = w.mean(dim=0)
+    return w.cpu().clone()
+
+
+def _is_static(model: nn.Module) -> bool:
+    from dselectk.gates.base import Gate
+
+    return all(m.static for m in model.modules() if isinstance(m, Gate))
+
+
+def train(
+    model: nn.Module,
+    train_data: TaskData,
+    losses: str | LossFn | Sequence[str | LossFn],
+    config: TrainConfig | None = None,
+    *,
+    val_data: TaskData | None = None,
+    schedulers: Sequence[AttributeScheduler] = (),
+    optimizer: torch.optim.Optimizer | None = None,
+) -> History:
+    """Train a multi-task model (any module returning a ``MultiTaskOutput``).
+
+    Each step minimises Σ_t w_t ℓ_t(batch) + aux_loss, then steps every scheduler.
+
+    Args:
+        model: e.g. :class:`~dselectk.models.MultiGateMoE` or
+            :class:`~dselectk.models.SharedBottom`.
+        train_data: training inputs and targets.
+        losses: one loss for all tasks or one per task (a name in :data:`LOSSES` or a callable
+            ``(pred, target) -> scalar``, averaged over the batch).
+        config: the settings; default :class:`TrainConfig()`.
+        val_data: evaluated after every epoch (needed for early stopping).
+        schedulers: stepped after every optimizer step.
+        optimizer: overrides ``config.optimizer``/``lr``.
+
+    Returns:
+        The :class:`History`. With early stopping, the model ends with its best weights.
+    """
+    cfg = config or TrainConfig()
+    if cfg.seed is not None:
+        seed_everything(cfg.seed)
+    fns = _resolve_losses(losses, len(train_data.ys))
+    weights = list(cfg.task_weights) if cfg.task_weights is not None else [1.0] * len(fns)
+    if len(weights) != len(fns):
+        raise ValueError(
+            f"task_weights must have one weight per task ({len(fns)}), got {len(weights)}"
+        )
+    if cfg.early_stopping_patience is not None and val_data is None:
+        raise ValueError("early_stopping_patience needs val_data")
+    opt = optimizer or make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
+    hist = History()
+    best = math.inf
+    best_state: dict[str, Tensor] | None = None
+    bad_epochs = 0
+    n = len(train_data)
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    bar = tqdm(total=cfg.epochs * steps_per_epoch, disable=not cfg.progress, unit="step")
+    probe = train_data.x[: min(n, 1024)]
+    model.train()
+    try:
+        for epoch in range(cfg.epochs):
+            perm = torch.randperm(n, generator=gen)
+            total = 0.0
+            for start in range(0, n, cfg.batch_size):
+                batch = train_data.batch(perm[start : start + cfg.batch_size])
+                task_losses, out = _task_losses(model, batch, fns)
+                loss = sum(w * lt for w, lt in zip(weights, task_losses)) + out.aux_loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                for s in schedulers:
+                    s.step()
+                hist.steps += 1
+                total += float(loss.detach())
+                if cfg.record_every and hist.steps % cfg.record_every == 0:
+                    with torch.no_grad():
+                        snap = _gate_snapshot(model, probe)
+                    if snap is not None:
+                        hist.recorded_steps.append(hist.steps)
+                        hist.recorded_weights.append(snap)
+                bar.update(1)
+            hist.train_loss.append(total / steps_per_epoch)
+            postfix = {"epoch": epoch + 1, "loss": f"{hist.train_loss[-1]:.4g}"}
+            if val_data is not None:
+                val = evaluate(model, val_data, losses)["loss"]
+                hist.val_losses.append(val)
+                val_total = sum(w * v for w, v in zip(weights, val))
+                postfix["val"] = f"{val_total:.4g}"
+                if val_total < best:
+                    best, bad_epochs, hist.best_epoch = val_total, 0, epoch
+                    if cfg.early_stopping_patience is not None:
+                        best_state = copy.deepcopy(model.state_dict())
+                else:
+                    bad_epochs += 1
+                    patience = cfg.early_stopping_patience
+                    if patience is not None and bad_epochs >= patience:
+                        hist.stopped_early = True
+                        break
+            bar.set_postfix(postfix)
+    finally:
+        bar.close()
+    if best_state is not None and hist.stopped_early:
+        model.load_state_dict(best_state)
+    return hist
