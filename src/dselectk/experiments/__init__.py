@@ -1,0 +1,1 @@
+"""Experiments of the paper: configs, runners, metrics and reports (see ``dselectk reproduce``)."""
