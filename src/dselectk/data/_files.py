@@ -353,9 +353,7 @@ def fetch(
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     rel = Path(name)
     if not name or rel.is_absolute() or ".." in rel.parts:
-        raise ValueError(
-            f"name must be a relative path inside the data directory, got {name!r}"
-        )
+        raise ValueError(f"name must be a relative path inside the data directory, got {name!r}")
     root = resolve_data_dir(data_dir)
     path = root / rel
     if path.is_file():

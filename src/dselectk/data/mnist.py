@@ -59,9 +59,7 @@ def _read_bytes(path: Path) -> bytes:
         with gzip.open(path, "rb") as g:
             return g.read()
     except (EOFError, OSError, zlib.error) as exc:
-        raise ValueError(
-            f"IDX file {path} is a corrupt or truncated gzip stream: {exc}"
-        ) from exc
+        raise ValueError(f"IDX file {path} is a corrupt or truncated gzip stream: {exc}") from exc
 
 
 def read_idx(path: str | os.PathLike[str]) -> npt.NDArray[np.generic]:
