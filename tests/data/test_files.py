@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dselectk.data import DATA_ENV_VAR, ChecksumError, fetch, known_files, resolve_data_dir
-from dselectk.data import _files
+from dselectk.data import DATA_ENV_VAR, ChecksumError, _files, fetch, known_files, resolve_data_dir
 
 
 def _sha256(data: bytes) -> str:
@@ -217,23 +216,25 @@ def test_download_zip_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert fetch("movielens/ml-100k/u.item", cache).read_bytes() == uitem
 
 
-def test_download_zip_member_git_blob_hash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_download_zip_member_git_blob_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = b"1::2::3::4\n"
     blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     archive = _make_zip(tmp_path / "up" / "ml-1m.zip", {"ml-1m/ratings.dat": data})
     name = "movielens/ml-1m/ratings.dat"
     good = _files._Remote(
-        archive.as_uri(), git_blob_sha1=blob, member="ml-1m/ratings.dat",
+        archive.as_uri(),
+        git_blob_sha1=blob,
+        member="ml-1m/ratings.dat",
         archive_name="movielens/ml-1m.zip",
-    )  # fmt: skip
+    )
     monkeypatch.setitem(_files._REMOTES, name, good)
     assert fetch(name, tmp_path / "a").read_bytes() == data
     bad = _files._Remote(
-        archive.as_uri(), git_blob_sha1="f" * 40, member="ml-1m/ratings.dat",
+        archive.as_uri(),
+        git_blob_sha1="f" * 40,
+        member="ml-1m/ratings.dat",
         archive_name="movielens/ml-1m.zip",
-    )  # fmt: skip
+    )
     monkeypatch.setitem(_files._REMOTES, name, bad)
     with pytest.raises(ChecksumError, match="git blob"):
         fetch(name, tmp_path / "b")
@@ -250,9 +251,11 @@ def test_download_corrupt_zip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         _files._REMOTES,
         name,
         _files._Remote(
-            bogus.as_uri(), sha256="0" * 64, member="ml-100k/u.data",
+            bogus.as_uri(),
+            sha256="0" * 64,
+            member="ml-100k/u.data",
             archive_name="movielens/ml-100k.zip",
-        ),  # fmt: skip
+        ),
     )
     with pytest.raises(ChecksumError, match="not a valid zip"):
         fetch(name, tmp_path / "cache")

@@ -92,7 +92,7 @@ def test_idx_truncated_gzip_stream(tmp_path: Path) -> None:
 
 
 def test_idx_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.idx"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.idx"):
         read_idx(tmp_path / "nope.idx")
 
 
@@ -110,10 +110,14 @@ def _tiny_sources(
     rng = np.random.default_rng(seed)
     train_vals = np.arange(1, n_train + 1, dtype=np.uint8)
     test_vals = np.arange(101, 101 + n_test, dtype=np.uint8)
-    train = (np.broadcast_to(train_vals[:, None, None], (n_train, 28, 28)).copy(),
-             rng.integers(0, 10, n_train).astype(np.uint8))  # fmt: skip
-    test = (np.broadcast_to(test_vals[:, None, None], (n_test, 28, 28)).copy(),
-            rng.integers(0, 10, n_test).astype(np.uint8))  # fmt: skip
+    train = (
+        np.broadcast_to(train_vals[:, None, None], (n_train, 28, 28)).copy(),
+        rng.integers(0, 10, n_train).astype(np.uint8),
+    )
+    test = (
+        np.broadcast_to(test_vals[:, None, None], (n_test, 28, 28)).copy(),
+        rng.integers(0, 10, n_test).astype(np.uint8),
+    )
     return train, test
 
 
@@ -125,7 +129,7 @@ def test_load_mnist_tiny(tmp_path: Path, kind: str) -> None:
     assert x.shape == (60, 28, 28) and x.dtype == np.uint8
     assert y.shape == (60,) and y.dtype == np.int64
     np.testing.assert_array_equal(y, train[1])
-    xt, yt = load_mnist(tmp_path, kind, "test", download=False)
+    xt, _ = load_mnist(tmp_path, kind, "test", download=False)
     assert xt.shape == (30, 28, 28)
     np.testing.assert_array_equal(xt, test[0])
 
@@ -135,11 +139,11 @@ def test_load_mnist_errors(tmp_path: Path) -> None:
         load_mnist(tmp_path, "kmnist")
     with pytest.raises(ValueError, match="split"):
         load_mnist(tmp_path, "mnist", "val")
-    with pytest.raises(FileNotFoundError, match="mnist/train-images-idx3-ubyte.gz"):
+    with pytest.raises(FileNotFoundError, match=r"mnist/train-images-idx3-ubyte\.gz"):
         load_mnist(tmp_path, "mnist", "train", download=False)
     train, test = _tiny_sources()
     write_mnist_dir(tmp_path, "mnist", (train[0], train[1][:-1]), test)
-    with pytest.raises(ValueError, match="60 images but .* 59 labels"):
+    with pytest.raises(ValueError, match=r"60 images but .* 59 labels"):
         load_mnist(tmp_path, "mnist", "train", download=False)
     write_idx(tmp_path / "mnist" / "t10k-images-idx3-ubyte.gz", np.zeros((3, 5), np.uint8))
     with pytest.raises(ValueError, match=r"\(N, 28, 28\)"):
@@ -306,10 +310,19 @@ def test_real_mnist(real_data: Path, kind: str) -> None:
     xt, yt = load_mnist(real_data, kind, "test", download=False)
     assert xt.shape == (10_000, 28, 28) and yt.shape == (10_000,)
     if kind == "mnist":  # label counts from PROVENANCE.md
-        assert np.bincount(y).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265,
-                                           5851, 5949]  # fmt: skip
-        assert np.bincount(yt).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974,
-                                            1009]  # fmt: skip
+        assert np.bincount(y).tolist() == [
+            5923,
+            6742,
+            5958,
+            6131,
+            5842,
+            5421,
+            5918,
+            6265,
+            5851,
+            5949,
+        ]
+        assert np.bincount(yt).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
         assert abs(float(x.mean()) - 33.318) < 1e-3
     else:
         assert np.bincount(y).tolist() == [6000] * 10
