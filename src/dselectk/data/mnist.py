@@ -338,7 +338,8 @@ def load_multi_mnist(
             10,000 images); ignored when ``n_val == 0``.
         cache: If true, the built uint8 canvases and labels are stored as
             ``<data_dir>/multi-<kind>/multi_<...>.npz`` (atomic write) and reused on later
-            calls with the same arguments. A cache that cannot be written only warns.
+            calls with the same arguments (the key does not cover the source files: delete
+            the cache after replacing them). A cache that cannot be written only warns.
         download: Whether missing source files may be downloaded.
 
     Returns:
