@@ -1,0 +1,157 @@
+"""Training loop and schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dselectk.gates import DSelectK, SoftmaxSelectorGate
+from dselectk.layers import StackedMLP
+from dselectk.models import MultiGateMoE
+from dselectk.schedules import (
+    AttributeScheduler,
+    ConstantSchedule,
+    GeometricSchedule,
+    LinearSchedule,
+    WarmupSchedule,
+)
+from dselectk.training import TaskData, TrainConfig, evaluate, train
+
+
+def make_problem(num_tasks: int = 2, n: int = 400) -> tuple[MultiGateMoE, TaskData]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, generator=g)
+    ys = [(x[:, t] * 2 + x[:, (t + 1) % 4]).unsqueeze(-1) for t in range(num_tasks)]
+    model = MultiGateMoE(
+        StackedMLP(4, 4, [8]),
+        DSelectK(4, 2, num_gates=num_tasks, gamma=2.0, entropy_reg=0.01),
+        StackedMLP(num_tasks, 8, [1], activation="identity"),
+    )
+    return model, TaskData(x, ys)
+
+
+def test_training_reduces_loss_and_is_reproducible() -> None:
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model, data = make_problem()
+        hist = train(
+            model, data, "mse", TrainConfig(lr=0.02, epochs=6, batch_size=64, progress=False)
+        )
+        results.append((hist.train_loss, [p.detach().clone() for p in model.parameters()]))
+    assert results[0][0][-1] < results[0][0][0]
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_loss_is_weighted_sum_over_tasks_plus_aux() -> None:
+    torch.manual_seed(0)
+    model, data = make_problem(num_tasks=3, n=64)
+    cfg = TrainConfig(
+        optimizer="sgd",
+        lr=1e-9,
+        epochs=1,
+        batch_size=64,
+        progress=False,
+        task_weights=[1.0, 2.0, 0.5],
+    )
+    with torch.no_grad():
+        out = model(data.x)
+        per_task = [((o - y) ** 2).mean() for o, y in zip(out.outputs, data.ys)]
+        expected = float(per_task[0] + 2 * per_task[1] + 0.5 * per_task[2] + out.aux_loss)
+    hist = train(model, data, "mse", cfg)
+    assert math.isclose(hist.train_loss[0], expected, rel_tol=1e-5)
+
+
+def test_early_stopping_restores_best_and_records_trajectories() -> None:
+    torch.manual_seed(0)
+    model, data = make_problem()
+    val = TaskData(data.x[:100], [y[:100] + 5.0 * torch.randn(100, 1) for y in data.ys])
+    cfg = TrainConfig(
+        lr=0.5, epochs=30, batch_size=50, progress=False, early_stopping_patience=2, record_every=4
+    )
+    hist = train(model, data, "mse", cfg, val_data=val)
+    assert hist.best_epoch is not None
+    if hist.stopped_early:
+        best = sum(hist.val_losses[hist.best_epoch])
+        now = sum(evaluate(model, val, "mse")["loss"])
+        assert math.isclose(now, best, rel_tol=1e-5)
+    assert hist.recorded_steps[:2] == [4, 8]
+    assert hist.recorded_weights[0].shape == (2, 4)
+
+
+def test_schedulers_are_stepped_by_the_loop() -> None:
+    torch.manual_seed(0)
+    model, data = make_problem(n=128)
+    gates = model.gates
+    sched = AttributeScheduler(gates, "gamma", GeometricSchedule(2.0, 0.02, steps=8))
+    lam = AttributeScheduler(gates, "entropy_reg", LinearSchedule(0.0, 1.0, steps=8))
+    train(
+        model,
+        data,
+        "mse",
+        TrainConfig(epochs=2, batch_size=32, progress=False),
+        schedulers=[sched, lam],
+    )
+    assert sched.last_step == 8
+    assert gates.gamma == pytest.approx(0.02) and gates.entropy_reg == pytest.approx(1.0)
+
+
+def test_evaluate_reports_accuracy_for_classification() -> None:
+    x = torch.randn(50, 4)
+    model = MultiGateMoE(StackedMLP(4, 4, [3]), SoftmaxSelectorGate(4, 2, num_gates=1))
+    res = evaluate(model, TaskData(x, [torch.randint(0, 3, (50,))]), "ce")
+    assert 0.0 <= res["accuracy"][0] <= 1.0 and res["loss"][0] > 0
+    res = evaluate(model, TaskData(x, [torch.randn(50, 3)]), "mse")
+    assert math.isnan(res["accuracy"][0])
+
+
+def test_train_argument_errors() -> None:
+    model, data = make_problem()
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(optimizer="rmsprop")
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=0.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="one loss per task"):
+        train(model, data, ["mse"], TrainConfig(progress=False))
+    with pytest.raises(ValueError, match="unknown loss"):
+        train(model, data, "hinge", TrainConfig(progress=False))
+    with pytest.raises(ValueError, match="task_weights"):
+        train(model, data, "mse", TrainConfig(progress=False, task_weights=[1.0]))
+    with pytest.raises(ValueError, match="val_data"):
+        train(model, data, "mse", TrainConfig(progress=False, early_stopping_patience=1))
+    with pytest.raises(ValueError, match="ys\\[1\\]"):
+        TaskData(torch.randn(5, 2), [torch.randn(5), torch.randn(4)])
+
+
+def test_schedules() -> None:
+    geo = GeometricSchedule(1e-2, 1e-16, steps=14)
+    assert geo(0) == pytest.approx(1e-2) and geo(14) == pytest.approx(1e-16)
+    assert geo(7) == pytest.approx(1e-9)  # evenly spaced on a log scale
+    assert geo(100) == pytest.approx(1e-16)
+    lin = LinearSchedule(1.0, 3.0, steps=4)
+    assert [lin(i) for i in range(6)] == [1.0, 1.5, 2.0, 2.5, 3.0, 3.0]
+    assert WarmupSchedule(ConstantSchedule(2.0), delay=3)(2) == 0.0
+    assert WarmupSchedule(ConstantSchedule(2.0), delay=3)(3) == 2.0
+    with pytest.raises(ValueError, match="log-scale"):
+        GeometricSchedule(0.0, 1.0, steps=3)
+
+
+def test_attribute_scheduler_state_round_trip() -> None:
+    gate = DSelectK(8, 2, gamma=1.0)
+    s = AttributeScheduler(gate, "gamma", LinearSchedule(4.0, 2.0, steps=4))
+    assert gate.gamma == 4.0
+    s.step()
+    s.step()
+    state = s.state_dict()
+    gate2 = DSelectK(8, 2)
+    s2 = AttributeScheduler(gate2, "gamma", LinearSchedule(4.0, 2.0, steps=4))
+    s2.load_state_dict(state)
+    assert gate2.gamma == gate.gamma == 3.0
+    with pytest.raises(ValueError, match="no attribute"):
+        AttributeScheduler(gate, "temperature", ConstantSchedule(1.0))
