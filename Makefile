@@ -1,0 +1,40 @@
+# Set-up and everyday commands. `make demo` / `make reproduce` and `make test` work on a fresh machine:
+# they create .venv, install the pinned CPU build of torch and the package, then run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel; GPU users install their own torch first (the package requires torch>=2.1).
+TORCH ?= torch==2.13.0
+
+.PHONY: install test test-all lint demo reproduce bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest
+
+test-all: install
+	$(PY) -m pytest -m ""
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+demo: install
+	$(VENV)/bin/dselectk demo
+
+reproduce: install
+	$(VENV)/bin/dselectk reproduce synthetic
+
+bench: install
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
