@@ -1,0 +1,105 @@
+"""Benchmark: R repetitions of the Appendix C.1 model trained batched vs one at a time.
+
+Reports, in one run, the wall time of ``--steps`` training steps for N repetitions as one
+vectorized model and for the same N repetitions one after the other (same code path,
+R = 1), their ratio, and an estimate of the full C.1 protocol's wall time on this machine
+(gates × task counts × 100 repetitions at the epochs of the shipped tuning record, 391 steps per
+epoch, repetitions in chunks of ``--chunk``), from per-step times measured here.
+
+    .venv/bin/python benchmarks/bench_synthetic.py            # about 1-3 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_synthetic.py --reps 25 --tasks 128 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from dselectk.experiments import synthetic as S
+
+
+def time_steps(gate: str, tasks: int, seeds: list[int], data: S.SyntheticData, steps: int) -> float:
+    """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up)."""
+    hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
+    model = S.SyntheticMoE(gate, tasks, hp, seeds)
+    opt = torch.optim.Adam(model.parameters(), lr=float(hp["lr"]), foreach=True)
+    scheds = S._schedulers(model, hp, 10_000)
+    gen = torch.Generator().manual_seed(0)
+    x, y = data.x_train, data.y_train[:, :tasks]
+    idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]
+    for i in idx[:3]:
+        S.train_step(model, opt, x[i], y[i], scheds)
+    t0 = time.perf_counter()
+    for i in idx[3:]:
+        S.train_step(model, opt, x[i], y[i], scheds)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=10, help="N repetitions compared")
+    p.add_argument("--tasks", type=int, default=128)
+    p.add_argument("--gate", default="dselect_k")
+    p.add_argument("--steps", type=int, default=40, help="steps timed per configuration")
+    p.add_argument("--chunk", type=int, default=25, help="repetitions per batched model (full)")
+    p.add_argument("--full-reps", type=int, default=100)
+    p.add_argument("--gates", nargs="+", default=S.DEFAULT_GATES)
+    p.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = p.parse_args()
+    data = S.generate_data(0, n_train=20_000, n_val=10, n_test=10)
+    seeds = list(range(args.reps))
+    batched = time_steps(args.gate, args.tasks, seeds, data, args.steps)
+    sequential = sum(time_steps(args.gate, args.tasks, [s], data, args.steps) for s in seeds)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}"
+    )
+    print(f"{args.gate}, T = {args.tasks}, {args.steps} steps, N = {args.reps} repetitions")
+    print(f"  batched (one model)   : {batched:8.2f} s")
+    print(f"  one at a time         : {sequential:8.2f} s")
+    print(f"  speed-up              : {sequential / batched:8.2f} x")
+    # full protocol estimate
+    steps_per_epoch = math.ceil(100_000 / S.BATCH_SIZE)
+    chunks = math.ceil(args.full_reps / args.chunk)
+    total = 0.0
+    rows = []
+    tuned = S.load_tuned()
+    for gate in args.gates:
+        for t in (16, 32, 64, 128):
+            hp = S.resolve_hparams(gate, t, tuned, {})
+            per_step = time_steps(gate, t, list(range(args.chunk)), data, max(5, args.steps // 4))
+            per_step /= max(5, args.steps // 4)
+            secs = chunks * int(hp["epochs"]) * steps_per_epoch * per_step
+            total += secs
+            rows.append(
+                {"gate": gate, "T": t, "epochs": hp["epochs"], "step_s": per_step, "est_s": secs}
+            )
+            print(
+                f"  full protocol {gate:<20} T={t:<4} {hp['epochs']:>4} epochs: "
+                f"{per_step * 1e3:6.1f} ms/step for {args.chunk} reps -> {secs / 60:6.1f} min"
+            )
+    print(
+        f"estimated full C.1 protocol ({len(args.gates)} gates x 4 task counts x "
+        f"{args.full_reps} reps, training only, after tuning): {total / 3600:.2f} h"
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "batched_s": batched,
+                    "sequential_s": sequential,
+                    "ratio": sequential / batched,
+                    "full_estimate_s": total,
+                    "rows": rows,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

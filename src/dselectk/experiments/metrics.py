@@ -1,0 +1,122 @@
+"""Expert-selection metrics of Appendix C.1 ("Measuring Expert Selection Performance").
+
+The Jaccard index of two selected expert sets A, B is |A ∩ B| / |A ∪ B|. The paper averages it
+over all pairs of *related* tasks (same group) and over all pairs of *unrelated* tasks (different
+groups). The reference line of Figure C.1 is a random gate that picks k experts uniformly at
+random; its expected Jaccard index is computed here in closed form (hypergeometric overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "distinct_experts",
+    "expected_random_jaccard",
+    "jaccard",
+    "jaccard_matrix",
+    "pairwise_jaccard",
+    "recovered_experts",
+]
+
+
+def jaccard(a: set[int] | Sequence[int], b: set[int] | Sequence[int]) -> float:
+    """|A ∩ B| / |A ∪ B| of two expert sets (1.0 when both are empty)."""
+    sa, sb = set(a), set(b)
+    union = sa | sb
+    if not union:
+        return 1.0
+    return len(sa & sb) / len(union)
+
+
+def jaccard_matrix(selected: Tensor) -> Tensor:
+    """Jaccard index of every pair of rows of a boolean selection mask.
+
+    Args:
+        selected: (..., T, n) bool, ``selected[..., t, i]`` whether task t selects expert i.
+
+    Returns:
+        (..., T, T) float64 Jaccard indices (1.0 where both sets are empty).
+    """
+    s = selected.to(torch.float64)
+    inter = s @ s.transpose(-1, -2)
+    size = s.sum(-1)
+    union = size.unsqueeze(-1) + size.unsqueeze(-2) - inter
+    return torch.where(union > 0, inter / union.clamp_min(1.0), torch.ones_like(inter))
+
+
+def pairwise_jaccard(selected: Tensor, groups: Tensor | Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Average Jaccard index over related pairs and over unrelated pairs (Appendix C.1).
+
+    Args:
+        selected: (..., T, n) bool selection masks (one leading dim per repetition, optional).
+        groups: (T,) group label of each task.
+
+    Returns:
+        (related, unrelated), each of shape (...,): the mean over unordered pairs t < u in the
+        same group, resp. in different groups. NaN where there is no such pair (e.g. unrelated
+        pairs with a single group).
+    """
+    g = torch.as_tensor(groups)
+    t = g.shape[0]
+    if selected.shape[-2] != t:
+        raise ValueError(f"selected has {selected.shape[-2]} tasks but groups has {t}")
+    jm = jaccard_matrix(selected)
+    upper = torch.ones(t, t, dtype=torch.bool).triu(1)
+    same = g.unsqueeze(0) == g.unsqueeze(1)
+    out = []
+    for mask in (upper & same, upper & ~same):
+        n = int(mask.sum())
+        if n == 0:
+            out.append(torch.full(jm.shape[:-2], math.nan, dtype=torch.float64))
+        else:
+            out.append((jm * mask).sum((-1, -2)) / n)
+    return out[0], out[1]
+
+
+def expected_random_jaccard(num_experts: int, k: int) -> float:
+    """E[J(A, B)] for two independent uniformly random k-subsets of n experts.
+
+    |A ∩ B| is hypergeometric: P(j) = C(k, j) C(n - k, k - j) / C(n, k), and J = j / (2k - j).
+    This is the "random gate" reference line of Figure C.1 (middle and right).
+    """
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"need 1 <= k <= num_experts, got k={k}, n={num_experts}")
+    total = math.comb(num_experts, k)
+    return sum(
+        math.comb(k, j) * math.comb(num_experts - k, k - j) / total * j / (2 * k - j)
+        for j in range(0, k + 1)
+    )
+
+
+def distinct_experts(selected: Tensor) -> Tensor:
+    """Number of distinct experts each task selects: (..., T, n) bool → (..., T) int.
+
+    Selectors of DSelect-k (or of the softmax ablation) can land on the same expert, so this
+    counts experts, not selectors.
+    """
+    return selected.sum(-1)
+
+
+def recovered_experts(weights: Tensor, true_experts: Tensor, k: int) -> Tensor:
+    """How many of the true experts a gate selects (Appendix C.2.2).
+
+    The selected set is the experts with a nonzero weight; if a (non-converged) gate puts a
+    nonzero weight on more than k experts, only its k largest weights count, so a gate cannot
+    score by spreading weight over everything.
+
+    Args:
+        weights: (..., n) gate weights.
+        true_experts: (..., n) bool mask of the true experts' positions.
+        k: number of experts a converged gate selects.
+
+    Returns:
+        (...,) integer counts in [0, k].
+    """
+    top = weights.topk(k, dim=-1).indices
+    mask = torch.zeros_like(weights, dtype=torch.bool).scatter(-1, top, True) & (weights > 0)
+    return (mask & true_experts).sum(-1)

@@ -1,0 +1,10 @@
+"""Generic plots shared by the experiment reports (Figures 2, C.1, C.3, C.4 of the paper)."""
+
+from dselectk.plots.core import (
+    plot_metric_panels,
+    plot_metric_vs,
+    plot_trajectories,
+    plot_weight_heatmap,
+)
+
+__all__ = ["plot_metric_panels", "plot_metric_vs", "plot_trajectories", "plot_weight_heatmap"]

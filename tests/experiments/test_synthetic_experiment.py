@@ -1,0 +1,212 @@
+"""Appendix C.1 data generator, batched vs sequential training, resumable sweep, report, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dselectk.cli import main
+from dselectk.experiments import synthetic as S
+
+TINY = ["--n-train", "1024", "--n-eval", "256", "--epochs", "1", "--no-progress"]
+
+
+def test_data_shapes_splits_and_determinism() -> None:
+    d = S.generate_data(3, n_train=100, n_val=20, n_test=30)
+    assert d.x_train.shape == (100, 10) and d.y_train.shape == (100, 128)
+    assert d.x_val.shape == (20, 10) and d.y_val.shape == (20, 128)
+    assert d.x_test.shape == (30, 10) and d.y_test.shape == (30, 128)
+    assert d.groups.tolist() == [g for g in range(8) for _ in range(16)]
+    d2 = S.generate_data(3, n_train=100, n_val=20, n_test=30)
+    for a, b in [(d.x_train, d2.x_train), (d.y_test, d2.y_test), (d.alpha, d2.alpha)]:
+        assert torch.equal(a, b)
+    d3 = S.generate_data(4, n_train=100, n_val=20, n_test=30)
+    assert not torch.equal(d.y_train, d3.y_train)
+    state = torch.random.get_rng_state()
+    S.generate_data(5, n_train=10, n_val=5, n_test=5)
+    assert torch.equal(state, torch.random.get_rng_state())  # global RNG untouched
+
+
+def test_data_recipe_mixture_of_relu_experts() -> None:
+    d = S.generate_data(1, n_train=50, n_val=10, n_test=10)
+    x = torch.cat([d.x_train, d.x_val, d.x_test]).double()
+    for t in [0, 17, 127]:
+        g = t // 16
+        f = torch.relu(torch.einsum("np,epu->neu", x, d.expert_weights[g])).sum(-1)
+        y = f @ torch.softmax(d.alpha[t], dim=-1)
+        got = torch.cat([d.y_train[:, t], d.y_val[:, t], d.y_test[:, t]]).double()
+        assert torch.allclose(got, y, rtol=1e-5, atol=1e-5)
+
+
+def test_task_weights_correlated_within_group() -> None:
+    # 60 seeds x 8 groups x 4 coordinates = 1920 draws of the 16 tasks' weights.
+    cols = []
+    for seed in range(60):
+        a = S.generate_data(seed, n_train=4, n_val=2, n_test=2).alpha  # (128, 4)
+        cols.append(a.view(8, 16, 4).permute(0, 2, 1).reshape(-1, 16))
+    samples = torch.cat(cols)  # (1920, 16)
+    c = torch.corrcoef(samples.T)
+    off = c[~torch.eye(16, dtype=torch.bool)]
+    assert float(off.mean()) == pytest.approx(0.8, abs=0.03)
+    assert float(samples.var(0).mean()) == pytest.approx(1.0, abs=0.1)
+    # different groups are independent
+    g0, g1 = samples.view(60, 8, 4, 16)[:, 0], samples.view(60, 8, 4, 16)[:, 1]
+    cross = torch.corrcoef(torch.stack([g0[..., 0].flatten(), g1[..., 0].flatten()]))[0, 1]
+    assert abs(float(cross)) < 0.15
+
+
+@pytest.mark.parametrize("gate", ["dselect_k", "dselect_k_spread", "topk", "ablation_annealing"])
+def test_batched_equals_sequential(gate: str) -> None:
+    data = S.generate_data(0, n_train=768, n_val=128, n_test=128)
+    hp = {**S.BASE_HPARAMS, "epochs": 2, "lr": 0.01, "entropy_reg": 0.01, "temperature_start": 1e-3}
+    seeds = [11, 12, 13]
+    batched = S.train_reps(gate, 32, hp, seeds, data, shuffle_seed=5)
+    assert isinstance(batched, dict)
+    seq = S.train_sequential(gate, 32, hp, seeds, data, shuffle_seed=5)
+    for b, s in zip(batched[2], seq):
+        assert b.keys() == s.keys()
+        for k in b:
+            assert b[k] == pytest.approx(s[k], rel=1e-4, abs=1e-5), k
+    # repetitions are independent: a different repetition set does not change rep 11
+    alone = S.train_reps(gate, 32, hp, [11, 99], data, shuffle_seed=5)
+    assert isinstance(alone, dict)
+    assert alone[2][0]["test_mse"] == pytest.approx(batched[2][0]["test_mse"], rel=1e-4)
+
+
+def test_batched_model_parameters_match_single_models() -> None:
+    m = S.SyntheticMoE("dselect_k", 32, S.BASE_HPARAMS, [3, 4])
+    single = S.SyntheticMoE("dselect_k", 32, S.BASE_HPARAMS, [4])
+    assert torch.equal(m.gates.logits[32:], single.gates.logits)
+    assert torch.equal(m.experts.weights[0][8:], single.experts.weights[0])
+
+
+def _args(out: Path, *extra: str) -> list[str]:
+    return [
+        "reproduce",
+        "synthetic",
+        "--out",
+        str(out),
+        "--tasks",
+        "16",
+        "32",
+        "--gates",
+        "topk",
+        "dselect_k",
+        "--reps",
+        "2",
+        *TINY,
+        *extra,
+    ]
+
+
+def test_cli_smoke_and_report_rebuild(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "res"
+    assert main(_args(out)) == 0
+    printed = capsys.readouterr().out
+    assert "Top-k" in printed and "test MSE" in printed
+    records = list((out / "runs").glob("*.json"))
+    assert len(records) == 2 * 2 * 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["experiment"] == "synthetic"
+    assert {r["num_tasks"] for r in summary["rows"]} == {16, 32}
+    assert all(r["metrics"]["test_mse"]["n"] == 2 for r in summary["rows"])
+    rec = json.loads(records[0].read_text())
+    assert rec["environment"]["dselectk"] and "git_commit" in rec["environment"]
+    assert rec["config"]["experiment"] == "synthetic"
+    # rebuild from records alone
+    generated = [
+        "summary.json",
+        "report.md",
+        "fig_c1.png",
+        "mse_vs_tasks.png",
+        "jaccard_related_vs_tasks.png",
+        "jaccard_unrelated_vs_tasks.png",
+    ]
+    for name in generated:
+        (out / name).unlink()
+    assert main(["report", str(out)]) == 0
+    for name in generated:
+        assert (out / name).is_file(), name
+    text = (out / "report.md").read_text()
+    assert "paper" in text.lower() and "8 groups of 16" in text
+
+
+class _Crash(RuntimeError):
+    """Stands in for Ctrl-C / a crash inside a training job."""
+
+
+def test_interrupted_sweep_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "res"
+    calls: list[tuple[str, int, int]] = []
+    crash = [True]
+    real = S.train_reps
+
+    def flaky(gate: str, t: int, hp: object, seeds: list[int], *a: object, **kw: object) -> object:
+        calls.append((gate, t, len(seeds)))
+        if crash[0] and len(calls) == 3:
+            raise _Crash  # as if the sweep died inside the third training job
+        return real(gate, t, hp, seeds, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S, "train_reps", flaky)
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    argv = [
+        "--out",
+        str(out),
+        "--tasks",
+        "16",
+        "32",
+        "--gates",
+        "topk",
+        "--reps",
+        "3",
+        "--batch-reps",
+        "1",
+        *TINY,
+    ]
+    with pytest.raises(_Crash):
+        S.run(parser.parse_args(argv))
+    done = sorted((out / "runs").glob("*.json"))
+    assert len(done) == 2  # two finished jobs, nothing from the interrupted one
+    assert not list((out / "runs").glob(".*tmp"))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in done}
+    calls.clear()
+    crash[0] = False
+    assert S.run(parser.parse_args(argv)) == 0
+    assert len(calls) == 6 - 2  # finished runs are not redone
+    after = sorted((out / "runs").glob("*.json"))
+    assert len(after) == 6
+    for p in done:
+        assert p.stat().st_mtime_ns == mtimes[p.name]
+
+
+def test_kill_9_mid_sweep_then_resume(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = out / "runs"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(runs.glob("*.json"))) < 2:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert 2 <= len(first) < 8, "kill landed outside the sweep"
+    for p in runs.glob("*.json"):
+        json.loads(p.read_text())  # every visible record is complete
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    final = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert len(final) == 8
+    for name, mt in first.items():
+        assert final[name] == mt  # not redone
+    assert not list(runs.glob(".*tmp"))
