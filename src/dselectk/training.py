@@ -5,6 +5,12 @@ Per-task losses are combined as a weighted **sum** Σ_t w_t ℓ_t, as in the ref
 gate's regulariser λ by T relative to the data loss; with the sum, λ means the same thing
 whatever the number of tasks. Auxiliary losses returned by the model (entropy terms, penalties,
 balancing) are added unscaled.
+
+Distributed data parallel: wrap the model in ``torch.nn.parallel.DistributedDataParallel`` and
+call :func:`train` in every process (e.g. under ``torchrun``). When a process group is
+initialised, every epoch's shuffled order is the same on all ranks and each rank trains on its own
+equal-sized shard, so ``batch_size`` is per process and DDP averages the gradients of a global
+batch of ``world_size * batch_size``. Only rank 0 shows a progress bar.
 """
 
 from __future__ import annotations
@@ -176,6 +182,12 @@ def _task_losses(model: nn.Module, data: TaskData, fns: list[LossFn]) -> tuple[l
     return [fn(p, y) for fn, p, y in zip(fns, out.outputs, data.ys)], out
 
 
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def _loss_names(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[str | None]:
     if isinstance(losses, str):
         return [losses] * num_tasks
@@ -283,16 +295,24 @@ def train(
     best = math.inf
     best_state: dict[str, Tensor] | None = None
     bad_epochs = 0
+    rank, world = _dist_rank_world()
     n = len(train_data)
-    steps_per_epoch = math.ceil(n / cfg.batch_size)
-    bar = tqdm(total=cfg.epochs * steps_per_epoch, disable=not cfg.progress, unit="step")
+    shard = n // world  # equal shards: every rank runs the same number of steps
+    if shard == 0:
+        raise ValueError(f"train_data has {n} examples, fewer than the {world} processes")
+    steps_per_epoch = math.ceil(shard / cfg.batch_size)
+    bar = tqdm(
+        total=cfg.epochs * steps_per_epoch, disable=not cfg.progress or rank != 0, unit="step"
+    )
     probe = train_data.x[: min(n, 1024)]
     model.train()
     try:
         for epoch in range(cfg.epochs):
-            perm = torch.randperm(n, generator=gen)
+            perm = torch.randperm(n, generator=gen)  # the same order on every rank
+            if world > 1:
+                perm = perm[: shard * world].view(shard, world)[:, rank]
             total = 0.0
-            for start in range(0, n, cfg.batch_size):
+            for start in range(0, shard, cfg.batch_size):
                 batch = train_data.batch(perm[start : start + cfg.batch_size])
                 task_losses, out = _task_losses(model, batch, fns)
                 loss = sum(w * lt for w, lt in zip(weights, task_losses)) + out.aux_loss
