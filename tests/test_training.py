@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from dselectk.schedules import (
     LinearSchedule,
     WarmupSchedule,
 )
-from dselectk.training import TaskData, TrainConfig, evaluate, train
+from dselectk.training import History, TaskData, TrainConfig, evaluate, train
 
 
 def make_problem(num_tasks: int = 2, n: int = 400) -> tuple[MultiGateMoE, TaskData]:
@@ -155,3 +156,31 @@ def test_attribute_scheduler_state_round_trip() -> None:
     assert gate2.gamma == gate.gamma == 3.0
     with pytest.raises(ValueError, match="no attribute"):
         AttributeScheduler(gate, "temperature", ConstantSchedule(1.0))
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def run(ckpt: Path, interrupt_at: int | None) -> MultiGateMoE:
+        torch.manual_seed(0)
+        model, data = make_problem(n=96)
+        sched = AttributeScheduler(model.gates, "gamma", GeometricSchedule(2.0, 0.5, steps=12))
+
+        def stop(_: torch.nn.Module, hist: History) -> None:
+            calls.append(hist.steps)
+            if interrupt_at is not None and hist.steps == interrupt_at:
+                raise KeyboardInterrupt
+
+        cfg = TrainConfig(epochs=4, batch_size=32, progress=False, checkpoint=ckpt, seed=3)
+        train(model, data, "mse", cfg, schedulers=[sched], callbacks=[stop])
+        return model
+
+    reference = run(tmp_path / "a.pt", None)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b.pt", interrupt_at=8)  # mid-epoch 3: epochs 1-2 are checkpointed
+    assert not list(tmp_path.glob(".*tmp*"))  # no half-written checkpoint
+    calls.clear()
+    resumed = run(tmp_path / "b.pt", None)
+    assert calls == list(range(7, 13))  # only epochs 3-4 ran again (3 steps per epoch)
+    for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

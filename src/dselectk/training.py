@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,10 @@ class TrainConfig:
             and restore the best weights (None: no early stopping).
         progress: show a progress bar.
         weight_decay: optimizer weight decay.
+        checkpoint: file to save the full training state to after every epoch (atomically:
+            temp file + rename). If it exists when training starts, training resumes from it,
+            with the model, optimizer, schedulers, shuffling and RNG states restored, so an
+            interrupted run continues as if it had never stopped.
     """
 
     optimizer: str = "adam"
@@ -107,6 +113,7 @@ class TrainConfig:
     early_stopping_patience: int | None = None
     progress: bool = True
     weight_decay: float = 0.0
+    checkpoint: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adagrad", "sgd"):
@@ -180,6 +187,17 @@ def _task_losses(model: nn.Module, data: TaskData, fns: list[LossFn]) -> tuple[l
     if len(out.outputs) != len(fns):
         raise ValueError(f"model has {len(out.outputs)} task outputs but {len(fns)} losses")
     return [fn(p, y) for fn, p, y in zip(fns, out.outputs, data.ys)], out
+
+
+def _save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -259,6 +277,7 @@ def train(
     val_data: TaskData | None = None,
     schedulers: Sequence[AttributeScheduler] = (),
     optimizer: torch.optim.Optimizer | None = None,
+    callbacks: Sequence[Callable[[nn.Module, History], None]] = (),
 ) -> History:
     """Train a multi-task model (any module returning a ``MultiTaskOutput``).
 
@@ -274,6 +293,8 @@ def train(
         val_data: evaluated after every epoch (needed for early stopping).
         schedulers: stepped after every optimizer step.
         optimizer: overrides ``config.optimizer``/``lr``.
+        callbacks: called as ``callback(model, history)`` after every step (after the
+            schedulers), e.g. to track when the gates become binary.
 
     Returns:
         The :class:`History`. With early stopping, the model ends with its best weights.
@@ -305,9 +326,26 @@ def train(
         total=cfg.epochs * steps_per_epoch, disable=not cfg.progress or rank != 0, unit="step"
     )
     probe = train_data.x[: min(n, 1024)]
+    start_epoch = 0
+    if cfg.checkpoint is not None and Path(cfg.checkpoint).is_file():
+        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        for s, st in zip(schedulers, state["schedulers"]):
+            s.load_state_dict(st)
+        gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        hist, best, bad_epochs, best_state = (
+            state["history"],
+            state["best"],
+            state["bad_epochs"],
+            state["best_state"],
+        )
+        start_epoch = cfg.epochs if hist.stopped_early else state["epoch"]
+        bar.update(start_epoch * steps_per_epoch)
     model.train()
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(start_epoch, cfg.epochs):
             perm = torch.randperm(n, generator=gen)  # the same order on every rank
             if world > 1:
                 perm = perm[: shard * world].view(shard, world)[:, rank]
@@ -322,6 +360,8 @@ def train(
                 for s in schedulers:
                     s.step()
                 hist.steps += 1
+                for cb in callbacks:
+                    cb(model, hist)
                 total += float(loss.detach())
                 if cfg.record_every and hist.steps % cfg.record_every == 0:
                     with torch.no_grad():
@@ -348,6 +388,22 @@ def train(
                         hist.stopped_early = True
                         break
             bar.set_postfix(postfix)
+            if cfg.checkpoint is not None and rank == 0:
+                _save_checkpoint(
+                    cfg.checkpoint,
+                    {
+                        "epoch": epoch + 1,
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "schedulers": [s.state_dict() for s in schedulers],
+                        "generator": gen.get_state(),
+                        "torch_rng": torch.get_rng_state(),
+                        "history": hist,
+                        "best": best,
+                        "bad_epochs": bad_epochs,
+                        "best_state": best_state,
+                    },
+                )
     finally:
         bar.close()
     if best_state is not None and hist.stopped_early:
