@@ -1,0 +1,469 @@
+"""``dselectk reproduce movielens``: Section 4.1, Table 1, Table C.3, Table C.2 (Appendix D.1).
+
+Two tasks per (user, movie) pair (following Wang et al., 2020): task 1, did the user watch
+(rate) the movie (binary cross-entropy; negatives are sampled from movies the user has not
+rated); task 2, the user's rating (squared error). The loss is α·CE + (1 − α)·MSE for
+α ∈ {0.1, 0.5, 0.9}, trained with Adagrad and batch 128.
+
+Model (Appendix D.1): an embedding bottom (the paper does not give it; see
+:class:`MovieLensEmbedding`) feeding a multi-gate MoE with 8 experts, each a ReLU dense layer of
+256 units followed by dropout 0.5, and per-task towers of a ReLU dense layer of 256 units and one
+output unit. The shared-bottom baseline replaces the MoE by one shared ReLU dense layer
+(units a hyperparameter) + dropout 0.5.
+
+Choices where the paper is silent (all recorded in the report):
+
+* **Rating target of negatives and the task-2 loss**: negatives carry no rating; their task-2
+  squared error gets weight 0 and the weighted errors are averaged over *all* examples of the
+  batch — exactly what a Keras model does with ``sample_weight`` 0 for negatives (TF2's
+  default ``SUM_OVER_BATCH_SIZE`` reduction). With one negative per positive this puts the
+  task-2 loss at about half the rating MSE (≈ 0.4–0.45 for a rating MSE of 0.8–0.9), the scale
+  of the paper's Table C.3 (0.39–0.42); an unweighted MSE over observed ratings would be ≈ 0.8,
+  and a rating label of 0 for negatives gives much larger losses.
+* **Negative ratio**: 1 negative per rating (2M examples from ML-1M's 1M ratings: the paper's
+  1.6M / 200k / 200k), split 80/10/10 at random.
+* **Features**: user id and movie id embeddings (32 each), plus user age bucket (4), gender
+  (2), occupation (4) embeddings and the movie's genres (multi-hot → linear 8), concatenated
+  (82 features). ``--no-side-features`` keeps the two ids only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.experiments import realdata as rd
+from dselectk.gates import make_gate
+from dselectk.layers.experts import StackedMLP
+from dselectk.models.cnn import make_towers
+from dselectk.models.moe import MultiGateMoE, SharedBottom
+from dselectk.training import TaskData
+
+__all__ = [
+    "EXPERIMENT",
+    "PAPER_TABLE1",
+    "PAPER_TABLE_C3",
+    "MovieLensEmbedding",
+    "add_arguments",
+    "build_model",
+    "load_splits",
+    "masked_mse",
+    "run",
+    "write_report",
+]
+
+EXPERIMENT = "movielens"
+NUM_EXPERTS = 8
+ALPHAS = (0.1, 0.5, 0.9)
+TASK_NAMES = ("task 1: watch (CE)", "task 2: rating (MSE)")
+
+#: Table 1 of the paper: α → gate → (test loss × 10⁴, standard error, selected experts)
+PAPER_TABLE1: dict[float, dict[str, tuple[float, float, float | None]]] = {
+    0.1: {
+        "dselect_k_static": (4015, 5, 2.7),
+        "topk_static": (4012, 4, 2.0),
+        "gumbel_softmax": (4171, 3, 2.7),
+        "dselect_k_per_example": (4006, 6, 1.5),
+        "topk_per_example": (4027, 8, 2.0),
+        "softmax": (4090, 1, 8.0),
+        "shared_bottom": (4037, 2, None),
+    },
+    0.5: {
+        "dselect_k_static": (3804, 3, 1.5),
+        "topk_static": (3818, 2, 2.0),
+        "gumbel_softmax": (3898, 2, 2.6),
+        "dselect_k_per_example": (3823, 3, 1.2),
+        "topk_per_example": (3841, 4, 2.0),
+        "softmax": (3960, 3, 8.0),
+        "shared_bottom": (3868, 2, None),
+    },
+    0.9: {
+        "dselect_k_static": (3690, 2, 1.3),
+        "topk_static": (3693, 6, 2.0),
+        "gumbel_softmax": (3688, 4, 3.6),
+        "dselect_k_per_example": (3679, 2, 1.1),
+        "topk_per_example": (3741, 3, 2.0),
+        "softmax": (3847, 10, 8.0),
+        "shared_bottom": (3687, 1, None),
+    },
+}
+
+#: Table C.3: α → gate → (task-2 loss × 10⁴, se, task-1 accuracy %, se)
+PAPER_TABLE_C3: dict[float, dict[str, tuple[float, float, float, float]]] = {
+    0.1: {
+        "dselect_k_static": (4038, 5, 83.03, 0.07),
+        "topk_static": (4056, 4, 84.09, 0.05),
+        "gumbel_softmax": (4172, 2, 80.76, 0.04),
+        "dselect_k_per_example": (4030, 7, 83.03, 0.12),
+        "topk_per_example": (4057, 9, 83.28, 0.1),
+        "softmax": (4047, 1, 78.73, 0.01),
+        "shared_bottom": (3993, 2, 79.06, 0.02),
+    },
+    0.5: {
+        "dselect_k_static": (3926, 6, 83.86, 0.02),
+        "topk_static": (4002, 4, 84.21, 0.02),
+        "gumbel_softmax": (4085, 3, 83.71, 0.01),
+        "dselect_k_per_example": (3981, 7, 83.92, 0.03),
+        "topk_per_example": (3995, 8, 83.91, 0.03),
+        "softmax": (4028, 3, 83.56, 0.01),
+        "shared_bottom": (3875, 2, 82.65, 0.02),
+    },
+    0.9: {
+        "dselect_k_static": (3943, 5, 84.04, 0.01),
+        "topk_static": (3884, 4, 84.17, 0.02),
+        "gumbel_softmax": (3878, 4, 84.17, 0.02),
+        "dselect_k_per_example": (3932, 1, 84.07, 0.02),
+        "topk_per_example": (3914, 4, 84.05, 0.01),
+        "softmax": (3970, 3, 83.86, 0.02),
+        "shared_bottom": (3991, 2, 84.01, 0.01),
+    },
+}
+
+#: Table C.2 (MovieLens columns): % training steps until binary S(Z), FLOPs DSelect-k / Top-k
+PAPER_C2 = {
+    "MovieLens α=0.1": {"pct": 11.37, "flops": 1.5},
+    "MovieLens α=0.5": {"pct": 9.39, "flops": 1.2},
+    "MovieLens α=0.9": {"pct": 0.04, "flops": 0.6},
+}
+
+#: Untuned hyperparameters of the quick default (values inside the Appendix D.1 grid).
+QUICK_HPARAMS: dict[str, dict[str, Any]] = {
+    "dselect_k_static": {"lr": 0.1, "epochs": 3, "k": 2, "gamma": 1.0, "entropy_reg": 1.0},
+    "dselect_k_per_example": {"lr": 0.1, "epochs": 3, "k": 2, "gamma": 1.0, "entropy_reg": 1.0},
+    "topk_static": {"lr": 0.1, "epochs": 3, "k": 2},
+    "topk_per_example": {"lr": 0.1, "epochs": 3, "k": 2},
+    "gumbel_softmax": {"lr": 0.1, "epochs": 3, "sparsity_reg": 1e-3},
+    "softmax": {"lr": 0.1, "epochs": 3},
+    "shared_bottom": {"lr": 0.1, "epochs": 3, "units": 256},
+}
+_OPT: dict[str, list[Any]] = {"lr": [0.001, 0.01, 0.1, 0.2, 0.3], "epochs": [5, 10, 20, 30, 40, 50]}
+#: Appendix D.1 grid.
+GRID: dict[str, dict[str, list[Any]]] = {
+    "dselect_k_static": {**_OPT, "k": [2, 4], "entropy_reg": [0.1, 1, 10], "gamma": [1, 10]},
+    "dselect_k_per_example": {**_OPT, "k": [2, 4], "entropy_reg": [0.1, 1, 10], "gamma": [1, 10]},
+    "topk_static": {**_OPT, "k": [2, 4]},
+    "topk_per_example": {**_OPT, "k": [2, 4]},
+    "gumbel_softmax": {**_OPT, "sparsity_reg": [10.0**e for e in range(-6, 2)]},
+    "softmax": dict(_OPT),
+    "shared_bottom": {**_OPT, "units": [32, 256, 2048, 4096, 8192]},
+}
+
+QUICK_MAX_TRAIN = 60_000
+"""Training examples of the quick default (of ML-100K's 160,000)."""
+
+EMBED_DIMS = {"user": 32, "item": 32, "age": 4, "gender": 2, "occupation": 4, "genres": 8}
+
+
+class MovieLensEmbedding(nn.Module):
+    """Embedding bottom: int64 columns (user, item[, age, gender, occupation, genres...]) → floats.
+
+    The paper does not describe its input layer; we embed the ids (and side features) and
+    concatenate the embeddings (dimensions in :data:`EMBED_DIMS`).
+
+    Args:
+        num_users, num_items: vocabulary sizes of the ids.
+        side: (num_age_buckets, num_genders, num_occupations, num_genres), or None for ids only.
+        dims: embedding sizes.
+    """
+
+    def __init__(
+        self,
+        num_users: int,
+        num_items: int,
+        side: Sequence[int] | None = None,
+        dims: Mapping[str, int] = EMBED_DIMS,
+    ) -> None:
+        super().__init__()
+        self.user = nn.Embedding(num_users, dims["user"])
+        self.item = nn.Embedding(num_items, dims["item"])
+        self.out_features = dims["user"] + dims["item"]
+        self.has_side = side is not None
+        if side is not None:
+            ages, genders, occs, genres = side
+            self.age = nn.Embedding(ages, dims["age"])
+            self.gender = nn.Embedding(genders, dims["gender"])
+            self.occupation = nn.Embedding(occs, dims["occupation"])
+            self.genres = nn.Linear(genres, dims["genres"])
+            self.num_genres = genres
+            self.out_features += dims["age"] + dims["gender"] + dims["occupation"] + dims["genres"]
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = [self.user(x[:, 0]), self.item(x[:, 1])]
+        if self.has_side:
+            parts += [
+                self.age(x[:, 2]),
+                self.gender(x[:, 3]),
+                self.occupation(x[:, 4]),
+                self.genres(x[:, 5:].to(self.genres.weight.dtype)),
+            ]
+        return torch.cat(parts, dim=-1)
+
+
+def masked_mse(pred: Tensor, y: Tensor) -> Tensor:
+    """Task-2 loss: Σ mask·(pred − rating)² / B (Keras ``sample_weight`` semantics).
+
+    Args:
+        pred: (B, 1) predicted ratings.
+        y: (B, 2) with the rating in column 0 and the observed-rating mask (0/1) in column 1.
+    """
+    err = pred.reshape(-1) - y[:, 0]
+    return (err.square() * y[:, 1]).mean()
+
+
+LOSSES = ["bce", masked_mse]
+
+
+def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn.Module:
+    """The Appendix D.1 model for ``gate`` (an experiment gate name of ``realdata.GATE_KINDS``)."""
+    side = meta.get("side")
+    bottom = MovieLensEmbedding(meta["num_users"], meta["num_items"], side)
+    d = bottom.out_features
+    towers = make_towers(2, 256 if gate != "shared_bottom" else int(hp["units"]), (256, 1))
+    if gate == "shared_bottom":
+        shared = nn.Sequential(nn.Linear(d, int(hp["units"])), nn.ReLU(), nn.Dropout(0.5))
+        return SharedBottom(shared, towers, bottom=bottom)
+    experts = StackedMLP(NUM_EXPERTS, d, [256], dropout=0.5)
+    return MultiGateMoE(experts, _gates(gate, hp, d), towers, bottom=bottom)
+
+
+def _gates(gate: str, hp: Mapping[str, Any], in_features: int) -> Any:
+    name, per_example = rd.GATE_KINDS[gate]
+    kw: dict[str, Any] = {"num_gates": 2, "in_features": in_features if per_example else None}
+    if name in ("dselect_k", "topk"):
+        kw["k"] = int(hp["k"])
+    if name == "dselect_k":
+        kw.update(gamma=float(hp["gamma"]), entropy_reg=float(hp["entropy_reg"]))
+    if name == "gumbel_softmax":
+        kw["sparsity_reg"] = float(hp["sparsity_reg"])
+    return make_gate(name, NUM_EXPERTS, **kw)
+
+
+def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
+    """Forward FLOPs of one expert (dense d → 256) on one example: 2·d·256."""
+    return 2.0 * float(meta["bottom_features"]) * 256
+
+
+def _pack(split: Any, side: bool) -> TaskData:
+    cols = [split.user, split.item]
+    if side:
+        cols += [split.user_age, split.user_gender, split.user_occupation]
+    x = torch.stack(cols, dim=1).to(torch.int64)
+    if side:
+        x = torch.cat([x, split.item_genres.round().to(torch.int64)], dim=1)
+    y2 = torch.stack([split.rating.float(), split.rating_mask.float()], dim=1)
+    return TaskData(x, [split.watched.float(), y2])
+
+
+def load_splits(
+    data_dir: Path | None,
+    variant: str,
+    seed: int,
+    *,
+    side_features: bool = True,
+    neg_ratio: int = 1,
+    max_train: int | None = None,
+) -> rd.Splits:
+    """Load the two-task MovieLens data as :class:`~dselectk.experiments.realdata.Splits`."""
+    from dselectk.data import load_movielens
+
+    data = load_movielens(
+        data_dir, variant=variant, neg_ratio=neg_ratio, seed=seed, side_features=side_features
+    )
+    train, val, test = (_pack(s, side_features) for s in (data.train, data.val, data.test))
+    if max_train is not None and max_train < len(train):
+        train = train.batch(torch.arange(max_train))  # already shuffled by the loader
+    meta: dict[str, Any] = {
+        "num_users": data.num_users,
+        "num_items": data.num_items,
+        "side": (
+            (data.num_age_buckets, data.num_genders, data.num_occupations, data.num_genres)
+            if side_features
+            else None
+        ),
+        "variant": variant,
+        "ratings_source": data.ratings_source,
+        "num_ratings": data.num_ratings,
+        "n_train": len(train),
+        "n_val": len(val),
+        "n_test": len(test),
+        "test_positive_fraction": float(data.test.rating_mask.float().mean()),
+    }
+    meta["bottom_features"] = MovieLensEmbedding(1, 1, meta["side"]).out_features
+    return rd.Splits(train, val, test, meta)
+
+
+def _task_weights(alpha: Any) -> list[float]:
+    return [float(alpha), 1.0 - float(alpha)]
+
+
+def experiment() -> rd.Experiment:
+    """The MovieLens :class:`~dselectk.experiments.realdata.Experiment`."""
+    return rd.Experiment(
+        name=EXPERIMENT,
+        setting_key="alpha",
+        losses=LOSSES,
+        task_names=TASK_NAMES,
+        optimizer="adagrad",
+        batch_size=128,
+        quick_hparams=QUICK_HPARAMS,
+        grid=GRID,
+        select="min_loss",
+        build_model=build_model,
+        task_weights=_task_weights,
+        expert_flops=expert_flops,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``dselectk reproduce movielens``."""
+    rd.add_common_arguments(p, "results/movielens")
+    p.add_argument(
+        "--variant",
+        choices=["ml-100k", "ml-1m"],
+        default=None,
+        help="MovieLens variant (quick: ml-100k, --full: ml-1m)",
+    )
+    p.add_argument("--alphas", type=float, nargs="+", default=list(ALPHAS), help="α values")
+    p.add_argument("--neg-ratio", type=int, default=1, help="sampled negatives per rating")
+    p.add_argument("--max-train", type=int, default=None, help="cap on training examples")
+    p.add_argument("--no-side-features", action="store_true", help="user and movie ids only")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
+    rd.set_threads(args)
+    variant = args.variant or ("ml-1m" if args.full else "ml-100k")
+    if args.max_train is None and not args.full:
+        args.max_train = QUICK_MAX_TRAIN
+    side = not args.no_side_features
+    data = load_splits(
+        args.data_dir,
+        variant,
+        args.seed,
+        side_features=side,
+        neg_ratio=args.neg_ratio,
+        max_train=args.max_train,
+    )
+    m = data.meta
+    data_cfg = {
+        "variant": variant,
+        "neg_ratio": args.neg_ratio,
+        "side_features": side,
+        "seed": args.seed,
+        "max_train": args.max_train,
+        "ratings_source": m["ratings_source"],
+    }
+    notes = [
+        f"Data: MovieLens {variant} ({m['ratings_source']}), {m['num_ratings']:,} ratings, "
+        f"{args.neg_ratio} sampled negative(s) per rating (movies the user has not rated); "
+        f"splits {m['n_train']:,} / {m['n_val']:,} / {m['n_test']:,} (train / val / test). "
+        "The paper uses ML-1M with 1.6M / 200k / 200k.",
+        "Task 2 (rating) loss: squared error of observed ratings, negatives weighted 0, "
+        "averaged over all examples (Keras sample_weight semantics); this is ≈ "
+        f"{m['test_positive_fraction']:.2f} × the MSE over rated pairs "
+        "(fraction of rated pairs in the test split). Chosen because it matches the paper's "
+        "scale of task-2 losses (≈ 0.40); the paper does not say how negatives enter task 2.",
+        "Input: embeddings of user id (32), movie id (32)"
+        + (
+            ", age bucket (4), gender (2), occupation (4), genres (multi-hot → linear 8)"
+            if side
+            else ""
+        )
+        + f" concatenated into {m['bottom_features']} features (the paper does not describe "
+        "its input layer).",
+        "Model (Appendix D.1): 8 experts = Dense 256 ReLU + dropout 0.5; towers Dense 256 "
+        "ReLU → 1; shared bottom: Dense (units) ReLU + dropout 0.5; Adagrad, batch 128; loss "
+        "α·CE + (1 − α)·task-2 loss.",
+        "Losses in the tables are × 10⁴, as in the paper. 'Experts' is the number of experts "
+        "with a nonzero weight, averaged over the two tasks' gates (per-example: also over test "
+        "examples).",
+    ]
+    if not args.full:
+        notes.append(
+            "Quick mode: ML-100K instead of ML-1M, untuned hyperparameters from inside the "
+            "Appendix D.1 grid (lr 0.1, k = 2, γ = 1, λ = 1, Gumbel λ = 10⁻³, shared-bottom "
+            f"units 256), {args.epochs or QUICK_HPARAMS['softmax']['epochs']} epochs, "
+            f"{args.repetitions if args.repetitions is not None else 2} repetitions instead of "
+            "100."
+        )
+    return rd.run_experiment(
+        experiment(),
+        args,
+        [float(a) for a in args.alphas],
+        data,
+        data_cfg,
+        quick_reps=2,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+def _tables(
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]], settings: Sequence[Any]
+) -> list[str]:
+    gates = [g for g in rd.GATE_KINDS if any((s, g) in rows for s in settings)]
+    md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
+    for a in settings:
+        md += [
+            f"### α = {a}",
+            "",
+            "| gate | loss: ours | loss: paper | experts: ours | experts: paper |",
+            "|---|---|---|---|---|",
+        ]
+        for g in gates:
+            if (a, g) not in rows:
+                continue
+            m = rows[(a, g)]["metrics"]
+            p = PAPER_TABLE1.get(float(a), {}).get(g)
+            pl = f"{p[0]:.0f} ± {p[1]:.0f}" if p else "-"
+            pe = "-" if not p or p[2] is None else f"{p[2]:.1f}"
+            md.append(
+                f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_loss'), 1e4, 0)} | {pl} | "
+                f"{rd.fmt(m.get('selected_experts'), 1, 2)} | {pe} |"
+            )
+        md.append("")
+    md += ["## Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)", ""]
+    for a in settings:
+        md += [
+            f"### α = {a}",
+            "",
+            "| gate | T2 loss: ours | T2 loss: paper | T1 accuracy: ours | T1 accuracy: paper |",
+            "|---|---|---|---|---|",
+        ]
+        for g in gates:
+            if (a, g) not in rows:
+                continue
+            m = rows[(a, g)]["metrics"]
+            c = PAPER_TABLE_C3.get(float(a), {}).get(g)
+            md.append(
+                f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_loss_task2'), 1e4, 0)} | "
+                + (f"{c[0]:.0f} ± {c[1]:.0f}" if c else "-")
+                + f" | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
+                + (f"{c[2]:.2f} ± {c[3]:.2f}" if c else "-")
+                + " |"
+            )
+        md.append("")
+    return md
+
+
+SPEC = rd.ReportSpec(
+    name=EXPERIMENT,
+    title="MovieLens",
+    setting_key="alpha",
+    task_names=TASK_NAMES,
+    tables=_tables,
+    paper_c2=PAPER_C2,
+    c2_column=lambda a: f"MovieLens α={a}",
+)
+
+
+def write_report(results_dir: Path) -> None:
+    """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder."""
+    rd.write_report(Path(results_dir), SPEC)
