@@ -237,6 +237,9 @@ def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
     (out / "report.md").unlink()
     ml.write_report(out)
     assert (out / "report.md").read_text() == report
+    (out / "report.md").unlink()
+    assert main(["report", str(out)]) == 0  # `dselectk report DIR` finds the module
+    assert (out / "report.md").read_text() == report
 
 
 def test_tiny_multi_fashion_sweep_and_resume(
