@@ -294,3 +294,23 @@ def test_tiny_multi_fashion_sweep_and_resume(
     assert calls == []
     acc = recs[0]["metrics"]["test_accuracy_task1"]
     assert 0.0 <= acc <= 1.0
+
+
+def test_full_mode_tunes_then_trains(tmp_path: Path) -> None:
+    write_ml100k(tmp_path / "data")
+    out = tmp_path / "res"
+    argv = [
+        "reproduce", "movielens", "--full", "--variant", "ml-100k",
+        "--data-dir", str(tmp_path / "data"), "--out", str(out), "--alphas", "0.9",
+        "--gates", "dselect_k_static", "gumbel_softmax", "--epochs", "1", "--repetitions", "1",
+        "--grid-points", "2", "--trials", "1", "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    recs = _runs(out)
+    phases = sorted(r["config"]["phase"] for r in recs)
+    assert phases.count("tune") == 4 and phases.count("final") == 2
+    selected = json.loads((out / "selected_hparams.json").read_text())
+    hp = selected["dselect_k_static/alpha=0.9"]["hparams"]
+    assert hp["epochs"] == 1 and hp["k"] in (2, 4) and hp["lr"] in ml.GRID["topk_static"]["lr"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["records"] == 2 and summary["tune_records"] == 4
