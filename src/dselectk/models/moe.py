@@ -73,10 +73,53 @@ class _ExpertMixer(nn.Module):
         nothing to the output, and DSelect-k and Top-k weights that are exactly zero have exactly
         zero gradients as well (S'(z) = 0 on binary bits; top-k masks).
         """
+        if self.conditional and weights.dim() == 3 and not self.training:
+            routed = self.dispatch(x, weights)
+            if routed is not None:
+                return routed
         active = _active_experts(weights, self.num_experts) if self.conditional else None
         if active is None:
             return _mix(self.experts(x), weights)
         return _mix(self.experts(x, active), weights.index_select(-1, active))
+
+    def dispatch(self, x: Tensor, weights: Tensor, max_fill: float = 0.5) -> Tensor | None:
+        """Per-example routing: each example goes only to the experts with a nonzero weight.
+
+        The rows are grouped by expert, each used expert runs once on its rows, and the weighted
+        outputs are scattered back (exact up to the order of the float additions). Used by
+        :meth:`mix` at inference (``eval()``) for per-example gates.
+
+        Args:
+            x: (B, ...) input of the experts.
+            weights: (B, T, E) per-example weights.
+            max_fill: route only when at most this fraction of the (example, expert) pairs is
+                used; otherwise return None (the dense batched evaluation is cheaper).
+
+        Returns:
+            (T, B, D...) mixtures, or None when the weights are not sparse enough.
+        """
+        b, t, e = weights.shape
+        used = (weights != 0).any(dim=1)  # (B, E): expert needed by some task of the example
+        per_expert = used.sum(dim=0).tolist()  # one sync
+        if sum(per_expert) > max_fill * b * e:
+            return None
+        order = used.t().nonzero()  # (pairs, 2) sorted by expert: (expert, row)
+        rows_all = order[:, 1]
+        out: Tensor | None = None
+        start = 0
+        for expert, count in enumerate(per_expert):
+            if count == 0:
+                continue
+            rows = rows_all[start : start + count]
+            start += count
+            member = rows.new_tensor([expert])
+            y = self.experts(x.index_select(0, rows), member)[0]  # (R, D...)
+            w = weights[:, :, expert].index_select(0, rows).t()  # (T, R)
+            contrib = w.reshape(t, count, *([1] * (y.dim() - 1))) * y.unsqueeze(0)
+            if out is None:
+                out = y.new_zeros(t, b, *y.shape[1:])
+            out.index_add_(1, rows, contrib)
+        return out
 
 
 class MoE(nn.Module):
