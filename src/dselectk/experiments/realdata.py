@@ -754,6 +754,35 @@ def _final_records(records: Iterable[Mapping[str, Any]], name: str) -> list[Mapp
     ]
 
 
+def current_records(
+    records: Sequence[Mapping[str, Any]],
+    setting_key: str | None,
+    data_cfg: Mapping[str, Any] | None,
+    selected: Mapping[str, Any],
+) -> list[Mapping[str, Any]]:
+    """The records of the latest sweep command of a results folder.
+
+    A folder may hold records of earlier commands with other flags (e.g. ``--epochs``); only
+    those with the data settings of ``run_info.json`` and the hyperparameters of
+    ``selected_hparams.json`` (when these files are present) are summarised, so that a table
+    row never mixes configurations. The others stay on disk (and are reused when the same
+    flags are run again).
+    """
+    out = []
+    for r in records:
+        c = r["config"]
+        if data_cfg is not None and c.get("data") != dict(data_cfg):
+            continue
+        key = (
+            c["gate"] if setting_key is None else f"{c['gate']}/{setting_key}={c.get(setting_key)}"
+        )
+        sel = selected.get(key)
+        if sel is not None and dict(sorted(sel["hparams"].items())) != c.get("hparams"):
+            continue
+        out.append(r)
+    return out
+
+
 def table_c2(
     spec: ReportSpec,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
@@ -819,7 +848,21 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
 
     results_dir = Path(results_dir)
     all_records = RunStore(results_dir).load()
-    records = _final_records(all_records, spec.name)
+    info: dict[str, Any] = {}
+    if (results_dir / "run_info.json").is_file():
+        try:
+            info = json.loads((results_dir / "run_info.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            info = {}
+    selected: dict[str, Any] = {}
+    if (results_dir / "selected_hparams.json").is_file():
+        try:
+            selected = json.loads((results_dir / "selected_hparams.json").read_text("utf-8"))
+        except json.JSONDecodeError:
+            selected = {}
+    finals = _final_records(all_records, spec.name)
+    records = current_records(finals, spec.setting_key, info.get("data"), selected)
+    stale = len(finals) - len(records)
     tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
     summary_rows = summarize(records, group)
@@ -828,12 +871,6 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
         setting = row.get(spec.setting_key) if spec.setting_key else None
         rows[(setting, row["gate"])] = row
     settings = sorted({k[0] for k in rows}, key=lambda v: (v is None, v))
-    info: dict[str, Any] = {}
-    if (results_dir / "run_info.json").is_file():
-        try:
-            info = json.loads((results_dir / "run_info.json").read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            info = {}
     c2_lines, c2_values = table_c2(spec, rows, records, settings)
 
     plots: list[Path] = []
@@ -907,7 +944,11 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
             ]
         if info.get("notes"):
             md += ["## Setup and choices", ""] + [f"- {n}" for n in info["notes"]] + [""]
-    md += [f"Finished runs: {len(records)} (tuning runs: {tune_count}).", ""]
+    md += [
+        f"Finished runs summarised: {len(records)} (tuning runs: {tune_count}; records of "
+        f"earlier commands with other settings, not summarised: {stale}).",
+        "",
+    ]
     md += spec.tables(rows, settings)
     md += [
         "",
