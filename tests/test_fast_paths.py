@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from dselectk import functional as DF
 from dselectk.gates import DSelectK, TopKGate
@@ -232,3 +233,18 @@ def test_static_binary_gates_skip_experts_with_same_gradients() -> None:
     gd = torch.autograd.grad(ld, list(dense.parameters()))
     for a, b in zip(gf, gd):
         torch.testing.assert_close(a, b)
+
+
+def test_inference_dispatch_expert_list_loop_path() -> None:
+    """Arbitrary expert modules (ExpertList) are routed one expert at a time."""
+    from dselectk.layers import ExpertList
+
+    torch.manual_seed(0)
+    experts = ExpertList([nn.Sequential(nn.Linear(6, 5), nn.Tanh()) for _ in range(8)]).double()
+    gate = _binary_per_example_gate(None)
+    fast = MoE(experts, gate).eval()
+    dense = MoE(experts, gate, conditional=False).eval()
+    x = torch.randn(30, 6, dtype=F64)
+    assert fast.mixer.dispatch(x, gate(x).weights.unsqueeze(1)) is not None
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).output, dense(x).output, rtol=1e-12, atol=1e-12)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
+from dselectk.layers.experts import StackedMLP
 
 __all__ = ["MoE", "MoEOutput", "MultiGateMoE", "MultiTaskOutput", "SharedBottom"]
 
@@ -100,16 +101,21 @@ class _ExpertMixer(nn.Module):
         """
         b, t, e = weights.shape
         used = (weights != 0).any(dim=1)  # (B, E): expert needed by some task of the example
-        per_expert = used.sum(dim=0).tolist()  # one sync
-        if sum(per_expert) > max_fill * b * e:
+        counts = used.sum(dim=0)  # (E,)
+        per_expert = counts.tolist()  # one sync
+        pairs = sum(per_expert)
+        if pairs > max_fill * b * e:
             return None
-        order = used.t().nonzero()  # (pairs, 2) sorted by expert: (expert, row)
+        order = used.t().nonzero()  # (pairs, 2) = (expert, row), sorted by expert then row
+        active = [i for i, c in enumerate(per_expert) if c > 0]
+        cap = max(per_expert)
+        if isinstance(self.experts, StackedMLP) and cap * len(active) <= 2 * pairs:
+            return self._dispatch_padded(x, weights, order, counts, active, cap)
         rows_all = order[:, 1]
         out: Tensor | None = None
         start = 0
-        for expert, count in enumerate(per_expert):
-            if count == 0:
-                continue
+        for expert in active:
+            count = per_expert[expert]
             rows = rows_all[start : start + count]
             start += count
             member = rows.new_tensor([expert])
@@ -120,6 +126,41 @@ class _ExpertMixer(nn.Module):
                 out = y.new_zeros(t, b, *y.shape[1:])
             out.index_add_(1, rows, contrib)
         return out
+
+    def _dispatch_padded(
+        self,
+        x: Tensor,
+        weights: Tensor,
+        order: Tensor,
+        counts: Tensor,
+        active: list[int],
+        cap: int,
+    ) -> Tensor:
+        """Routing for stacked experts: every used expert's rows padded to ``cap``, one batched op.
+
+        Padding slots read row 0 and get weight exactly 0 (masked), so they add nothing (as long
+        as the experts' outputs on row 0 are finite).
+        """
+        b, t, e = weights.shape
+        dev = weights.device
+        experts_of_pair, rows = order[:, 0], order[:, 1]
+        starts = torch.cumsum(counts, 0) - counts  # first pair of each expert
+        pos = torch.arange(rows.shape[0], device=dev) - starts[experts_of_pair]
+        slot_of_expert = torch.zeros(e, dtype=torch.long, device=dev)
+        act = torch.tensor(active, dtype=torch.long, device=dev)
+        slot_of_expert[act] = torch.arange(len(active), device=dev)
+        slot = slot_of_expert[experts_of_pair]
+        idx = torch.zeros(len(active), cap, dtype=torch.long, device=dev)
+        idx[slot, pos] = rows
+        valid = torch.zeros(len(active), cap, dtype=torch.bool, device=dev)
+        valid[slot, pos] = True
+        y = self.experts(x[idx], act)  # (A, cap, D)
+        w = weights.permute(2, 0, 1).index_select(0, act)  # (A, B, T)
+        w = torch.gather(w, 1, idx.unsqueeze(-1).expand(-1, -1, t))  # (A, cap, T)
+        w = w.masked_fill(~valid.unsqueeze(-1), 0.0)
+        contrib = w.permute(2, 0, 1).unsqueeze(-1) * y.unsqueeze(0)  # (T, A, cap, D)
+        out = y.new_zeros(t, b, y.shape[-1])
+        return out.index_add_(1, idx.flatten(), contrib.flatten(1, 2))
 
 
 class MoE(nn.Module):
