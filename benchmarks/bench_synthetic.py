@@ -3,8 +3,9 @@
 Reports, in one run, the wall time of ``--steps`` training steps for N repetitions as one
 vectorized model and for the same N repetitions one after the other (same code path,
 R = 1), their ratio, and an estimate of the full C.1 protocol's wall time on this machine
-(gates × task counts × 100 repetitions at the epochs of the shipped tuning record, 391 steps per
-epoch, repetitions in chunks of ``--chunk``), from per-step times measured here.
+(gates × task counts × 100 repetitions × ``--full-epochs`` epochs (default 100, the largest of
+the paper's grid, so an upper bound), 391 steps per epoch, repetitions in chunks of
+``--chunk``), from per-step times measured here.
 
     .venv/bin/python benchmarks/bench_synthetic.py            # about 1-3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_synthetic.py --reps 25 --tasks 128 --steps 50
@@ -48,6 +49,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="steps timed per configuration")
     p.add_argument("--chunk", type=int, default=25, help="repetitions per batched model (full)")
     p.add_argument("--full-reps", type=int, default=100)
+    p.add_argument(
+        "--full-epochs",
+        type=int,
+        default=100,
+        help="epochs per final run in the estimate (100 = the largest of the paper's grid)",
+    )
     p.add_argument("--gates", nargs="+", default=S.DEFAULT_GATES)
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
@@ -68,10 +75,9 @@ def main() -> None:
     chunks = math.ceil(args.full_reps / args.chunk)
     total = 0.0
     rows = []
-    tuned = S.load_tuned()
     for gate in args.gates:
         for t in (16, 32, 64, 128):
-            hp = S.resolve_hparams(gate, t, tuned, {})
+            hp = {"epochs": args.full_epochs}
             per_step = time_steps(gate, t, list(range(args.chunk)), data, max(5, args.steps // 4))
             per_step /= max(5, args.steps // 4)
             secs = chunks * int(hp["epochs"]) * steps_per_epoch * per_step

@@ -210,3 +210,27 @@ def test_kill_9_mid_sweep_then_resume(tmp_path: Path) -> None:
     for name, mt in first.items():
         assert final[name] == mt  # not redone
     assert not list(runs.glob(".*tmp"))
+
+
+def test_grid_search_selects_on_validation_and_reuses_records(tmp_path: Path) -> None:
+    from dselectk.experiments.records import RunStore
+
+    data = S.generate_data(0, n_train=512, n_val=128, n_test=128)
+    grid = {
+        **S.PAPER_GRID,
+        "lr": [0.01],
+        "epochs": [1, 2],
+        "gamma": [10.0],
+        "entropy_reg_dselect_k": [0.01, 1.0],
+    }
+    store = RunStore(tmp_path)
+    cfg = {"seed": 0, "n_train": 512, "n_eval": 128}
+    choice = S.tune("dselect_k", 16, data, store, grid=grid, trials=2, data_cfg=cfg, progress=False)
+    recs = store.load()
+    assert len(recs) == 2 * 2 * 2  # 2 λ × 2 epoch checkpoints × 2 trials, one run per λ
+    assert choice["configs_tried"] == 4
+    assert choice["hparams"]["entropy_reg"] in (0.01, 1.0)
+    if choice["binary"]:
+        assert choice["configs_binary"] >= 1
+    again = S.tune("dselect_k", 16, data, store, grid=grid, trials=2, data_cfg=cfg, progress=False)
+    assert again == choice and len(store.load()) == len(recs)

@@ -29,7 +29,6 @@ Choices where the paper is silent (written into every report):
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -80,8 +79,8 @@ LABELS = {
 }
 PAPER = {"dselect_k": 4, "topk": 1}
 BASE_HPARAMS: dict[str, Any] = {
-    "epochs": 100,
-    "gamma": 1.0,
+    "epochs": 50,
+    "gamma": 10.0,
     "entropy_reg": 0.1,
     "entropy_reg_end": None,
 }
@@ -171,13 +170,14 @@ class RecoveryMoE(nn.Module):
         self.head_b = nn.Parameter(torch.cat(heads_b))  # (R,)
 
     def features(self, x: Tensor) -> Tensor:
-        """Frozen expert outputs (R, 16, B, 4) (precomputed once for the whole data set)."""
-        return expert_outputs(x, self.experts)
+        """Frozen expert outputs (B, R, 16, 4), examples first so that a mini-batch is one
+        contiguous gather (precomputed once for the whole data set)."""
+        return expert_outputs(x, self.experts).permute(2, 0, 1, 3).contiguous()
 
     def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:
         """Logits (R, B) from precomputed expert outputs, and the gates' summed aux loss."""
         out = self.gates()
-        h = torch.einsum("rn,rnbu->rbu", out.weights, feats)
+        h = torch.einsum("rn,brnu->rbu", out.weights, feats)
         return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), out.aux_loss
 
     @torch.no_grad()
@@ -215,6 +215,53 @@ def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, fl
     return out
 
 
+class RowwiseAdam:
+    """Adam (Kingma & Ba; same update as ``torch.optim.Adam``) with one learning rate per row.
+
+    Every parameter's leading dim indexes the repetitions, so repetitions with different
+    learning rates train in one vectorized model (the paper tunes the learning rate over
+    {1e-1, ..., 1e-5}; all five are trained together).
+
+    Args:
+        params: parameters with a leading repetition dim R.
+        lrs: (R,) learning rates.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        lrs: Tensor,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        self.params = list(params)
+        self.lrs = lrs
+        self.b1, self.b2 = betas
+        self.eps = eps
+        self.t = 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        bc1 = 1 - self.b1**self.t
+        bc2_sqrt = math.sqrt(1 - self.b2**self.t)
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            g = p.grad
+            m.lerp_(g, 1 - self.b1)
+            v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+            lr = self.lrs.view(-1, *([1] * (p.dim() - 1)))
+            p.sub_(m / denom * (lr / bc1))
+
+
 def train_reps(
     gate: str,
     hparams: Mapping[str, Any],
@@ -222,20 +269,29 @@ def train_reps(
     init_seeds: Sequence[int],
     *,
     shuffle_seed: int,
+    lrs: Sequence[float] | None = None,
     record_every: int = 0,
+    record_reps: Sequence[int] = (0,),
     progress: bool = False,
     desc: str = "",
-) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Train R repetitions together; return their final metrics and rep 0's weight trajectory.
+) -> tuple[list[dict[str, float]], dict[int, dict[str, Any]]]:
+    """Train R repetitions together; return their final metrics and weight trajectories.
+
+    Args:
+        gate, hparams, data: the gate, its hyperparameters (``lr`` unless ``lrs``), the data.
+        init_seeds: one per repetition (repeat a seed to pair repetitions across lrs).
+        shuffle_seed: seed of the mini-batch order, shared by all repetitions.
+        lrs: one learning rate per repetition (default ``hparams["lr"]`` for all).
+        record_every: record the gate weights of ``record_reps`` every N steps (0: never).
 
     Returns:
-        (metrics per repetition, {"steps": [...], "weights": [[16 floats], ...],
-        "true": [positions]}) — the trajectory is empty when ``record_every`` is 0.
+        (metrics per repetition, {rep: {"steps", "weights" (S x 16), "true" positions}}).
     """
     model = RecoveryMoE(gate, hparams, data, init_seeds)
-    opt = torch.optim.Adam(
-        [p for p in model.parameters() if p.requires_grad], lr=float(hparams["lr"]), foreach=True
-    )
+    rates = [float(hparams["lr"])] * model.reps if lrs is None else [float(v) for v in lrs]
+    if len(rates) != model.reps:
+        raise ValueError(f"lrs must give one learning rate per repetition ({model.reps})")
+    opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
     feats_train = model.features(data.x_train)
     feats_val = model.features(data.x_val)
     y = data.y_train
@@ -249,20 +305,25 @@ def train_reps(
         )
         scheds.append(AttributeScheduler(model.gates, "entropy_reg", sched))
     gen = torch.Generator().manual_seed(int(shuffle_seed))
-    traj: dict[str, Any] = {
-        "steps": [],
-        "weights": [],
-        "true": model.true_mask[0].nonzero().flatten().tolist(),
+    trajs: dict[int, dict[str, Any]] = {
+        r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
+        for r in (record_reps if record_every else ())
     }
+
+    def record(step: int) -> None:
+        w = model.weights()
+        for r, tr in trajs.items():
+            tr["steps"].append(step)
+            tr["weights"].append([round(float(v), 5) for v in w[r]])
+
     step = 0
     if record_every:
-        traj["steps"].append(0)
-        traj["weights"].append([round(float(v), 5) for v in model.weights()[0]])
+        record(0)
     for _ in tqdm(range(epochs), disable=not progress, desc=desc, leave=False, unit="ep"):
         perm = torch.randperm(n, generator=gen)
         for s in range(0, n, BATCH_SIZE):
             idx = perm[s : s + BATCH_SIZE]
-            logits, aux = model(feats_train[:, :, idx])
+            logits, aux = model(feats_train[idx])
             loss = (
                 F.binary_cross_entropy_with_logits(
                     logits, y[idx].expand_as(logits), reduction="none"
@@ -271,16 +332,15 @@ def train_reps(
                 .sum()
                 + aux
             )
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss.backward()
             opt.step()
             for sc in scheds:
                 sc.step()
             step += 1
             if record_every and step % record_every == 0:
-                traj["steps"].append(step)
-                traj["weights"].append([round(float(v), 5) for v in model.weights()[0]])
-    return _evaluate(model, feats_val, data.y_val), traj
+                record(step)
+    return _evaluate(model, feats_val, data.y_val), trajs
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,13 +369,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(GATES),
     )
     p.add_argument("--reps", type=int, default=None, help="repetitions (quick 20, full 100)")
-    p.add_argument("--lrs", type=float, nargs="+", default=LRS, help="learning-rate grid")
+    p.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+    )
     p.add_argument("--epochs", type=int, default=None, help="override the epochs")
     p.add_argument("--seed", type=int, default=0, help="base seed (init, shuffling)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated data")
     p.add_argument("--full", action="store_true", help="100 repetitions")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
     p.add_argument("--record-every", type=int, default=10, help="trajectory sampling (steps)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -338,6 +410,7 @@ def _config(
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every gate × learning rate × repetition, then write the report."""
+    torch.set_num_threads(max(1, int(getattr(args, "threads", 1) or 1)))
     out = Path(args.out)
     store = RunStore(out)
     reps = args.reps if args.reps is not None else (100 if args.full else 20)
@@ -345,29 +418,39 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data = generate_data(args.data_seed)
     tuned = load_tuned(args.tuned)
-    for gate, lr in itertools.product(args.gates, args.lrs):
+    lrs = args.lrs or (LRS if args.full else LRS[:3])
+    for gate in args.gates:
         hp = dict(BASE_HPARAMS)
         hp.update(tuned.get("hparams", {}).get(gate, {}))
-        hp["lr"] = float(lr)
         if args.epochs is not None:
             hp["epochs"] = args.epochs
         seeds = [_init_seed(args.seed, r) for r in range(reps)]
-        cfgs = [_config(gate, hp, r, args.seed, s, args.data_seed) for r, s in enumerate(seeds)]
-        if all(store.done(c) for c in cfgs):
+        jobs = [(lr, r, s) for lr in lrs for r, s in enumerate(seeds)]
+        cfgs = [
+            _config(gate, {**hp, "lr": float(lr)}, r, args.seed, s, args.data_seed)
+            for lr, r, s in jobs
+        ]
+        todo = [i for i, c in enumerate(cfgs) if not store.done(c)]
+        if not todo:
             continue
-        # Repetitions of one (gate, lr) are trained together; rep 0's trajectory is kept.
-        metrics, traj = train_reps(
+        # Every (learning rate, repetition) of a gate is trained in one vectorized model
+        # (per-row Adam learning rates); repetition 0's trajectory is kept for each lr.
+        first = [i for i in todo if jobs[i][1] == 0]
+        metrics, trajs = train_reps(
             gate,
-            hp,
+            {**hp, "lr": float(jobs[todo[0]][0])},
             data,
-            seeds,
+            [jobs[i][2] for i in todo],
             shuffle_seed=args.seed,
+            lrs=[jobs[i][0] for i in todo],
             record_every=args.record_every,
+            record_reps=[todo.index(i) for i in first],
             progress=progress,
-            desc=f"{gate} lr={lr:g}",
+            desc=f"{gate} ({len(todo)} runs)",
         )
-        for r, (c, m) in enumerate(zip(cfgs, metrics)):
-            store.save(c, m, **({"trajectory": traj} if r == 0 else {}))
+        for j, i in enumerate(todo):
+            extra = {"trajectory": trajs[j]} if j in trajs else {}
+            store.save(cfgs[i], metrics[j], **extra)
     wall = time.perf_counter() - t0
     write_report(out, wall_seconds=wall, command=" ".join(["dselectk", *sys.argv[1:]]))
     summary = json.loads((out / "summary.json").read_text())

@@ -95,6 +95,7 @@ BATCH_SIZE = 256
 GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "dselect_k": ("dselect_k", {"init": "paper"}),
     "dselect_k_spread": ("dselect_k", {"init": "spread"}),
+    "dselect_k_diverse": ("dselect_k", {"init": "paper"}),
     "topk": ("topk", {}),
     "ablation_annealing": ("ablation_annealing", {}),
     "ablation_entropy": ("ablation_entropy", {}),
@@ -102,11 +103,13 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
     "dselect_k_spread": "DSelect-k (spread init, ours)",
+    "dselect_k_diverse": "DSelect-k + diversity (ours)",
     "topk": "Top-k",
     "ablation_annealing": "Ablation (Annealing)",
     "ablation_entropy": "Ablation (Entropy)",
 }
 DEFAULT_GATES = ["dselect_k", "dselect_k_spread", "topk", "ablation_annealing", "ablation_entropy"]
+ALL_GATES = [*DEFAULT_GATES[:2], "dselect_k_diverse", *DEFAULT_GATES[2:]]
 
 #: the paper's tuning grid (Appendix D, "Synthetic Data")
 PAPER_GRID: dict[str, list[float]] = {
@@ -136,6 +139,7 @@ BASE_HPARAMS: dict[str, Any] = {
     "entropy_reg_end": None,
     "entropy_warmup": 0.0,
     "temperature_start": None,
+    "diversity": None,
 }
 
 
@@ -208,12 +212,55 @@ def generate_data(
 # --------------------------------------------------------------------------------------------
 # model
 # --------------------------------------------------------------------------------------------
+class DiverseDSelectK(DSelectK):
+    """DSelect-k plus a selector-diversity penalty (ours, not the paper's; see the report).
+
+    Adds μ Σ_{i<j} P(selector i and selector j pick the same code) to each gate's auxiliary
+    loss. Because each selector r(S(z⁽ⁱ⁾)) is the law of M independent bits (Section 3.1.1), this
+    probability is ⟨r_i, r_j⟩ = Π_m [p_im p_jm + (1 - p_im)(1 - p_jm)], O(K² M) without
+    expanding the codes. It is 1 for two identical binary codes and 0 for distinct ones, and its
+    gradient vanishes once S(Z) is binary, like the entropy term. It targets the failure seen
+    in Appendix C.1 runs: selectors collapsing onto the same expert (fewer than k distinct).
+
+    Args:
+        diversity: μ >= 0.
+        *args, **kwargs: as :class:`~dselectk.gates.DSelectK`.
+    """
+
+    def __init__(self, *args: Any, diversity: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.diversity = float(diversity)
+
+    def gate(self, logits: Tensor) -> Any:
+        out = super().gate(logits)
+        if self.diversity <= 0:
+            return out
+        _, z = self.split_logits(logits)
+        p = (z / self._gamma).clamp(-0.5, 0.5)
+        p = p * (1.5 - 2.0 * p * p) + 0.5  # S(z), (*lead, K, M)
+        pi, pj = p.unsqueeze(-2), p.unsqueeze(-3)  # (*lead, K, 1, M), (*lead, 1, K, M)
+        same = (pi * pj + (1 - pi) * (1 - pj)).prod(-1)  # (*lead, K, K)
+        k = p.shape[-2]
+        upper = torch.ones(k, k, dtype=torch.bool, device=p.device).triu(1)
+        per_gate = self.diversity * (same * upper).sum((-1, -2))
+        return type(out)(out.weights, out.aux_loss + self._reduce_aux(per_gate))
+
+
+def _make_gate(gate: str, num_experts: int, num_gates: int, kw: Mapping[str, Any]) -> Gate:
+    reg, _ = GATES[gate]
+    if gate == "dselect_k_diverse":
+        return DiverseDSelectK(num_experts, num_gates=num_gates, **kw)
+    return make_gate(reg, num_experts, num_gates=num_gates, **kw)
+
+
 def _gate_kwargs(gate: str, hp: Mapping[str, Any]) -> dict[str, Any]:
     reg, fixed = GATES[gate]
     kw: dict[str, Any] = {"k": K, **fixed}
     if reg == "dselect_k":
         kw["gamma"] = float(hp["gamma"])
         kw["entropy_reg"] = float(hp.get("entropy_reg") or 0.0)
+        if gate == "dselect_k_diverse":
+            kw["diversity"] = float(hp.get("diversity") or 0.0)
     elif reg == "ablation_entropy":
         kw["entropy_reg"] = float(hp.get("entropy_reg") or 0.0)
     elif reg == "ablation_annealing":
@@ -246,16 +293,15 @@ class SyntheticMoE(nn.Module):
         self.reps = len(init_seeds)
         if self.reps < 1:
             raise ValueError("init_seeds must hold at least one seed")
-        reg, _ = GATES[gate]
         kw = _gate_kwargs(gate, hparams)
         singles = []
         for s in init_seeds:
             torch.manual_seed(int(s))
             e = StackedMLP(self.num_experts, FEATURES, [UNITS])
-            g = make_gate(reg, self.num_experts, num_gates=num_tasks, **kw)
+            g = _make_gate(gate, self.num_experts, num_tasks, kw)
             singles.append((e, g))
         self.experts = StackedMLP(self.reps * self.num_experts, FEATURES, [UNITS])
-        self.gates: Gate = make_gate(reg, self.num_experts, num_gates=self.reps * num_tasks, **kw)
+        self.gates: Gate = _make_gate(gate, self.num_experts, self.reps * num_tasks, kw)
         with torch.no_grad():
             for name, p in self.experts.named_parameters():
                 p.copy_(torch.cat([dict(e.named_parameters())[name] for e, _ in singles]))
@@ -643,13 +689,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results/synthetic"), help="results folder")
     p.add_argument("--tasks", type=int, nargs="+", default=[16, 32, 64, 128], help="T values")
     p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(GATES))
-    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 10, full 100)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 5, full 100)")
     p.add_argument("--batch-reps", type=int, default=None, help="repetitions trained together")
     p.add_argument("--seed", type=int, default=0, help="base seed (init, shuffling)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated data")
     p.add_argument("--full", action="store_true", help="paper protocol: grid search + 100 reps")
     p.add_argument("--epochs", type=int, default=None, help="override the epochs of every gate")
     p.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    p.add_argument("--gamma", type=float, default=None, help="override DSelect-k's γ")
+    p.add_argument("--gamma-end", type=float, default=None, help="anneal γ to this (log scale)")
+    p.add_argument("--entropy-reg", type=float, default=None, help="override λ (DSelect-k, abl.)")
+    p.add_argument("--entropy-reg-end", type=float, default=None, help="ramp λ linearly to this")
+    p.add_argument("--diversity", type=float, default=None, help="μ of dselect_k_diverse")
+    p.add_argument(
+        "--temperature-start", type=float, default=None, help="annealing start temperature s"
+    )
     p.add_argument("--n-train", type=int, default=100_000, help="training rows (paper 100k)")
     p.add_argument("--n-eval", type=int, default=20_000, help="validation = test rows (20k)")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
@@ -658,15 +712,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sequential", action="store_true", help="train repetitions one at a time (reference)"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(max(1, int(getattr(args, "threads", 1) or 1)))
     out = Path(args.out)
     store = RunStore(out)
-    reps = args.reps if args.reps is not None else (100 if args.full else 10)
+    reps = args.reps if args.reps is not None else (100 if args.full else 5)
     batch_reps = args.batch_reps or (1 if args.sequential else min(reps, 25))
     if args.sequential:
         batch_reps = 1
@@ -675,7 +735,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data = generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
     tuned = load_tuned(args.tuned)
-    overrides = {"epochs": args.epochs, "lr": args.lr}
+    overrides = {
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "gamma": args.gamma,
+        "gamma_end": args.gamma_end,
+        "entropy_reg": args.entropy_reg,
+        "entropy_reg_end": args.entropy_reg_end,
+        "diversity": args.diversity,
+        "temperature_start": args.temperature_start,
+    }
     selected: dict[str, dict[str, Any]] = {}
     for gate, t in itertools.product(args.gates, sorted(args.tasks)):
         if args.full:
@@ -867,7 +936,7 @@ def write_report(
     atomic_write_json(results_dir / "summary.json", summary)
 
     # plots (Figure C.1's three panels, and one heatmap per gate at the largest T)
-    gates = [g for g in DEFAULT_GATES if any(r["gate"] == g for r in rows)]
+    gates = [g for g in ALL_GATES if any(r["gate"] == g for r in rows)]
     gates += sorted({r["gate"] for r in rows} - set(gates))
 
     def series(metric: str) -> dict[str, Any]:
@@ -948,6 +1017,10 @@ def tuned_source(final: Sequence[Mapping[str, Any]]) -> str:
 
 def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) -> str:
     rows = summary["rows"]
+    try:
+        findings = [str(f) for f in load_tuned().get("findings", [])]
+    except (OSError, json.JSONDecodeError):
+        findings = []
     lines = [
         "# Synthetic multi-task study (Appendix C.1)",
         "",
@@ -977,14 +1050,15 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         "",
         "## Results (mean ± standard error over repetitions)",
         "",
-        "| gate | T | test MSE | Jaccard related | Jaccard unrelated | experts/task | "
-        "tasks with exactly 4 | binary S(Z) (tasks) | n |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| gate | T | test MSE | soft-weight MSE | Jaccard related | Jaccard unrelated | "
+        "experts/task | tasks with exactly 4 | binary S(Z) (tasks) | n |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["metrics"]
         lines.append(
             f"| {r['label']} | {r['num_tasks']} | {_fmt(m.get('test_mse'), 4)} | "
+            f"{_fmt(m.get('test_mse_soft'), 4)} | "
             f"{_fmt(m.get('related_jaccard'))} | {_fmt(m.get('unrelated_jaccard'))} | "
             f"{_fmt(m.get('experts_per_task'), 2)} | {_fmt(m.get('frac_tasks_k_experts'), 2)} | "
             f"{_fmt(m.get('frac_tasks_binary'), 2)} | {m.get('test_mse', {}).get('n', 0)} |"
@@ -1000,7 +1074,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         "",
     ]
     comp = []
-    for g in ("dselect_k", "dselect_k_spread"):
+    for g in ("dselect_k", "dselect_k_spread", "dselect_k_diverse"):
         comp += _comparison(rows, g)
     abl = [r for r in rows if r["gate"] == "ablation_entropy"]
     if abl:
@@ -1018,6 +1092,12 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         "our remedy (spread init) are reported side by side; the remedy never replaces the "
         "faithful run. 'Reproduces' is judged against the paper's text only (Figure C.1 has no "
         "numbers in the source we have).",
+        "",
+        "## What the shipped tuning record found",
+        "",
+    ]
+    lines += [f"- {f}" for f in findings] or ["- (no findings recorded)"]
+    lines += [
         "",
         "## Plots",
         "",
