@@ -248,3 +248,29 @@ def test_inference_dispatch_expert_list_loop_path() -> None:
     assert fast.mixer.dispatch(x, gate(x).weights.unsqueeze(1)) is not None
     with torch.no_grad():
         torch.testing.assert_close(fast(x).output, dense(x).output, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_gate_works_with_torch_func() -> None:
+    """The fused node is a setup_context Function: torch.func.grad and vmap work through it."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    gate = DSelectK(8, 2, in_features=5, entropy_reg=0.2).double()
+    x = torch.randn(6, 5, dtype=F64)
+    params = dict(gate.named_parameters())
+
+    def loss(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        out = functional_call(gate, p, (xb,))
+        return (out.weights**2).sum() + out.aux_loss
+
+    got = grad(loss)(params, x)
+    want = torch.autograd.grad(loss(params, x), list(params.values()))
+    for name, ref in zip(params, want):
+        torch.testing.assert_close(got[name], ref)
+    per_example = vmap(grad(lambda p, xi: loss(p, xi.unsqueeze(0))), in_dims=(None, 0))(params, x)
+    for i in range(6):
+        (ref,) = torch.autograd.grad(loss(params, x[i : i + 1]), [params["proj.weight"]])
+        torch.testing.assert_close(per_example["proj.weight"][i], ref)
+    z, alpha = _inputs((3, 4), 2, 3, 0.5)
+    batched = vmap(lambda a, zz: DF.dselect_k_fused(a, zz, 1.0)[0])(alpha, z)
+    torch.testing.assert_close(batched, DF.dselect_k_fused(alpha, z, 1.0)[0])
