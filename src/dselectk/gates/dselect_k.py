@@ -169,11 +169,13 @@ class DSelectK(Gate):
     # -- math -----------------------------------------------------------------------------
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
-        p = DF.smooth_step(z, self._gamma)  # (*lead, K, M)
-        w = DF._expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1))  # (*lead, K, N)
-        weights = w.sum(dim=-2)[..., : self.num_experts]
-        per_gate = self._entropy_reg * DF.selector_entropy(p).sum(dim=-1)
+        # One fused autograd node: smooth-step, the K selectors by successive outer products
+        # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
+        w, ent = DF.dselect_k_fused(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
+        weights = w[..., : self.num_experts]
+        per_gate = self._entropy_reg * ent.sum(dim=-1)
         if self.num_experts < 2**self.num_bits and self.xi > 0:
+            p = DF.smooth_step(z, self._gamma)  # (*lead, K, M)
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         return GateOutput(weights, self._reduce_aux(per_gate))
 
