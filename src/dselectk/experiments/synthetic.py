@@ -962,7 +962,12 @@ def write_report(
     plots = []
     if rows:
         panels: list[dict[str, Any]] = [
-            {"series": series("test_mse"), "ylabel": "test MSE", "title": "MSE"},
+            {
+                "series": series("test_mse"),
+                "ylabel": "test MSE (log)",
+                "title": "MSE",
+                "logy": True,
+            },
             {
                 "series": series("related_jaccard"),
                 "ylabel": "Jaccard index",
@@ -991,6 +996,7 @@ def write_report(
                     title=panels[i]["title"],
                     reference=panels[i].get("reference"),
                     logx=True,
+                    logy=bool(panels[i].get("logy")),
                 )
             )
         for g in gates:

@@ -45,6 +45,7 @@ def plot_metric_vs(
     title: str | None = None,
     reference: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
     logx: bool = False,
+    logy: bool = False,
 ) -> Path:
     """One metric (mean ± standard error) against a setting, one line per gate.
 
@@ -54,6 +55,7 @@ def plot_metric_vs(
         xlabel, ylabel, title: axis labels and title.
         reference: label → (x values, y values) drawn as dashed lines (e.g. a random gate).
         logx: log-2 x axis (numbers of tasks).
+        logy: log y axis (e.g. MSEs that differ by orders of magnitude).
 
     Returns:
         The path written.
@@ -64,6 +66,8 @@ def plot_metric_vs(
     ax.set_ylabel(ylabel)
     if logx:
         ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -83,7 +87,7 @@ def plot_metric_panels(
 
     Args:
         panels: one mapping per panel with keys ``series``, ``ylabel`` and optionally
-            ``reference`` and ``title``.
+            ``reference``, ``title`` and ``logy`` (log y axis).
         path: the PNG to write.
         xlabel: shared x label.
         logx: log-2 x axes.
@@ -98,6 +102,8 @@ def plot_metric_panels(
             ax.set_title(panel["title"])
         if logx:
             ax.set_xscale("log", base=2)
+        if panel.get("logy"):
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if suptitle:
