@@ -585,7 +585,9 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short pass (about 2 minutes on 2 cores)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...)")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda (cuda:0, ...) or all (cpu, then cuda if present)"
+    )
     p.add_argument("--only", nargs="+", choices=ITEMS, help="run only these items")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(step)")
@@ -595,13 +597,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--record", default="", help="also write the JSON to this path")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device == "all":
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    else:
+        devices = [args.device]
+    if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
-    result = run_suite(args)
+    results = []
+    for device in devices:
+        args.device = device
+        results.append(run_suite(args))
+    result = results[0] if len(results) == 1 else {"runs": results}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dev_tag = args.device.replace(":", "")
+    dev_tag = "-".join(d.replace(":", "") for d in devices)
     path = out_dir / f"bench-{dev_tag}-{'quick-' if args.quick else ''}{stamp}.json"
     text = json.dumps(result, indent=1, default=str)
     path.write_text(text)

@@ -158,8 +158,11 @@ class _ExpertMixer(nn.Module):
         w = weights.permute(2, 0, 1).index_select(0, act)  # (A, B, T)
         w = torch.gather(w, 1, idx.unsqueeze(-1).expand(-1, -1, t))  # (A, cap, T)
         w = w.masked_fill(~valid.unsqueeze(-1), 0.0)
-        contrib = w.permute(2, 0, 1).unsqueeze(-1) * y.unsqueeze(0)  # (T, A, cap, D)
         out = y.new_zeros(t, b, y.shape[-1])
+        if t == 1 and not (torch.is_grad_enabled() and y.requires_grad):
+            contrib = y.mul_(w).unsqueeze(0)  # inference: scale the expert outputs in place
+        else:
+            contrib = w.permute(2, 0, 1).unsqueeze(-1) * y.unsqueeze(0)  # (T, A, cap, D)
         return out.index_add_(1, idx.flatten(), contrib.flatten(1, 2))
 
 
