@@ -1,4 +1,4 @@
-"""Command line: ``dselectk demo | reproduce EXPERIMENT | report DIR | bench``.
+"""Command line: ``dselectk demo | reproduce EXPERIMENT | report DIR | bench [ARGS]``.
 
 The CLI parses arguments and calls experiment modules; it holds no logic of its own. Each
 experiment module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -50,18 +51,34 @@ def build_parser() -> argparse.ArgumentParser:
     if _available("dselectk.experiments.report"):
         report = sub.add_parser("report", help="rebuild report and plots of a results folder")
         importlib.import_module("dselectk.experiments.report").add_arguments(report)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (same as python -m benchmarks)")
+    bench.epilog = "Other arguments go to the suite; see `dselectk bench --help-suite`."
+    bench.add_argument("--help-suite", action="store_true", help="show the suite's options")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dselectk`` command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
         return int(importlib.import_module("dselectk.experiments.demo").run(args))
     if args.command == "reproduce":
         return int(importlib.import_module(args.experiment_module).run(args))
     if args.command == "report":
         return int(importlib.import_module("dselectk.experiments.report").run(args))
+    if args.command == "bench":
+        root = Path(__file__).resolve().parents[2]  # repository root (src layout)
+        if not (root / "benchmarks" / "suite.py").is_file():
+            print("dselectk bench needs a source checkout (benchmarks/ is not installed)")
+            return 2
+        sys.path.insert(0, str(root))
+        suite_args = ["--help"] if args.help_suite else [a for a in extra if a != "--"]
+        importlib.import_module("benchmarks.suite").main(suite_args)
+        return 0
     return 2
 
 
