@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=128)
     p.add_argument("--gate", default="dselect_k")
     p.add_argument("--steps", type=int, default=40, help="steps timed per configuration")
-    p.add_argument("--chunk", type=int, default=25, help="repetitions per batched model (full)")
+    p.add_argument("--chunk", type=int, default=100, help="repetitions per batched model (full)")
     p.add_argument("--full-reps", type=int, default=100)
     p.add_argument(
         "--full-epochs",
@@ -56,8 +56,10 @@ def main() -> None:
         help="epochs per final run in the estimate (100 = the largest of the paper's grid)",
     )
     p.add_argument("--gates", nargs="+", default=S.DEFAULT_GATES)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the CLI's default: 1)")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     data = S.generate_data(0, n_train=20_000, n_val=10, n_test=10)
     seeds = list(range(args.reps))
     batched = time_steps(args.gate, args.tasks, seeds, data, args.steps)

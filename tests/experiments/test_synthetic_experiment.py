@@ -48,26 +48,35 @@ def test_data_recipe_mixture_of_relu_experts() -> None:
 
 
 def test_task_weights_correlated_within_group() -> None:
-    # 60 seeds x 8 groups x 4 coordinates = 1920 draws of the 16 tasks' weights.
+    # 30 seeds x 8 groups x 4 coordinates = 960 draws of the 16 tasks' weights.
     cols = []
-    for seed in range(60):
+    for seed in range(30):
         a = S.generate_data(seed, n_train=4, n_val=2, n_test=2).alpha  # (128, 4)
         cols.append(a.view(8, 16, 4).permute(0, 2, 1).reshape(-1, 16))
-    samples = torch.cat(cols)  # (1920, 16)
+    samples = torch.cat(cols)  # (960, 16)
     c = torch.corrcoef(samples.T)
     off = c[~torch.eye(16, dtype=torch.bool)]
-    assert float(off.mean()) == pytest.approx(0.8, abs=0.03)
+    assert float(off.mean()) == pytest.approx(0.8, abs=0.04)
     assert float(samples.var(0).mean()) == pytest.approx(1.0, abs=0.1)
-    # different groups are independent
-    g0, g1 = samples.view(60, 8, 4, 16)[:, 0], samples.view(60, 8, 4, 16)[:, 1]
+    # different groups are independent: 120 pairs (seed, coordinate), standard error ~0.09
+    g0, g1 = samples.view(30, 8, 4, 16)[:, 0], samples.view(30, 8, 4, 16)[:, 1]
     cross = torch.corrcoef(torch.stack([g0[..., 0].flatten(), g1[..., 0].flatten()]))[0, 1]
-    assert abs(float(cross)) < 0.15
+    assert abs(float(cross)) < 0.35
 
 
-@pytest.mark.parametrize("gate", ["dselect_k", "dselect_k_spread", "topk", "ablation_annealing"])
+@pytest.mark.parametrize(
+    "gate", ["dselect_k", "dselect_k_diverse", "topk", "ablation_annealing", "ablation_entropy"]
+)
 def test_batched_equals_sequential(gate: str) -> None:
     data = S.generate_data(0, n_train=768, n_val=128, n_test=128)
-    hp = {**S.BASE_HPARAMS, "epochs": 2, "lr": 0.01, "entropy_reg": 0.01, "temperature_start": 1e-3}
+    hp = {
+        **S.BASE_HPARAMS,
+        "epochs": 2,
+        "lr": 0.01,
+        "entropy_reg": 0.01,
+        "temperature_start": 1e-3,
+        "diversity": 1.0,
+    }
     seeds = [11, 12, 13]
     batched = S.train_reps(gate, 32, hp, seeds, data, shuffle_seed=5)
     assert isinstance(batched, dict)

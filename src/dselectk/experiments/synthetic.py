@@ -387,7 +387,7 @@ class _Ramp(LinearSchedule):
 # training and evaluation
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
-def _mse(model: SyntheticMoE, x: Tensor, y: Tensor, weights: Tensor, chunk: int = 4096) -> Tensor:
+def _mse(model: SyntheticMoE, x: Tensor, y: Tensor, weights: Tensor, chunk: int = 1024) -> Tensor:
     """(R,) MSE averaged over tasks and examples; ``y`` is (N, T)."""
     total = torch.zeros(model.reps, dtype=torch.float64)
     flat = weights.reshape(-1, model.num_experts)
@@ -727,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     store = RunStore(out)
     reps = args.reps if args.reps is not None else (100 if args.full else 5)
-    batch_reps = args.batch_reps or (1 if args.sequential else min(reps, 25))
+    batch_reps = args.batch_reps or (1 if args.sequential else min(reps, 100))
     if args.sequential:
         batch_reps = 1
     progress = not args.no_progress
