@@ -243,3 +243,33 @@ def test_grid_search_selects_on_validation_and_reuses_records(tmp_path: Path) ->
         assert choice["configs_binary"] >= 1
     again = S.tune("dselect_k", 16, data, store, grid=grid, trials=2, data_cfg=cfg, progress=False)
     assert again == choice and len(store.load()) == len(recs)
+
+
+def test_full_protocol_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "full"
+    argv = [
+        "reproduce",
+        "synthetic",
+        "--full",
+        "--max-points",
+        "1",
+        "--trials",
+        "1",
+        "--tasks",
+        "16",
+        "--gates",
+        "dselect_k",
+        "--reps",
+        "1",
+        "--n-train",
+        "256",
+        "--n-eval",
+        "64",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    sel = json.loads((out / "selected_hparams.json").read_text())
+    assert set(sel) == {"dselect_k/16"} and "configs_binary" in sel["dselect_k/16"]
+    assert "grid search" in (out / "report.md").read_text()

@@ -1012,7 +1012,26 @@ def write_report(
                         row_groups=[i // TASKS_PER_GROUP for i in range(t)],
                     )
                 )
-    atomic_write_text(results_dir / "report.md", _markdown(summary, tuned_source(final), plots))
+    source = tuned_source(final)
+    if tune_count:
+        source = (
+            f"selected in this folder by the paper's grid search ({tune_count} tuning records, "
+            "lowest mean validation MSE; DSelect-k configurations whose S(Z) is not binary in "
+            "every trial discarded, see selected_hparams.json)"
+        )
+        sel_path = results_dir / "selected_hparams.json"
+        if sel_path.is_file():
+            sel = json.loads(sel_path.read_text(encoding="utf-8"))
+            notes = [
+                f"{k}: {v.get('configs_binary', '?')} of {v.get('configs_tried', '?')} "
+                "configurations binary"
+                + ("" if v.get("binary", True) else " (none: best non-binary used)")
+                for k, v in sorted(sel.items())
+                if k.startswith("dselect_k")
+            ]
+            if notes:
+                source += ". " + "; ".join(notes)
+    atomic_write_text(results_dir / "report.md", _markdown(summary, source, plots))
 
 
 _USED_HPARAMS = {
