@@ -704,10 +704,10 @@ def run_experiment(
                 tqdm.write(msg)
     wall = time.perf_counter() - t0
     prev_wall = 0.0
-    if (out / "summary.json").is_file():
+    if (out / "run_info.json").is_file():
         try:
             prev_wall = float(
-                json.loads((out / "summary.json").read_text()).get("wall_seconds") or 0.0
+                json.loads((out / "run_info.json").read_text()).get("wall_seconds") or 0.0
             )
         except (json.JSONDecodeError, ValueError, TypeError):
             prev_wall = 0.0
@@ -958,7 +958,8 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
             f"Command: `{info.get('command')}`  ",
             f"Mode: **{info.get('mode')}**, repetitions per gate and setting: "
             f"{info.get('repetitions')}, cumulative wall time of the sweep commands: "
-            f"{float(info.get('wall_seconds') or 0):.0f} s.",
+            f"{float(info.get('wall_seconds') or 0):.0f} s; training time of the summarised "
+            f"runs: {sum(float(r['metrics'].get('train_seconds', 0.0)) for r in records):.0f} s.",
             "",
         ]
         if info.get("mode") == "quick":
