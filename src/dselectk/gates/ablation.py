@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+from dselectk.gates.base import (
+    Gate,
+    GateOutput,
+    HyperParameter,
+    check_nonnegative,
+    check_positive_int,
+)
 
 __all__ = ["SoftmaxSelectorGate"]
 
@@ -35,7 +39,9 @@ class SoftmaxSelectorGate(Gate):
     """
 
     _temperature: Tensor
+    temperature = HyperParameter(positive=True)
     _entropy_reg: Tensor
+    entropy_reg = HyperParameter(positive=False)
 
     def __init__(
         self,
@@ -60,8 +66,6 @@ class SoftmaxSelectorGate(Gate):
         self.k = check_positive_int("k", k)
         if k > num_experts:
             raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
-        self.register_buffer("_temperature", torch.tensor(1.0))
-        self.register_buffer("_entropy_reg", torch.tensor(0.0))
         self.temperature = temperature
         self.entropy_reg = entropy_reg
         self._build_logits()
@@ -72,27 +76,6 @@ class SoftmaxSelectorGate(Gate):
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (1 + self.num_experts),)
-
-    @property
-    def temperature(self) -> float:
-        """Softmax temperature τ > 0 of the selectors."""
-        return float(self._temperature)
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        v = float(value)
-        if not (v > 0.0 and math.isfinite(v)):
-            raise ValueError(f"temperature must be a finite number > 0, got {value}")
-        self._temperature.fill_(v)
-
-    @property
-    def entropy_reg(self) -> float:
-        """Entropy regularisation weight λ >= 0."""
-        return float(self._entropy_reg)
-
-    @entropy_reg.setter
-    def entropy_reg(self, value: float) -> None:
-        self._entropy_reg.fill_(check_nonnegative("entropy_reg", value))
 
     def selectors(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """σ(α) (..., K) and the selector outputs σ(β⁽ⁱ⁾/τ) (..., K, n)."""

@@ -25,12 +25,12 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Gate", "GateOutput", "check_nonnegative", "check_positive_int"]
+__all__ = ["Gate", "GateOutput", "HyperParameter", "check_nonnegative", "check_positive_int"]
 
 
 class GateOutput(NamedTuple):
@@ -60,6 +60,46 @@ def check_nonnegative(name: str, value: float) -> float:
     if not (v >= 0.0 and math.isfinite(v)):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     return v
+
+
+class HyperParameter:
+    """A schedulable float hyperparameter of a module (γ, λ, a temperature), kept in a 0-d buffer.
+
+    Reading gives a float; assigning validates the value and writes it into the buffer
+    ``_<name>`` in place. So the value follows ``.to()``, is saved in the ``state_dict`` (a
+    resumed anneal continues where it was), and a schedule changing it does not make
+    ``torch.compile`` recompile. The module's math reads the buffer directly.
+
+    Args:
+        positive: require a value > 0 (γ, temperatures) instead of >= 0 (λ, ξ).
+    """
+
+    def __init__(self, *, positive: bool) -> None:
+        self.positive = positive
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: nn.Module | None, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return float(getattr(obj, f"_{self.name}"))
+
+    def __set__(self, obj: nn.Module, value: float) -> None:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{self.name} must be a number, got {type(value).__name__}") from None
+        ok = v > 0.0 if self.positive else v >= 0.0
+        if not (ok and math.isfinite(v)):
+            bound = "> 0" if self.positive else ">= 0"
+            raise ValueError(f"{self.name} must be a finite number {bound}, got {value}")
+        buf = f"_{self.name}"
+        if buf in obj._buffers:
+            getattr(obj, buf).fill_(v)
+        else:
+            obj.register_buffer(buf, torch.tensor(v))
 
 
 class Gate(nn.Module):

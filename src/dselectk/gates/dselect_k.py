@@ -8,7 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+from dselectk.gates.base import (
+    Gate,
+    GateOutput,
+    HyperParameter,
+    check_nonnegative,
+    check_positive_int,
+)
 
 __all__ = ["DSelectK"]
 
@@ -45,7 +51,9 @@ class DSelectK(Gate):
     """
 
     _gamma: Tensor
+    gamma = HyperParameter(positive=True)
     _entropy_reg: Tensor
+    entropy_reg = HyperParameter(positive=False)
 
     def __init__(
         self,
@@ -76,11 +84,7 @@ class DSelectK(Gate):
         self.max_nonzeros = self.k  # once S(Z) is binary
         self.num_bits = DF.num_bits(num_experts)
         self.xi = check_nonnegative("xi", xi)
-        # Schedulable scalars live in buffers: they follow .to(), are saved in the state_dict
-        # (a resumed run continues its anneal) and change in place, so torch.compile does not
-        # recompile when a schedule moves them.
-        self.register_buffer("_gamma", torch.tensor(1.0))
-        self.register_buffer("_entropy_reg", torch.tensor(0.0))
+        # Schedulable scalars live in buffers (see HyperParameter).
         self.gamma = gamma
         self.entropy_reg = entropy_reg
         self.init = init
@@ -90,27 +94,6 @@ class DSelectK(Gate):
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (1 + self.num_bits),)
 
-    # -- schedulable hyperparameters ------------------------------------------------------
-    @property
-    def gamma(self) -> float:
-        """Smooth-step width γ > 0."""
-        return float(self._gamma)
-
-    @gamma.setter
-    def gamma(self, value: float) -> None:
-        v = float(value)
-        if not (v > 0.0 and math.isfinite(v)):
-            raise ValueError(f"gamma must be a finite number > 0, got {value}")
-        self._gamma.fill_(v)
-
-    @property
-    def entropy_reg(self) -> float:
-        """Entropy regularisation weight λ >= 0."""
-        return float(self._entropy_reg)
-
-    @entropy_reg.setter
-    def entropy_reg(self, value: float) -> None:
-        self._entropy_reg.fill_(check_nonnegative("entropy_reg", value))
 
     # -- parameters -----------------------------------------------------------------------
     @torch.no_grad()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dselectk.gates.base import Gate, GateOutput, check_nonnegative
+from dselectk.gates.base import Gate, GateOutput, HyperParameter
 
 __all__ = ["GumbelSoftmaxGate"]
 
@@ -38,7 +36,9 @@ class GumbelSoftmaxGate(Gate):
 
     on_simplex = False
     _temperature: Tensor
+    temperature = HyperParameter(positive=True)
     _sparsity_reg: Tensor
+    sparsity_reg = HyperParameter(positive=False)
 
     def __init__(
         self,
@@ -61,8 +61,6 @@ class GumbelSoftmaxGate(Gate):
             check_finite=check_finite,
         )
         self.hard = bool(hard)
-        self.register_buffer("_temperature", torch.tensor(1.0))
-        self.register_buffer("_sparsity_reg", torch.tensor(0.0))
         self.temperature = temperature
         self.sparsity_reg = sparsity_reg
         self._build_logits()
@@ -76,27 +74,6 @@ class GumbelSoftmaxGate(Gate):
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (2 * self.num_experts,)  # α (n) then the keep logits ℓ (n)
-
-    @property
-    def temperature(self) -> float:
-        """Temperature τ > 0 of the Gumbel-softmax relaxation."""
-        return float(self._temperature)
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        v = float(value)
-        if not (v > 0.0 and math.isfinite(v)):
-            raise ValueError(f"temperature must be a finite number > 0, got {value}")
-        self._temperature.fill_(v)
-
-    @property
-    def sparsity_reg(self) -> float:
-        """Weight λ >= 0 of the sparsity penalty λ Σ log ψ."""
-        return float(self._sparsity_reg)
-
-    @sparsity_reg.setter
-    def sparsity_reg(self, value: float) -> None:
-        self._sparsity_reg.fill_(check_nonnegative("sparsity_reg", value))
 
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, keep = logits.split(self.num_experts, dim=-1)
