@@ -94,7 +94,6 @@ class DSelectK(Gate):
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (1 + self.num_bits),)
 
-
     # -- parameters -----------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self) -> None:
