@@ -52,6 +52,7 @@ from dselectk.experiments.records import (
     RunStore,
     atomic_write_json,
     atomic_write_text,
+    format_mean_se,
     mean_se,
     summarize,
 )
@@ -755,13 +756,7 @@ class ReportSpec:
 
 def fmt(m: Mapping[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:
     """``mean ± se`` of a summarised metric (``-`` when missing)."""
-    if not m or m.get("mean") is None or not math.isfinite(float(m["mean"])):
-        return "-"
-    mean = float(m["mean"]) * scale
-    se = m.get("se")
-    if se is None or not math.isfinite(float(se)):
-        return f"{mean:.{digits}f} (n={m.get('n', 1)})"
-    return f"{mean:.{digits}f} ± {float(se) * scale:.{digits}f}"
+    return format_mean_se(m, digits, scale=scale, missing="-", show_n=True)
 
 
 def _final_records(records: Iterable[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:

@@ -26,6 +26,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "environment",
+    "format_mean_se",
     "mean_se",
     "run_id",
     "summarize",
@@ -153,6 +154,34 @@ def mean_se(values: Sequence[float]) -> dict[str, float | int]:
         return {"mean": mean, "se": math.nan, "n": 1}
     var = sum((x - mean) ** 2 for x in xs) / (n - 1)
     return {"mean": mean, "se": math.sqrt(var / n), "n": n}
+
+
+def format_mean_se(
+    m: Mapping[str, Any] | None,
+    digits: int = 2,
+    *,
+    scale: float = 1.0,
+    missing: str = "–",
+    show_n: bool = False,
+) -> str:
+    """``mean ± se`` of a summarised metric (a :func:`mean_se` dict), for tables.
+
+    Args:
+        m: ``{"mean", "se", "n"}`` or None.
+        digits: decimals.
+        scale: multiply mean and se (e.g. 1e4 for the paper's loss tables).
+        missing: text when there is no finite mean.
+        show_n: write ``(n=N)`` when there is no standard error (a single repetition).
+    """
+    if not m or not m.get("n", 1) or m.get("mean") is None:
+        return missing
+    mean = float(m["mean"]) * scale
+    if not math.isfinite(mean):
+        return missing
+    se = m.get("se")
+    if se is None or not math.isfinite(float(se)):
+        return f"{mean:.{digits}f} (n={m.get('n', 1)})" if show_n else f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {float(se) * scale:.{digits}f}"
 
 
 def summarize(

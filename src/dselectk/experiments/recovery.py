@@ -44,7 +44,13 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dselectk.experiments.metrics import recovered_experts
-from dselectk.experiments.records import RunStore, atomic_write_json, atomic_write_text, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    atomic_write_json,
+    atomic_write_text,
+    format_mean_se,
+    summarize,
+)
 from dselectk.gates import DSelectK, make_gate
 from dselectk.gates.base import Gate
 from dselectk.schedules import AttributeScheduler, LinearSchedule
@@ -463,12 +469,7 @@ def run(args: argparse.Namespace) -> int:
 # report
 # --------------------------------------------------------------------------------------------
 def _fmt(m: Mapping[str, Any] | None, digits: int = 2) -> str:
-    if not m or not m.get("n") or m.get("mean") is None:
-        return "–"
-    se = m.get("se")
-    if se is None or not math.isfinite(float(se)):
-        return f"{float(m['mean']):.{digits}f}"
-    return f"{float(m['mean']):.{digits}f} ± {float(se):.{digits}f}"
+    return format_mean_se(m, digits)
 
 
 def print_table(summary: Mapping[str, Any]) -> None:

@@ -61,7 +61,13 @@ from dselectk.experiments.metrics import (
     expected_random_jaccard,
     pairwise_jaccard,
 )
-from dselectk.experiments.records import RunStore, atomic_write_json, atomic_write_text, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    atomic_write_json,
+    atomic_write_text,
+    format_mean_se,
+    summarize,
+)
 from dselectk.gates import DSelectK, SoftmaxSelectorGate, make_gate
 from dselectk.gates.base import Gate
 from dselectk.layers import StackedMLP
@@ -833,15 +839,7 @@ def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
-    if not m or m.get("n", 0) == 0 or m.get("mean") is None:
-        return "–"
-    mean = float(m["mean"])
-    if not math.isfinite(mean):
-        return "–"
-    se = m.get("se")
-    if se is None or not math.isfinite(float(se)):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {float(se):.{digits}f}"
+    return format_mean_se(m, digits)
 
 
 def print_table(summary: Mapping[str, Any]) -> None:

@@ -1,0 +1,70 @@
+"""Run records: atomic writes, stable ids, summaries."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dselectk.experiments.records import (
+    RunStore,
+    atomic_write_json,
+    format_mean_se,
+    mean_se,
+    run_id,
+    summarize,
+)
+
+
+def test_run_id_is_stable_and_order_free() -> None:
+    assert run_id({"a": 1, "b": [1, 2]}) == run_id({"b": [1, 2], "a": 1})
+    assert run_id({"a": 1}) != run_id({"a": 2})
+
+
+def test_store_round_trip_and_done(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    cfg = {"gate": "dselect_k", "rep": 0}
+    assert not store.done(cfg)
+    store.save(cfg, {"mse": 0.5, "bad": math.nan})
+    assert store.done(cfg)
+    (rec,) = store.load()
+    assert rec["config"] == cfg and rec["metrics"] == {"mse": 0.5, "bad": None}
+    assert "torch" in rec["environment"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_unreadable_record_names_the_file(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    store.runs.mkdir(parents=True)
+    (store.runs / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match=r"broken\.json"):
+        store.load()
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    atomic_write_json(path, {"ok": 1})
+    with pytest.raises(TypeError):
+        atomic_write_json(path, {"bad": object()})
+    assert json.loads(path.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_mean_se_summarize_and_format() -> None:
+    stats = mean_se([1.0, 2.0, 3.0, math.nan])
+    assert stats["n"] == 3 and stats["mean"] == 2.0
+    assert stats["se"] == pytest.approx(1 / math.sqrt(3))
+    records = [
+        {"config": {"gate": g, "rep": r}, "metrics": {"mse": v}}
+        for g, r, v in [("a", 0, 1.0), ("a", 1, 3.0), ("b", 0, 5.0)]
+    ]
+    rows = summarize(records, ["gate"])
+    assert [r["gate"] for r in rows] == ["a", "b"]
+    assert rows[0]["metrics"]["mse"]["mean"] == 2.0 and rows[1]["metrics"]["mse"]["n"] == 1
+    assert format_mean_se(rows[0]["metrics"]["mse"]) == "2.00 ± 1.00"
+    assert format_mean_se(rows[1]["metrics"]["mse"], 1) == "5.0"
+    assert format_mean_se(rows[1]["metrics"]["mse"], 0, show_n=True) == "5 (n=1)"
+    assert format_mean_se(None) == "–"
+    assert format_mean_se({"mean": 0.25, "se": 0.01, "n": 2}, 0, scale=1e4) == "2500 ± 100"
