@@ -109,7 +109,11 @@ class _ExpertMixer(nn.Module):
         order = used.t().nonzero()  # (pairs, 2) = (expert, row), sorted by expert then row
         active = [i for i, c in enumerate(per_expert) if c > 0]
         cap = max(per_expert)
-        if isinstance(self.experts, StackedMLP) and cap * len(active) <= 2 * pairs:
+        # One padded batched call saves kernel launches on accelerators; on the CPU, one matmul
+        # per used expert on exactly its rows was 5-20 % faster in interleaved timings (no
+        # padded rows to compute or scatter).
+        padded_ok = cap * len(active) <= 2 * pairs and x.device.type != "cpu"
+        if isinstance(self.experts, StackedMLP) and padded_ok:
             return self._dispatch_padded(x, weights, order, counts, active, cap)
         rows_all = order[:, 1]
         out: Tensor | None = None
