@@ -300,6 +300,18 @@ def _as_path(path: str | os.PathLike[str]) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def _read_timestamped_ratings(
+    path: str | os.PathLike[str], sep: str, names: tuple[str, str, str]
+) -> Ratings:
+    """``user item rating timestamp`` rows separated by ``sep``; ``names`` label the checks."""
+    p = _as_path(path)
+    arr = _parse_int_table(p, _read_text(p, "latin-1"), sep, 4)
+    _check_ids(p, arr[:, 0], names[0])
+    _check_ids(p, arr[:, 1], names[1])
+    _check_values(p, arr[:, 2], 1, 5, names[2])
+    return Ratings(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), arr[:, 3].copy())
+
+
 def read_ml100k_ratings(path: str | os.PathLike[str]) -> Ratings:
     """Parse ML-100K ``u.data`` (tab-separated ``user item rating timestamp``).
 
@@ -313,12 +325,7 @@ def read_ml100k_ratings(path: str | os.PathLike[str]) -> Ratings:
         FileNotFoundError: If the file does not exist.
         ValueError: On a malformed line or an out-of-range value; names file and line number.
     """
-    p = _as_path(path)
-    arr = _parse_int_table(p, _read_text(p, "latin-1"), "\t", 4)
-    _check_ids(p, arr[:, 0], "user id")
-    _check_ids(p, arr[:, 1], "item id")
-    _check_values(p, arr[:, 2], 1, 5, "rating")
-    return Ratings(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), arr[:, 3].copy())
+    return _read_timestamped_ratings(path, "\t", ("user id", "item id", "rating"))
 
 
 def read_ml1m_ratings(path: str | os.PathLike[str]) -> Ratings:
@@ -336,12 +343,7 @@ def read_ml1m_ratings(path: str | os.PathLike[str]) -> Ratings:
         FileNotFoundError: If the file does not exist.
         ValueError: On a malformed line or an out-of-range value; names file and line number.
     """
-    p = _as_path(path)
-    arr = _parse_int_table(p, _read_text(p, "latin-1"), "::", 4)
-    _check_ids(p, arr[:, 0], "UserID")
-    _check_ids(p, arr[:, 1], "MovieID")
-    _check_values(p, arr[:, 2], 1, 5, "Rating")
-    return Ratings(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), arr[:, 3].copy())
+    return _read_timestamped_ratings(path, "::", ("UserID", "MovieID", "Rating"))
 
 
 def read_ml1m_ratings_no_timestamps(path: str | os.PathLike[str]) -> Ratings:
