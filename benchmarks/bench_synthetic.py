@@ -22,6 +22,7 @@ import time
 import torch
 
 from dselectk.experiments import synthetic as S
+from dselectk.runtime import tune_allocator
 
 
 def time_steps(gate: str, tasks: int, seeds: list[int], data: S.SyntheticData, steps: int) -> float:
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the CLI's default: 1)")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
+    tune_allocator()
     torch.set_num_threads(args.threads)
     data = S.generate_data(0, n_train=20_000, n_val=10, n_test=10)
     seeds = list(range(args.reps))

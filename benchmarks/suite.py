@@ -40,6 +40,7 @@ from dselectk import functional as DF
 from dselectk.gates import DSelectK, TopKGate
 from dselectk.layers import StackedMLP
 from dselectk.models import MoE, MultiGateMoE
+from dselectk.runtime import tune_allocator
 
 ROOT = Path(__file__).resolve().parent.parent
 ITEMS = ("gate", "bank", "mmoe", "conditional", "memory", "scaling", "synthetic")
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--record", default="", help="also write the JSON to this path")
     args = p.parse_args(argv)
+    tune_allocator()
     if args.device == "all":
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     else:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from dselectk.runtime import tune_allocator
+
 __all__ = ["compare", "machine_facts", "sync"]
 
 
@@ -83,6 +85,7 @@ def machine_facts(device: torch.device) -> dict[str, object]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),
+        "allocator_tuned": tune_allocator(),
     }
     try:
         facts["load_avg_1m"] = os.getloadavg()[0]

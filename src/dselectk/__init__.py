@@ -12,6 +12,7 @@ from dselectk.gates import (
     gate_names,
     make_gate,
 )
+from dselectk.runtime import tune_allocator
 
 __version__ = "0.1.0"
 
@@ -27,4 +28,5 @@ __all__ = [
     "functional",
     "gate_names",
     "make_gate",
+    "tune_allocator",
 ]

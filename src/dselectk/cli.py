@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dselectk.runtime import tune_allocator
+
 __all__ = ["main"]
 
 #: ``dselectk reproduce NAME`` → module implementing it
@@ -62,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dselectk`` command."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    tune_allocator()
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":

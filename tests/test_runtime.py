@@ -1,0 +1,38 @@
+"""dselectk.runtime: the allocator setting is applied once and changes no numbers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from dselectk.runtime import tune_allocator
+
+
+def test_tune_allocator_is_idempotent_and_reports_platform() -> None:
+    first = tune_allocator()
+    assert tune_allocator() is first
+    if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
+        assert first is True
+
+
+def test_numbers_do_not_depend_on_the_allocator() -> None:
+    code = (
+        "import torch, dselectk\n"
+        "dselectk.tune_allocator()\n"
+        "torch.manual_seed(0)\n"
+        "g = dselectk.DSelectK(64, 4, in_features=8, entropy_reg=0.1)\n"
+        "x = torch.randn(4096, 8)\n"
+        "o = g(x); (o.weights.square().sum() + o.aux_loss).backward()\n"
+        "print(repr(float(o.weights.double().sum())), repr(float(g.proj.weight.grad.double().sum())))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ref = subprocess.run(
+        [sys.executable, "-c", code.replace("dselectk.tune_allocator()\n", "")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout == ref.stdout
+    assert torch.isfinite(torch.tensor([float(v) for v in out.stdout.split()])).all()
