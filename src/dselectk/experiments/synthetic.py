@@ -445,6 +445,66 @@ def evaluate_model(model: SyntheticMoE, data: SyntheticData) -> list[dict[str, f
     return out
 
 
+class _MixtureSSE(torch.autograd.Function):
+    """Σ_r Σ_t MSE_t,r of R batched one-layer MoEs, from the inputs to the loss in one node.
+
+    Same value and gradients as ``SyntheticMoE.forward`` followed by
+    ``(pred - y).square().mean(-1).sum()`` (tested against it, float64 gradcheck too), but
+    laid out for the CPU: all R·E experts are **one** (B, 10) @ (10, U·R·E) matmul (the
+    input is shared, so no batched matmul of 10-wide matrices), the unit sum runs over a
+    leading axis, the squared error is one subtraction and one dot product, and the backward
+    pass is written out (one multiply for d loss / d pred, ``threshold_backward`` for the
+    ReLU, two matmuls for the expert weights). No (R, T, B) tensor is created besides the
+    residual; 3-4x fewer passes over it than autograd's composition.
+
+    Inputs: x (B, P); w (R·E, P, U) and b (R·E, U), the experts' stacked parameters; gw
+    (R, T, E) the gate weights; y (B, T). Output: the scalar loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor, gw: Tensor, y: Tensor) -> Tensor:
+        re, p, u = w.shape
+        reps, _, e = gw.shape
+        n = x.shape[0]
+        w_flat = w.permute(1, 2, 0).reshape(p, u * re)  # column u·RE + j: unit u of expert j
+        h = torch.addmm(b.t().reshape(-1), x, w_flat).relu_().view(n, u, re)
+        f = h.sum(dim=1)  # (B, R·E): expert outputs
+        pred = torch.bmm(f.view(n, reps, e).transpose(0, 1), gw.transpose(1, 2))  # (R, B, T)
+        resid = pred.sub_(y)
+        flat = resid.view(-1)
+        ctx.save_for_backward(x, h, f, gw, resid)
+        return torch.dot(flat, flat) / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[None, Tensor, Tensor, Tensor, None]:
+        x, h, f, gw, resid = ctx.saved_tensors
+        n, p = x.shape
+        reps, _, e = gw.shape
+        u, re = h.shape[1], h.shape[2]
+        d_pred = resid * (2.0 * g / n)  # (R, B, T)
+        d_gw = torch.bmm(d_pred.transpose(1, 2), f.view(n, reps, e).transpose(0, 1))
+        d_f = torch.bmm(d_pred, gw).transpose(0, 1).reshape(n, 1, re)  # (B, 1, R·E)
+        d_h = torch.ops.aten.threshold_backward(d_f.expand(n, u, re), h, 0.0).view(n, u * re)
+        d_w = (x.t() @ d_h).view(p, u, re).permute(2, 0, 1)
+        d_b = d_h.sum(dim=0).view(u, re).t()
+        return None, d_w, d_b, d_gw, None
+
+
+def mixture_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
+    """Σ_r [Σ_t MSE_t,r + aux_r] of a batch through :class:`_MixtureSSE` (the fast path)."""
+    out = model.gates()
+    gw = out.weights.view(model.reps, model.num_tasks, model.num_experts)
+    w, b = model.experts.weights[0], model.experts.biases[0]
+    return _MixtureSSE.apply(xb, w, b, gw, yb) + out.aux_loss
+
+
+def reference_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
+    """The same loss composed from autograd ops (the reference path of the tests)."""
+    pred, aux = model(xb)
+    return (pred - yb.T.unsqueeze(0)).square().mean(-1).sum() + aux
+
+
 def train_step(
     model: SyntheticMoE,
     opt: torch.optim.Optimizer,
@@ -452,13 +512,12 @@ def train_step(
     yb: Tensor,
     scheds: Sequence[AttributeScheduler] = (),
 ) -> None:
-    """One Adam step on Σ_r [Σ_t MSE_t,r + aux_r]: one (R, T, B) squared error, no task loop.
+    """One Adam step on Σ_r [Σ_t MSE_t,r + aux_r] (:func:`mixture_loss`), no task loop.
 
     Args:
         xb: (B, 10) batch shared by all repetitions; yb: (B, T) targets.
     """
-    pred, aux = model(xb)
-    loss = (pred - yb.T.unsqueeze(0)).square().mean(-1).sum() + aux
+    loss = mixture_loss(model, xb, yb)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
