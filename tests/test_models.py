@@ -210,3 +210,29 @@ def test_padded_and_per_expert_routing_equal_dense(tasks: int) -> None:
         expected = torch.stack(dense(x).outputs)
         torch.testing.assert_close(padded, expected)
         torch.testing.assert_close(torch.stack(routed(x).outputs), expected)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("sizes", [[5], [2, 7, 3], [9, 4]])
+def test_stacked_mlp_forward_grouped_equals_member_forward(grad: bool, sizes: list[int]) -> None:
+    """Grouped rows (routing) give each member's own outputs, values and gradients alike."""
+    torch.manual_seed(0)
+    bank = StackedMLP(4, P, sizes, final_activation=False)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), P)
+    member = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    ref = torch.stack([bank(x[i : i + 1], member[i : i + 1])[0, 0] for i in range(len(x))])
+    with torch.set_grad_enabled(grad):
+        out = bank.forward_grouped(x, counts)
+    torch.testing.assert_close(out, ref.detach())
+    assert out.requires_grad is grad
+    if grad:
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, list(bank.parameters()), g)
+        want = torch.autograd.grad(ref, list(bank.parameters()), g)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="counts must have 4 entries"):
+        bank.forward_grouped(x, counts[:3])
+    with pytest.raises(ValueError, match="sum\\(counts\\)"):
+        bank.forward_grouped(x[:-1], counts)

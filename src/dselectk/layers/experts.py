@@ -107,6 +107,69 @@ class StackedMLP(nn.Module):
                     h = F.dropout(h, self.dropout, self.training)
         return h
 
+    def forward_grouped(self, x: Tensor, counts: Sequence[int]) -> Tensor:
+        """Evaluate each member on its own block of rows (per-example routing).
+
+        Args:
+            x: (N, in) rows grouped by member: the first ``counts[0]`` rows go through member
+                0, the next ``counts[1]`` through member 1, and so on (sum(counts) = N).
+            counts: rows per member (E entries; 0 skips a member entirely).
+
+        Returns:
+            (N, out): row i is member(i)'s output on x[i]. Without autograd, each member's
+            matmul writes straight into its block of one preallocated buffer and the
+            activation runs in place on the whole buffer: E matmuls and one pass per layer,
+            no per-member temporaries. With autograd, the blocks are concatenated instead.
+        """
+        if len(counts) != self.num_members:
+            raise ValueError(f"counts must have {self.num_members} entries, got {len(counts)}")
+        if x.dim() != 2 or x.shape[-1] != self.in_features or x.shape[0] != sum(counts):
+            raise ValueError(
+                f"x must be (sum(counts)={sum(counts)}, {self.in_features}), got "
+                f"{tuple(x.shape)}"
+            )
+        act = _ACTIVATIONS[self.activation]
+        last = len(self.weights) - 1
+        tracked = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters())
+        )
+        h = x
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if tracked:
+                parts, start = [], 0
+                for member, c in enumerate(counts):
+                    if c:
+                        parts.append(torch.addmm(b[member], h[start : start + c], w[member]))
+                    start += c
+                h = torch.cat(parts)
+            else:
+                out = h.new_empty(h.shape[0], w.shape[2])
+                # addmm first copies the bias into every output row; when the layer widens,
+                # a column of ones on the (narrower) input with the bias as an extra weight row
+                # is the cheaper way to add it.
+                augment = h.shape[1] < w.shape[2]
+                if augment:
+                    h = torch.cat((h, h.new_ones(h.shape[0], 1)), dim=1)
+                    w = torch.cat((w, b.unsqueeze(1)), dim=1)
+                start = 0
+                for member, c in enumerate(counts):
+                    if c:
+                        blk = slice(start, start + c)
+                        if augment:
+                            torch.mm(h[blk], w[member], out=out[blk])
+                        else:
+                            torch.addmm(b[member], h[blk], w[member], out=out[blk])
+                    start += c
+                h = out
+            if i < last or self.final_activation:
+                if self.activation == "relu" and not tracked:
+                    h.relu_()
+                else:
+                    h = act(h)
+                if self.dropout > 0:
+                    h = F.dropout(h, self.dropout, self.training)
+        return h
+
     def extra_repr(self) -> str:
         sizes = [w.shape[2] for w in self.weights]
         return (
