@@ -1,11 +1,15 @@
-"""Benchmark: R repetitions of the Appendix C.1 model trained batched vs one at a time.
+"""Benchmark: the Appendix C.1 protocol's training cost, batched vs one at a time.
 
-Reports, in one run, the wall time of ``--steps`` training steps for N repetitions as one
-vectorized model and for the same N repetitions one after the other (same code path,
-R = 1), their ratio, and an estimate of the full C.1 protocol's wall time on this machine
-(gates × task counts × 100 repetitions × ``--full-epochs`` epochs (default 100, the largest of
-the paper's grid, so an upper bound), 391 steps per epoch, repetitions in chunks of
-``--chunk``), from per-step times measured here.
+Reports, in one run:
+
+* the wall time of ``--steps`` training steps for N repetitions as one vectorized model and for
+  the same N repetitions one after the other (same code path, R = 1), and their ratio;
+* the per-step time of the fused loss (``_MixtureSSE``, the path training uses) against the
+  same batched model with the loss composed from autograd ops (``reference_loss``);
+* an estimate of the full C.1 protocol's wall time on this machine: gates × task counts ×
+  100 repetitions × ``--full-epochs`` epochs (default 100, the largest of the paper's grid, so
+  an upper bound; the tuned epochs can only be smaller), 391 steps per epoch, repetitions in
+  chunks of ``--chunk``, from per-step times measured here.
 
     .venv/bin/python benchmarks/bench_synthetic.py            # about 1-3 minutes on 2 cores
     .venv/bin/python benchmarks/bench_synthetic.py --reps 25 --tasks 128 --steps 50
@@ -18,14 +22,39 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from dselectk.experiments import synthetic as S
 from dselectk.runtime import tune_allocator
+from dselectk.schedules import AttributeScheduler
 
 
-def time_steps(gate: str, tasks: int, seeds: list[int], data: S.SyntheticData, steps: int) -> float:
+def _reference_step(
+    model: S.SyntheticMoE,
+    opt: torch.optim.Optimizer,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    scheds: Sequence[AttributeScheduler] = (),
+) -> None:
+    """``S.train_step`` with the loss composed from autograd ops (the reference path)."""
+    loss = S.reference_loss(model, xb, yb)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    for sc in scheds:
+        sc.step()
+
+
+def time_steps(
+    gate: str,
+    tasks: int,
+    seeds: list[int],
+    data: S.SyntheticData,
+    steps: int,
+    step_fn: Callable[..., None] = S.train_step,
+) -> float:
     """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up)."""
     hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
     model = S.SyntheticMoE(gate, tasks, hp, seeds)
@@ -35,10 +64,10 @@ def time_steps(gate: str, tasks: int, seeds: list[int], data: S.SyntheticData, s
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]
     for i in idx[:3]:
-        S.train_step(model, opt, x[i], y[i], scheds)
+        step_fn(model, opt, x[i], y[i], scheds)
     t0 = time.perf_counter()
     for i in idx[3:]:
-        S.train_step(model, opt, x[i], y[i], scheds)
+        step_fn(model, opt, x[i], y[i], scheds)
     return time.perf_counter() - t0
 
 
@@ -57,7 +86,9 @@ def main() -> None:
         help="epochs per final run in the estimate (100 = the largest of the paper's grid)",
     )
     p.add_argument("--gates", nargs="+", default=S.DEFAULT_GATES)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the CLI's default: 1)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the CLI's --threads, default 1)"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
     tune_allocator()
@@ -74,6 +105,11 @@ def main() -> None:
     print(f"  batched (one model)   : {batched:8.2f} s")
     print(f"  one at a time         : {sequential:8.2f} s")
     print(f"  speed-up              : {sequential / batched:8.2f} x")
+    fused = time_steps(args.gate, args.tasks, seeds, data, args.steps)
+    composed = time_steps(args.gate, args.tasks, seeds, data, args.steps, _reference_step)
+    print(f"  batched, fused loss   : {fused:8.2f} s")
+    print(f"  batched, autograd loss: {composed:8.2f} s")
+    print(f"  speed-up (fused)      : {composed / fused:8.2f} x")
     # full protocol estimate
     steps_per_epoch = math.ceil(100_000 / S.BATCH_SIZE)
     chunks = math.ceil(args.full_reps / args.chunk)
@@ -104,6 +140,10 @@ def main() -> None:
                     "batched_s": batched,
                     "sequential_s": sequential,
                     "ratio": sequential / batched,
+                    "fused_s": fused,
+                    "composed_s": composed,
+                    "fused_ratio": composed / fused,
+                    "threads": torch.get_num_threads(),
                     "full_estimate_s": total,
                     "rows": rows,
                 }
