@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from dselectk import functional as DF
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -15,6 +17,67 @@ from dselectk.gates.base import (
 )
 
 __all__ = ["SoftmaxSelectorGate"]
+
+
+def _softmax_small(x: Tensor) -> Tensor:
+    """Softmax along a short last dim (K selectors): cheaper than ``torch.softmax`` there."""
+    e = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True))
+
+
+class _SelectorGate(torch.autograd.Function):
+    """(logits (..., K(1+n)), τ, K) -> (Σ_i σ(α)_i σ(β⁽ⁱ⁾/τ) (..., n), entropies (..., K), *saved).
+
+    One autograd node for the gate and the selectors' entropies. The entropy is computed from
+    the log-softmax ℓ = log σ(β/τ) (clamped at log(tiny), as :func:`dselectk.functional.entropy`
+    clamps the probabilities, so -inf logits and τ -> 0 stay finite) as h = -Σ σ ℓ, and the
+    backward pass is written out: with u = σ(α) g_w - g_h ℓ, the grad of β/τ is σ (u - Σ σ u)
+    (the softmax backward, into which the entropy's grad -σ (ℓ + h) folds). Exactly one-hot
+    selectors (τ -> 0) get an exactly zero grad, before the division by τ. The grad of the
+    logits is one tensor (no zero-filled grads of the α and β slices).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(logits: Tensor, temperature: Tensor, k: int) -> tuple[Tensor, ...]:
+        alpha = logits[..., :k]
+        beta = logits[..., k:].unflatten(-1, (k, -1))
+        a = _softmax_small(alpha)  # (..., K)
+        log_s = torch.log_softmax(beta / temperature, dim=-1)  # (..., K, n)
+        s = log_s.exp()
+        log_s = log_s.clamp_min_(math.log(torch.finfo(s.dtype).tiny))
+        weights = (a.unsqueeze(-1) * s).sum(dim=-2)
+        ent = (s * log_s).sum(dim=-1).neg_()
+        return weights, ent, a, s, log_s
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(inputs[1], *output[2:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, g_w: Tensor | None, g_ent: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, None, None]:
+        temperature, a, s, log_s = ctx.saved_tensors
+        if g_w is None and g_ent is None:
+            return None, None, None
+        if g_w is not None:
+            gw = g_w.unsqueeze(-2)
+            u = a.unsqueeze(-1) * gw  # grad of s from the weights
+            g_a = (s * gw).sum(dim=-1)
+            if g_ent is not None:
+                u.addcmul_(g_ent.unsqueeze(-1), log_s, value=-1.0)
+        else:
+            assert g_ent is not None
+            u = (g_ent.unsqueeze(-1) * log_s).neg_()
+            g_a = torch.zeros_like(a)
+        g_beta = u.sub_((s * u).sum(dim=-1, keepdim=True)).mul_(s).div_(temperature)
+        g_alpha = a * (g_a - (g_a * a).sum(dim=-1, keepdim=True))  # softmax backward
+        return torch.cat((g_alpha, g_beta.flatten(-2)), dim=-1), None, None
 
 
 class SoftmaxSelectorGate(Gate):
@@ -84,9 +147,10 @@ class SoftmaxSelectorGate(Gate):
         return torch.softmax(alpha, dim=-1), torch.softmax(beta / self._temperature, dim=-1)
 
     def gate(self, logits: Tensor) -> GateOutput:
-        a, s = self.selectors(logits)
-        weights = (a.unsqueeze(-1) * s).sum(dim=-2)
-        per_gate = self._entropy_reg * DF.entropy(s).sum(dim=-1)
+        # Same numbers as the weights Σ_i a_i s_i and the entropies of self.selectors(logits)
+        # (tested, values and gradients), in one autograd node.
+        weights, ent = _SelectorGate.apply(logits, self._temperature, self.k)[:2]
+        per_gate = self._entropy_reg * ent.sum(dim=-1)
         return GateOutput(weights, self._reduce_aux(per_gate))
 
     @torch.no_grad()

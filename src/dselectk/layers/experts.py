@@ -125,8 +125,7 @@ class StackedMLP(nn.Module):
             raise ValueError(f"counts must have {self.num_members} entries, got {len(counts)}")
         if x.dim() != 2 or x.shape[-1] != self.in_features or x.shape[0] != sum(counts):
             raise ValueError(
-                f"x must be (sum(counts)={sum(counts)}, {self.in_features}), got "
-                f"{tuple(x.shape)}"
+                f"x must be (sum(counts)={sum(counts)}, {self.in_features}), got {tuple(x.shape)}"
             )
         act = _ACTIVATIONS[self.activation]
         last = len(self.weights) - 1

@@ -1,0 +1,206 @@
+"""The fused DSelect-k node and the fused softmax-selector gate against their plain formulations.
+
+Complements ``test_fast_paths.py``: more shapes (K = 1, odd and even M, n not a power of two),
+float64 gradchecks, the gates' static banks and per-example layouts, and the ablation gate's
+limits (-inf logits, temperature 1e-16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from dselectk import functional as DF
+from dselectk.gates import DSelectK, SoftmaxSelectorGate
+from dselectk.gates.registry import make_gate
+
+F64 = torch.float64
+
+
+def _composed(alpha: torch.Tensor, z: torch.Tensor, gamma: float) -> tuple:
+    """q̃ and the selector entropies by the plain autograd formulation (no fused node)."""
+    p = DF.smooth_step(z, gamma)
+    w = DF._expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
+    return w, DF.selector_entropy(p)
+
+
+def _inputs(lead: tuple[int, ...], k: int, m: int, scale: float, dtype=F64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    z = (torch.randn(*lead, k, m, generator=gen, dtype=dtype) * scale).requires_grad_()
+    alpha = (torch.randn(*lead, k, generator=gen, dtype=dtype) * 2).requires_grad_()
+    return z, alpha
+
+
+def _grads(fn, alpha, z, g_w, g_e):
+    w, ent = fn(alpha, z)
+    loss = (w * g_w).sum() + (ent * g_e).sum()
+    return (w, ent, *torch.autograd.grad(loss, (z, alpha)))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0])
+def test_fused_equals_composed(m: int, k: int, scale: float) -> None:
+    z, alpha = _inputs((11,), k, m, scale)
+    gen = torch.Generator().manual_seed(1)
+    g_w = torch.randn(11, 2**m, generator=gen, dtype=F64)
+    g_e = torch.randn(11, k, generator=gen, dtype=F64)
+    got = _grads(lambda a, zz: DF.dselect_k_fused(a, zz, 1.7), alpha, z, g_w, g_e)
+    want = _grads(lambda a, zz: _composed(a, zz, 1.7), alpha, z, g_w, g_e)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7])
+def test_fused_gradcheck_shapes(m: int) -> None:
+    z, alpha = _inputs((3,), 3, m, 0.5)
+    assert gradcheck(lambda a, zz: DF.dselect_k_fused(a, zz, 1.1), (alpha, z))
+
+
+@pytest.mark.parametrize("m", [5, 7])
+def test_fused_float32_large_batch(m: int) -> None:
+    z, alpha = _inputs((2048,), 4, m, 3.0, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    g_w = torch.randn(2048, 2**m, generator=gen)
+    g_e = torch.randn(2048, 4, generator=gen)
+    got = _grads(lambda a, zz: DF.dselect_k_fused(a, zz, 10.0), alpha, z, g_w, g_e)
+    plain = _grads(lambda a, zz: _composed(a, zz, 10.0), alpha, z, g_w, g_e)
+    z64, a64 = (t.detach().double().requires_grad_() for t in (z, alpha))
+    truth = _grads(lambda a, zz: _composed(a, zz, 10.0), a64, z64, g_w.double(), g_e.double())
+    for x, y, t in zip(got, plain, truth):  # no less accurate than the plain float32 form
+        err, err_plain = ((v.double() - t).abs().max().item() for v in (x, y))
+        assert err <= 1.5 * err_plain + 1e-6
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_fused_only_one_output_used(m: int) -> None:
+    z, alpha = _inputs((5,), 3, m, 0.7)
+    w, ent = DF.dselect_k_fused(alpha, z, 1.0)
+    w0, ent0 = _composed(alpha, z, 1.0)
+    for out, ref in ((w.pow(2).sum(), w0.pow(2).sum()), (ent.sum(), ent0.sum())):
+        got = torch.autograd.grad(out, (z, alpha), retain_graph=True, allow_unused=True)
+        want = torch.autograd.grad(ref, (z, alpha), retain_graph=True, allow_unused=True)
+        for a, b in zip(got, want):
+            a = torch.zeros_like(b) if a is None else a
+            b = torch.zeros_like(a) if b is None else b
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("n", [5, 8, 32, 100])
+@pytest.mark.parametrize("layout", ["bank", "per_example", "per_example_bank"])
+def test_dselect_k_gate_equals_composed(n: int, layout: str) -> None:
+    torch.manual_seed(0)
+    kw: dict = {"entropy_reg": 0.3, "gamma": 2.0}
+    if layout == "bank":
+        gate = DSelectK(n, 3, num_gates=7, **kw).double()
+        x = None
+    else:
+        gate = DSelectK(n, 3, in_features=6, num_gates=None if layout == "per_example" else 2, **kw)
+        gate = gate.double()
+        x = torch.randn(9, 6, dtype=F64)
+    with torch.no_grad():
+        for prm in gate.parameters():
+            prm.mul_(50.0)  # a mix of fractional and binary bits
+    logits = gate.compute_logits(x).detach().requires_grad_()
+    out = gate.gate(logits)
+    alpha, z = gate.split_logits(logits)
+    w0 = _composed(alpha, z, 2.0)[0]
+    torch.testing.assert_close(out.weights, w0[..., :n], rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out.weights)
+    (got,) = torch.autograd.grad((out.weights * g).sum() + out.aux_loss, logits)
+    ref = gate.gate(logits)  # same aux formula; the weights' grad from the composed form
+    (want,) = torch.autograd.grad((w0[..., :n] * g).sum() + ref.aux_loss, logits)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# -- softmax-selector ablation gate -------------------------------------------------------------
+
+
+def _ablation_reference(gate: SoftmaxSelectorGate, logits: torch.Tensor):
+    a, s = gate.selectors(logits)
+    weights = (a.unsqueeze(-1) * s).sum(dim=-2)
+    aux = gate._reduce_aux(gate._entropy_reg * DF.entropy(s).sum(dim=-1))
+    return weights, aux
+
+
+@pytest.mark.parametrize("layout", ["single", "bank", "per_example", "per_example_bank"])
+@pytest.mark.parametrize("temperature", [1.0, 0.05])
+@pytest.mark.parametrize("reg", [0.0, 0.3])
+def test_ablation_gate_equals_reference(layout: str, temperature: float, reg: float) -> None:
+    torch.manual_seed(0)
+    kw: dict = {"temperature": temperature, "entropy_reg": reg, "init_std": 1.0}
+    x = None
+    if layout == "single":
+        gate = SoftmaxSelectorGate(7, 3, **kw)
+    elif layout == "bank":
+        gate = SoftmaxSelectorGate(7, 3, num_gates=5, **kw)
+    else:
+        ng = None if layout == "per_example" else 2
+        gate = SoftmaxSelectorGate(7, 3, in_features=4, num_gates=ng, **kw)
+        x = torch.randn(6, 4, dtype=F64)
+    gate = gate.double()
+    logits = gate.compute_logits(x).detach().requires_grad_()
+    out = gate.gate(logits)
+    w0, aux0 = _ablation_reference(gate, logits)
+    torch.testing.assert_close(out.weights, w0)
+    torch.testing.assert_close(out.aux_loss, aux0)
+    g = torch.randn_like(w0)
+    (got,) = torch.autograd.grad((out.weights * g).sum() + 1.7 * out.aux_loss, logits)
+    (want,) = torch.autograd.grad((w0 * g).sum() + 1.7 * aux0, logits)
+    torch.testing.assert_close(got, want)
+    fn = lambda lg: tuple(gate.gate(lg))  # noqa: E731
+    assert gradcheck(fn, (logits,))
+    # Only the weights, or only the entropy, used.
+    (gw,) = torch.autograd.grad(gate.gate(logits).weights.sum(), logits)
+    (gw0,) = torch.autograd.grad(_ablation_reference(gate, logits)[0].sum(), logits)
+    torch.testing.assert_close(gw, gw0)
+    if reg:
+        (ge,) = torch.autograd.grad(gate.gate(logits).aux_loss, logits)
+        (ge0,) = torch.autograd.grad(_ablation_reference(gate, logits)[1], logits)
+        torch.testing.assert_close(ge, ge0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_ablation_gate_limits_stay_finite(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    gate = make_gate("ablation_entropy", 8, num_gates=3, k=2, entropy_reg=0.5).to(dtype)
+    for temperature in (1e-16, 1e-3, 1.0):
+        gate.temperature = temperature
+        with torch.no_grad():
+            gate.logits[0, 2 + 3] = float("-inf")  # a -inf logit in gate 0, selector 0
+        logits = gate.logits.detach().clone().requires_grad_()
+        out = gate.gate(logits)
+        w0, aux0 = _ablation_reference(gate, logits)
+        assert torch.isfinite(out.weights).all() and torch.isfinite(out.aux_loss)
+        torch.testing.assert_close(out.weights, w0)
+        torch.testing.assert_close(out.aux_loss, aux0)
+        g = torch.randn_like(w0)
+        (got,) = torch.autograd.grad((out.weights * g).sum() + out.aux_loss, logits)
+        (want,) = torch.autograd.grad((w0 * g).sum() + aux0, logits)
+        assert torch.isfinite(got).all()
+        # In float32 both forms carry rounding errors amplified by 1/τ (~5e-5 at τ = 1e-3).
+        tol = {"rtol": 1e-3, "atol": 2e-4} if dtype == torch.float32 else {}
+        torch.testing.assert_close(got, want, **tol)
+        if temperature == 1e-16:  # one-hot selectors: exactly zero grad of β
+            assert got[:, 2:].abs().max().item() == 0.0
+            torch.testing.assert_close(out.weights, gate.hard_weights())
+
+
+def test_ablation_gate_works_with_torch_func() -> None:
+    from torch.func import grad, vmap
+
+    torch.manual_seed(0)
+    gate = SoftmaxSelectorGate(6, 2, in_features=3, entropy_reg=0.2).double()
+    x = torch.randn(4, 3, dtype=F64)
+    logits = gate.compute_logits(x).detach()
+
+    def loss(lg: torch.Tensor) -> torch.Tensor:
+        out = gate.gate(lg.unsqueeze(0))
+        return (out.weights**2).sum() + out.aux_loss
+
+    got = vmap(grad(loss))(logits)
+    for i in range(4):
+        lg = logits[i].clone().requires_grad_()
+        (want,) = torch.autograd.grad(loss(lg), lg)
+        torch.testing.assert_close(got[i], want)
