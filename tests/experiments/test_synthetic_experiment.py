@@ -106,12 +106,14 @@ def test_fused_loss_equals_autograd_reference(gate: str) -> None:
     x, y = data.x_train[:256], data.y_train[:256, :32]
     grads = []
     for loss_fn in (S.mixture_loss, S.reference_loss):
-        m = S.SyntheticMoE(gate, 32, hp, [5, 6, 7])
+        m = S.SyntheticMoE(gate, 32, hp, list(range(5, 17)))  # 12 reps: 2 blocks of <= 10
         loss = loss_fn(m, x, y)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     (fast, g_fast), (ref, g_ref) = grads
     assert fast == pytest.approx(ref, rel=1e-5)
+    with torch.no_grad():  # no gradients wanted: the loss alone
+        assert S.mixture_loss(m, x, y).item() == pytest.approx(ref, rel=1e-5)
     for a, b in zip(g_fast, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -124,7 +126,10 @@ def test_fused_loss_gradcheck_float64() -> None:
     b = torch.randn(reps * e, u, dtype=torch.float64, requires_grad=True)
     gw = torch.rand(reps, t, e, dtype=torch.float64, requires_grad=True)
     y = torch.randn(n, t, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda *a: S._MixtureSSE.apply(x, *a, y), (w, b, gw))
+    for block in (1, 2):  # one block per repetition, and both in one block
+        assert torch.autograd.gradcheck(
+            lambda *a, block=block: S._MixtureSSE.apply(x, *a, y, block), (w, b, gw)
+        )
 
 
 def _args(out: Path, *extra: str) -> list[str]:
