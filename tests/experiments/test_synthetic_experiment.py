@@ -99,14 +99,15 @@ def test_batched_model_parameters_match_single_models() -> None:
 
 
 @pytest.mark.parametrize("gate", ["dselect_k", "topk", "ablation_entropy"])
-def test_fused_loss_equals_autograd_reference(gate: str) -> None:
+def test_fused_loss_equals_autograd_reference(gate: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast path (_MixtureSSE) gives the reference loss and the same parameter gradients."""
+    monkeypatch.setattr(S, "LOSS_BLOCK_WEIGHTS", 32 * 8 * 5)  # blocks of 5 repetitions
     hp = {**S.BASE_HPARAMS, "entropy_reg": 0.01}
     data = S.generate_data(1, n_train=300, n_val=8, n_test=8)
     x, y = data.x_train[:256], data.y_train[:256, :32]
     grads = []
     for loss_fn in (S.mixture_loss, S.reference_loss):
-        m = S.SyntheticMoE(gate, 32, hp, list(range(5, 17)))  # 12 reps: 2 blocks of <= 10
+        m = S.SyntheticMoE(gate, 32, hp, list(range(5, 17)))  # 12 reps: blocks 5, 5, 2
         loss = loss_fn(m, x, y)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in m.parameters()]))

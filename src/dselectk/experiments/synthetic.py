@@ -445,8 +445,10 @@ def evaluate_model(model: SyntheticMoE, data: SyntheticData) -> list[dict[str, f
     return out
 
 
-#: repetitions per block of :class:`_MixtureSSE` (its tensors stay in the CPU caches)
-LOSS_BLOCK_REPS = 10
+#: size of a block of :class:`_MixtureSSE`, in gate weights (repetitions × T × E): 10
+#: repetitions at T = 128 (E = 32), all 100 at T <= 32. A block's (R, B, T) residual and
+#: (B, U, R·E) activations are then about 1.3 MB each and stay in the CPU caches.
+LOSS_BLOCK_WEIGHTS = 40_960
 
 
 def _block_sse(
@@ -486,12 +488,12 @@ class _MixtureSSE(torch.autograd.Function):
       written out (one multiply for d loss / d pred, ``threshold_backward`` for the ReLU, two
       matmuls for the expert weights);
     * because the output is a scalar, the gradients are computed **in the forward pass**, block
-      by block of :data:`LOSS_BLOCK_REPS` repetitions, while each block's activations are still
-      in cache; ``backward`` only scales them by the incoming gradient. Blocks of 10 were 1.7x
-      (1 thread) and 1.4x (2 threads) faster than one block of 100 at T = 128.
+      by block of repetitions (:data:`LOSS_BLOCK_WEIGHTS`), while each block's activations are
+      still in cache; ``backward`` only scales them by the incoming gradient. Blocks of 10 were
+      1.7x (1 thread) and 1.4x (2 threads) faster than one block of 100 at T = 128.
 
     Inputs: x (B, P); w (R·E, P, U) and b (R·E, U), the experts' stacked parameters; gw
-    (R, T, E) the gate weights; y (B, T). Output: the scalar loss.
+    (R, T, E) the gate weights; y (B, T); block: repetitions per block. Output: the loss.
     """
 
     @staticmethod
@@ -522,7 +524,8 @@ def mixture_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
     out = model.gates()
     gw = out.weights.view(model.reps, model.num_tasks, model.num_experts)
     w, b = model.experts.weights[0], model.experts.biases[0]
-    return _MixtureSSE.apply(xb, w, b, gw, yb, LOSS_BLOCK_REPS) + out.aux_loss
+    block = max(1, LOSS_BLOCK_WEIGHTS // (model.num_tasks * model.num_experts))
+    return _MixtureSSE.apply(xb, w, b, gw, yb, block) + out.aux_loss
 
 
 def reference_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
