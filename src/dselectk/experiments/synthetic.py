@@ -809,15 +809,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
+        default=0,
+        help="torch CPU threads (default 0: torch's default, all cores; batches of 100 "
+        "repetitions were 1.6x faster on 2 threads than on 1, batches of 5 the same)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    torch.set_num_threads(max(1, int(getattr(args, "threads", 1) or 1)))
+    threads = int(getattr(args, "threads", 0) or 0)
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     store = RunStore(out)
     reps = args.reps if args.reps is not None else (100 if args.full else 5)
