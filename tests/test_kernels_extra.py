@@ -204,3 +204,27 @@ def test_ablation_gate_works_with_torch_func() -> None:
         lg = logits[i].clone().requires_grad_()
         (want,) = torch.autograd.grad(loss(lg), lg)
         torch.testing.assert_close(got[i], want)
+
+
+def test_fused_kernel_takes_one_gamma_per_gate() -> None:
+    """A (G,) γ gives each gate the result of its own scalar γ (values and gradients)."""
+    torch.manual_seed(0)
+    gammas = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
+    z = (torch.randn(3, 4, 5, dtype=torch.float64) * 0.8).requires_grad_()
+    a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w, ent = DF.dselect_k_fused(a, z, gammas)
+    g = torch.randn_like(w)
+    gz, ga = torch.autograd.grad((w * g).sum() + ent.sum(), (z, a))
+    for i, gamma in enumerate(gammas.tolist()):
+        wi, ei = DF.dselect_k_fused(a[i], z[i], gamma)
+        gzi, gai = torch.autograd.grad((wi * g[i]).sum() + ei.sum(), (z, a))
+        torch.testing.assert_close(w[i], wi)
+        torch.testing.assert_close(ent[i], ei)
+        torch.testing.assert_close(gz[i], gzi[i])
+        torch.testing.assert_close(ga[i], gai[i])
+    torch.testing.assert_close(
+        DF.smooth_step(z, gammas[:, None, None]),
+        torch.stack([DF.smooth_step(z[i], float(gammas[i])) for i in range(3)]),
+    )
+    with pytest.raises(ValueError, match="gamma must be a finite number > 0"):
+        DF.dselect_k_fused(a, z, torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64))

@@ -45,15 +45,16 @@ def num_bits(num_experts: int) -> int:
 
 def _check_gamma(gamma: float | Tensor) -> None:
     if isinstance(gamma, Tensor):
-        if gamma.numel() != 1:
-            raise ValueError(f"gamma must be a scalar, got a tensor of shape {tuple(gamma.shape)}")
         if torch.compiler.is_compiling():
             return
-        g = float(gamma.detach())
-    else:
-        g = float(gamma)
-    if not (g > 0.0 and math.isfinite(g)):
-        raise ValueError(f"gamma must be a finite number > 0, got {g}")
+        g = gamma.detach()
+        if not bool(((g > 0) & torch.isfinite(g)).all()):
+            bad = g.flatten()[~((g.flatten() > 0) & torch.isfinite(g.flatten()))][0]
+            raise ValueError(f"gamma must be a finite number > 0, got {float(bad)}")
+        return
+    g_f = float(gamma)
+    if not (g_f > 0.0 and math.isfinite(g_f)):
+        raise ValueError(f"gamma must be a finite number > 0, got {g_f}")
 
 
 def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
@@ -65,8 +66,8 @@ def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
 
     Args:
         t: any shape.
-        gamma: width γ > 0 of the fractional region (a float or a 0-d tensor, e.g. a buffer a
-            schedule updates in place).
+        gamma: width γ > 0 of the fractional region: a float, a 0-d tensor (e.g. a buffer a
+            schedule updates in place), or a tensor broadcastable to ``t`` (one γ per entry).
 
     Returns:
         Tensor of the shape of ``t``.
@@ -324,7 +325,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     Args:
         alpha: (..., K) selector logits.
         z: (..., K, M) encoding variables.
-        gamma: smooth-step width γ > 0.
+        gamma: smooth-step width γ > 0: a float, a 0-d tensor, or a tensor broadcastable to the
+            leading shape ``...`` (one γ per gate, e.g. a bank of gates tuned together).
 
     Returns:
         ``(weights (..., N), entropies (..., K))``.
@@ -341,6 +343,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
         return w, selector_entropy(p)
     g = torch.as_tensor(gamma, dtype=z.dtype, device=z.device)
     lead = torch.broadcast_shapes(alpha.shape[:-1], z.shape[:-2])
+    if g.dim() > 0:  # one γ per gate: flattened like the gates (the kernel's batch axis)
+        g = g.expand(lead).reshape(-1)
     alpha = alpha.expand(*lead, alpha.shape[-1])
     z = z.expand(*lead, *z.shape[-2:])
     k, m = z.shape[-2:]
