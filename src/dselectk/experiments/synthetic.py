@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from dselectk import functional as DF
 from dselectk.experiments.metrics import (
     distinct_experts,
     expected_random_jaccard,
@@ -69,7 +70,8 @@ from dselectk.experiments.records import (
     summarize,
 )
 from dselectk.gates import DSelectK, SoftmaxSelectorGate, make_gate
-from dselectk.gates.base import Gate
+from dselectk.gates.ablation import _SelectorGate
+from dselectk.gates.base import Gate, GateOutput
 from dselectk.layers import StackedMLP
 from dselectk.schedules import AttributeScheduler, GeometricSchedule, LinearSchedule
 
@@ -274,6 +276,108 @@ def _gate_kwargs(gate: str, hp: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+# -- configurations trained together (vectorized tuning) -------------------------------------
+#: hyperparameters that may differ between the members of one batched model
+MEMBER_KEYS = ("lr", "gamma", "entropy_reg", "temperature_start", "epochs")
+#: the annealing gate's final temperature (Appendix D: from s down to 1e-16)
+ANNEAL_END = 1e-16
+
+
+class _MemberDSelectK(DSelectK):
+    """A DSelect-k bank whose γ and λ are tensors with one value per gate (see ``member_``)."""
+
+    member_gamma: Tensor
+    member_entropy_reg: Tensor
+
+    def set_members(self, gamma: Tensor, entropy_reg: Tensor) -> None:
+        """γ and λ per gate, (G,) each."""
+        self.register_buffer("member_gamma", gamma.to(self.logits))
+        self.register_buffer("member_entropy_reg", entropy_reg.to(self.logits))
+
+    def gate(self, logits: Tensor) -> GateOutput:
+        if self.num_experts != 2**self.num_bits:
+            raise ValueError("per-gate hyperparameters need a power-of-two number of experts")
+        alpha, z = self.split_logits(logits)
+        w, ent = DF.dselect_k_fused(alpha, z, self.member_gamma)
+        return GateOutput(w, self._reduce_aux(self.member_entropy_reg * ent.sum(dim=-1)))
+
+    @torch.no_grad()
+    def bits(self, x: Tensor | None = None) -> Tensor:
+        _, z = self.split_logits(self.compute_logits(x))
+        return DF.smooth_step(z, self.member_gamma[:, None, None])
+
+
+class _MemberSelectorGate(SoftmaxSelectorGate):
+    """A softmax-selector bank whose temperature and λ have one value per gate."""
+
+    member_temperature: Tensor
+    member_entropy_reg: Tensor
+
+    def set_members(self, temperature: Tensor, entropy_reg: Tensor) -> None:
+        """τ and λ per gate, (G,) each."""
+        self.register_buffer("member_temperature", temperature.to(self.logits))
+        self.register_buffer("member_entropy_reg", entropy_reg.to(self.logits))
+
+    def selectors(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        alpha = logits[..., : self.k]
+        beta = logits[..., self.k :].unflatten(-1, (self.k, self.num_experts))
+        tau = self.member_temperature[:, None, None]
+        return torch.softmax(alpha, dim=-1), torch.softmax(beta / tau, dim=-1)
+
+    def gate(self, logits: Tensor) -> GateOutput:
+        tau = self.member_temperature[:, None, None]
+        weights, ent = _SelectorGate.apply(logits, tau, self.k)[:2]
+        return GateOutput(weights, self._reduce_aux(self.member_entropy_reg * ent.sum(dim=-1)))
+
+
+class MemberAdam(torch.optim.Optimizer):
+    """Adam whose learning rate differs between the members of stacked parameters.
+
+    The update is torch's Adam (no weight decay, no amsgrad) with ``lr`` replaced by a tensor
+    broadcast over each parameter's rows, so R configurations with different learning rates
+    train as one model (tested against R runs of ``torch.optim.Adam``).
+
+    Args:
+        params: (parameter, lr) pairs; lr broadcastable to the parameter.
+        betas, eps: as ``torch.optim.Adam``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[Tensor, Tensor]],
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__([p for p, _ in params], {"betas": betas, "eps": eps})
+        self._lr = {id(p): lr for p, lr in params}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                bc1, bc2 = 1 - b1 ** st["step"], 1 - b2 ** st["step"]
+                denom = (v.sqrt() / math.sqrt(bc2)).add_(group["eps"])
+                p.addcdiv_(m * (self._lr[id(p)] / -bc1), denom)
+
+
+def _anneal(start: Tensor, total: Tensor, step: int) -> Tensor:
+    """GeometricSchedule(start, ANNEAL_END, total)(step), elementwise (float64)."""
+    t = torch.clamp(step / total, max=1.0)
+    return torch.exp(torch.log(start) + t * (math.log(ANNEAL_END) - torch.log(start)))
+
+
 class SyntheticMoE(nn.Module):
     """R independent multi-gate MoEs (T tasks, E experts each) as one vectorized model.
 
@@ -286,11 +390,23 @@ class SyntheticMoE(nn.Module):
     """
 
     def __init__(
-        self, gate: str, num_tasks: int, hparams: Mapping[str, Any], init_seeds: Sequence[int]
+        self,
+        gate: str,
+        num_tasks: int,
+        hparams: Mapping[str, Any],
+        init_seeds: Sequence[int],
+        member_hparams: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         if gate not in GATES:
             raise ValueError(f"unknown gate {gate!r}; expected one of {sorted(GATES)}")
+        if member_hparams is not None and len(member_hparams) != len(init_seeds):
+            raise ValueError(
+                f"member_hparams needs one entry per seed ({len(init_seeds)}), "
+                f"got {len(member_hparams)}"
+            )
+        if member_hparams is not None and gate == "dselect_k_diverse":
+            raise ValueError("member_hparams is not supported for dselect_k_diverse")
         if num_tasks % 4:
             raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
         self.gate_name = gate
@@ -300,19 +416,62 @@ class SyntheticMoE(nn.Module):
         if self.reps < 1:
             raise ValueError("init_seeds must hold at least one seed")
         kw = _gate_kwargs(gate, hparams)
+        self.member_hparams = (
+            None if member_hparams is None else [{**hparams, **m} for m in member_hparams]
+        )
         singles = []
-        for s in init_seeds:
+        for i, s in enumerate(init_seeds):
             torch.manual_seed(int(s))
             e = StackedMLP(self.num_experts, FEATURES, [UNITS])
-            g = _make_gate(gate, self.num_experts, num_tasks, kw)
+            kw_i = kw if self.member_hparams is None else _gate_kwargs(gate, self.member_hparams[i])
+            g = _make_gate(gate, self.num_experts, num_tasks, kw_i)
             singles.append((e, g))
         self.experts = StackedMLP(self.reps * self.num_experts, FEATURES, [UNITS])
         self.gates: Gate = _make_gate(gate, self.num_experts, self.reps * num_tasks, kw)
+        if self.member_hparams is not None:
+            self.gates = self._member_gates(gate, kw)
         with torch.no_grad():
             for name, p in self.experts.named_parameters():
                 p.copy_(torch.cat([dict(e.named_parameters())[name] for e, _ in singles]))
             for name, p in self.gates.named_parameters():
                 p.copy_(torch.cat([dict(g.named_parameters())[name] for _, g in singles]))
+
+    def member_values(self, key: str, default: float = 0.0) -> Tensor:
+        """(R,) float64 values of one hyperparameter, one per member."""
+        hps = self.member_hparams or [{}] * self.reps
+        return torch.tensor([float(h.get(key) or default) for h in hps], dtype=torch.float64)
+
+    def _member_gates(self, gate: str, kw: Mapping[str, Any]) -> Gate:
+        """The gate bank as a per-gate-hyperparameter class (γ, λ, τ one value per member)."""
+        reg, _ = GATES[gate]
+
+        def per_gate(key: str, default: float = 0.0) -> Tensor:
+            return self.member_values(key, default).repeat_interleave(self.num_tasks)
+
+        n, g = self.num_experts, self.reps * self.num_tasks
+        if reg == "dselect_k":
+            ds = _MemberDSelectK(n, num_gates=g, **kw)
+            ds.set_members(per_gate("gamma", 1.0), per_gate("entropy_reg"))
+            bank: Gate = ds
+        elif reg in ("ablation_entropy", "ablation_annealing"):
+            sel = _MemberSelectorGate(n, num_gates=g, **kw)
+            tau = per_gate("temperature_start", 1.0) if reg == "ablation_annealing" else None
+            sel.set_members(tau if tau is not None else torch.ones(g), per_gate("entropy_reg"))
+            bank = sel
+        else:
+            bank = make_gate(reg, n, num_gates=g, **kw)
+        return bank
+
+    def param_lrs(self) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, per-row lr) pairs for :class:`MemberAdam` (rows are member-major)."""
+        lr = self.member_values("lr")
+        out: list[tuple[Tensor, Tensor]] = []
+        for p in self.parameters():
+            if p.shape[0] % self.reps:
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not stacked by member")
+            rows = lr.repeat_interleave(p.shape[0] // self.reps).to(p)
+            out.append((p, rows.view(-1, *([1] * (p.dim() - 1)))))
+        return out
 
     def expert_outputs(self, x: Tensor) -> Tensor:
         """(R, E, B): every expert of every repetition on the shared batch (one batched op)."""
@@ -376,6 +535,28 @@ def _schedulers(
             AttributeScheduler(model.gates, "temperature", GeometricSchedule(start, 1e-16, steps))
         )
     return out
+
+
+class _MemberAnneal:
+    """Per-member temperature annealing: member r follows GeometricSchedule(s_r, 1e-16, steps_r)."""
+
+    def __init__(self, model: SyntheticMoE, steps_per_epoch: int) -> None:
+        self.gates = model.gates
+        self.start = model.member_values("temperature_start", 1.0)
+        self.total = model.member_values("epochs") * steps_per_epoch
+        self.tasks = model.num_tasks
+        self.last_step = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        tau = _anneal(self.start, self.total, self.last_step).repeat_interleave(self.tasks)
+        gates = self.gates
+        assert isinstance(gates, _MemberSelectorGate)
+        gates.member_temperature.copy_(tau)
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
 
 
 class _Ramp(LinearSchedule):
@@ -539,7 +720,7 @@ def train_step(
     opt: torch.optim.Optimizer,
     xb: Tensor,
     yb: Tensor,
-    scheds: Sequence[AttributeScheduler] = (),
+    scheds: Sequence[AttributeScheduler | _MemberAnneal] = (),
 ) -> None:
     """One Adam step on Σ_r [Σ_t MSE_t,r + aux_r] (:func:`mixture_loss`), no task loop.
 
@@ -566,6 +747,7 @@ def train_reps(
     progress: bool = False,
     desc: str = "",
     return_model: bool = False,
+    member_hparams: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], SyntheticMoE]:
     """Train R repetitions together; return metrics per checkpoint epoch and repetition.
 
@@ -584,17 +766,36 @@ def train_reps(
         progress: show a progress bar (updated once per epoch).
         desc: progress bar label.
         return_model: also return the trained model.
+        member_hparams: one mapping per seed overriding :data:`MEMBER_KEYS` (lr, γ, λ, start
+            temperature, epochs) for that member: different configurations trained as one
+            model (used by :func:`tune`). Training runs for the largest ``epochs``; a member's
+            annealing schedule spans its own epochs (evaluate it at its own epochs).
     """
-    epochs = int(hparams["epochs"])
+    if member_hparams is not None:
+        extra = {k for m in member_hparams for k in m} - set(MEMBER_KEYS)
+        if extra or hparams.get("gamma_end") or hparams.get("entropy_reg_end") is not None:
+            raise ValueError(
+                f"member_hparams supports {MEMBER_KEYS} without schedules, got {sorted(extra)}"
+            )
+        epochs = max(int(m.get("epochs", hparams["epochs"])) for m in member_hparams)
+    else:
+        epochs = int(hparams["epochs"])
     cps = sorted(set(checkpoints or [epochs]))
     if cps[-1] > epochs or cps[0] < 1:
         raise ValueError(f"checkpoints must lie in [1, {epochs}], got {cps}")
-    model = SyntheticMoE(gate, num_tasks, hparams, init_seeds)
-    opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
+    model = SyntheticMoE(gate, num_tasks, hparams, init_seeds, member_hparams)
     x, y = data.x_train, data.y_train[:, :num_tasks]
     n = x.shape[0]
     steps_per_epoch = math.ceil(n / BATCH_SIZE)
-    scheds = _schedulers(model, hparams, epochs * steps_per_epoch)
+    opt: torch.optim.Optimizer
+    scheds: list[Any]
+    if member_hparams is None:
+        opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
+        scheds = list(_schedulers(model, hparams, epochs * steps_per_epoch))
+    else:
+        opt = MemberAdam(model.param_lrs())
+        anneal = GATES[gate][0] == "ablation_annealing"
+        scheds = [_MemberAnneal(model, steps_per_epoch)] if anneal else []
     gen = torch.Generator().manual_seed(int(shuffle_seed))
     results: dict[int, list[dict[str, float]]] = {}
     bar = tqdm(total=epochs, disable=not progress, desc=desc, unit="ep", leave=False)
