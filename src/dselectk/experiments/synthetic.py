@@ -883,48 +883,86 @@ def tune(
     seed: int = 0,
     data_cfg: Mapping[str, Any],
     progress: bool = True,
+    max_members: int = 200,
 ) -> dict[str, Any]:
     """Grid search of Appendix D for one gate and T; returns the selected hyperparameters.
 
-    Every grid point is trained with ``trials`` fresh initialisations in one batched model. For
-    gates without epoch-dependent schedules the epochs axis costs nothing extra: one run of
-    max(epochs) is evaluated after each epoch count of the grid (an Adam run of 25 epochs is the
-    first 25 epochs of a 100-epoch run with the same seeds). ``max_points`` samples that many
-    grid points at random (random grid search). Selection: lowest mean validation MSE; for
+    Every grid point is trained with ``trials`` fresh initialisations, and all (point, trial)
+    pairs train together as the members of batched models of up to ``max_members`` members
+    (per-member lr, γ, λ and temperature schedule; see :func:`train_reps`). For gates without
+    epoch-dependent schedules the epochs axis costs nothing extra: one run of max(epochs) is
+    evaluated after each epoch count of the grid (an Adam run of 25 epochs is the first 25
+    epochs of a 100-epoch run with the same seeds); for the annealing gate, epochs is one more
+    grid axis. ``max_points`` samples that many grid points at random (random grid search);
+    records already in ``store`` are not trained again. Selection: lowest mean validation MSE; for
     DSelect-k, configurations whose S(Z) is not binary in every trial are discarded (Appendix
     D); if none is binary, the best non-binary one is returned with ``"binary": False``.
     """
     points = grid_points(gate, grid)
     rng = random.Random(f"{seed}-{gate}-{num_tasks}")
-    if max_points is not None and max_points < len(points):
-        points = rng.sample(points, max_points)
     epochs_axis = [int(e) for e in grid["epochs"]]
     reg, _ = GATES[gate]
     epoch_dependent = reg == "ablation_annealing"
-    jobs: list[tuple[dict[str, Any], list[int]]] = []
+    if epoch_dependent:  # the annealing schedule spans the run: epochs is a grid axis
+        points = [{**p, "epochs": e} for p in points for e in epochs_axis]
+    if max_points is not None and max_points < len(points):
+        points = rng.sample(points, max_points)
+    seeds = [_init_seed(seed, gate, num_tasks, 10_000 + i) for i in range(trials)]
+    # Every (grid point, trial) is one member of a batched model (MemberAdam, per-gate γ/λ/τ).
+    # Without an epoch-dependent schedule, one run of max(epochs) evaluated after each epoch
+    # count of the grid covers the epochs axis (Adam's first 25 epochs of a 100-epoch run are
+    # the 25-epoch run with the same seeds).
+    members: list[tuple[dict[str, Any], int, list[int]]] = []
     for p in points:
-        if epoch_dependent:
-            jobs.extend(({**p, "epochs": e}, [e]) for e in epochs_axis)
-        else:
-            jobs.append(({**p, "epochs": max(epochs_axis)}, epochs_axis))
-    scores: dict[str, tuple[float, bool, dict[str, Any]]] = {}
-    bar = tqdm(jobs, disable=not progress, desc=f"tune {gate} T={num_tasks}", unit="cfg")
-    for hp_base, cps in bar:
-        hp = {**BASE_HPARAMS, **hp_base}
-        seeds = [_init_seed(seed, gate, num_tasks, 10_000 + i) for i in range(trials)]
-        cfgs = {
-            e: [
-                _config(gate, num_tasks, {**hp, "epochs": e}, i, seeds[i], seed, data_cfg, "tune")
-                for i in range(trials)
+        eps = [int(p["epochs"])] if epoch_dependent else epochs_axis
+        for i, s in enumerate(seeds):
+            cfgs = [
+                _config(
+                    gate,
+                    num_tasks,
+                    {**BASE_HPARAMS, **p, "epochs": e},
+                    i,
+                    s,
+                    seed,
+                    data_cfg,
+                    "tune",
+                )
+                for e in eps
             ]
-            for e in cps
-        }
-        if not all(store.done(c) for cs in cfgs.values() for c in cs):
-            res = train_reps(gate, num_tasks, hp, seeds, data, shuffle_seed=seed, checkpoints=cps)
-            assert isinstance(res, dict)
-            for e in cps:
-                for c, m in zip(cfgs[e], res[e]):
-                    store.save(c, m)
+            if not all(store.done(c) for c in cfgs):
+                members.append((p, i, eps))
+    chunks = [members[i : i + max_members] for i in range(0, len(members), max_members)]
+    bar = tqdm(chunks, disable=not progress, desc=f"tune {gate} T={num_tasks}", unit="batch")
+    for chunk in bar:
+        bar.set_postfix(configs=len(chunk))
+        cps = sorted({e for _, _, eps in chunk for e in eps})
+        hp = {**BASE_HPARAMS, "epochs": max(cps)}
+        mh = [{**p, "epochs": max(eps)} for p, _, eps in chunk]
+        res = train_reps(
+            gate,
+            num_tasks,
+            hp,
+            [seeds[i] for _, i, _ in chunk],
+            data,
+            shuffle_seed=seed,
+            checkpoints=cps,
+            member_hparams=mh,
+        )
+        assert isinstance(res, dict)
+        for j, (p, i, eps) in enumerate(chunk):
+            for e in eps:
+                cfg = _config(
+                    gate,
+                    num_tasks,
+                    {**BASE_HPARAMS, **p, "epochs": e},
+                    i,
+                    seeds[i],
+                    seed,
+                    data_cfg,
+                    "tune",
+                )
+                store.save(cfg, res[e][j])
+    scores: dict[str, tuple[float, bool, dict[str, Any]]] = {}
     for rec in store.load():
         c = rec["config"]
         if c.get("phase") != "tune" or c["gate"] != gate or c["num_tasks"] != num_tasks:
