@@ -947,6 +947,8 @@ def tune(
             shuffle_seed=seed,
             checkpoints=cps,
             member_hparams=mh,
+            progress=progress,
+            desc=f"{len(chunk)} configs",
         )
         assert isinstance(res, dict)
         for j, (p, i, eps) in enumerate(chunk):
