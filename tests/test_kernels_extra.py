@@ -15,6 +15,14 @@ from dselectk import functional as DF
 from dselectk.gates import DSelectK, SoftmaxSelectorGate
 from dselectk.gates.registry import make_gate
 
+
+@pytest.fixture(autouse=True)
+def _always_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise the fused kernel itself, also on problems small enough that
+    dselect_k_fused would otherwise compose autograd ops (FUSED_MIN_ELEMENTS)."""
+    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)
+
+
 F64 = torch.float64
 
 
@@ -228,3 +236,22 @@ def test_fused_kernel_takes_one_gamma_per_gate() -> None:
     )
     with pytest.raises(ValueError, match="gamma must be a finite number > 0"):
         DF.dselect_k_fused(a, z, torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("threshold", [0, 10**9])  # the kernel, then the composed ops
+def test_small_problem_dispatch_gives_the_same_numbers(
+    threshold: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(1)
+    z = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    gammas = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", threshold)
+    for gamma in (1.3, gammas):
+        w, ent = DF.dselect_k_fused(a, z, gamma)
+        g = gamma if isinstance(gamma, float) else gamma[:, None, None]
+        p = DF.smooth_step(z, g)
+        torch.testing.assert_close(ent, DF.selector_entropy(p))
+        want = (torch.softmax(a, -1)[..., None] * DF.selector(p)).sum(-2)
+        torch.testing.assert_close(w, want)
+    assert gradcheck(lambda aa, zz: DF.dselect_k_fused(aa, zz, gammas), (a, z))

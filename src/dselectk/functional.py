@@ -47,6 +47,9 @@ def _check_gamma(gamma: float | Tensor) -> None:
     if isinstance(gamma, Tensor):
         if torch.compiler.is_compiling():
             return
+        if gamma.numel() == 1:  # the common case: one sync, no temporaries
+            _check_gamma(float(gamma.detach()))
+            return
         g = gamma.detach()
         if not bool(((g > 0) & torch.isfinite(g)).all()):
             bad = g.flatten()[~((g.flatten() > 0) & torch.isfinite(g.flatten()))][0]
@@ -314,13 +317,21 @@ class _DSelectFused(torch.autograd.Function):
         return g_z, _batch_first(g_alpha), None
 
 
+#: below this many selector entries (gates × K × 2**M), :func:`dselect_k_fused` composes
+#: autograd ops instead of calling the kernel: fewer ops, 20-40 % faster there (measured on a
+#: 2-core CPU: e.g. 2 gates, K = 2, n = 8: 0.41 vs 0.64 ms fwd+bwd; the kernel wins from about
+#: 16k entries on, 4x at 2M)
+FUSED_MIN_ELEMENTS = 8192
+
+
 def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
     """DSelect-k weights over all N = 2**M codes and the per-selector entropies, fused.
 
     Same numbers as ``dselect_k_weights(alpha, z, gamma)`` and
     ``selector_entropy(smooth_step(z, gamma))`` (tested, values and gradients), in one autograd
     node whose memory and time are O(N + K·sqrt(N)) per gate (see the comment above). γ gets no
-    gradient; a γ that requires one falls back to the composed formulation.
+    gradient; a γ that requires one, and problems smaller than :data:`FUSED_MIN_ELEMENTS`, use
+    the composed formulation.
 
     Args:
         alpha: (..., K) selector logits.
@@ -337,17 +348,20 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
             f"(..., K) and z (..., K, M))"
         )
     _check_gamma(gamma)
-    if isinstance(gamma, Tensor) and gamma.requires_grad:
+    lead = torch.broadcast_shapes(alpha.shape[:-1], z.shape[:-2])
+    k, m = z.shape[-2:]
+    small = math.prod(lead) * k * 2**m <= FUSED_MIN_ELEMENTS
+    if small or (isinstance(gamma, Tensor) and gamma.requires_grad):
+        if isinstance(gamma, Tensor) and gamma.dim() > 0:
+            gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
         p = smooth_step(z, gamma)
         w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
         return w, selector_entropy(p)
     g = torch.as_tensor(gamma, dtype=z.dtype, device=z.device)
-    lead = torch.broadcast_shapes(alpha.shape[:-1], z.shape[:-2])
     if g.dim() > 0:  # one γ per gate: flattened like the gates (the kernel's batch axis)
         g = g.expand(lead).reshape(-1)
     alpha = alpha.expand(*lead, alpha.shape[-1])
     z = z.expand(*lead, *z.shape[-2:])
-    k, m = z.shape[-2:]
     out, ent = _DSelectFused.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
     return out.view(*lead, out.shape[-1]), ent.reshape(*lead, k)
 
