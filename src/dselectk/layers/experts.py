@@ -143,21 +143,11 @@ class StackedMLP(nn.Module):
                 h = torch.cat(parts)
             else:
                 out = h.new_empty(h.shape[0], w.shape[2])
-                # addmm first copies the bias into every output row; when the layer widens,
-                # a column of ones on the (narrower) input with the bias as an extra weight row
-                # is the cheaper way to add it.
-                augment = h.shape[1] < w.shape[2]
-                if augment:
-                    h = torch.cat((h, h.new_ones(h.shape[0], 1)), dim=1)
-                    w = torch.cat((w, b.unsqueeze(1)), dim=1)
                 start = 0
                 for member, c in enumerate(counts):
                     if c:
                         blk = slice(start, start + c)
-                        if augment:
-                            torch.mm(h[blk], w[member], out=out[blk])
-                        else:
-                            torch.addmm(b[member], h[blk], w[member], out=out[blk])
+                        torch.addmm(b[member], h[blk], w[member], out=out[blk])
                     start += c
                 h = out
             if i < last or self.final_activation:
