@@ -1219,9 +1219,16 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
         if imp >= 0
         else f"{-100 * imp:.1f} % *higher* MSE than Top-k"
     )
+    used = (d.get("experts_per_task") or {}).get("mean")
+    caveat = (
+        f" **Caveat: this DSelect-k is not sparse** ({used:.1f} experts per task where "
+        f"k = {K}), so it is not the k-sparse gate the paper compares."
+        if used is not None and used > K + 0.5
+        else ""
+    )
     lines.append(
         f"- **{LABELS.get(gate, gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
-        f"i.e. {rel_txt} ({claim}) → {verdict}."
+        f"i.e. {rel_txt} ({claim}) → {verdict}.{caveat}"
     )
     jd, jk = d["related_jaccard"]["mean"], k["related_jaccard"]["mean"]
     if jd is not None and jk:
