@@ -22,29 +22,12 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from dselectk.experiments import synthetic as S
 from dselectk.runtime import tune_allocator
-from dselectk.schedules import AttributeScheduler
-
-
-def _reference_step(
-    model: S.SyntheticMoE,
-    opt: torch.optim.Optimizer,
-    xb: torch.Tensor,
-    yb: torch.Tensor,
-    scheds: Sequence[AttributeScheduler] = (),
-) -> None:
-    """``S.train_step`` with the loss composed from autograd ops (the reference path)."""
-    loss = S.reference_loss(model, xb, yb)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    for sc in scheds:
-        sc.step()
 
 
 def time_steps(
@@ -53,7 +36,7 @@ def time_steps(
     seeds: list[int],
     data: S.SyntheticData,
     steps: int,
-    step_fn: Callable[..., None] = S.train_step,
+    loss_fn: Callable[[S.SyntheticMoE, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up)."""
     hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
@@ -64,10 +47,10 @@ def time_steps(
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]
     for i in idx[:3]:
-        step_fn(model, opt, x[i], y[i], scheds)
+        S.train_step(model, opt, x[i], y[i], scheds, loss_fn)
     t0 = time.perf_counter()
     for i in idx[3:]:
-        step_fn(model, opt, x[i], y[i], scheds)
+        S.train_step(model, opt, x[i], y[i], scheds, loss_fn)
     return time.perf_counter() - t0
 
 
@@ -106,7 +89,7 @@ def main() -> None:
     print(f"  one at a time         : {sequential:8.2f} s")
     print(f"  speed-up              : {sequential / batched:8.2f} x")
     fused = time_steps(args.gate, args.tasks, seeds, data, args.steps)
-    composed = time_steps(args.gate, args.tasks, seeds, data, args.steps, _reference_step)
+    composed = time_steps(args.gate, args.tasks, seeds, data, args.steps, S.reference_loss)
     print(f"  batched, fused loss   : {fused:8.2f} s")
     print(f"  batched, autograd loss: {composed:8.2f} s")
     print(f"  speed-up (fused)      : {composed / fused:8.2f} x")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -12,3 +13,11 @@ settings.register_profile("ci", deadline=None, max_examples=60, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def always_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make dselect_k_fused call its kernel at every size (FUSED_MIN_ELEMENTS = 0)."""
+    from dselectk import functional as DF
+
+    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)

@@ -15,12 +15,9 @@ from dselectk.gates import DSelectK, TopKGate
 from dselectk.layers import StackedMLP
 from dselectk.models import MoE, MultiGateMoE
 
-
-@pytest.fixture(autouse=True)
-def _always_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests exercise the fused kernel itself, also on problems small enough that
-    dselect_k_fused would otherwise compose autograd ops (FUSED_MIN_ELEMENTS)."""
-    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)
+# exercise the fused kernel itself, also on problems small enough that dselect_k_fused
+# would otherwise compose autograd ops (see the fixture in conftest.py)
+pytestmark = pytest.mark.usefixtures("always_fused_kernel")
 
 
 F64 = torch.float64

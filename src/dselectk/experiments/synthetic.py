@@ -46,7 +46,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -721,13 +721,16 @@ def train_step(
     xb: Tensor,
     yb: Tensor,
     scheds: Sequence[AttributeScheduler | _MemberAnneal] = (),
+    loss_fn: Callable[[SyntheticMoE, Tensor, Tensor], Tensor] | None = None,
 ) -> None:
     """One Adam step on Σ_r [Σ_t MSE_t,r + aux_r] (:func:`mixture_loss`), no task loop.
 
     Args:
         xb: (B, 10) batch shared by all repetitions; yb: (B, T) targets.
+        loss_fn: the loss (default :func:`mixture_loss`; :func:`reference_loss` for the
+            composed autograd path).
     """
-    loss = mixture_loss(model, xb, yb)
+    loss = (loss_fn or mixture_loss)(model, xb, yb)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
