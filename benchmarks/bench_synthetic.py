@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import platform
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -54,6 +57,39 @@ def time_steps(
     return time.perf_counter() - t0
 
 
+def _cell_epochs(args: argparse.Namespace) -> dict[str, int]:
+    """Epochs per ``gate/T``: from a run's ``selected_hparams.json`` (``--selected``) or
+    ``--full-epochs`` for every cell."""
+    cells = [f"{g}/{t}" for g in args.gates for t in (16, 32, 64, 128)]
+    if args.selected is None:
+        return dict.fromkeys(cells, args.full_epochs)
+    sel = json.loads(Path(args.selected).read_text())
+    missing = [c for c in cells if c not in sel]
+    if missing:
+        raise SystemExit(f"--selected {args.selected}: no selection for {missing}")
+    return {c: int(sel[c]["hparams"]["epochs"]) for c in cells}
+
+
+_DATA: list[S.SyntheticData] = []
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+    tune_allocator()
+
+
+def _cell_step_s(
+    cell: tuple[str, int], chunk: int, steps: int, data: S.SyntheticData | None = None
+) -> float:
+    """Seconds per training step of one cell's batched model of ``chunk`` repetitions."""
+    if data is None:
+        if not _DATA:
+            _DATA.append(S.generate_data(0, n_train=20_000, n_val=10, n_test=10))
+        data = _DATA[0]
+    gate, t = cell
+    return time_steps(gate, t, list(range(chunk)), data, steps) / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=10, help="N repetitions compared")
@@ -71,6 +107,19 @@ def main() -> None:
     p.add_argument("--gates", nargs="+", default=S.DEFAULT_GATES)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (the CLI's --threads, default 1)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="processes for the estimate, as the CLI's --jobs (cells timed concurrently, "
+        "cores split between them)",
+    )
+    p.add_argument(
+        "--selected",
+        type=Path,
+        default=None,
+        help="a run's selected_hparams.json: take each cell's tuned epochs from it",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
@@ -94,27 +143,42 @@ def main() -> None:
     print(f"  batched, autograd loss: {composed:8.2f} s")
     print(f"  speed-up (fused)      : {composed / fused:8.2f} x")
     # full protocol estimate
+    epochs = _cell_epochs(args)
+    cells = sorted(((g, t) for g in args.gates for t in (16, 32, 64, 128)), key=lambda c: -c[1])
+    n_steps = max(5, args.steps // 4)
+    if args.jobs > 1:
+        threads = max(1, torch.get_num_threads() // args.jobs)
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
+        ) as pool:
+            step_s = list(
+                pool.map(_cell_step_s, cells, [args.chunk] * len(cells), [n_steps] * len(cells))
+            )
+    else:
+        step_s = [_cell_step_s(c, args.chunk, n_steps, data) for c in cells]
     steps_per_epoch = math.ceil(100_000 / S.BATCH_SIZE)
     chunks = math.ceil(args.full_reps / args.chunk)
-    total = 0.0
     rows = []
-    for gate in args.gates:
-        for t in (16, 32, 64, 128):
-            hp = {"epochs": args.full_epochs}
-            per_step = time_steps(gate, t, list(range(args.chunk)), data, max(5, args.steps // 4))
-            per_step /= max(5, args.steps // 4)
-            secs = chunks * int(hp["epochs"]) * steps_per_epoch * per_step
-            total += secs
-            rows.append(
-                {"gate": gate, "T": t, "epochs": hp["epochs"], "step_s": per_step, "est_s": secs}
-            )
-            print(
-                f"  full protocol {gate:<20} T={t:<4} {hp['epochs']:>4} epochs: "
-                f"{per_step * 1e3:6.1f} ms/step for {args.chunk} reps -> {secs / 60:6.1f} min"
-            )
+    for (gate, t), per_step in sorted(
+        zip(cells, step_s), key=lambda r: (args.gates.index(r[0][0]), r[0][1])
+    ):
+        ep = epochs[f"{gate}/{t}"]
+        secs = chunks * ep * steps_per_epoch * per_step
+        rows.append({"gate": gate, "T": t, "epochs": ep, "step_s": per_step, "est_s": secs})
+        print(
+            f"  full protocol {gate:<20} T={t:<4} {ep:>4} epochs: "
+            f"{per_step * 1e3:6.1f} ms/step for {args.chunk} reps -> {secs / 60:6.1f} min"
+        )
+    # cells go to the least-loaded of the --jobs processes, largest T first (as the CLI does)
+    load = [0.0] * args.jobs
+    for r in sorted(rows, key=lambda r: -r["T"]):
+        load[load.index(min(load))] += r["est_s"]
+    total = max(load)
     print(
         f"estimated full C.1 protocol ({len(args.gates)} gates x 4 task counts x "
-        f"{args.full_reps} reps, training only, after tuning): {total / 3600:.2f} h"
+        f"{args.full_reps} reps, training only, after tuning, {args.jobs} process(es), "
+        f"epochs: {args.selected or args.full_epochs}): {total / 3600:.2f} h"
     )
     if args.json:
         print(
@@ -127,6 +191,8 @@ def main() -> None:
                     "composed_s": composed,
                     "fused_ratio": composed / fused,
                     "threads": torch.get_num_threads(),
+                    "jobs": args.jobs,
+                    "epochs_from": str(args.selected or args.full_epochs),
                     "full_estimate_s": total,
                     "rows": rows,
                 }

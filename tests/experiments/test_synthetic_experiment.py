@@ -371,3 +371,26 @@ def test_member_adam_equals_torch_adam() -> None:
             o.step()
     torch.testing.assert_close(p[:3], refs[0][:3].detach())
     torch.testing.assert_close(p[3:], refs[1][3:].detach())
+
+
+def test_jobs_processes_write_the_same_records(tmp_path: Path) -> None:
+    """--jobs 2 runs the (gate, T) cells in two spawned processes: same records, same metrics."""
+    serial, pooled = tmp_path / "serial", tmp_path / "pooled"
+    assert main(_args(serial, "--threads", "1")) == 0
+    assert main(_args(pooled, "--jobs", "2", "--threads", "1")) == 0
+    a = {p.name: json.loads(p.read_text()) for p in (serial / "runs").glob("*.json")}
+    b = {p.name: json.loads(p.read_text()) for p in (pooled / "runs").glob("*.json")}
+    assert len(a) == 8 and a.keys() == b.keys()
+    for name, rec in a.items():
+        assert rec["config"] == b[name]["config"]
+        for key, value in rec["metrics"].items():
+            if isinstance(value, float):
+                assert b[name]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    sel_a = json.loads((serial / "selected_hparams.json").read_text())
+    sel_b = json.loads((pooled / "selected_hparams.json").read_text())
+    assert sel_a == sel_b and list(sel_a) == list(sel_b)
+
+
+def test_jobs_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--jobs"):
+        main(_args(tmp_path / "x", "--jobs", "0"))
