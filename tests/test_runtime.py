@@ -1,4 +1,5 @@
-"""dselectk.runtime: the allocator setting is applied once and changes no numbers."""
+"""dselectk.runtime: the allocator setting is applied once and changes no numbers; workers
+exit with their parent."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def test_numbers_do_not_depend_on_the_allocator() -> None:
     )
     assert out.stdout == ref.stdout
     assert torch.isfinite(torch.tensor([float(v) for v in out.stdout.split()])).all()
+
+
+def test_exit_with_parent_exits_when_the_parent_is_not_the_expected_one() -> None:
+    code = "import os\nfrom dselectk.runtime import exit_with_parent\n"
+    ok = subprocess.run(
+        [sys.executable, "-c", code + "exit_with_parent(os.getppid()); print('alive')"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and ok.stdout.strip() == "alive"
+    gone = subprocess.run(
+        [sys.executable, "-c", code + "exit_with_parent(os.getppid() + 1); print('alive')"],
+        capture_output=True,
+        text=True,
+    )
+    assert gone.returncode == 1 and "alive" not in gone.stdout

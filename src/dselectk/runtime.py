@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import signal
 import sys
 
-__all__ = ["tune_allocator"]
+__all__ = ["exit_with_parent", "tune_allocator"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -54,3 +56,33 @@ def tune_allocator() -> bool:
             mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
         )
     return _tuned
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(parent_pid: int) -> bool:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux ``prctl``).
+
+    For worker processes of a sweep: if the sweep's main process is killed (even with
+    ``kill -9``), its workers stop too instead of training on as orphans. What they had
+    finished is already saved (records are written atomically), so the same command resumes.
+    Exits at once if the parent is already gone (``parent_pid`` is the parent's pid as the
+    parent saw it, to close the race between start-up and this call).
+
+    Returns:
+        True if set; False where ``prctl`` is unavailable (not Linux), where nothing changes.
+    """
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return False
+    ok = prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    return ok

@@ -394,3 +394,52 @@ def test_jobs_processes_write_the_same_records(tmp_path: Path) -> None:
 def test_jobs_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--jobs"):
         main(_args(tmp_path / "x", "--jobs", "0"))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1", "--jobs", "2")]
+    cmd[cmd.index("--epochs") + 1] = "3"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = out / "runs"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(runs.glob("*.json"))) < 1:
+        time.sleep(0.02)
+    workers = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert workers, "no worker processes seen"
+    deadline = time.time() + 20
+    while time.time() < deadline and any(map(_alive, workers)):
+        time.sleep(0.05)
+    assert not any(map(_alive, workers)), "workers outlived the killed sweep"
+    first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert 1 <= len(first) < 8, "kill landed outside the sweep"
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    final = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert len(final) == 8
+    for name, mt in first.items():
+        assert final[name] == mt  # not redone
+    assert not list(runs.glob(".*tmp"))

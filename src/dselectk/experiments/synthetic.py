@@ -43,6 +43,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -1151,10 +1152,12 @@ def _generate(args: argparse.Namespace) -> SyntheticData:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(threads: int) -> None:
-    """Pool worker set-up: its share of the cores, the allocator settings of the CLI."""
-    from dselectk.runtime import tune_allocator
+def _worker_init(threads: int, parent_pid: int) -> None:
+    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, and
+    exit when the sweep's main process dies (so ``kill -9`` of it stops the whole sweep)."""
+    from dselectk.runtime import exit_with_parent, tune_allocator
 
+    exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     tune_allocator()
 
@@ -1183,7 +1186,7 @@ def _run_pool(
     selected: dict[str, Any] = {}
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
+        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, os.getpid())
     ) as pool:
         futures = [pool.submit(_worker_cell, args, g, t) for g, t in order]
         bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
