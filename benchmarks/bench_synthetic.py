@@ -6,13 +6,18 @@ Reports, in one run:
   the same N repetitions one after the other (same code path, R = 1), and their ratio;
 * the per-step time of the fused loss (``_MixtureSSE``, the path training uses) against the
   same batched model with the loss composed from autograd ops (``reference_loss``);
-* an estimate of the full C.1 protocol's wall time on this machine: gates × task counts ×
-  100 repetitions × ``--full-epochs`` epochs (default 100, the largest of the paper's grid, so
-  an upper bound; the tuned epochs can only be smaller), 391 steps per epoch, repetitions in
-  chunks of ``--chunk``, from per-step times measured here.
+* an estimate of the full C.1 protocol's final phase on this machine: gates × task counts ×
+  100 repetitions, 391 steps per epoch, repetitions in chunks of ``--chunk``, from per-step
+  times measured here. Epochs per cell: ``--full-epochs`` (default 100, the largest of the
+  paper's grid, an upper bound) or each cell's tuned epochs from a run's
+  ``selected_hparams.json`` (``--selected``). With ``--jobs N`` the cells are timed in N
+  processes at once (cores split between them, as ``dselectk reproduce synthetic --jobs N``
+  runs them) and the estimate is the busiest process's total.
 
     .venv/bin/python benchmarks/bench_synthetic.py            # about 1-3 minutes on 2 cores
-    .venv/bin/python benchmarks/bench_synthetic.py --reps 25 --tasks 128 --steps 50
+    .venv/bin/python benchmarks/bench_synthetic.py --threads 2 --jobs 2 \
+        --gates dselect_k topk ablation_annealing ablation_entropy \
+        --selected benchmarks/results/c1_full_selected_hparams.json
 """
 
 from __future__ import annotations
