@@ -99,6 +99,8 @@ UNITS = 4
 FEATURES = 10
 K = 4
 BATCH_SIZE = 256
+#: state of a ``--jobs`` pool worker process (its data, progress-bar line); empty otherwise
+_WORKER: dict[str, Any] = {}
 
 #: experiment gate name → (registry name, fixed constructor kwargs)
 GATES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -802,7 +804,14 @@ def train_reps(
         scheds = [_MemberAnneal(model, steps_per_epoch)] if anneal else []
     gen = torch.Generator().manual_seed(int(shuffle_seed))
     results: dict[int, list[dict[str, float]]] = {}
-    bar = tqdm(total=epochs, disable=not progress, desc=desc, unit="ep", leave=False)
+    bar = tqdm(
+        total=epochs,
+        disable=not progress,
+        desc=desc,
+        unit="ep",
+        leave=False,
+        position=_WORKER.get("position"),
+    )
     model.train()
     for epoch in range(1, epochs + 1):
         perm = torch.randperm(n, generator=gen)
@@ -936,7 +945,13 @@ def tune(
             if not all(store.done(c) for c in cfgs):
                 members.append((p, i, eps))
     chunks = [members[i : i + max_members] for i in range(0, len(members), max_members)]
-    bar = tqdm(chunks, disable=not progress, desc=f"tune {gate} T={num_tasks}", unit="batch")
+    in_worker = _WORKER.get("position") is not None  # one bar line per worker: epochs only
+    bar = tqdm(
+        chunks,
+        disable=not progress or in_worker,
+        desc=f"tune {gate} T={num_tasks}",
+        unit="batch",
+    )
     for chunk in bar:
         bar.set_postfix(configs=len(chunk))
         cps = sorted({e for _, _, eps in chunk for e in eps})
@@ -952,7 +967,7 @@ def tune(
             checkpoints=cps,
             member_hparams=mh,
             progress=progress,
-            desc=f"{len(chunk)} configs",
+            desc=f"tune {gate} T={num_tasks}: {len(chunk)} configs",
         )
         assert isinstance(res, dict)
         for j, (p, i, eps) in enumerate(chunk):
@@ -1149,17 +1164,21 @@ def _generate(args: argparse.Namespace) -> SyntheticData:
     return generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
 
 
-_WORKER: dict[str, Any] = {}
 
-
-def _worker_init(threads: int, parent_pid: int) -> None:
-    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, and
-    exit when the sweep's main process dies (so ``kill -9`` of it stops the whole sweep)."""
+def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
+    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
+    when the sweep's main process dies (so ``kill -9`` of it stops the whole sweep), and its
+    own progress-bar line below the main process's (tqdm's multiprocessing lock)."""
     from dselectk.runtime import exit_with_parent, tune_allocator
 
     exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     tune_allocator()
+    with counter.get_lock():
+        _WORKER["position"] = int(counter.value) + 1
+        counter.value += 1
+    _WORKER["progress"] = progress
+    tqdm.set_lock(lock)
 
 
 def _worker_cell(args: argparse.Namespace, gate: str, t: int) -> tuple[str, dict[str, Any], float]:
@@ -1168,7 +1187,7 @@ def _worker_cell(args: argparse.Namespace, gate: str, t: int) -> tuple[str, dict
         _WORKER["data"] = _generate(args)
         _WORKER["key"] = (args.data_seed, args.n_train, args.n_eval)
     t0 = time.perf_counter()
-    selection = _run_cell(args, gate, t, _WORKER["data"], progress=False)
+    selection = _run_cell(args, gate, t, _WORKER["data"], progress=_WORKER["progress"])
     return f"{gate}/{t}", selection, time.perf_counter() - t0
 
 
@@ -1185,9 +1204,10 @@ def _run_pool(
     order = sorted(cells, key=lambda c: -c[1])
     selected: dict[str, Any] = {}
     ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, os.getpid())
-    ) as pool:
+    lock = ctx.RLock()
+    tqdm.set_lock(lock)
+    init = (threads, os.getpid(), ctx.Value("i", 0), lock, progress)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init) as pool:
         futures = [pool.submit(_worker_cell, args, g, t) for g, t in order]
         bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
         try:
