@@ -309,6 +309,33 @@ def test_full_protocol_smoke(tmp_path: Path) -> None:
     assert set(sel) == {"dselect_k/16"} and "configs_binary" in sel["dselect_k/16"]
     assert "grid search" in (out / "report.md").read_text()
 
+    # the final phase again, from the selections alone (--tuned selected_hparams.json)
+    again = tmp_path / "again"
+    i = argv.index("--full")
+    argv2 = [*argv[:i], *argv[i + 1 :], "--tuned", str(out / "selected_hparams.json")]
+    argv2[argv2.index("--out") + 1] = str(again)
+    assert main(argv2) == 0
+
+    def finals(d: Path) -> dict[str, dict[str, object]]:
+        recs = [json.loads(p.read_text()) for p in (d / "runs").glob("*.json")]
+        return {
+            json.dumps(r["config"], sort_keys=True): r["metrics"]
+            for r in recs
+            if r["config"]["phase"] == "final"
+        }
+
+    assert finals(again).keys() == finals(out).keys() and len(finals(out)) == 1
+    assert f"selections of {out / 'selected_hparams.json'}" in (again / "report.md").read_text()
+
+
+def test_tuned_file_errors_name_the_flag(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"dselect_k": {"lr": 0.1}}')
+    with pytest.raises(ValueError, match=r"--tuned .*gate/T"):
+        S.load_tuned(bad)
+    with pytest.raises(ValueError, match=r"--tuned .*cannot read"):
+        S.load_tuned(tmp_path / "missing.json")
+
 
 @pytest.mark.parametrize(
     ("gate", "members"),

@@ -851,9 +851,28 @@ def train_sequential(
 # hyperparameters: the shipped tuning record and the paper's grid search
 # --------------------------------------------------------------------------------------------
 def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
-    """The shipped tuning record ``tuned_synthetic.json`` (or ``path``)."""
+    """The shipped tuning record ``tuned_synthetic.json``, or ``path``: a record of that form
+    or a results folder's ``selected_hparams.json`` (``{"gate/T": {"hparams": ...}}``), so the
+    final phase can be rerun with the selections of an earlier grid search."""
     if path is not None:
-        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        try:
+            rec = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--tuned {path}: cannot read a JSON tuning record ({e})") from e
+        if not isinstance(rec, dict):
+            raise ValueError(f"--tuned {path}: expected a JSON object")
+        if "hparams" in rec:
+            return rec
+        per_gate: dict[str, dict[str, Any]] = {}
+        for key, sel in rec.items():
+            gate, _, t = str(key).partition("/")
+            if not t.isdigit() or not isinstance(sel, dict) or "hparams" not in sel:
+                raise ValueError(
+                    f"--tuned {path}: expected a tuning record (with 'hparams') or a "
+                    f"selected_hparams.json ('gate/T' keys), found key {key!r}"
+                )
+            per_gate.setdefault(gate, {})[t] = dict(sel["hparams"])
+        return {"source": f"selections of {path}", "hparams": per_gate}
     text = resources.files("dselectk.experiments").joinpath("tuned_synthetic.json").read_text()
     return dict(json.loads(text))
 
@@ -1164,7 +1183,6 @@ def _generate(args: argparse.Namespace) -> SyntheticData:
     return generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
 
 
-
 def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
     """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
     when the sweep's main process dies (so ``kill -9`` of it stops the whole sweep), and its
@@ -1467,6 +1485,12 @@ def write_report(
                     )
                 )
     source = tuned_source(final)
+    sel_file = results_dir / "selected_hparams.json"
+    if sel_file.is_file():
+        sources = sorted(
+            {str(v.get("source")) for v in json.loads(sel_file.read_text()).values()} - {"None"}
+        )
+        source = "; ".join(sources) or source
     if tune_count:
         source = (
             f"selected in this folder by the paper's grid search ({tune_count} tuning records, "
