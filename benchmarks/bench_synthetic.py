@@ -9,7 +9,7 @@ Reports, in one run:
 * an estimate of the full C.1 protocol's final phase on this machine: gates × task counts ×
   100 repetitions, 391 steps per epoch, repetitions in chunks of ``--chunk``, from per-step
   times measured here. Epochs per cell: ``--full-epochs`` (default 100, the largest of the
-  paper's grid, an upper bound) or each cell's tuned epochs from a run's
+  paper's grid, an upper bound) or each cell's tuned hyperparameters and epochs from a run's
   ``selected_hparams.json`` (``--selected``). With ``--jobs N`` the cells are timed in N
   processes at once (cores split between them, as ``dselectk reproduce synthetic --jobs N``
   runs them) and the estimate is the busiest process's total.
@@ -31,11 +31,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dselectk.experiments import synthetic as S
 from dselectk.runtime import tune_allocator
+
+STEPS_PER_EPOCH = math.ceil(100_000 / S.BATCH_SIZE)  # the paper's 100k training rows
 
 
 def time_steps(
@@ -45,12 +48,15 @@ def time_steps(
     data: S.SyntheticData,
     steps: int,
     loss_fn: Callable[[S.SyntheticMoE, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    hp: dict[str, Any] | None = None,
 ) -> float:
-    """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up)."""
-    hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
+    """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up),
+    with ``hp`` (default: the shipped tuning record's) and its schedules over ``hp["epochs"]``."""
+    if hp is None:
+        hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
     model = S.SyntheticMoE(gate, tasks, hp, seeds)
     opt = torch.optim.Adam(model.parameters(), lr=float(hp["lr"]), foreach=True)
-    scheds = S._schedulers(model, hp, 10_000)
+    scheds = S._schedulers(model, hp, int(hp["epochs"]) * STEPS_PER_EPOCH)
     gen = torch.Generator().manual_seed(0)
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]
@@ -62,17 +68,20 @@ def time_steps(
     return time.perf_counter() - t0
 
 
-def _cell_epochs(args: argparse.Namespace) -> dict[str, int]:
-    """Epochs per ``gate/T``: from a run's ``selected_hparams.json`` (``--selected``) or
-    ``--full-epochs`` for every cell."""
-    cells = [f"{g}/{t}" for g in args.gates for t in (16, 32, 64, 128)]
-    if args.selected is None:
-        return dict.fromkeys(cells, args.full_epochs)
-    sel = json.loads(Path(args.selected).read_text())
-    missing = [c for c in cells if c not in sel]
-    if missing:
-        raise SystemExit(f"--selected {args.selected}: no selection for {missing}")
-    return {c: int(sel[c]["hparams"]["epochs"]) for c in cells}
+def _cell_hparams(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Hyperparameters per ``gate/T``: a run's selections (``--selected``, its tuned lr, γ, λ,
+    temperatures and epochs) or the shipped tuning record with ``--full-epochs`` epochs."""
+    tuned = S.load_tuned(args.selected) if args.selected is not None else S.load_tuned()
+    out = {}
+    for g in args.gates:
+        for t in (16, 32, 64, 128):
+            if args.selected is not None and str(t) not in tuned["hparams"].get(g, {}):
+                raise SystemExit(f"--selected {args.selected}: no selection for {g}/{t}")
+            hp = S.resolve_hparams(g, t, tuned, {})
+            if args.selected is None:
+                hp["epochs"] = args.full_epochs
+            out[f"{g}/{t}"] = hp
+    return out
 
 
 _DATA: list[S.SyntheticData] = []
@@ -84,7 +93,11 @@ def _worker_init(threads: int) -> None:
 
 
 def _cell_step_s(
-    cell: tuple[str, int], chunk: int, steps: int, data: S.SyntheticData | None = None
+    cell: tuple[str, int],
+    hp: dict[str, Any],
+    chunk: int,
+    steps: int,
+    data: S.SyntheticData | None = None,
 ) -> float:
     """Seconds per training step of one cell's batched model of ``chunk`` repetitions."""
     if data is None:
@@ -92,7 +105,7 @@ def _cell_step_s(
             _DATA.append(S.generate_data(0, n_train=20_000, n_val=10, n_test=10))
         data = _DATA[0]
     gate, t = cell
-    return time_steps(gate, t, list(range(chunk)), data, steps) / steps
+    return time_steps(gate, t, list(range(chunk)), data, steps, hp=hp) / steps
 
 
 def main() -> None:
@@ -124,7 +137,7 @@ def main() -> None:
         "--selected",
         type=Path,
         default=None,
-        help="a run's selected_hparams.json: take each cell's tuned epochs from it",
+        help="a run's selected_hparams.json: time each cell with its tuned settings and epochs",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = p.parse_args()
@@ -148,7 +161,7 @@ def main() -> None:
     print(f"  batched, autograd loss: {composed:8.2f} s")
     print(f"  speed-up (fused)      : {composed / fused:8.2f} x")
     # full protocol estimate
-    epochs = _cell_epochs(args)
+    hps = _cell_hparams(args)
     cells = sorted(((g, t) for g in args.gates for t in (16, 32, 64, 128)), key=lambda c: -c[1])
     n_steps = max(5, args.steps // 4)
     if args.jobs > 1:
@@ -158,18 +171,23 @@ def main() -> None:
             args.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
         ) as pool:
             step_s = list(
-                pool.map(_cell_step_s, cells, [args.chunk] * len(cells), [n_steps] * len(cells))
+                pool.map(
+                    _cell_step_s,
+                    cells,
+                    [hps[f"{g}/{t}"] for g, t in cells],
+                    [args.chunk] * len(cells),
+                    [n_steps] * len(cells),
+                )
             )
     else:
-        step_s = [_cell_step_s(c, args.chunk, n_steps, data) for c in cells]
-    steps_per_epoch = math.ceil(100_000 / S.BATCH_SIZE)
+        step_s = [_cell_step_s(c, hps[f"{c[0]}/{c[1]}"], args.chunk, n_steps, data) for c in cells]
     chunks = math.ceil(args.full_reps / args.chunk)
     rows = []
     for (gate, t), per_step in sorted(
         zip(cells, step_s), key=lambda r: (args.gates.index(r[0][0]), r[0][1])
     ):
-        ep = epochs[f"{gate}/{t}"]
-        secs = chunks * ep * steps_per_epoch * per_step
+        ep = int(hps[f"{gate}/{t}"]["epochs"])
+        secs = chunks * ep * STEPS_PER_EPOCH * per_step
         rows.append({"gate": gate, "T": t, "epochs": ep, "step_s": per_step, "est_s": secs})
         print(
             f"  full protocol {gate:<20} T={t:<4} {ep:>4} epochs: "

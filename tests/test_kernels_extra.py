@@ -252,3 +252,28 @@ def test_small_problem_dispatch_gives_the_same_numbers(
         want = (torch.softmax(a, -1)[..., None] * DF.selector(p)).sum(-2)
         torch.testing.assert_close(w, want)
     assert gradcheck(lambda aa, zz: DF.dselect_k_fused(aa, zz, gammas), (a, z))
+
+
+def test_ablation_gate_small_temperature_flush_equals_plain_exp() -> None:
+    """At τ <= the flush temperature the node zeroes probabilities below float32's smallest
+    normal before exp (CPU speed); everything else equals the composed softmax formulas."""
+    from dselectk.gates.ablation import _FLUSH_TEMPERATURE
+
+    torch.manual_seed(0)
+    k, n = 4, 32
+    gate = SoftmaxSelectorGate(n, k, num_gates=64, temperature=1e-3)
+    assert gate.temperature <= _FLUSH_TEMPERATURE
+    with torch.no_grad():
+        gate.logits.mul_(1e4)  # spread like trained logits: most β/τ far below exp's range
+    logits = gate.compute_logits().detach().requires_grad_()
+    out = gate.gate(logits)
+    alpha, beta = logits[..., :k], logits[..., k:].unflatten(-1, (k, n))
+    s = torch.softmax(beta / gate.temperature, dim=-1)
+    want = (torch.softmax(alpha, -1).unsqueeze(-1) * s).sum(-2)
+    tiny = torch.finfo(torch.float32).tiny
+    assert (s < tiny).float().mean() > 0.5  # the flushed regime is exercised
+    torch.testing.assert_close(out.weights, want, rtol=1e-6, atol=tiny)
+    assert not ((out.weights > 0) & (out.weights < tiny)).any()  # no denormals left
+    (g,) = torch.autograd.grad(out.weights.square().sum(), logits)
+    (g_ref,) = torch.autograd.grad(want.square().sum(), logits)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
