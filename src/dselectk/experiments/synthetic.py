@@ -1095,9 +1095,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jobs",
         type=int,
-        default=1,
-        help="worker processes, each running whole (gate, T) cells with its share of the "
-        "cores (--threads each if given); see the README for when 2 beats 1",
+        default=0,
+        help="worker processes, each running whole (gate, T) cells with its share of the cores "
+        "(--threads each if given); default 0: cores / --threads of them, at most one per cell. On "
+        "2 cores, "
+        "2 one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x faster "
+        "than one two-thread process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -1249,16 +1252,18 @@ def run(args: argparse.Namespace) -> int:
     threads = int(getattr(args, "threads", 0) or 0)
     if threads < 0:
         raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    cells = list(itertools.product(args.gates, sorted(args.tasks)))
     jobs = int(getattr(args, "jobs", 1))
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0: one per core), got {jobs}")
+    if jobs == 0:
+        jobs = max(1, min(len(cells), torch.get_num_threads() // max(1, threads)))
     args.jobs = jobs
     if threads and jobs == 1:
         torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
-    cells = list(itertools.product(args.gates, sorted(args.tasks)))
     t0 = time.perf_counter()
     if jobs > 1 and len(cells) > 1:
         found = _run_pool(args, cells, progress)
