@@ -233,27 +233,42 @@ def test_interrupted_sweep_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert p.stat().st_mtime_ns == mtimes[p.name]
 
 
-def test_kill_9_mid_sweep_then_resume(tmp_path: Path) -> None:
-    out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _start_then_kill_9(cmd: list[str], env: dict[str, str], runs: Path, records: int) -> list[int]:
+    """Start a sweep, wait until ``records`` records exist, kill -9 it; returns the pids of
+    its child processes just before the kill."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    runs = out / "runs"
-    deadline = time.time() + 60
-    while time.time() < deadline and len(list(runs.glob("*.json"))) < 2:
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(runs.glob("*.json"))) < records:
         time.sleep(0.02)
+    children = _children(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
-    assert 2 <= len(first) < 8, "kill landed outside the sweep"
-    for p in runs.glob("*.json"):
-        json.loads(p.read_text())  # every visible record is complete
+    return children
+
+
+def _resume_keeps_finished_records(
+    cmd: list[str], env: dict[str, str], runs: Path, first: dict[str, int]
+) -> None:
+    """Rerun the killed sweep: all 8 records, the finished ones not redone, no temp files."""
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     final = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
     assert len(final) == 8
     for name, mt in first.items():
         assert final[name] == mt  # not redone
     assert not list(runs.glob(".*tmp"))
+
+
+def test_kill_9_mid_sweep_then_resume(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = out / "runs"
+    _start_then_kill_9(cmd, env, runs, records=2)
+    first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert 2 <= len(first) < 8, "kill landed outside the sweep"
+    for p in runs.glob("*.json"):
+        json.loads(p.read_text())  # every visible record is complete
+    _resume_keeps_finished_records(cmd, env, runs, first)
 
 
 def test_grid_search_selects_on_validation_and_reuses_records(tmp_path: Path) -> None:
@@ -449,14 +464,8 @@ def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -
     cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1", "--jobs", "2")]
     cmd[cmd.index("--epochs") + 1] = "3"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     runs = out / "runs"
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(runs.glob("*.json"))) < 1:
-        time.sleep(0.02)
-    workers = _children(proc.pid)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    workers = _start_then_kill_9(cmd, env, runs, records=1)
     assert workers, "no worker processes seen"
     deadline = time.time() + 20
     while time.time() < deadline and any(map(_alive, workers)):
@@ -464,9 +473,4 @@ def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -
     assert not any(map(_alive, workers)), "workers outlived the killed sweep"
     first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
     assert 1 <= len(first) < 8, "kill landed outside the sweep"
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    final = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
-    assert len(final) == 8
-    for name, mt in first.items():
-        assert final[name] == mt  # not redone
-    assert not list(runs.glob(".*tmp"))
+    _resume_keeps_finished_records(cmd, env, runs, first)

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -1186,12 +1187,22 @@ def _generate(args: argparse.Namespace) -> SyntheticData:
     return generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
 
 
+class _SweepKilled(BaseException):
+    """Raised in a pool worker by SIGTERM (its parent died): unwinds so that a record being
+    written removes its temp file (see ``atomic_write_text``), then the worker exits."""
+
+
+def _raise_sweep_killed(signum: int, frame: Any) -> None:
+    raise _SweepKilled
+
+
 def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
     """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
     when the sweep's main process dies (so ``kill -9`` of it stops the whole sweep), and its
     own progress-bar line below the main process's (tqdm's multiprocessing lock)."""
     from dselectk.runtime import exit_with_parent, tune_allocator
 
+    signal.signal(signal.SIGTERM, _raise_sweep_killed)
     exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     tune_allocator()
@@ -1204,11 +1215,14 @@ def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progres
 
 def _worker_cell(args: argparse.Namespace, gate: str, t: int) -> tuple[str, dict[str, Any], float]:
     """:func:`_run_cell` in a pool worker (the data is generated once per worker)."""
-    if _WORKER.get("key") != (args.data_seed, args.n_train, args.n_eval):
-        _WORKER["data"] = _generate(args)
-        _WORKER["key"] = (args.data_seed, args.n_train, args.n_eval)
     t0 = time.perf_counter()
-    selection = _run_cell(args, gate, t, _WORKER["data"], progress=_WORKER["progress"])
+    try:
+        if _WORKER.get("key") != (args.data_seed, args.n_train, args.n_eval):
+            _WORKER["data"] = _generate(args)
+            _WORKER["key"] = (args.data_seed, args.n_train, args.n_eval)
+        selection = _run_cell(args, gate, t, _WORKER["data"], progress=_WORKER["progress"])
+    except _SweepKilled:
+        os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
     return f"{gate}/{t}", selection, time.perf_counter() - t0
 
 
@@ -1266,15 +1280,16 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     t0 = time.perf_counter()
     if jobs > 1 and len(cells) > 1:
-        found = _run_pool(args, cells, progress)
-        selected = {f"{g}/{t}": found[f"{g}/{t}"] for g, t in cells}
+        found = _run_pool(args, cells, progress)  # written as cells finish; now in cell order
+        atomic_write_json(
+            out / "selected_hparams.json", {f"{g}/{t}": found[f"{g}/{t}"] for g, t in cells}
+        )
     else:
         data = _generate(args)
-        selected = {}
+        selected: dict[str, Any] = {}
         for gate, t in cells:
             selected[f"{gate}/{t}"] = _run_cell(args, gate, t, data, progress)
             atomic_write_json(out / "selected_hparams.json", selected)
-    atomic_write_json(out / "selected_hparams.json", selected)
     wall = time.perf_counter() - t0
     write_report(out, wall_seconds=wall, command=" ".join(["dselectk", *sys.argv[1:]]))
     print_table(json.loads((out / "summary.json").read_text()))
@@ -1489,31 +1504,25 @@ def write_report(
                         row_groups=[i // TASKS_PER_GROUP for i in range(t)],
                     )
                 )
-    source = tuned_source(final)
-    sel_file = results_dir / "selected_hparams.json"
-    if sel_file.is_file():
-        sources = sorted(
-            {str(v.get("source")) for v in json.loads(sel_file.read_text()).values()} - {"None"}
-        )
-        source = "; ".join(sources) or source
+    sel_path = results_dir / "selected_hparams.json"
+    sel = json.loads(sel_path.read_text(encoding="utf-8")) if sel_path.is_file() else {}
+    sources = sorted({str(v.get("source")) for v in sel.values()} - {"None"})
+    source = "; ".join(sources) or tuned_source(final)
     if tune_count:
         source = (
             f"selected in this folder by the paper's grid search ({tune_count} tuning records, "
             "lowest mean validation MSE; DSelect-k configurations whose S(Z) is not binary in "
             "every trial discarded, see selected_hparams.json)"
         )
-        sel_path = results_dir / "selected_hparams.json"
-        if sel_path.is_file():
-            sel = json.loads(sel_path.read_text(encoding="utf-8"))
-            notes = [
-                f"{k}: {v.get('configs_binary', '?')} of {v.get('configs_tried', '?')} "
-                "configurations binary"
-                + ("" if v.get("binary", True) else " (none: best non-binary used)")
-                for k, v in sorted(sel.items())
-                if k.startswith("dselect_k")
-            ]
-            if notes:
-                source += ". " + "; ".join(notes)
+        notes = [
+            f"{k}: {v.get('configs_binary', '?')} of {v.get('configs_tried', '?')} "
+            "configurations binary"
+            + ("" if v.get("binary", True) else " (none: best non-binary used)")
+            for k, v in sorted(sel.items())
+            if k.startswith("dselect_k")
+        ]
+        if notes:
+            source += ". " + "; ".join(notes)
     atomic_write_text(results_dir / "report.md", _markdown(summary, source, plots))
 
 
