@@ -8,18 +8,19 @@ record or none, and the same command restarted skips finished runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-import os
 import platform
 import subprocess
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dselectk import io as _io
 
 __all__ = [
     "RunStore",
@@ -33,37 +34,11 @@ __all__ = [
 ]
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically (NaN/inf written as null)."""
-    atomic_write_text(path, json.dumps(_clean(obj), indent=2, sort_keys=True) + "\n")
-
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return _clean(obj.tolist())
-    return obj
+# Deprecated aliases, kept importable for existing callers: new code uses dselectk.io directly
+# (io.write_text / io.write_json / io.json_safe). Output is byte-identical to what these wrote.
+atomic_write_text = _io.write_text
+atomic_write_json = _io.write_json
+_clean = _io.json_safe
 
 
 def run_id(config: Mapping[str, Any]) -> str:
@@ -86,20 +61,32 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def environment() -> dict[str, Any]:
-    """Package version, git commit, torch/python versions, CPU and thread count."""
+@functools.cache
+def _static_environment() -> tuple[tuple[str, Any], ...]:
+    """The parts of :func:`environment` that cannot change within a process, computed once (the
+    git commit costs a subprocess; a sweep saves thousands of records)."""
     from dselectk import __version__
 
-    return {
-        "dselectk": __version__,
-        "git_commit": _git_commit(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    return (
+        ("dselectk", __version__),
+        ("git_commit", _git_commit()),
+        ("torch", torch.__version__),
+        ("python", platform.python_version()),
+        ("machine", platform.machine()),
+        ("processor", platform.processor() or platform.machine()),
+    )
+
+
+def environment() -> dict[str, Any]:
+    """Package version, git commit, torch/python versions, CPU and thread count.
+
+    The static parts are computed once per process; the thread count (workers set it) and the
+    CUDA device are read on every call.
+    """
+    env = dict(_static_environment())
+    env["threads"] = torch.get_num_threads()
+    env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return env
 
 
 class RunStore:
@@ -126,9 +113,7 @@ class RunStore:
         record = {"run_id": rid, "config": dict(config), "metrics": dict(metrics)}
         record["environment"] = environment()
         record.update(extra)
-        path = self.path(rid)
-        atomic_write_json(path, record)
-        return path
+        return _io.write_json(self.path(rid), record)
 
     def load(self) -> list[dict[str, Any]]:
         """All complete records, sorted by run id; an unreadable file raises a ValueError."""

@@ -1,0 +1,93 @@
+"""The package's one atomic file writer.
+
+Every writer here writes to a uniquely named temp file in the destination's folder (``.<name>.<pid>.
+<random>.tmp``), flushes and fsyncs it, then renames it over the destination with ``os.replace``.
+A reader therefore sees either the old file or the complete new one, never a partial write; on
+any error (KeyboardInterrupt and SystemExit included) the temp file is removed, the old file is
+left untouched, and the exception propagates. Parent folders are created as needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+__all__ = [
+    "json_safe",
+    "save_npz",
+    "save_torch",
+    "write_bytes",
+    "write_json",
+    "write_text",
+]
+
+
+def _atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call ``write`` on a binary temp file beside ``path``, fsync, then rename it to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    return _atomic(path, lambda f: f.write(data))
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8, newlines as given) to ``path`` atomically; returns the path."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` made strict-JSON-ready: NaN/inf as None, keys as str, tuples and tensors as lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return json_safe(obj.tolist())
+    return obj
+
+
+def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> Path:
+    """Write ``obj`` as JSON atomically: sorted keys, ``indent`` spaces, a final newline.
+
+    NaN/inf are written as null and tensors as lists (see :func:`json_safe`), so the file is
+    strict JSON. Returns the path.
+    """
+    return write_text(path, json.dumps(json_safe(obj), indent=indent, sort_keys=True) + "\n")
+
+
+def save_torch(path: str | Path, obj: Any) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (e.g. a checkpoint); returns the path."""
+    return _atomic(path, lambda f: torch.save(obj, f))
+
+
+def save_npz(path: str | Path, **arrays: Any) -> Path:
+    """``numpy.savez(**arrays)`` to ``path`` atomically (the name is used as given: no ``.npz`` is
+    appended); returns the path."""
+    import numpy as np
+
+    return _atomic(path, lambda f: np.savez(f, **arrays))
