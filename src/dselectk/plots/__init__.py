@@ -1,4 +1,8 @@
-"""Generic plots shared by the experiment reports (Figures 2, C.1, C.3, C.4 of the paper)."""
+"""Generic plots shared by the experiment reports (Figures 2, C.1, C.3, C.4 of the paper).
+
+Importing this package does not import matplotlib (the ``experiments`` extra); drawing a plot
+without it raises an ImportError that says ``pip install 'dselectk[experiments]'``.
+"""
 
 from dselectk.plots.core import (
     plot_metric_panels,

@@ -11,11 +11,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+
+from dselectk.plots._mpl import plt
 
 __all__ = ["plot_metric_panels", "plot_metric_vs", "plot_trajectories", "plot_weight_heatmap"]
 

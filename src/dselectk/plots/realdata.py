@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+
+from dselectk.plots._mpl import plt
 
 __all__ = ["plot_task_heatmap", "plot_task_trajectories"]
 
