@@ -1,7 +1,9 @@
 """Command line: ``dselectk demo | reproduce EXPERIMENT | report DIR | bench [ARGS]``.
 
 The CLI parses arguments and calls experiment modules; it holds no logic of its own. Each
-experiment module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+experiment module exposes ``add_arguments(parser)`` and ``run(args) -> int``; the table of
+experiments is :data:`dselectk.experiments.report.EXPERIMENTS` (imports go cli → report only).
+``dselectk bench`` runs ``python -m benchmarks`` in a subprocess from the source checkout.
 """
 
 from __future__ import annotations
@@ -9,22 +11,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dselectk.experiments import report
+from dselectk.experiments.report import EXPERIMENTS
 from dselectk.runtime import tune_allocator
 
-__all__ = ["main"]
-
-#: ``dselectk reproduce NAME`` → module implementing it
-EXPERIMENTS: dict[str, str] = {
-    "synthetic": "dselectk.experiments.synthetic",
-    "recovery": "dselectk.experiments.recovery",
-    "movielens": "dselectk.experiments.movielens",
-    "multi-mnist": "dselectk.experiments.multi_mnist",
-    "multi-fashion": "dselectk.experiments.multi_mnist",
-}
+__all__ = ["EXPERIMENTS", "main", "source_root"]
 
 
 def _available(module: str) -> bool:
@@ -50,14 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
             importlib.import_module(module).add_arguments(p)
             p.set_defaults(experiment_module=module, experiment_name=name)
 
-    if _available("dselectk.experiments.report"):
-        report = sub.add_parser("report", help="rebuild report and plots of a results folder")
-        importlib.import_module("dselectk.experiments.report").add_arguments(report)
+    rebuild = sub.add_parser("report", help="rebuild report and plots of a results folder")
+    report.add_arguments(rebuild)
 
     bench = sub.add_parser("bench", help="run the benchmark suite (same as python -m benchmarks)")
     bench.epilog = "Other arguments go to the suite; see `dselectk bench --help-suite`."
     bench.add_argument("--help-suite", action="store_true", help="show the suite's options")
     return parser
+
+
+def source_root() -> Path | None:
+    """The source checkout holding this package (src layout), if it has ``benchmarks/``."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "benchmarks" / "__main__.py").is_file() else None
+
+
+def _bench(help_suite: bool, extra: Sequence[str]) -> int:
+    root = source_root()
+    if root is None:
+        print("dselectk bench needs a source checkout (benchmarks/ is not installed)")
+        return 2
+    suite_args = ["--help"] if help_suite else [a for a in extra if a != "--"]
+    cmd = [sys.executable, "-m", "benchmarks", *suite_args]
+    return subprocess.run(cmd, cwd=root, check=False).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,16 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "reproduce":
         return int(importlib.import_module(args.experiment_module).run(args))
     if args.command == "report":
-        return int(importlib.import_module("dselectk.experiments.report").run(args))
+        return int(report.run(args))
     if args.command == "bench":
-        root = Path(__file__).resolve().parents[2]  # repository root (src layout)
-        if not (root / "benchmarks" / "suite.py").is_file():
-            print("dselectk bench needs a source checkout (benchmarks/ is not installed)")
-            return 2
-        sys.path.insert(0, str(root))
-        suite_args = ["--help"] if args.help_suite else [a for a in extra if a != "--"]
-        importlib.import_module("benchmarks.suite").main(suite_args)
-        return 0
+        return _bench(args.help_suite, extra)
     return 2
 
 

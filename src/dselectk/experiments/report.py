@@ -16,7 +16,24 @@ from pathlib import Path
 
 from dselectk.experiments.records import RunStore
 
-__all__ = ["add_arguments", "experiment_module", "experiment_name", "rebuild", "run"]
+__all__ = [
+    "EXPERIMENTS",
+    "add_arguments",
+    "experiment_module",
+    "experiment_name",
+    "rebuild",
+    "run",
+]
+
+#: experiment name (``dselectk reproduce NAME``, ``config["experiment"]``) → module implementing
+#: it. The CLI imports this table (cli → report; report never imports the CLI).
+EXPERIMENTS: dict[str, str] = {
+    "synthetic": "dselectk.experiments.synthetic",
+    "recovery": "dselectk.experiments.recovery",
+    "movielens": "dselectk.experiments.movielens",
+    "multi-mnist": "dselectk.experiments.multi_mnist",
+    "multi-fashion": "dselectk.experiments.multi_mnist",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +62,7 @@ def experiment_name(results_dir: Path) -> str:
 
 
 def experiment_module(name: str) -> str:
-    """Module implementing experiment ``name`` (the CLI's table, else experiments.<name>)."""
-    from dselectk.cli import EXPERIMENTS
-
+    """Module implementing experiment ``name`` (:data:`EXPERIMENTS`, else experiments.<name>)."""
     return EXPERIMENTS.get(name, f"dselectk.experiments.{name.replace('-', '_')}")
 
 
