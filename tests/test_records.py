@@ -68,3 +68,33 @@ def test_mean_se_summarize_and_format() -> None:
     assert format_mean_se(rows[1]["metrics"]["mse"], 0, show_n=True) == "5 (n=1)"
     assert format_mean_se(None) == "–"
     assert format_mean_se({"mean": 0.25, "se": 0.01, "n": 2}, 0, scale=1e4) == "2500 ± 100"
+
+
+def test_environment_runs_git_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    from dselectk.experiments import records
+
+    calls: list[list[str]] = []
+    real_run = subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(list(cmd))
+        return real_run(cmd, *args, **kwargs)
+
+    records._static_environment.cache_clear()
+    monkeypatch.setattr(records.subprocess, "run", counting_run)
+    try:
+        store = RunStore(tmp_path)
+        for rep in range(3):
+            store.save({"rep": rep}, {"mse": 0.1})
+        envs = [r["environment"] for r in store.load()]
+    finally:
+        records._static_environment.cache_clear()
+    assert len(calls) == 1 and calls[0][:2] == ["git", "rev-parse"]
+    assert envs[0] == envs[1] == envs[2]
+    assert sorted(envs[0]) == sorted(
+        ["dselectk", "git_commit", "torch", "python", "machine", "processor", "threads", "cuda"]
+    )
