@@ -273,7 +273,9 @@ def test_load_multi_mnist_deterministic_and_cached(tmp_path: Path) -> None:
     b = load_multi_mnist(tmp_path, seed=2, cache=True, **kw)  # type: ignore[arg-type]
     cached = list((tmp_path / "multi-fashion-mnist").glob("*.npz"))
     assert len(cached) == 1
-    assert not [p for p in cached[0].parent.iterdir() if p.suffix == ".part"]
+    # The atomic write (dselectk.io.save_npz) leaves no temp file beside the cache.
+    assert not [p for p in cached[0].parent.iterdir() if p.suffix in (".part", ".tmp")]
+    assert [p.name for p in cached[0].parent.iterdir()] == [cached[0].name]
     # Remove the sources: a cached call must not need them.
     for f in (tmp_path / "fashion-mnist").iterdir():
         f.unlink()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import os
 import struct
-import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import numpy.typing as npt
 import torch
 
 from dselectk.data._files import fetch, resolve_data_dir
+from dselectk.io import save_npz
 
 __all__ = [
     "MNIST_KINDS",
@@ -287,19 +287,6 @@ def _to_split(
     return MultiTaskImages(X=xt, y1=torch.from_numpy(y1), y2=torch.from_numpy(y2))
 
 
-def _save_npz_atomic(path: Path, arrays: dict[str, npt.NDArray[np.generic]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _check_count(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -409,7 +396,7 @@ def load_multi_mnist(
         for split, (x, y1, y2) in built.items():
             arrays[f"x_{split}"], arrays[f"y1_{split}"], arrays[f"y2_{split}"] = x, y1, y2
         try:
-            _save_npz_atomic(cache_path, arrays)
+            save_npz(cache_path, **arrays)
         except OSError as exc:
             warnings.warn(
                 f"could not write Multi-MNIST cache {cache_path}: {exc}",
