@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-def _atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write`` on a binary temp file beside ``path``, fsync, then rename it to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

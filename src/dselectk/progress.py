@@ -133,6 +133,6 @@ try:
     from tqdm.auto import tqdm
 except ImportError:  # tqdm is in the `experiments` extra
     HAVE_TQDM = False
-    tqdm = SilentTqdm  # type: ignore[misc,assignment]
+    tqdm = SilentTqdm
 else:
     HAVE_TQDM = True
