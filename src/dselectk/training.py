@@ -6,6 +6,10 @@ gate's regulariser λ by T relative to the data loss; with the sum, λ means the
 whatever the number of tasks. Auxiliary losses returned by the model (entropy terms, penalties,
 balancing) are added unscaled.
 
+The loop is the package's only one: the experiments drive it with their own batch loss
+(``loss_fn``), their own optimizer (e.g. :class:`~dselectk.optim.RowwiseAdam` for vectorized
+models) and callbacks that see every batch (``on_step``) and every epoch (``on_epoch``).
+
 Distributed data parallel: wrap the model in ``torch.nn.parallel.DistributedDataParallel`` and
 call :func:`train` in every process (e.g. under ``torchrun``). When a process group is
 initialised, every epoch's shuffled order is the same on all ranks and each rank trains on its own
@@ -28,23 +32,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
-from dselectk.schedules import AttributeScheduler
+from dselectk.progress import tqdm
 
 __all__ = [
     "LOSSES",
+    "BatchLossFn",
+    "Callback",
     "History",
     "TaskData",
     "TrainConfig",
     "evaluate",
     "make_optimizer",
+    "optimizer_step",
     "seed_everything",
     "train",
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+#: ``loss_fn(model, batch) -> (total loss, model output or None)``: replaces the summed task losses
+BatchLossFn = Callable[[nn.Module, "TaskData"], tuple[Tensor, Any]]
 
 
 def _mse(pred: Tensor, y: Tensor) -> Tensor:
@@ -92,10 +100,16 @@ class TrainConfig:
         epochs: passes over the training data.
         task_weights: w_t of the summed loss; default all 1.
         seed: seeds Python, NumPy and torch (and the shuffling) when not None.
+        shuffle_seed: seed of the mini-batch order (default: ``seed``, else 0). Set it with
+            ``seed=None`` to shuffle reproducibly without touching the global RNGs (a
+            vectorized model initialised by its own seeds).
         record_every: record the gate weights every N steps (0: never).
         early_stopping_patience: stop after this many epochs without a lower validation loss
             and restore the best weights (None: no early stopping).
         progress: show a progress bar.
+        progress_unit: "step" (one tick per optimizer step) or "epoch".
+        desc: label of the progress bar.
+        position: line of the progress bar (worker processes each take their own line).
         weight_decay: optimizer weight decay.
         checkpoint: file to save the full training state to after every epoch (atomically:
             temp file + rename). If it exists when training starts, training resumes from it,
@@ -109,9 +123,13 @@ class TrainConfig:
     epochs: int = 10
     task_weights: Sequence[float] | None = None
     seed: int | None = 0
+    shuffle_seed: int | None = None
     record_every: int = 0
     early_stopping_patience: int | None = None
     progress: bool = True
+    progress_unit: str = "step"
+    desc: str = ""
+    position: int | None = None
     weight_decay: float = 0.0
     checkpoint: str | Path | None = None
 
@@ -120,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.progress_unit not in ("step", "epoch"):
+            raise ValueError(f"progress_unit must be step or epoch, got {self.progress_unit!r}")
         check_positive_int("batch_size", self.batch_size)
         check_positive_int("epochs", self.epochs, 0)
         check_positive_int("record_every", self.record_every, 0)
@@ -268,33 +288,79 @@ def _is_static(model: nn.Module) -> bool:
     return all(m.static for m in model.modules() if isinstance(m, Gate))
 
 
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, loss: Tensor, schedulers: Sequence[Any] = ()
+) -> None:
+    """The body of one training step: gradients of ``loss``, the optimizer step, then every
+    scheduler's step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    for s in schedulers:
+        s.step()
+
+
+class Callback:
+    """Hooks of :func:`train`; override what you need (both default to doing nothing).
+
+    A plain callable ``f(model, history)`` passed as a callback is called after every step,
+    like :meth:`on_step` (the batch and output are not passed to it).
+    """
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        """After every optimizer step and scheduler step: the batch and the model's output
+        (``None`` when ``loss_fn`` returned none)."""
+
+    def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
+        """After every epoch (1-based ``epoch``), after validation, before the checkpoint."""
+
+
+def _step_hooks(callbacks: Sequence[Any]) -> list[Callable[..., None]]:
+    hooks: list[Callable[..., None]] = []
+    for cb in callbacks:
+        if isinstance(cb, Callback):
+            hooks.append(cb.on_step)
+        elif callable(cb):
+            hooks.append(lambda model, batch, out, hist, f=cb: f(model, hist))
+        else:
+            raise TypeError(f"callbacks must be Callback objects or callables, got {cb!r}")
+    return hooks
+
+
 def train(
     model: nn.Module,
     train_data: TaskData,
-    losses: str | LossFn | Sequence[str | LossFn],
+    losses: str | LossFn | Sequence[str | LossFn] | None,
     config: TrainConfig | None = None,
     *,
     val_data: TaskData | None = None,
-    schedulers: Sequence[AttributeScheduler] = (),
+    schedulers: Sequence[Any] = (),
     optimizer: torch.optim.Optimizer | None = None,
-    callbacks: Sequence[Callable[[nn.Module, History], None]] = (),
+    callbacks: Sequence[Callback | Callable[[nn.Module, History], None]] = (),
+    loss_fn: BatchLossFn | None = None,
 ) -> History:
     """Train a multi-task model (any module returning a ``MultiTaskOutput``).
 
-    Each step minimises Σ_t w_t ℓ_t(batch) + aux_loss, then steps every scheduler.
+    Each step minimises Σ_t w_t ℓ_t(batch) + aux_loss (or ``loss_fn(model, batch)``), then
+    steps every scheduler and calls every callback.
 
     Args:
         model: e.g. :class:`~dselectk.models.MultiGateMoE` or
             :class:`~dselectk.models.SharedBottom`.
         train_data: training inputs and targets.
         losses: one loss for all tasks or one per task (a name in :data:`LOSSES` or a callable
-            ``(pred, target) -> scalar``, averaged over the batch).
+            ``(pred, target) -> scalar``, averaged over the batch); None with ``loss_fn``.
         config: the settings; default :class:`TrainConfig()`.
         val_data: evaluated after every epoch (needed for early stopping).
-        schedulers: stepped after every optimizer step.
+        schedulers: stepped after every optimizer step (anything with ``step()``; with a
+            checkpoint, also ``state_dict``/``load_state_dict``).
         optimizer: overrides ``config.optimizer``/``lr``.
-        callbacks: called as ``callback(model, history)`` after every step (after the
-            schedulers), e.g. to track when the gates become binary.
+        callbacks: :class:`Callback` objects (``on_step`` after every step, after the
+            schedulers; ``on_epoch`` after every epoch), or callables ``f(model, history)``
+            called after every step, e.g. to track when the gates become binary.
+        loss_fn: ``(model, batch) -> (loss, output)``, the whole training loss of a batch
+            (task losses, weights and auxiliary losses included); replaces ``losses`` for
+            training (a vectorized model's fused loss, say).
 
     Returns:
         The :class:`History`. With early stopping, the model ends with its best weights.
@@ -302,16 +368,21 @@ def train(
     cfg = config or TrainConfig()
     if cfg.seed is not None:
         seed_everything(cfg.seed)
-    fns = _resolve_losses(losses, len(train_data.ys))
+    if losses is None and (loss_fn is None or val_data is not None):
+        raise ValueError("losses is needed unless loss_fn is given and there is no val_data")
+    fns = _resolve_losses(losses, len(train_data.ys)) if losses is not None else []
     weights = list(cfg.task_weights) if cfg.task_weights is not None else [1.0] * len(fns)
-    if len(weights) != len(fns):
+    if fns and len(weights) != len(fns):
         raise ValueError(
             f"task_weights must have one weight per task ({len(fns)}), got {len(weights)}"
         )
     if cfg.early_stopping_patience is not None and val_data is None:
         raise ValueError("early_stopping_patience needs val_data")
     opt = optimizer or make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
+    shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else cfg.seed
+    gen = torch.Generator().manual_seed(shuffle_seed if shuffle_seed is not None else 0)
+    step_hooks = _step_hooks(callbacks)
+    epoch_hooks = [cb.on_epoch for cb in callbacks if isinstance(cb, Callback)]
     hist = History()
     best = math.inf
     best_state: dict[str, Tensor] | None = None
@@ -322,8 +393,14 @@ def train(
     if shard == 0:
         raise ValueError(f"train_data has {n} examples, fewer than the {world} processes")
     steps_per_epoch = math.ceil(shard / cfg.batch_size)
+    per_step = cfg.progress_unit == "step"
     bar = tqdm(
-        total=cfg.epochs * steps_per_epoch, disable=not cfg.progress or rank != 0, unit="step"
+        total=cfg.epochs * (steps_per_epoch if per_step else 1),
+        disable=not cfg.progress or rank != 0,
+        unit="step" if per_step else "ep",
+        desc=cfg.desc or None,
+        position=cfg.position,
+        leave=cfg.position is None,
     )
     probe = train_data.x[: min(n, 1024)]
     start_epoch = 0
@@ -342,7 +419,7 @@ def train(
             state["best_state"],
         )
         start_epoch = cfg.epochs if hist.stopped_early else state["epoch"]
-        bar.update(start_epoch * steps_per_epoch)
+        bar.update(start_epoch * (steps_per_epoch if per_step else 1))
     model.train()
     try:
         for epoch in range(start_epoch, cfg.epochs):
@@ -352,16 +429,15 @@ def train(
             total = 0.0
             for start in range(0, shard, cfg.batch_size):
                 batch = train_data.batch(perm[start : start + cfg.batch_size])
-                task_losses, out = _task_losses(model, batch, fns)
-                loss = sum(w * lt for w, lt in zip(weights, task_losses)) + out.aux_loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                for s in schedulers:
-                    s.step()
+                if loss_fn is None:
+                    task_losses, out = _task_losses(model, batch, fns)
+                    loss = sum(w * lt for w, lt in zip(weights, task_losses)) + out.aux_loss
+                else:
+                    loss, out = loss_fn(model, batch)
+                optimizer_step(opt, loss, schedulers)
                 hist.steps += 1
-                for cb in callbacks:
-                    cb(model, hist)
+                for hook in step_hooks:
+                    hook(model, batch, out, hist)
                 total += float(loss.detach())
                 if cfg.record_every and hist.steps % cfg.record_every == 0:
                     with torch.no_grad():
@@ -369,10 +445,12 @@ def train(
                     if snap is not None:
                         hist.recorded_steps.append(hist.steps)
                         hist.recorded_weights.append(snap)
-                bar.update(1)
+                if per_step:
+                    bar.update(1)
             hist.train_loss.append(total / steps_per_epoch)
             postfix = {"epoch": epoch + 1, "loss": f"{hist.train_loss[-1]:.4g}"}
             if val_data is not None:
+                assert losses is not None  # checked above
                 val = evaluate(model, val_data, losses)["loss"]
                 hist.val_losses.append(val)
                 val_total = sum(w * v for w, v in zip(weights, val))
@@ -387,6 +465,10 @@ def train(
                     if patience is not None and bad_epochs >= patience:
                         hist.stopped_early = True
                         break
+            for epoch_hook in epoch_hooks:
+                epoch_hook(model, epoch + 1, hist)
+            if not per_step:
+                bar.update(1)
             bar.set_postfix(postfix)
             if cfg.checkpoint is not None and rank == 0:
                 _save_checkpoint(

@@ -45,25 +45,6 @@ def test_batched_equals_one_at_a_time() -> None:
         assert both[1][k] == pytest.approx(one[0][k], rel=1e-4, abs=1e-5), k
 
 
-def test_rowwise_adam_matches_torch_adam() -> None:
-    gen = torch.Generator().manual_seed(0)
-    a0 = torch.randn(3, 5, generator=gen)
-    grads = [torch.randn(3, 5, generator=gen) for _ in range(6)]
-    lrs = [0.01, 0.1, 0.001]
-    a = torch.nn.Parameter(a0.clone())
-    ours = R.RowwiseAdam([a], torch.tensor(lrs))
-    for g in grads:
-        a.grad = g.clone()
-        ours.step()
-    for i, lr in enumerate(lrs):
-        c = torch.nn.Parameter(a0[i].clone())
-        opt = torch.optim.Adam([c], lr=lr)
-        for g in grads:
-            c.grad = g[i].clone()
-            opt.step()
-        assert torch.allclose(a[i], c, rtol=1e-5, atol=1e-7)
-
-
 def test_cli_smoke_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rec"
     argv = [

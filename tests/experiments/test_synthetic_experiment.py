@@ -16,6 +16,8 @@ import torch
 
 from dselectk.cli import main
 from dselectk.experiments import synthetic as S
+from dselectk.experiments.synthetic import loss as synthetic_loss
+from dselectk.experiments.synthetic import recipe as synthetic_recipe
 
 TINY = ["--n-train", "1024", "--n-eval", "256", "--epochs", "1", "--no-progress", "--jobs", "1"]
 
@@ -101,7 +103,7 @@ def test_batched_model_parameters_match_single_models() -> None:
 @pytest.mark.parametrize("gate", ["dselect_k", "topk", "ablation_entropy"])
 def test_fused_loss_equals_autograd_reference(gate: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast path (_MixtureSSE) gives the reference loss and the same parameter gradients."""
-    monkeypatch.setattr(S, "LOSS_BLOCK_WEIGHTS", 32 * 8 * 5)  # blocks of 5 repetitions
+    monkeypatch.setattr(synthetic_loss, "LOSS_BLOCK_WEIGHTS", 32 * 8 * 5)  # blocks of 5 repetitions
     hp = {**S.BASE_HPARAMS, "entropy_reg": 0.01}
     data = S.generate_data(1, n_train=300, n_val=8, n_test=8)
     x, y = data.x_train[:256], data.y_train[:256, :32]
@@ -129,7 +131,7 @@ def test_fused_loss_gradcheck_float64() -> None:
     y = torch.randn(n, t, dtype=torch.float64)
     for block in (1, 2):  # one block per repetition, and both in one block
         assert torch.autograd.gradcheck(
-            lambda *a, block=block: S._MixtureSSE.apply(x, *a, y, block), (w, b, gw)
+            lambda *a, block=block: synthetic_loss._MixtureSSE.apply(x, *a, y, block), (w, b, gw)
         )
 
 
@@ -200,7 +202,7 @@ def test_interrupted_sweep_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             raise _Crash  # as if the sweep died inside the third training job
         return real(gate, t, hp, seeds, *a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(S, "train_reps", flaky)
+    monkeypatch.setattr(synthetic_recipe, "train_reps", flaky)
     parser = argparse.ArgumentParser()
     S.add_arguments(parser)
     argv = [
@@ -394,25 +396,6 @@ def test_configurations_trained_together_equal_separate_runs(
         e = int(hp["epochs"])  # a member's own schedule ends at its own epochs
         for key, value in alone[e][0].items():
             assert together[e][i][key] == pytest.approx(value, rel=2e-3, abs=1e-5), (i, key)
-
-
-def test_member_adam_equals_torch_adam() -> None:
-    """Rows with learning rates 0.1 and 0.01 follow two torch.optim.Adam runs."""
-    torch.manual_seed(0)
-    p = torch.randn(6, 3, requires_grad=True)
-    lr = torch.tensor([0.1] * 3 + [0.01] * 3).view(6, 1)
-    opt = S.MemberAdam([(p, lr)])
-    refs = [p.detach().clone().requires_grad_() for _ in range(2)]
-    ref_opts = [torch.optim.Adam([r], lr=v) for r, v in zip(refs, (0.1, 0.01), strict=True)]
-    for _ in range(5):
-        g = torch.randn(6, 3)
-        p.grad = g.clone()
-        opt.step()
-        for r, o in zip(refs, ref_opts, strict=True):
-            r.grad = g.clone()
-            o.step()
-    torch.testing.assert_close(p[:3], refs[0][:3].detach())
-    torch.testing.assert_close(p[3:], refs[1][3:].detach())
 
 
 def test_jobs_processes_write_the_same_records(tmp_path: Path) -> None:

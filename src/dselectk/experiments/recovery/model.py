@@ -1,0 +1,274 @@
+"""The expert-recovery study's data, its vectorized model, and their training."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dselectk.experiments.metrics import recovered_experts
+from dselectk.experiments.runner import progress_position
+from dselectk.gates import DSelectK, make_gate
+from dselectk.gates.base import Gate
+from dselectk.optim import RowwiseAdam
+from dselectk.schedules import AttributeScheduler, LinearSchedule
+from dselectk.training import Callback, History, TaskData, TrainConfig, train
+
+__all__ = ["RecoveryData", "RecoveryMoE", "generate_data", "train_reps"]
+
+EXPERIMENT = "recovery"
+NUM_TRUE = 4
+NUM_EXPERTS = 16
+UNITS = 4
+FEATURES = 10
+K = 4
+BATCH_SIZE = 256
+LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
+GATES: dict[str, tuple[str, dict[str, Any]]] = {
+    "dselect_k": ("dselect_k", {"init": "paper"}),
+    "dselect_k_spread": ("dselect_k", {"init": "spread"}),
+    "topk": ("topk", {}),
+}
+LABELS = {
+    "dselect_k": "DSelect-k (paper init)",
+    "dselect_k_spread": "DSelect-k (spread init, ours)",
+    "topk": "Top-k",
+}
+PAPER = {"dselect_k": 4, "topk": 1}
+BASE_HPARAMS: dict[str, Any] = {
+    "epochs": 50,
+    "gamma": 10.0,
+    "entropy_reg": 0.1,
+    "entropy_reg_end": None,
+}
+
+
+class RecoveryData:
+    """The generated classification data and the generating experts.
+
+    Attributes:
+        x_train, y_train, x_val, y_val: (10k, 10) inputs and (10k,) {0, 1} labels.
+        true_experts: (4, 10, 4) generating experts' weights.
+    """
+
+    def __init__(self, seed: int = 0, n_train: int = 10_000, n_val: int = 10_000) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.true_experts = torch.randn(NUM_TRUE, FEATURES, UNITS, generator=g)
+        head = torch.randn(UNITS, generator=g)
+        x = torch.randn(n_train + n_val, FEATURES, generator=g)
+        h = expert_outputs(x, self.true_experts).mean(0)  # (N, 4): average of the experts
+        pre = h @ head
+        pre = pre - pre.median()
+        y = (pre > 0).float()
+        self.x_train, self.y_train = x[:n_train], y[:n_train]
+        self.x_val, self.y_val = x[n_train:], y[n_train:]
+        self.seed = seed
+
+
+def generate_data(seed: int = 0, n_train: int = 10_000, n_val: int = 10_000) -> RecoveryData:
+    """Deterministic data set of Appendix C.2.2 (private generator; global RNG untouched)."""
+    return RecoveryData(seed, n_train, n_val)
+
+
+def expert_outputs(x: Tensor, weights: Tensor) -> Tensor:
+    """ReLU dense experts without bias: x (B, p), weights (..., E, p, u) → (..., E, B, u)."""
+    return torch.relu(torch.einsum("bp,...epu->...ebu", x, weights))
+
+
+class RecoveryMoE(nn.Module):
+    """R independent recovery models as one vectorized model.
+
+    Args:
+        gate: experiment gate name (:data:`GATES`).
+        hparams: γ and λ of DSelect-k.
+        data: the data (its true experts are copied into the banks).
+        init_seeds: one per repetition; repetition r draws its copy positions, random experts,
+            gate and head under ``torch.manual_seed(init_seeds[r])``.
+    """
+
+    true_mask: Tensor
+    experts: Tensor
+
+    def __init__(
+        self,
+        gate: str,
+        hparams: Mapping[str, Any],
+        data: RecoveryData,
+        init_seeds: Sequence[int],
+    ) -> None:
+        super().__init__()
+        reg, fixed = GATES[gate]
+        kw: dict[str, Any] = {"k": K, **fixed}
+        if reg == "dselect_k":
+            kw["gamma"] = float(hparams["gamma"])
+            kw["entropy_reg"] = float(hparams.get("entropy_reg") or 0.0)
+        self.reps = len(init_seeds)
+        banks, masks, logits, heads_w, heads_b = [], [], [], [], []
+        for s in init_seeds:
+            torch.manual_seed(int(s))
+            pos = torch.randperm(NUM_EXPERTS)[:NUM_TRUE]
+            bank = torch.randn(NUM_EXPERTS, FEATURES, UNITS)
+            bank[pos] = data.true_experts
+            mask = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
+            mask[pos] = True
+            g = make_gate(reg, NUM_EXPERTS, **kw)
+            head = nn.Linear(UNITS, 1)
+            banks.append(bank)
+            masks.append(mask)
+            logits.append(g.logits.detach())
+            heads_w.append(head.weight.detach()[0])
+            heads_b.append(head.bias.detach())
+        self.register_buffer("experts", torch.stack(banks))  # (R, 16, 10, 4), frozen
+        self.register_buffer("true_mask", torch.stack(masks))  # (R, 16)
+        self.gates: Gate = make_gate(reg, NUM_EXPERTS, num_gates=self.reps, **kw)
+        with torch.no_grad():
+            self.gates.logits.copy_(torch.stack(logits))
+        self.head_w = nn.Parameter(torch.stack(heads_w))  # (R, 4)
+        self.head_b = nn.Parameter(torch.cat(heads_b))  # (R,)
+
+    def features(self, x: Tensor) -> Tensor:
+        """Frozen expert outputs (B, R, 16, 4), examples first so that a mini-batch is one
+        contiguous gather (precomputed once for the whole data set)."""
+        return expert_outputs(x, self.experts).permute(2, 0, 1, 3).contiguous()
+
+    def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits (R, B) from precomputed expert outputs, and the gates' summed aux loss."""
+        out = self.gates()
+        h = torch.einsum("rn,brnu->rbu", out.weights, feats)
+        return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), out.aux_loss
+
+    @torch.no_grad()
+    def weights(self) -> Tensor:
+        """(R, 16) current gate weights."""
+        return self.gates.expert_weights()
+
+
+@torch.no_grad()
+def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, float]]:
+    logits, _ = model(feats)
+    loss = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").mean(
+        -1
+    )
+    acc = ((logits > 0).float() == y).float().mean(-1)
+    w = model.weights()
+    rec = recovered_experts(w, model.true_mask, K)
+    nsel = (w > 0).sum(-1)
+    binary = None
+    if isinstance(model.gates, DSelectK):
+        p = model.gates.bits()
+        binary = ((p == 0) | (p == 1)).flatten(1).all(-1)
+    out = []
+    for r in range(model.reps):
+        m = {
+            "val_loss": float(loss[r]),
+            "val_accuracy": float(acc[r]),
+            "recovered": float(rec[r]),
+            "all_recovered": float(rec[r] == NUM_TRUE),
+            "experts_selected": float(nsel[r]),
+        }
+        if binary is not None:
+            m["binary"] = float(binary[r])
+        out.append(m)
+    return out
+
+
+class _Trajectories(Callback):
+    """Records the gate weights of some repetitions every ``every`` steps."""
+
+    def __init__(self, model: RecoveryMoE, reps: Sequence[int], every: int) -> None:
+        self.every = every
+        self.trajs: dict[int, dict[str, Any]] = {
+            r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
+            for r in (reps if every else ())
+        }
+        if every:
+            self.record(model, 0)
+
+    def record(self, model: RecoveryMoE, step: int) -> None:
+        w = model.weights()
+        for r, tr in self.trajs.items():
+            tr["steps"].append(step)
+            tr["weights"].append([round(float(v), 5) for v in w[r]])
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        if self.every and history.steps % self.every == 0:
+            assert isinstance(model, RecoveryMoE)
+            self.record(model, history.steps)
+
+
+def _loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
+    """Σ_r mean BCE of repetition r + the gates' auxiliary losses."""
+    logits, aux = model(batch.x)
+    y = batch.ys[0]
+    bce = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none")
+    return bce.mean(-1).sum() + aux, None
+
+
+def train_reps(
+    gate: str,
+    hparams: Mapping[str, Any],
+    data: RecoveryData,
+    init_seeds: Sequence[int],
+    *,
+    shuffle_seed: int,
+    lrs: Sequence[float] | None = None,
+    record_every: int = 0,
+    record_reps: Sequence[int] = (0,),
+    progress: bool = False,
+    desc: str = "",
+) -> tuple[list[dict[str, float]], dict[int, dict[str, Any]]]:
+    """Train R repetitions together; return their final metrics and weight trajectories.
+
+    Args:
+        gate, hparams, data: the gate, its hyperparameters (``lr`` unless ``lrs``), the data.
+        init_seeds: one per repetition (repeat a seed to pair repetitions across lrs).
+        shuffle_seed: seed of the mini-batch order, shared by all repetitions.
+        lrs: one learning rate per repetition (default ``hparams["lr"]`` for all).
+        record_every: record the gate weights of ``record_reps`` every N steps (0: never).
+
+    Returns:
+        (metrics per repetition, {rep: {"steps", "weights" (S x 16), "true" positions}}).
+    """
+    model = RecoveryMoE(gate, hparams, data, init_seeds)
+    rates = [float(hparams["lr"])] * model.reps if lrs is None else [float(v) for v in lrs]
+    if len(rates) != model.reps:
+        raise ValueError(f"lrs must give one learning rate per repetition ({model.reps})")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = RowwiseAdam(params, torch.tensor(rates))
+    n = data.y_train.shape[0]
+    epochs = int(hparams["epochs"])
+    steps_total = epochs * math.ceil(n / BATCH_SIZE)
+    scheds = []
+    if GATES[gate][0] == "dselect_k" and hparams.get("entropy_reg_end") is not None:
+        sched = LinearSchedule(
+            float(hparams.get("entropy_reg") or 0.0), float(hparams["entropy_reg_end"]), steps_total
+        )
+        scheds.append(AttributeScheduler(model.gates, "entropy_reg", sched))
+    recorder = _Trajectories(model, record_reps, record_every)
+    config = TrainConfig(
+        lr=max(rates),
+        batch_size=BATCH_SIZE,
+        epochs=epochs,
+        seed=None,  # the repetitions are initialised by their own seeds
+        shuffle_seed=int(shuffle_seed),
+        progress=progress,
+        progress_unit="epoch",
+        desc=desc,
+        position=progress_position(),
+    )
+    train_data = TaskData(model.features(data.x_train), [data.y_train])
+    train(
+        model,
+        train_data,
+        None,
+        config,
+        schedulers=scheds,
+        optimizer=opt,
+        callbacks=[recorder],
+        loss_fn=_loss,
+    )
+    return _evaluate(model, model.features(data.x_val), data.y_val), recorder.trajs

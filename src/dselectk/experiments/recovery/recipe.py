@@ -1,0 +1,178 @@
+"""``dselectk reproduce recovery``: flags and one cell (a gate: all its learning rates and
+repetitions as one vectorized model), run by the shared runner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from dselectk.experiments.records import RunStore
+from dselectk.experiments.recovery.model import (
+    BASE_HPARAMS,
+    BATCH_SIZE,
+    EXPERIMENT,
+    GATES,
+    LRS,
+    RecoveryData,
+    generate_data,
+    train_reps,
+)
+from dselectk.experiments.recovery.report import print_table, write_report
+from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+
+__all__ = ["add_arguments", "load_tuned", "run", "run_cell", "sweep"]
+
+
+def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
+    """The shipped tuning record ``tuned_recovery.json`` (or ``path``)."""
+    if path is not None:
+        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    text = resources.files("dselectk.experiments").joinpath("tuned_recovery.json").read_text()
+    return dict(json.loads(text))
+
+
+def _init_seed(seed: int, rep: int) -> int:
+    """Repetition r's seed: the same for every gate and learning rate (paired comparison)."""
+    return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Command-line flags of ``dselectk reproduce recovery``."""
+    p.add_argument("--out", type=Path, default=Path("results/recovery"), help="results folder")
+    p.add_argument(
+        "--gates",
+        nargs="+",
+        default=["dselect_k", "dselect_k_spread", "topk"],
+        choices=sorted(GATES),
+    )
+    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 20, full 100)")
+    p.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+    )
+    p.add_argument("--epochs", type=int, default=None, help="override the epochs")
+    p.add_argument("--seed", type=int, default=0, help="base seed (init, shuffling)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated data")
+    p.add_argument("--full", action="store_true", help="100 repetitions")
+    p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
+    p.add_argument("--record-every", type=int, default=10, help="trajectory sampling (steps)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="worker processes, each running whole gates (default 0: one per core / --threads, "
+        "at most one per gate); the records are the same as in one process",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _config(
+    gate: str, hp: Mapping[str, Any], rep: int, seed: int, init_seed: int, data_seed: int
+) -> dict[str, Any]:
+    return {
+        "experiment": EXPERIMENT,
+        "phase": "final",
+        "gate": gate,
+        "lr": float(hp["lr"]),
+        "hparams": dict(sorted(hp.items())),
+        "rep": rep,
+        "init_seed": init_seed,
+        "shuffle_seed": seed,
+        "batch_size": BATCH_SIZE,
+        "data": {"seed": data_seed, "n_train": 10_000, "n_val": 10_000},
+    }
+
+
+def run_cell(
+    args: argparse.Namespace, gate: str, data: RecoveryData, progress: bool
+) -> dict[str, Any]:
+    """One gate: every (learning rate, repetition) not recorded yet, trained in one vectorized
+    model (per-row Adam learning rates); repetition 0's trajectory is kept for each lr."""
+    store = RunStore(args.out)
+    reps = args.reps if args.reps is not None else (100 if args.full else 20)
+    tuned = load_tuned(args.tuned)
+    lrs = args.lrs or (LRS if args.full else LRS[:3])
+    hp = dict(BASE_HPARAMS)
+    hp.update(tuned.get("hparams", {}).get(gate, {}))
+    if args.epochs is not None:
+        hp["epochs"] = args.epochs
+    selection = {"hparams": hp, "lrs": [float(v) for v in lrs], "source": "tuned_recovery.json"}
+    seeds = [_init_seed(args.seed, r) for r in range(reps)]
+    jobs = [(lr, r, s) for lr in lrs for r, s in enumerate(seeds)]
+    cfgs = [
+        _config(gate, {**hp, "lr": float(lr)}, r, args.seed, s, args.data_seed) for lr, r, s in jobs
+    ]
+    todo = missing(store, cfgs)
+    if not todo:
+        return selection
+    first = [i for i in todo if jobs[i][1] == 0]
+    metrics, trajs = train_reps(
+        gate,
+        {**hp, "lr": float(jobs[todo[0]][0])},
+        data,
+        [jobs[i][2] for i in todo],
+        shuffle_seed=args.seed,
+        lrs=[jobs[i][0] for i in todo],
+        record_every=args.record_every,
+        record_reps=[todo.index(i) for i in first],
+        progress=progress,
+        desc=f"{gate} ({len(todo)} runs)",
+    )
+    for j, i in enumerate(todo):
+        extra = {"trajectory": trajs[j]} if j in trajs else {}
+        store.save(cfgs[i], metrics[j], **extra)
+    return selection
+
+
+def _load_data(args: argparse.Namespace) -> RecoveryData:
+    return generate_data(args.data_seed)
+
+
+def _data_key(args: argparse.Namespace) -> int:
+    return int(args.data_seed)
+
+
+def _cell_name(gate: str) -> str:
+    return gate
+
+
+def sweep(args: argparse.Namespace) -> Sweep:
+    """One cell per gate, for the shared runner."""
+    return Sweep(
+        cells=list(args.gates),
+        run_cell=run_cell,
+        load_data=_load_data,
+        data_key=_data_key,
+        cell_name=_cell_name,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or resume) every gate × learning rate × repetition, then write the report."""
+    sw = sweep(args)
+    threads = max(1, int(getattr(args, "threads", 1) or 1))
+    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress)
+    wall = time.perf_counter() - t0
+    out = Path(args.out)
+    write_report(out, wall_seconds=wall, command=" ".join(["dselectk", *sys.argv[1:]]))
+    print_table(json.loads((out / "summary.json").read_text()))
+    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
+    return 0

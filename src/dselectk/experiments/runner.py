@@ -1,0 +1,230 @@
+"""The one runner of every experiment: cells of a sweep, resumed from their records, in a pool.
+
+An experiment (a *recipe*) describes its sweep as a :class:`Sweep`: a list of cells (e.g. one
+(gate, T) pair of the synthetic study), a function that loads the data once per process, and a
+function that runs one cell — select its hyperparameters (the shipped selection, or a random
+grid search whose trials are records too), then train the missing repetitions and save one
+record per run. The runner owns everything else:
+
+* **resume** — a record is written atomically when its run finishes, and a cell skips the runs
+  whose records exist (:func:`missing`), so a sweep killed by Ctrl-C or ``kill -9`` continues
+  where it stopped when the same command runs again;
+* **worker pool** — with ``jobs > 1`` the cells run in spawned processes, largest first, each
+  with its share of the cores and its own progress-bar line; workers exit with the sweep's main
+  process (``kill -9`` of the sweep stops it whole);
+* **selections** — ``selected_hparams.json`` is rewritten as cells finish (cell order);
+* **grid search** helpers — :func:`grid_points`, :func:`sample_points`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dselectk.experiments.records import RunStore
+from dselectk.io import write_json
+from dselectk.progress import tqdm
+
+__all__ = [
+    "Sweep",
+    "grid_points",
+    "missing",
+    "progress_position",
+    "resolve_jobs",
+    "run_sweep",
+    "sample_points",
+]
+
+#: state of a pool worker process (its data, progress-bar line); empty in the main process
+_WORKER: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A recipe's sweep, as the runner needs it.
+
+    The functions must be module-level (they are sent to spawned worker processes).
+
+    Attributes:
+        cells: the cells, in report order.
+        run_cell: ``(args, cell, data, progress) -> selection``; trains the cell's missing runs
+            (one record each) and returns the hyperparameter selection of the cell (a JSON
+            object for ``selected_hparams.json``).
+        load_data: ``args -> data``, called once per process (and again only when
+            ``data_key(args)`` changes).
+        data_key: ``args -> key`` identifying the data.
+        cell_name: ``cell -> "gate/T"``-like key of ``selected_hparams.json``.
+        cost: ``cell -> number``; the pool starts the most expensive cells first (None: in
+            cell order).
+    """
+
+    cells: Sequence[Hashable]
+    run_cell: Callable[[Any, Any, Any, bool], dict[str, Any]]
+    load_data: Callable[[Any], Any]
+    data_key: Callable[[Any], Hashable]
+    cell_name: Callable[[Any], str]
+    cost: Callable[[Any], float] | None = None
+
+
+# -- grid search --------------------------------------------------------------------------------
+def grid_points(axes: Mapping[str, Sequence[Any]], *, sort_keys: bool = False) -> list[dict]:
+    """Every point of a grid: the product of its axes (in ``axes`` order, or sorted keys)."""
+    keys = sorted(axes) if sort_keys else list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(axes[k] for k in keys))]
+
+
+def sample_points(points: Sequence[dict], limit: int | None, seed: str) -> list[dict]:
+    """Random grid search: ``limit`` points drawn without replacement by a RNG seeded with
+    ``seed`` (all points when ``limit`` is None or not smaller than their number)."""
+    if limit is None or limit >= len(points):
+        return list(points)
+    return random.Random(seed).sample(list(points), limit)
+
+
+def missing(store: RunStore, configs: Iterable[Mapping[str, Any]]) -> list[int]:
+    """Indices of the configs whose records are not in ``store`` yet."""
+    return [i for i, c in enumerate(configs) if not store.done(c)]
+
+
+# -- the pool -------------------------------------------------------------------------------------
+def progress_position() -> int | None:
+    """The progress-bar line of this worker process (None in the main process)."""
+    return _WORKER.get("position")
+
+
+def resolve_jobs(jobs: int, threads: int, cells: int) -> int:
+    """Worker processes: ``jobs``, or with 0 one per ``threads`` cores, at most one per cell."""
+    if jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0: one per core), got {jobs}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    if jobs == 0:
+        jobs = max(1, min(cells, torch.get_num_threads() // max(1, threads)))
+    return jobs
+
+
+class _SweepKilled(BaseException):
+    """Raised in a pool worker by SIGTERM (its parent died): unwinds so that a record being
+    written removes its temp file (see :mod:`dselectk.io`), then the worker exits."""
+
+
+def _raise_sweep_killed(signum: int, frame: Any) -> None:
+    raise _SweepKilled
+
+
+def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
+    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
+    when the sweep's main process dies, and its own progress-bar line (tqdm's lock)."""
+    from dselectk.runtime import exit_with_parent, tune_allocator
+
+    signal.signal(signal.SIGTERM, _raise_sweep_killed)
+    exit_with_parent(parent_pid)
+    torch.set_num_threads(threads)
+    tune_allocator()
+    with counter.get_lock():
+        _WORKER["position"] = int(counter.value) + 1
+        counter.value += 1
+    _WORKER["progress"] = progress
+    tqdm.set_lock(lock)
+
+
+def _load(sweep: Sweep, args: Any) -> Any:
+    key = sweep.data_key(args)
+    if _WORKER.get("key") != key or "data" not in _WORKER:
+        _WORKER["data"] = sweep.load_data(args)
+        _WORKER["key"] = key
+    return _WORKER["data"]
+
+
+def _worker_cell(sweep: Sweep, args: Any, cell: Any) -> tuple[str, dict[str, Any], float]:
+    """One cell in a pool worker (the data is loaded once per worker)."""
+    t0 = time.perf_counter()
+    try:
+        selection = sweep.run_cell(args, cell, _load(sweep, args), _WORKER["progress"])
+    except _SweepKilled:
+        os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
+    return sweep.cell_name(cell), selection, time.perf_counter() - t0
+
+
+def _run_pool(
+    sweep: Sweep, args: Any, jobs: int, threads: int, progress: bool, save: Callable[[], None]
+) -> dict[str, Any]:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = threads or max(1, torch.get_num_threads() // jobs)
+    cost = sweep.cost
+    order = list(sweep.cells) if cost is None else sorted(sweep.cells, key=lambda c: -cost(c))
+    selected: dict[str, Any] = {}
+    ctx = mp.get_context("spawn")
+    lock = ctx.RLock()
+    tqdm.set_lock(lock)
+    init = (threads, os.getpid(), ctx.Value("i", 0), lock, progress)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init) as pool:
+        futures = [pool.submit(_worker_cell, sweep, args, c) for c in order]
+        bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
+        try:
+            for fut in as_completed(futures):
+                key, selection, seconds = fut.result()
+                selected[key] = selection
+                save()
+                bar.set_postfix_str(f"{key} {seconds:.0f}s")
+                bar.update(1)
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+        finally:
+            bar.close()
+    return selected
+
+
+def run_sweep(
+    sweep: Sweep,
+    args: Any,
+    out: str | Path,
+    *,
+    jobs: int = 1,
+    threads: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) every cell; return the selections by cell name, in cell order.
+
+    Args:
+        sweep: the recipe's sweep.
+        args: the parsed command line, passed to the sweep's functions (picklable).
+        out: results folder; ``selected_hparams.json`` is (re)written there as cells finish.
+        jobs: worker processes (see :func:`resolve_jobs`); 1 runs the cells in this process.
+        threads: torch threads of each process (0: torch's default in one process, an equal
+            share of the cores in a pool).
+        progress: show progress bars.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "selected_hparams.json"
+    names = [sweep.cell_name(c) for c in sweep.cells]
+    selected: dict[str, Any] = {}
+
+    def save() -> None:
+        write_json(path, {n: selected[n] for n in names if n in selected})
+
+    if jobs > 1 and len(sweep.cells) > 1:
+        selected.update(_run_pool(sweep, args, jobs, threads, progress, save))
+    else:
+        if threads:
+            torch.set_num_threads(threads)
+        data = sweep.load_data(args)
+        for cell, name in zip(sweep.cells, names):
+            selected[name] = sweep.run_cell(args, cell, data, progress)
+            save()
+    save()
+    return {n: selected[n] for n in names}

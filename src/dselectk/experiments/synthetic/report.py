@@ -1,0 +1,378 @@
+"""Report of the synthetic study: ``summary.json``, ``report.md`` (from the template
+``templates/synthetic.md``) and the Figure C.1 plots, rebuilt from the run records alone."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dselectk.experiments.metrics import expected_random_jaccard
+from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.synthetic.data import TASKS_PER_GROUP
+from dselectk.experiments.synthetic.spec import (
+    ALL_GATES,
+    EXPERIMENT,
+    GATES,
+    LABELS,
+    PAPER,
+    K,
+    load_tuned,
+)
+from dselectk.experiments.templates import render
+from dselectk.io import write_json, write_text
+
+__all__ = ["print_table", "write_report"]
+
+
+METRICS = [
+    ("test_mse", "test MSE"),
+    ("related_jaccard", "Jaccard (related)"),
+    ("unrelated_jaccard", "Jaccard (unrelated)"),
+    ("experts_per_task", "experts/task"),
+    ("frac_tasks_binary", "tasks with binary S(Z)"),
+]
+
+
+def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    final = [r for r in records if r["config"].get("phase") == "final"]
+    rows = summarize(final, ["gate", "num_tasks"])
+    for row in rows:
+        hps = {
+            json.dumps(r["config"]["hparams"], sort_keys=True)
+            for r in final
+            if r["config"]["gate"] == row["gate"] and r["config"]["num_tasks"] == row["num_tasks"]
+        }
+        row["hparams"] = [json.loads(h) for h in sorted(hps)]
+        row["label"] = LABELS.get(row["gate"], row["gate"])
+    order = {g: i for i, g in enumerate(ALL_GATES)}
+    rows.sort(key=lambda r: (order.get(r["gate"], len(order)), r["gate"], r["num_tasks"]))
+    return rows
+
+
+def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
+    return format_mean_se(m, digits)
+
+
+def print_table(summary: Mapping[str, Any]) -> None:
+    """One-screen table of the summary (gate × T)."""
+    rows = summary["rows"]
+    head = (
+        f"{'gate':<32}{'T':>5}  {'test MSE':>16}  {'J related':>14}  {'J unrel.':>14}  "
+        f"{'exp/task':>8}  {'n':>4}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        m = r["metrics"]
+        print(
+            f"{r['label']:<32}{r['num_tasks']:>5}  {_fmt(m.get('test_mse'), 3):>16}  "
+            f"{_fmt(m.get('related_jaccard'), 2):>14}  {_fmt(m.get('unrelated_jaccard'), 2):>14}  "
+            f"{_fmt(m.get('experts_per_task'), 1).split(' ')[0]:>8}  "
+            f"{m.get('test_mse', {}).get('n', 0):>4}"
+        )
+
+
+def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
+    """Sentences comparing ``gate`` with Top-k at the largest T against the paper's claims."""
+    by = {(r["gate"], r["num_tasks"]): r["metrics"] for r in rows}
+    ts = sorted(
+        {r["num_tasks"] for r in rows if r["gate"] == gate and (("topk", r["num_tasks"]) in by)}
+    )
+    if not ts:
+        return []
+    t = ts[-1]
+    d, k = by[(gate, t)], by[("topk", t)]
+    lines = []
+    mse_d, mse_k = d["test_mse"]["mean"], k["test_mse"]["mean"]
+    imp = (mse_k - mse_d) / mse_k
+    claim = "paper at T = 128: > 40 % lower MSE" if t == 128 else "paper's claim is for T = 128"
+    verdict = (
+        "reproduces" if (t == 128 and imp > PAPER["mse_improvement_128"]) else "does not reproduce"
+    )
+    if t != 128:
+        verdict = "not comparable (T ≠ 128)"
+    rel_txt = (
+        f"{100 * imp:.1f} % lower MSE than Top-k"
+        if imp >= 0
+        else f"{-100 * imp:.1f} % *higher* MSE than Top-k"
+    )
+    used = (d.get("experts_per_task") or {}).get("mean")
+    caveat = (
+        f" **Caveat: this DSelect-k is not sparse** ({used:.1f} experts per task where "
+        f"k = {K}), so it is not the k-sparse gate the paper compares."
+        if used is not None and used > K + 0.5
+        else ""
+    )
+    lines.append(
+        f"- **{LABELS.get(gate, gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
+        f"i.e. {rel_txt} ({claim}) → {verdict}.{caveat}"
+    )
+    jd, jk = d["related_jaccard"]["mean"], k["related_jaccard"]["mean"]
+    if jd is not None and jk:
+        rel = (jd - jk) / jk
+        v = (
+            "reproduces"
+            if (t == 128 and rel >= PAPER["related_jaccard_improvement_128"])
+            else "does not reproduce"
+            if t == 128
+            else "not comparable (T ≠ 128)"
+        )
+        lines.append(
+            f"- **{LABELS.get(gate, gate)} vs Top-k, T = {t}, related-task Jaccard**: {jd:.3f} vs "
+            f"{jk:.3f}, i.e. {100 * rel:+.1f} % (paper at T = 128: +76 %) → {v}."
+        )
+    return lines
+
+
+def write_report(
+    results_dir: Path, *, wall_seconds: float | None = None, command: str | None = None
+) -> None:
+    """Rebuild ``summary.json``, ``report.md`` and the PNG plots from the run records alone."""
+    from dselectk.plots import plot_metric_panels, plot_metric_vs, plot_weight_heatmap
+
+    results_dir = Path(results_dir)
+    records = RunStore(results_dir).load()
+    rows = _summary_rows(records)
+    final = [r for r in records if r["config"].get("phase") == "final"]
+    tune_count = sum(1 for r in records if r["config"].get("phase") == "tune")
+    prev = {}
+    if (results_dir / "summary.json").is_file():
+        try:
+            prev = json.loads((results_dir / "summary.json").read_text())
+        except json.JSONDecodeError:
+            prev = {}
+    wall = wall_seconds if wall_seconds is not None else prev.get("wall_seconds")
+    cmd = command or prev.get("command")
+    tasks = sorted({r["num_tasks"] for r in rows})
+    random_ref = {t: expected_random_jaccard(t // 4, K) for t in tasks}
+    summary = {
+        "experiment": EXPERIMENT,
+        "group_by": ["gate", "num_tasks"],
+        "rows": rows,
+        "random_gate_expected_jaccard": {str(t): v for t, v in random_ref.items()},
+        "records": len(final),
+        "tune_records": tune_count,
+        "wall_seconds": wall,
+        "command": cmd,
+        "paper": PAPER,
+    }
+    write_json(results_dir / "summary.json", summary)
+
+    # plots (Figure C.1's three panels, and one heatmap per gate at the largest T)
+    gates = [g for g in ALL_GATES if any(r["gate"] == g for r in rows)]
+    gates += sorted({r["gate"] for r in rows} - set(gates))
+
+    def series(metric: str) -> dict[str, Any]:
+        out = {}
+        for g in gates:
+            rs = sorted((r for r in rows if r["gate"] == g), key=lambda r: r["num_tasks"])
+            ms = [r["metrics"].get(metric, {}) for r in rs]
+            out[LABELS.get(g, g)] = (
+                [r["num_tasks"] for r in rs],
+                [_nan(m.get("mean")) for m in ms],
+                [_nan(m.get("se")) for m in ms],
+            )
+        return out
+
+    ref = {"random gate (expected)": (tasks, [random_ref[t] for t in tasks])}
+    plots = []
+    if rows:
+        panels: list[dict[str, Any]] = [
+            {
+                "series": series("test_mse"),
+                "ylabel": "test MSE (log)",
+                "title": "MSE",
+                "logy": True,
+            },
+            {
+                "series": series("related_jaccard"),
+                "ylabel": "Jaccard index",
+                "title": "related tasks",
+                "reference": ref,
+            },
+            {
+                "series": series("unrelated_jaccard"),
+                "ylabel": "Jaccard index",
+                "title": "unrelated tasks",
+                "reference": ref,
+            },
+        ]
+        plots.append(
+            plot_metric_panels(
+                panels, results_dir / "fig_c1.png", xlabel="number of tasks", logx=True
+            )
+        )
+        for i, name in enumerate(["mse", "jaccard_related", "jaccard_unrelated"]):
+            plots.append(
+                plot_metric_vs(
+                    panels[i]["series"],
+                    results_dir / f"{name}_vs_tasks.png",
+                    xlabel="number of tasks",
+                    ylabel=panels[i]["ylabel"],
+                    title=panels[i]["title"],
+                    reference=panels[i].get("reference"),
+                    logx=True,
+                    logy=bool(panels[i].get("logy")),
+                )
+            )
+        for g in gates:
+            cands = [r for r in final if r["config"]["gate"] == g and r.get("weights") is not None]
+            if cands:
+                best = max(cands, key=lambda r: r["config"]["num_tasks"])
+                t = best["config"]["num_tasks"]
+                plots.append(
+                    plot_weight_heatmap(
+                        best["weights"],
+                        results_dir / f"weights_{g}_T{t}.png",
+                        title=f"{LABELS.get(g, g)}, T = {t}, repetition 0",
+                        row_groups=[i // TASKS_PER_GROUP for i in range(t)],
+                    )
+                )
+    sel_path = results_dir / "selected_hparams.json"
+    sel = json.loads(sel_path.read_text(encoding="utf-8")) if sel_path.is_file() else {}
+    sources = sorted({str(v.get("source")) for v in sel.values()} - {"None"})
+    source = "; ".join(sources) or tuned_source(final)
+    if tune_count:
+        source = (
+            f"selected in this folder by the paper's grid search ({tune_count} tuning records, "
+            "lowest mean validation MSE; DSelect-k configurations whose S(Z) is not binary in "
+            "every trial discarded, see selected_hparams.json)"
+        )
+        notes = [
+            f"{k}: {v.get('configs_binary', '?')} of {v.get('configs_tried', '?')} "
+            "configurations binary"
+            + ("" if v.get("binary", True) else " (none: best non-binary used)")
+            for k, v in sorted(sel.items())
+            if k.startswith("dselect_k")
+        ]
+        if notes:
+            source += ". " + "; ".join(notes)
+    write_text(results_dir / "report.md", _markdown(summary, source, plots))
+
+
+_USED_HPARAMS = {
+    "dselect_k": {
+        "gamma",
+        "gamma_end",
+        "entropy_reg",
+        "entropy_reg_end",
+        "entropy_warmup",
+        "diversity",
+    },
+    "ablation_entropy": {"entropy_reg"},
+    "ablation_annealing": {"temperature_start"},
+}
+
+
+def _nan(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def tuned_source(final: Sequence[Mapping[str, Any]]) -> str:
+    """Where the hyperparameters came from, as written in the shipped tuning record."""
+    try:
+        t = load_tuned()
+    except (OSError, json.JSONDecodeError):
+        return "unknown"
+    return str(t.get("source", "tuned_synthetic.json"))
+
+
+def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) -> str:
+    rows = summary["rows"]
+    try:
+        findings = [str(f) for f in load_tuned().get("findings", [])]
+    except (OSError, json.JSONDecodeError):
+        findings = []
+    result_rows = []
+    for r in rows:
+        m = r["metrics"]
+        result_rows.append(
+            f"| {r['label']} | {r['num_tasks']} | {_fmt(m.get('test_mse'), 4)} | "
+            f"{_fmt(m.get('test_mse_soft'), 4)} | "
+            f"{_fmt(m.get('related_jaccard'))} | {_fmt(m.get('unrelated_jaccard'))} | "
+            f"{_fmt(m.get('experts_per_task'), 2)} | {_fmt(m.get('frac_tasks_k_experts'), 2)} | "
+            f"{_fmt(m.get('frac_tasks_binary'), 2)} | {m.get('test_mse', {}).get('n', 0)} |"
+        )
+    seen: dict[str, set[str]] = {}
+    for r in rows:
+        for hp in r.get("hparams", []):
+            used = _USED_HPARAMS.get(GATES.get(r["gate"], (r["gate"], {}))[0], set())
+            txt = ", ".join(
+                f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in sorted(hp.items())
+                if v not in (None, 0.0) and (k in used or k in ("lr", "epochs"))
+            )
+            seen.setdefault(r["label"], set()).add(txt)
+    comp = []
+    for g in ("dselect_k", "dselect_k_spread", "dselect_k_diverse"):
+        comp += _comparison(rows, g)
+    comp += _ablation_claims(rows)
+    remedies = sorted({r["gate"] for r in rows} & {"dselect_k_spread", "dselect_k_diverse"})
+    side = (
+        f"The paper-faithful DSelect-k (paper init, constant λ and γ from the paper's grid) and "
+        f"our remedies ({', '.join(LABELS.get(g, g) for g in remedies)}) are reported side by "
+        "side; a remedy never replaces the faithful run. "
+        if remedies
+        else "Only the paper-faithful DSelect-k (paper init) ran here. "
+    )
+    wall = summary.get("wall_seconds")
+    return render(
+        "synthetic",
+        command=summary.get("command") or "(rebuilt with dselectk report)",
+        wall_line=f"Wall time of the sweep: {wall:.0f} s  "
+        if wall
+        else "Wall time: not recorded  ",
+        records=summary["records"],
+        tune_records=summary["tune_records"],
+        source=source,
+        result_rows="\n".join(result_rows),
+        hparam_lines="\n".join(f"- {label}: {'; '.join(sorted(v))}" for label, v in seen.items()),
+        random_jaccard=", ".join(
+            f"T = {t}: {v:.3f}" for t, v in summary["random_gate_expected_jaccard"].items()
+        ),
+        comparison="\n".join(
+            comp or ["- (Top-k and DSelect-k are both needed for the comparison.)"]
+        ),
+        remedies=side,
+        findings="\n".join([f"- {f}" for f in findings] or ["- (no findings recorded)"]),
+        plots="\n".join(f"- ![{p.stem}]({p.name})" for p in plots),
+    )
+
+
+def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Sentences on the ablation gates' claims (collapse to ~2 experts; DSelect-k better)."""
+    comp = []
+    abl = sorted((r for r in rows if r["gate"] == "ablation_entropy"), key=lambda r: r["num_tasks"])
+    if abl:
+        es = [r["metrics"]["experts_per_task"]["mean"] for r in abl]
+        comp.append(
+            "- **Ablation (Entropy) distinct experts per task** (k = 4): "
+            + ", ".join(f"T = {r['num_tasks']}: {e:.2f}" for r, e in zip(abl, es))
+            + " (paper: ~2 in many repetitions) → "
+            + (
+                "reproduces qualitatively (selectors collapse)."
+                if max(es) < 3.0
+                else "does not reproduce."
+            )
+        )
+    by = {(r["gate"], r["num_tasks"]): r["metrics"] for r in rows}
+    top_t = max((r["num_tasks"] for r in rows), default=None)
+    if top_t is not None and ("dselect_k", top_t) in by:
+        d = by[("dselect_k", top_t)]["test_mse"]["mean"]
+        others = [
+            (g, by[(g, top_t)]["test_mse"]["mean"])
+            for g in ("ablation_annealing", "ablation_entropy")
+            if (g, top_t) in by
+        ]
+        if others:
+            ok = all(d < v for _, v in others)
+            comp.append(
+                f"- **DSelect-k (paper init) vs the ablation gates, T = {top_t}, test MSE**: "
+                f"{d:.4f} vs "
+                + ", ".join(f"{LABELS[g]} {v:.4f}" for g, v in others)
+                + f" (paper: DSelect-k better) → {'reproduces' if ok else 'does not reproduce'}."
+            )
+    return comp

@@ -1,0 +1,298 @@
+"""Training of the synthetic study: R members trained as one vectorized model by the library's
+training loop, and the paper's grid search (Appendix D) over such members."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.experiments.records import RunStore
+from dselectk.experiments.runner import progress_position, sample_points
+from dselectk.experiments.synthetic.data import SyntheticData
+from dselectk.experiments.synthetic.loss import mixture_loss
+from dselectk.experiments.synthetic.model import SyntheticMoE, evaluate_model, schedulers
+from dselectk.experiments.synthetic.spec import (
+    BASE_HPARAMS,
+    BATCH_SIZE,
+    GATES,
+    MEMBER_KEYS,
+    PAPER_GRID,
+    grid_points,
+    init_seed,
+    record_config,
+)
+from dselectk.optim import RowwiseAdam
+from dselectk.progress import tqdm
+from dselectk.training import Callback, History, TaskData, TrainConfig, optimizer_step, train
+
+__all__ = ["train_reps", "train_sequential", "train_step", "tune"]
+
+LossFn = Callable[[SyntheticMoE, Tensor, Tensor], Tensor]
+
+
+def train_step(
+    model: SyntheticMoE,
+    opt: torch.optim.Optimizer,
+    xb: Tensor,
+    yb: Tensor,
+    scheds: Sequence[Any] = (),
+    loss_fn: LossFn | None = None,
+) -> None:
+    """One step of :func:`train_reps` outside the loop (the benchmarks time it).
+
+    Args:
+        xb: (B, 10) batch shared by all repetitions; yb: (B, T) targets.
+        loss_fn: the loss (default :func:`~dselectk.experiments.synthetic.loss.mixture_loss`;
+            ``reference_loss`` for the composed autograd path).
+    """
+    optimizer_step(opt, (loss_fn or mixture_loss)(model, xb, yb), scheds)
+
+
+class _Checkpoints(Callback):
+    """Evaluates every member after the checkpoint epochs."""
+
+    def __init__(self, epochs: Sequence[int], data: SyntheticData) -> None:
+        self.epochs = set(epochs)
+        self.data = data
+        self.results: dict[int, list[dict[str, float]]] = {}
+
+    def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
+        if epoch in self.epochs:
+            assert isinstance(model, SyntheticMoE)
+            model.eval()
+            self.results[epoch] = evaluate_model(model, self.data)
+            model.train()
+
+
+def _fused_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
+    assert isinstance(model, SyntheticMoE)
+    return mixture_loss(model, batch.x, batch.ys[0]), None
+
+
+def train_reps(
+    gate: str,
+    num_tasks: int,
+    hparams: Mapping[str, Any],
+    init_seeds: Sequence[int],
+    data: SyntheticData,
+    *,
+    shuffle_seed: int,
+    checkpoints: Sequence[int] | None = None,
+    progress: bool = False,
+    desc: str = "",
+    return_model: bool = False,
+    member_hparams: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], SyntheticMoE]:
+    """Train R repetitions together; return metrics per checkpoint epoch and repetition.
+
+    Each step minimises Σ_r [Σ_t MSE_t,r + aux_r] (summed task losses, Appendix C.1) with the
+    fused loss; the R repetitions share parameters with nothing, so this is R independent Adam
+    runs (one :class:`~dselectk.optim.RowwiseAdam` when their learning rates differ).
+
+    Args:
+        gate: experiment gate name.
+        num_tasks: T (tasks 0..T-1 of the data, i.e. groups G1..G_{T/16}).
+        hparams: lr, epochs, gamma, entropy_reg (and schedules; see ``BASE_HPARAMS``).
+        init_seeds: one per repetition.
+        data: the data set.
+        shuffle_seed: seed of the mini-batch order, shared by all repetitions.
+        checkpoints: epochs after which to evaluate (default: the last only). Only meaningful
+            for settings whose schedules do not depend on the total number of epochs.
+        progress: show a progress bar (updated once per epoch).
+        desc: progress bar label.
+        return_model: also return the trained model.
+        member_hparams: one mapping per seed overriding ``MEMBER_KEYS`` (lr, γ, λ, start
+            temperature, epochs) for that member: different configurations trained as one
+            model (used by :func:`tune`). Training runs for the largest ``epochs``; a member's
+            annealing schedule spans its own epochs (evaluate it at its own epochs).
+    """
+    if member_hparams is not None:
+        extra = {k for m in member_hparams for k in m} - set(MEMBER_KEYS)
+        if extra or hparams.get("gamma_end") or hparams.get("entropy_reg_end") is not None:
+            raise ValueError(
+                f"member_hparams supports {MEMBER_KEYS} without schedules, got {sorted(extra)}"
+            )
+        epochs = max(int(m.get("epochs", hparams["epochs"])) for m in member_hparams)
+    else:
+        epochs = int(hparams["epochs"])
+    cps = sorted(set(checkpoints or [epochs]))
+    if cps[-1] > epochs or cps[0] < 1:
+        raise ValueError(f"checkpoints must lie in [1, {epochs}], got {cps}")
+    model = SyntheticMoE(gate, num_tasks, hparams, init_seeds, member_hparams)
+    steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
+    opt: torch.optim.Optimizer
+    if member_hparams is None:
+        opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
+    else:
+        opt = RowwiseAdam(model.parameters(), lr=model.member_values("lr"))
+    evaluator = _Checkpoints(cps, data)
+    config = TrainConfig(
+        lr=float(hparams["lr"]),
+        batch_size=BATCH_SIZE,
+        epochs=epochs,
+        seed=None,  # the members are initialised by their own seeds
+        shuffle_seed=int(shuffle_seed),
+        progress=progress,
+        progress_unit="epoch",
+        desc=desc,
+        position=progress_position(),
+    )
+    train(
+        model,
+        TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
+        None,
+        config,
+        schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
+        optimizer=opt,
+        callbacks=[evaluator],
+        loss_fn=_fused_loss,
+    )
+    if return_model:
+        return evaluator.results, model
+    return evaluator.results
+
+
+def train_sequential(
+    gate: str,
+    num_tasks: int,
+    hparams: Mapping[str, Any],
+    init_seeds: Sequence[int],
+    data: SyntheticData,
+    *,
+    shuffle_seed: int,
+) -> list[dict[str, float]]:
+    """Reference path: the same repetitions trained one at a time (final metrics per rep)."""
+    out = []
+    for s in init_seeds:
+        res = train_reps(gate, num_tasks, hparams, [s], data, shuffle_seed=shuffle_seed)
+        assert isinstance(res, dict)
+        out.extend(res[int(hparams["epochs"])])
+    return out
+
+
+def tune(
+    gate: str,
+    num_tasks: int,
+    data: SyntheticData,
+    store: RunStore,
+    *,
+    grid: Mapping[str, Sequence[float]] = PAPER_GRID,
+    trials: int = 5,
+    max_points: int | None = None,
+    seed: int = 0,
+    data_cfg: Mapping[str, Any],
+    progress: bool = True,
+    max_members: int = 200,
+) -> dict[str, Any]:
+    """Grid search of Appendix D for one gate and T; returns the selected hyperparameters.
+
+    Every grid point is trained with ``trials`` fresh initialisations, and all (point, trial)
+    pairs train together as the members of batched models of up to ``max_members`` members
+    (per-member lr, γ, λ and temperature schedule; see :func:`train_reps`). For gates without
+    epoch-dependent schedules the epochs axis costs nothing extra: one run of max(epochs) is
+    evaluated after each epoch count of the grid (an Adam run of 25 epochs is the first 25
+    epochs of a 100-epoch run with the same seeds); for the annealing gate, epochs is one more
+    grid axis. ``max_points`` samples that many grid points at random (random grid search);
+    records already in ``store`` are not trained again. Selection: lowest mean validation MSE; for
+    DSelect-k, configurations whose S(Z) is not binary in every trial are discarded (Appendix
+    D); if none is binary, the best non-binary one is returned with ``"binary": False``.
+    """
+    points = grid_points(gate, grid)
+    epochs_axis = [int(e) for e in grid["epochs"]]
+    reg, _ = GATES[gate]
+    epoch_dependent = reg == "ablation_annealing"
+    if epoch_dependent:  # the annealing schedule spans the run: epochs is a grid axis
+        points = [{**p, "epochs": e} for p in points for e in epochs_axis]
+    points = sample_points(points, max_points, f"{seed}-{gate}-{num_tasks}")
+    seeds = [init_seed(seed, gate, num_tasks, 10_000 + i) for i in range(trials)]
+    # Every (grid point, trial) is one member of a batched model (MemberAdam, per-gate γ/λ/τ).
+    # Without an epoch-dependent schedule, one run of max(epochs) evaluated after each epoch
+    # count of the grid covers the epochs axis (Adam's first 25 epochs of a 100-epoch run are
+    # the 25-epoch run with the same seeds).
+    members: list[tuple[dict[str, Any], int, list[int]]] = []
+    for p in points:
+        eps = [int(p["epochs"])] if epoch_dependent else epochs_axis
+        for i, s in enumerate(seeds):
+            cfgs = [
+                record_config(
+                    gate,
+                    num_tasks,
+                    {**BASE_HPARAMS, **p, "epochs": e},
+                    i,
+                    s,
+                    seed,
+                    data_cfg,
+                    "tune",
+                )
+                for e in eps
+            ]
+            if not all(store.done(c) for c in cfgs):
+                members.append((p, i, eps))
+    chunks = [members[i : i + max_members] for i in range(0, len(members), max_members)]
+    in_worker = progress_position() is not None  # one bar line per worker: epochs only
+    bar = tqdm(
+        chunks,
+        disable=not progress or in_worker,
+        desc=f"tune {gate} T={num_tasks}",
+        unit="batch",
+    )
+    for chunk in bar:
+        bar.set_postfix(configs=len(chunk))
+        cps = sorted({e for _, _, eps in chunk for e in eps})
+        hp = {**BASE_HPARAMS, "epochs": max(cps)}
+        mh = [{**p, "epochs": max(eps)} for p, _, eps in chunk]
+        res = train_reps(
+            gate,
+            num_tasks,
+            hp,
+            [seeds[i] for _, i, _ in chunk],
+            data,
+            shuffle_seed=seed,
+            checkpoints=cps,
+            member_hparams=mh,
+            progress=progress,
+            desc=f"tune {gate} T={num_tasks}: {len(chunk)} configs",
+        )
+        assert isinstance(res, dict)
+        for j, (p, i, eps) in enumerate(chunk):
+            for e in eps:
+                cfg = record_config(
+                    gate,
+                    num_tasks,
+                    {**BASE_HPARAMS, **p, "epochs": e},
+                    i,
+                    seeds[i],
+                    seed,
+                    data_cfg,
+                    "tune",
+                )
+                store.save(cfg, res[e][j])
+    scores: dict[str, tuple[float, bool, dict[str, Any]]] = {}
+    for rec in store.load():
+        c = rec["config"]
+        if c.get("phase") != "tune" or c["gate"] != gate or c["num_tasks"] != num_tasks:
+            continue
+        key = json.dumps(c["hparams"], sort_keys=True)
+        m = rec["metrics"]
+        prev = scores.get(key, (0.0, True, {"n": 0}))
+        n = prev[2]["n"] + 1
+        binary = prev[1] and bool(m.get("all_binary", 1.0))
+        scores[key] = (prev[0] + m["val_mse"], binary, {"n": n, "hparams": c["hparams"]})
+    ranked = sorted(scores.values(), key=lambda s: s[0] / s[2]["n"])
+    valid = [s for s in ranked if s[1]] if reg == "dselect_k" else ranked
+    best = (valid or ranked)[0]
+    return {
+        "hparams": best[2]["hparams"],
+        "val_mse": best[0] / best[2]["n"],
+        "binary": bool(best[1]),
+        "configs_tried": len(scores),
+        "configs_binary": sum(1 for s in scores.values() if s[1]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
