@@ -1,4 +1,4 @@
-"""Layers: expert banks (MLP and CNN) and task towers."""
+"""Layers: expert banks (MLP and CNN), task towers and the expert mixer."""
 
 from dselectk.layers.cnn import (
     BatchedCNNExperts,
@@ -8,10 +8,12 @@ from dselectk.layers.cnn import (
     make_towers,
 )
 from dselectk.layers.experts import ExpertList, StackedMLP
+from dselectk.layers.mixer import ExpertMixer
 
 __all__ = [
     "BatchedCNNExperts",
     "ExpertList",
+    "ExpertMixer",
     "SingleCNN",
     "StackedMLP",
     "load_from_reference",
