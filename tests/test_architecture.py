@@ -1,0 +1,324 @@
+"""The package's architecture, read from the source with ``ast`` (nothing is imported).
+
+Imports go one way, down this stack (a group may import itself and the groups its rule lists):
+
+    base         _kernels, _testing, functional, io, progress, runtime   (foundation utilities)
+    gates        dselectk.gates
+    layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
+    models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
+    api          dselectk/__init__.py   (the public facade: re-exports base..models)
+    training     optim, schedules, training
+    data         dselectk.data          (loaders; no models, training or experiments)
+    plots        dselectk.plots         (a leaf: draws arrays/records, imports only base)
+    experiments  dselectk.experiments   (anything except cli)
+    cli          dselectk.cli           (anything)
+
+The direction rules check every import anywhere in a module (module level, inside functions,
+under ``if TYPE_CHECKING:``) plus ``importlib.import_module`` calls whose target is readable
+from the source. The cycle check uses module-level imports only (excluding ``if TYPE_CHECKING:``
+blocks, which never run), plus ``importlib.import_module`` calls anywhere: a dynamic import is
+the usual way to hide a cycle. An f-string target with a literal package prefix
+(``f"dselectk.experiments.{name}"``) counts as an import of every module under that prefix.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "dselectk"
+MAX_LINES = 600
+
+#: group -> the groups it may import (besides itself).
+ALLOWED: dict[str, frozenset[str]] = {
+    "base": frozenset(),
+    "gates": frozenset({"base"}),
+    "layers": frozenset({"base", "gates"}),
+    "models": frozenset({"base", "gates", "layers"}),
+    "api": frozenset({"base", "gates", "layers", "models"}),
+    "training": frozenset({"base", "gates", "layers", "models", "api"}),
+    "data": frozenset({"base", "gates", "layers"}),
+    "plots": frozenset({"base"}),
+    "experiments": frozenset(
+        {"base", "gates", "layers", "models", "api", "training", "data", "plots"}
+    ),
+    "cli": frozenset(
+        {"base", "gates", "layers", "models", "api", "training", "data", "plots", "experiments"}
+    ),
+}
+
+#: top-level name under dselectk -> group.
+GROUP_OF_TOP: dict[str, str] = {
+    "_kernels": "base",
+    "_testing": "base",
+    "functional": "base",
+    "io": "base",
+    "progress": "base",
+    "runtime": "base",
+    "gates": "gates",
+    "layers": "layers",
+    "models": "models",
+    "optim": "training",
+    "schedules": "training",
+    "training": "training",
+    "data": "data",
+    "plots": "plots",
+    "experiments": "experiments",
+    "cli": "cli",
+}
+
+#: Modules whose ``importlib.import_module`` calls close an import cycle that other work is
+#: removing right now: the cycle check leaves out their dynamic imports (their static imports
+#: still count). Each also gets an xfail test below that passes once the cycle is gone.
+KNOWN_DYNAMIC_CYCLES: dict[str, str] = {
+    "dselectk.experiments.realdata": (
+        "src/dselectk/experiments/realdata.py (_report_module) imports "
+        "f'dselectk.experiments.{mod}' (movielens / multi_mnist) via importlib, and those "
+        "import realdata at module level; being fixed"
+    ),
+}
+
+#: Files over MAX_LINES that someone is splitting right now (path relative to src/dselectk).
+KNOWN_LONG_FILES: dict[str, str] = {
+    "experiments/realdata.py": "experiments/realdata.py (~1000 lines) is being split now",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# reading the source
+# --------------------------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+PACKAGES = {_module_name(p) for p in PKG.rglob("__init__.py")}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    try:
+        return GROUP_OF_TOP[parts[1]]
+    except KeyError:
+        raise AssertionError(
+            f"{module}: new top-level module; give it a group in GROUP_OF_TOP"
+        ) from None
+
+
+def _resolve(target: str) -> str | None:
+    """The module an import of ``target`` loads (the longest prefix that is a module)."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in MODULES:
+            return name
+        parts.pop()
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _static_targets(node: ast.Import | ast.ImportFrom, module: str) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+        return
+    if node.level:
+        package = module if module in PACKAGES else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{node.module}" if node.module else package
+    else:
+        base = node.module or ""
+    for alias in node.names:
+        # `from pkg import sub` loads the submodule when there is one, else the package.
+        sub = f"{base}.{alias.name}"
+        yield sub if sub in MODULES else base
+
+
+def _dynamic_targets(call: ast.Call) -> Iterator[str]:
+    """Targets of ``importlib.import_module(...)`` / ``import_module(...)`` readable statically."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name != "import_module" or not call.args:
+        return
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        yield arg.value
+    elif isinstance(arg, ast.JoinedStr) and arg.values:
+        head = arg.values[0]
+        if isinstance(head, ast.Constant) and isinstance(head.value, str):
+            prefix = head.value
+            if prefix.endswith("."):
+                yield from (m for m in MODULES if m.startswith(prefix))
+
+
+def _imports(module: str) -> tuple[set[str], set[str], set[str]]:
+    """dselectk modules imported (anywhere; at import time, statically; via importlib)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"), str(MODULES[module]))
+    everything: set[str] = set()
+    import_time: set[str] = set()
+    dynamic: set[str] = set()
+
+    def visit(node: ast.AST, top_level: bool, type_checking: bool) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in _static_targets(node, module):
+                resolved = _resolve(target)
+                if resolved is None:
+                    continue
+                everything.add(resolved)
+                if top_level and not type_checking:
+                    import_time.add(resolved)
+        elif isinstance(node, ast.Call):
+            for target in _dynamic_targets(node):
+                resolved = _resolve(target)
+                if resolved is not None:
+                    everything.add(resolved)
+                    dynamic.add(resolved)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, top_level, True)
+            for child in node.orelse:
+                visit(child, top_level, type_checking)
+            return
+        nested = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, top_level and not nested, type_checking)
+
+    visit(tree, True, False)
+    for found in (everything, import_time, dynamic):
+        found.discard(module)
+    return everything, import_time, dynamic
+
+
+IMPORTS = {m: _imports(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return out
+
+
+def _graph(skip_dynamic: set[str]) -> dict[str, set[str]]:
+    """Import-time graph; the importlib imports of the ``skip_dynamic`` modules left out."""
+    return {m: IMPORTS[m][1] | (set() if m in skip_dynamic else IMPORTS[m][2]) for m in MODULES}
+
+
+# --------------------------------------------------------------------------------------------
+# the rules
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_tree_has_the_layers() -> None:
+    for group in ("gates", "layers", "models", "data", "plots", "experiments"):
+        assert f"dselectk.{group}" in PACKAGES
+    assert {_group(m) for m in MODULES} <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_the_stack(module: str) -> None:
+    group = _group(module)
+    allowed = ALLOWED[group] | {group}
+    wrong = sorted(t for t in IMPORTS[module][0] if _group(t) not in allowed)
+    assert not wrong, (
+        f"{module} ({group}) imports {[(t, _group(t)) for t in wrong]}; "
+        f"{group} may import only {sorted(allowed)}"
+    )
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_graph(set(KNOWN_DYNAMIC_CYCLES)))
+    assert not cycles, f"import cycles between modules: {cycles}"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        pytest.param(m, marks=pytest.mark.xfail(reason=reason, strict=False))
+        for m, reason in KNOWN_DYNAMIC_CYCLES.items()
+    ],
+)
+def test_known_dynamic_cycle_is_gone(module: str) -> None:
+    cycles = _cycles(_graph(set(KNOWN_DYNAMIC_CYCLES) - {module}))
+    assert not [c for c in cycles if module in c], cycles
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.parametrize(
+    "relpath",
+    [
+        pytest.param(
+            rel,
+            marks=(
+                [pytest.mark.xfail(reason=KNOWN_LONG_FILES[rel], strict=False)]
+                if rel in KNOWN_LONG_FILES
+                else []
+            ),
+        )
+        for rel in sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py"))
+    ],
+)
+def test_source_files_are_short(relpath: str) -> None:
+    lines = _line_count(PKG / relpath)
+    assert lines <= MAX_LINES, f"src/dselectk/{relpath} has {lines} lines (max {MAX_LINES})"
