@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from dselectk.experiments import synthetic as S
+from dselectk.experiments.synthetic.model import schedulers
 from dselectk.runtime import tune_allocator
 
 STEPS_PER_EPOCH = math.ceil(100_000 / S.BATCH_SIZE)  # the paper's 100k training rows
@@ -56,7 +57,7 @@ def time_steps(
         hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
     model = S.SyntheticMoE(gate, tasks, hp, seeds)
     opt = torch.optim.Adam(model.parameters(), lr=float(hp["lr"]), foreach=True)
-    scheds = S._schedulers(model, hp, int(hp["epochs"]) * STEPS_PER_EPOCH)
+    scheds = schedulers(model, hp, int(hp["epochs"]) * STEPS_PER_EPOCH, STEPS_PER_EPOCH)
     gen = torch.Generator().manual_seed(0)
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]

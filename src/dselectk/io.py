@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import torch
 
+from dselectk._testing import pause_point
+
 __all__ = [
     "json_safe",
     "save_npz",
@@ -41,6 +43,7 @@ def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        pause_point(f"before-replace/{path.parent.name}")  # test-only; see dselectk._testing
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

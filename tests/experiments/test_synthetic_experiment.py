@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dselectk._testing import PAUSE_ENV
 from dselectk.cli import main
 from dselectk.experiments import synthetic as S
 from dselectk.experiments.synthetic import loss as synthetic_loss
@@ -235,16 +236,26 @@ def test_interrupted_sweep_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert p.stat().st_mtime_ns == mtimes[p.name]
 
 
-def _start_then_kill_9(cmd: list[str], env: dict[str, str], runs: Path, records: int) -> list[int]:
-    """Start a sweep, wait until ``records`` records exist, kill -9 it; returns the pids of
-    its child processes just before the kill."""
+def _start_then_kill_9(
+    cmd: list[str], env: dict[str, str], barrier: Path, point: str, count: int
+) -> list[int]:
+    """Start a sweep that pauses at ``point`` the ``count``-th time it gets there (see
+    ``dselectk._testing``), wait for it to get there, kill -9 it; returns the pids of its child
+    processes just before the kill. Deterministic: the kill always lands at that point."""
+    env = {**env, PAUSE_ENV: f"{point}@{count}@{barrier}"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(runs.glob("*.json"))) < records:
-        time.sleep(0.02)
-    children = _children(proc.pid)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.time() + 300  # bounds a broken test only; the pause makes it exact
+        while not barrier.is_file():
+            assert proc.poll() is None, "the sweep ended before its pause point"
+            assert time.time() < deadline, "the sweep never reached its pause point"
+            time.sleep(0.02)
+        children = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
     return children
 
 
@@ -265,11 +276,25 @@ def test_kill_9_mid_sweep_then_resume(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = out / "runs"
-    _start_then_kill_9(cmd, env, runs, records=2)
+    _start_then_kill_9(cmd, env, tmp_path / "barrier", "record-saved", 2)
     first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
-    assert 2 <= len(first) < 8, "kill landed outside the sweep"
+    assert len(first) == 2, "the kill lands right after the second record"
     for p in runs.glob("*.json"):
         json.loads(p.read_text())  # every visible record is complete
+    _resume_keeps_finished_records(cmd, env, runs, first)
+
+
+def test_kill_9_mid_record_write_then_resume(tmp_path: Path) -> None:
+    """Killed while the third record's temp file is complete but not yet renamed: two records
+    are visible, the temp file of the dead process is removed on resume, all 8 end complete."""
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "dselectk.cli", *_args(out, "--batch-reps", "1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = out / "runs"
+    _start_then_kill_9(cmd, env, tmp_path / "barrier", "before-replace/runs", 3)
+    first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert len(first) == 2
+    assert len(list(runs.glob(".*.tmp"))) == 1  # the dead process's complete temp file
     _resume_keeps_finished_records(cmd, env, runs, first)
 
 
@@ -448,12 +473,12 @@ def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -
     cmd[cmd.index("--epochs") + 1] = "3"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = out / "runs"
-    workers = _start_then_kill_9(cmd, env, runs, records=1)
+    workers = _start_then_kill_9(cmd, env, tmp_path / "barrier", "record-saved", 1)
     assert workers, "no worker processes seen"
     deadline = time.time() + 20
     while time.time() < deadline and any(map(_alive, workers)):
         time.sleep(0.05)
     assert not any(map(_alive, workers)), "workers outlived the killed sweep"
     first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
-    assert 1 <= len(first) < 8, "kill landed outside the sweep"
+    assert 1 <= len(first) <= 2, "each worker pauses after its first record"
     _resume_keeps_finished_records(cmd, env, runs, first)

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import platform
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from dselectk import io as _io
+from dselectk._testing import pause_point
 
 __all__ = [
     "RunStore",
@@ -89,6 +91,16 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RunStore:
     """The ``runs/`` folder of a results directory.
 
@@ -99,6 +111,23 @@ class RunStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.runs = self.root / "runs"
+        self.remove_stale_temps()
+
+    def remove_stale_temps(self) -> list[Path]:
+        """Delete the temp files of record writes whose process is gone (a sweep killed with
+        ``kill -9`` mid-write cannot remove its own); returns what was removed."""
+        removed: list[Path] = []
+        if not self.runs.is_dir():
+            return removed
+        for tmp in self.runs.glob(".*.tmp"):
+            # io's temp names are .<name>.<pid>.<random>.tmp
+            parts = tmp.name.split(".")
+            pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else None
+            if pid is None or _pid_alive(pid):
+                continue
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        return removed
 
     def path(self, rid: str) -> Path:
         return self.runs / f"{rid}.json"
@@ -113,7 +142,9 @@ class RunStore:
         record = {"run_id": rid, "config": dict(config), "metrics": dict(metrics)}
         record["environment"] = environment()
         record.update(extra)
-        return _io.write_json(self.path(rid), record)
+        path = _io.write_json(self.path(rid), record)
+        pause_point("record-saved")  # test-only; see dselectk._testing
+        return path
 
     def load(self) -> list[dict[str, Any]]:
         """All complete records, sorted by run id; an unreadable file raises a ValueError."""

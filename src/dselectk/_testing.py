@@ -1,0 +1,44 @@
+"""Test-only pause points: a process under test stops at a known point and waits to be killed.
+
+Interruption tests (``kill -9`` of a sweep, mid-record or between records) must not depend on
+timing. With ``DSELECTK_PAUSE_AT="<point>@<count>@<barrier file>"`` in its environment, a
+process that reaches ``<point>`` for the ``<count>``-th time creates ``<barrier file>`` (holding
+its pid) and then sleeps until it is killed; the test waits for the barrier, then kills. Points:
+
+* ``record-saved`` — right after a run record was written (:meth:`RunStore.save`);
+* ``before-replace/<folder>`` — inside an atomic write into ``<folder>`` (e.g. ``runs``), after
+  the temp file is complete and before it is renamed over the destination (mid-record).
+
+Unset (always, outside tests), a pause point costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["PAUSE_ENV", "pause_point"]
+
+PAUSE_ENV = "DSELECTK_PAUSE_AT"
+_counts: dict[str, int] = {}
+
+
+def pause_point(name: str) -> None:
+    """Pause here forever if the environment asks for this point (see the module docstring)."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    try:
+        point, count, barrier = spec.split("@", 2)
+        target = int(count)
+    except ValueError:
+        raise ValueError(f"{PAUSE_ENV} must be '<point>@<count>@<barrier file>', got {spec!r}")
+    if point != name:
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] != target:
+        return
+    Path(barrier).write_text(f"{os.getpid()}\n", encoding="utf-8")
+    while True:  # until the test kills this process
+        time.sleep(3600)
