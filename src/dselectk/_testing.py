@@ -33,7 +33,9 @@ def pause_point(name: str) -> None:
         point, count, barrier = spec.split("@", 2)
         target = int(count)
     except ValueError:
-        raise ValueError(f"{PAUSE_ENV} must be '<point>@<count>@<barrier file>', got {spec!r}")
+        raise ValueError(
+            f"{PAUSE_ENV} must be '<point>@<count>@<barrier file>', got {spec!r}"
+        ) from None
     if point != name:
         return
     _counts[name] = _counts.get(name, 0) + 1
