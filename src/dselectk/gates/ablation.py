@@ -2,97 +2,26 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+# The autograd node lives in dselectk._kernels; these names are re-exported for code that
+# imports them from this module.
+from dselectk._kernels import _FLUSH_TEMPERATURE as _FLUSH_TEMPERATURE
+from dselectk._kernels import _SelectorGate as _SelectorGate
+from dselectk._kernels import _softmax_small as _softmax_small
 from dselectk.gates.base import (
     Gate,
     GateOutput,
     HyperParameter,
     check_nonnegative,
     check_positive_int,
+    format_hyperparameter,
 )
 
 __all__ = ["SoftmaxSelectorGate"]
-
-
-def _softmax_small(x: Tensor) -> Tensor:
-    """Softmax along a short last dim (K selectors): cheaper than ``torch.softmax`` there."""
-    e = (x - x.amax(dim=-1, keepdim=True)).exp_()
-    return e.div_(e.sum(dim=-1, keepdim=True))
-
-
-#: at or below this temperature the selector node flushes probabilities below float32's
-#: smallest normal number to exact zeros before exp (see ``_SelectorGate.forward``)
-_FLUSH_TEMPERATURE = 0.05
-
-
-class _SelectorGate(torch.autograd.Function):
-    """(logits (..., K(1+n)), τ, K) -> (Σ_i σ(α)_i σ(β⁽ⁱ⁾/τ) (..., n), entropies (..., K), *saved).
-
-    One autograd node for the gate and the selectors' entropies. The entropy is computed from
-    the log-softmax ℓ = log σ(β/τ) (clamped at log(tiny), as :func:`dselectk.functional.entropy`
-    clamps the probabilities, so -inf logits and τ -> 0 stay finite) as h = -Σ σ ℓ, and the
-    backward pass is written out: with u = σ(α) g_w - g_h ℓ, the grad of β/τ is σ (u - Σ σ u)
-    (the softmax backward, into which the entropy's grad -σ (ℓ + h) folds). Exactly one-hot
-    selectors (τ -> 0) get an exactly zero grad, before the division by τ. The grad of the
-    logits is one tensor (no zero-filled grads of the α and β slices).
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(logits: Tensor, temperature: Tensor, k: int) -> tuple[Tensor, ...]:
-        alpha = logits[..., :k]
-        beta = logits[..., k:].unflatten(-1, (k, -1))
-        a = _softmax_small(alpha)  # (..., K)
-        log_s = torch.log_softmax(beta / temperature, dim=-1)  # (..., K, n)
-        log_tiny = math.log(torch.finfo(log_s.dtype).tiny)
-        if log_s.device.type == "cpu" and bool((temperature <= _FLUSH_TEMPERATURE).any()):
-            # At small τ most log-probabilities lie far below exp's range, where the CPU's
-            # vectorized exp takes a slow path (15x slower measured at τ = 1e-3 after
-            # training): exponentiate 0 there instead and write the exact zeros afterwards.
-            # Same s except that denormal probabilities (< 1.2e-38) become 0. Decided on τ,
-            # not on the data, so the node has no data-dependent branch (torch.func works).
-            under = log_s < log_tiny
-            s = log_s.masked_fill(under, 0.0).exp_().masked_fill_(under, 0.0)
-        else:
-            s = log_s.exp()
-        log_s = log_s.clamp_min_(log_tiny)
-        weights = (a.unsqueeze(-1) * s).sum(dim=-2)
-        ent = (s * log_s).sum(dim=-1).neg_()
-        return weights, ent, a, s, log_s
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*output[2:])
-        ctx.save_for_backward(inputs[1], *output[2:])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: Any, g_w: Tensor | None, g_ent: Tensor | None, *_: Any
-    ) -> tuple[Tensor | None, None, None]:
-        temperature, a, s, log_s = ctx.saved_tensors
-        if g_w is None and g_ent is None:
-            return None, None, None
-        if g_w is not None:
-            gw = g_w.unsqueeze(-2)
-            u = a.unsqueeze(-1) * gw  # grad of s from the weights
-            g_a = (s * gw).sum(dim=-1)
-            if g_ent is not None:
-                u.addcmul_(g_ent.unsqueeze(-1), log_s, value=-1.0)
-        else:
-            assert g_ent is not None
-            u = (g_ent.unsqueeze(-1) * log_s).neg_()
-            g_a = torch.zeros_like(a)
-        g_beta = u.sub_((s * u).sum(dim=-1, keepdim=True)).mul_(s).div_(temperature)
-        g_alpha = a * (g_a - (g_a * a).sum(dim=-1, keepdim=True))  # softmax backward
-        return torch.cat((g_alpha, g_beta.flatten(-2)), dim=-1), None, None
 
 
 class SoftmaxSelectorGate(Gate):
@@ -106,11 +35,16 @@ class SoftmaxSelectorGate(Gate):
       ``temperature``); ``entropy_reg=0``.
     * "Ablation (Entropy)": τ = 1 and the auxiliary loss λ Σ_i h(σ(β⁽ⁱ⁾ / τ)).
 
+    Per-gate hyperparameters: in a bank (``num_gates=T``) ``temperature`` and ``entropy_reg``
+    may each be one number or T numbers (a sequence or a (T,) tensor), in the constructor or by
+    assignment; see :class:`~dselectk.gates.base.HyperParameter`. Gate t then computes what a
+    single gate with τ_t and λ_t computes; per-example banks broadcast them over the gate axis.
+
     Args:
         num_experts: n >= 2.
         k: number of selectors, 1 <= k <= n.
-        temperature: τ > 0 (settable, schedulable).
-        entropy_reg: λ >= 0.
+        temperature: τ > 0, or one per gate (settable, schedulable).
+        entropy_reg: λ >= 0, or one per gate.
         init_std: β ~ N(0, init_std²) (distinct values avoid the paper's footnote case of ties
             that annealing cannot break); α starts at 0.
         in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
@@ -127,8 +61,8 @@ class SoftmaxSelectorGate(Gate):
         k: int,
         *,
         in_features: int | None = None,
-        temperature: float = 1.0,
-        entropy_reg: float = 0.0,
+        temperature: float | Sequence[float] | Tensor = 1.0,
+        entropy_reg: float | Sequence[float] | Tensor = 0.0,
         init_std: float = 0.01,
         num_gates: int | None = None,
         bias: bool = True,
@@ -159,12 +93,14 @@ class SoftmaxSelectorGate(Gate):
         """σ(α) (..., K) and the selector outputs σ(β⁽ⁱ⁾/τ) (..., K, n)."""
         alpha = logits[..., : self.k]
         beta = logits[..., self.k :].unflatten(-1, (self.k, self.num_experts))
-        return torch.softmax(alpha, dim=-1), torch.softmax(beta / self._temperature, dim=-1)
+        tau = self._per_gate(self._temperature, 2)  # per gate: (T, 1, 1) against (*lead, K, n)
+        return torch.softmax(alpha, dim=-1), torch.softmax(beta / tau, dim=-1)
 
     def gate(self, logits: Tensor) -> GateOutput:
         # Same numbers as the weights Σ_i a_i s_i and the entropies of self.selectors(logits)
         # (tested, values and gradients), in one autograd node.
-        weights, ent = _SelectorGate.apply(logits, self._temperature, self.k)[:2]
+        tau = self._per_gate(self._temperature, 2)
+        weights, ent = _SelectorGate.apply(logits, tau, self.k)[:2]
         per_gate = self._entropy_reg * ent.sum(dim=-1)
         return GateOutput(weights, self._reduce_aux(per_gate))
 
@@ -177,6 +113,7 @@ class SoftmaxSelectorGate(Gate):
 
     def extra_repr(self) -> str:
         return (
-            f"{super().extra_repr()}, k={self.k}, temperature={self.temperature:g}, "
-            f"entropy_reg={self.entropy_reg:g}"
+            f"{super().extra_repr()}, k={self.k}, "
+            f"temperature={format_hyperparameter(self.temperature)}, "
+            f"entropy_reg={format_hyperparameter(self.entropy_reg)}"
         )

@@ -25,12 +25,21 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Gate", "GateOutput", "HyperParameter", "check_nonnegative", "check_positive_int"]
+__all__ = [
+    "Gate",
+    "GateOutput",
+    "HyperParameter",
+    "check_nonnegative",
+    "check_positive_int",
+    "format_hyperparameter",
+    "hyperparameters",
+]
 
 
 class GateOutput(NamedTuple):
@@ -63,43 +72,193 @@ def check_nonnegative(name: str, value: float) -> float:
 
 
 class HyperParameter:
-    """A schedulable float hyperparameter of a module (γ, λ, a temperature), kept in a 0-d buffer.
+    """A schedulable hyperparameter of a module (γ, λ, a temperature), kept in a buffer.
 
-    Reading gives a float; assigning validates the value and writes it into the buffer
-    ``_<name>`` in place. So the value follows ``.to()``, is saved in the ``state_dict`` (a
-    resumed anneal continues where it was), and a schedule changing it does not make
-    ``torch.compile`` recompile. The module's math reads the buffer directly.
+    The value lives in the buffer ``_<name>``, so it follows ``.to()``, is saved in the
+    ``state_dict`` (a resumed anneal continues where it was), and a schedule changing it does
+    not make ``torch.compile`` recompile (it is written in place). The module's math reads the
+    buffer directly.
+
+    Two forms:
+
+    * **scalar** (one value for the module): a 0-d buffer. Assign a number (or a 0-d tensor);
+      reading returns a ``float``.
+    * **per gate** (a bank, ``num_gates=T``: one value per gate): a ``(T,)`` buffer. Assign a 1-d
+      tensor or a sequence of T numbers; reading returns a *new* ``(T,)`` tensor (a detached
+      clone of the buffer: editing it does not change the module; assign to change the value).
+      The module broadcasts the buffer over the trailing gate axis of its logits, so it works
+      for static banks ``(T, ...)`` and per-example banks ``(B, T, ...)`` alike.
+
+    Assigning a number to a per-gate hyperparameter fills every gate with it (the buffer stays
+    ``(T,)``: a schedule such as :class:`~dselectk.schedules.AttributeScheduler` can drive a bank
+    whose values started per gate). A tensor sets the form by its shape: a 0-d tensor makes the
+    hyperparameter scalar again, a ``(T,)`` tensor per gate. Values are written in place
+    (``fill_``/``copy_``, keeping the buffer's dtype and device) while the shape is unchanged; a
+    change between ``()`` and ``(T,)`` registers a new buffer of the same dtype and device. A
+    :class:`Gate` also accepts a ``state_dict`` whose value has the other form (it re-registers
+    the buffer before loading).
+
+    Every value is validated (finite, > 0 or >= 0); errors name the hyperparameter.
 
     Args:
-        positive: require a value > 0 (γ, temperatures) instead of >= 0 (λ, ξ).
+        positive: require values > 0 (γ, temperatures) instead of >= 0 (λ, ξ).
+        optional: a :class:`Gate` loads a ``state_dict`` that lacks this hyperparameter (saved
+            before it existed), keeping its own value.
     """
 
-    def __init__(self, *, positive: bool) -> None:
+    def __init__(self, *, positive: bool, optional: bool = False) -> None:
         self.positive = positive
+        self.optional = optional
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
+    @property
+    def buffer_name(self) -> str:
+        """Name of the buffer holding the value."""
+        return f"_{self.name}"
+
     def __get__(self, obj: nn.Module | None, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        return float(getattr(obj, f"_{self.name}"))
+        buf = getattr(obj, self.buffer_name)
+        if buf.dim() == 0:
+            return float(buf)
+        return buf.detach().clone()
 
-    def __set__(self, obj: nn.Module, value: float) -> None:
+    def __set__(self, obj: nn.Module, value: float | Tensor | Sequence[float]) -> None:
+        buf_name = self.buffer_name
+        old: Tensor | None = obj._buffers.get(buf_name)
+        if isinstance(value, Tensor) and value.dim() == 0:  # shape (): one value for the module
+            v = self._check_number(value.item())
+            if old is None:
+                obj.register_buffer(buf_name, torch.tensor(v))
+            elif old.dim() == 0:
+                old.fill_(v)
+            else:
+                obj.register_buffer(buf_name, torch.tensor(v, dtype=old.dtype, device=old.device))
+            nonzero = v != 0.0
+        elif isinstance(value, Tensor) or _is_sequence(value):  # one value per gate
+            t = self._per_gate_values(obj, value)
+            if old is None:
+                obj.register_buffer(buf_name, t.to(torch.get_default_dtype()))
+            elif old.shape == t.shape:
+                old.copy_(t)
+            else:
+                new = torch.empty(t.shape, dtype=old.dtype, device=old.device)
+                obj.register_buffer(buf_name, new.copy_(t))
+            nonzero = bool((t != 0).any())
+        else:  # a number: today's scalar, or broadcast to every gate of a per-gate value
+            v = self._check_number(value)
+            if old is None:
+                obj.register_buffer(buf_name, torch.tensor(v))
+            else:
+                old.fill_(v)
+            nonzero = v != 0.0
+        _set_nonzero(obj, self.name, nonzero)
+
+    def _check_number(self, value: object) -> float:
         try:
-            v = float(value)
+            v = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            raise TypeError(f"{self.name} must be a number, got {type(value).__name__}") from None
+            raise TypeError(
+                f"{self.name} must be a number or one number per gate, got {type(value).__name__}"
+            ) from None
         ok = v > 0.0 if self.positive else v >= 0.0
         if not (ok and math.isfinite(v)):
             bound = "> 0" if self.positive else ">= 0"
             raise ValueError(f"{self.name} must be a finite number {bound}, got {value}")
-        buf = f"_{self.name}"
-        if buf in obj._buffers:
-            getattr(obj, buf).fill_(v)
+        return v
+
+    def _per_gate_values(self, obj: nn.Module, value: Any) -> Tensor:
+        """Validate one value per gate and return them as a (T,) float64 CPU tensor."""
+        name, bound = self.name, "> 0" if self.positive else ">= 0"
+        num_gates = getattr(obj, "num_gates", None)
+        if isinstance(value, Tensor):
+            if not (value.is_floating_point() or value.dtype in _INT_DTYPES):
+                raise TypeError(f"{name} must hold real numbers, got a {value.dtype} tensor")
+            t = value.detach().to("cpu", torch.float64, copy=True)  # never aliases value
         else:
-            obj.register_buffer(buf, torch.tensor(v))
+            try:
+                t = torch.tensor([float(x) for x in value], dtype=torch.float64)
+            except (TypeError, ValueError):
+                raise TypeError(f"{name} must be a number or a sequence of numbers") from None
+        if t.dim() != 1:
+            raise ValueError(
+                f"{name} must be a number or a 1-d tensor with one value per gate, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if num_gates is None:
+            raise ValueError(
+                f"{name} has {t.shape[0]} values but {type(obj).__name__} is a single gate: "
+                "one value per gate needs num_gates"
+            )
+        if t.shape[0] != num_gates:
+            raise ValueError(
+                f"{name} must have one value per gate (T={num_gates}), got {t.shape[0]}"
+            )
+        ok = (t > 0) if self.positive else (t >= 0)
+        bad = (~(ok & torch.isfinite(t))).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"{name} must be a finite number {bound} for every gate, got {t[i].item()} "
+                f"(gate {i})"
+            )
+        return t
+
+    def is_per_gate(self, obj: nn.Module) -> bool:
+        """Whether ``obj`` holds one value per gate (a (T,) buffer) rather than one scalar."""
+        return getattr(obj, self.buffer_name).dim() > 0
+
+    def is_nonzero(self, obj: nn.Module) -> bool:
+        """Whether some value is nonzero, as of the last assignment or ``load_state_dict``.
+
+        A Python-side flag (no device sync, a constant under ``torch.compile``), for modules
+        that skip a term entirely when its weight is 0. Writing into the buffer directly
+        bypasses it.
+        """
+        return bool(obj.__dict__.get(_NONZERO, {}).get(self.name, True))
+
+    def refresh(self, obj: nn.Module) -> None:
+        """Recompute the flags of :meth:`is_nonzero` from the buffer (after an in-place load)."""
+        _set_nonzero(obj, self.name, bool((getattr(obj, self.buffer_name) != 0).any()))
+
+
+_NONZERO = "_hyperparameter_nonzero"
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _set_nonzero(obj: nn.Module, name: str, flag: bool) -> None:
+    obj.__dict__.setdefault(_NONZERO, {})[name] = flag
+
+
+def _is_sequence(value: object) -> bool:
+    """A list/tuple of numbers, or an array with at least one dimension (e.g. numpy)."""
+    if isinstance(value, (str, bytes)):
+        return False
+    return isinstance(value, Sequence) or getattr(value, "ndim", 0) >= 1
+
+
+def hyperparameters(module: nn.Module) -> dict[str, HyperParameter]:
+    """The :class:`HyperParameter` descriptors of ``module``'s class, by name."""
+    out: dict[str, HyperParameter] = {}
+    for cls in reversed(type(module).__mro__):
+        for key, attr in vars(cls).items():
+            if isinstance(attr, HyperParameter):
+                out[key] = attr
+    return out
+
+
+def format_hyperparameter(value: float | Tensor) -> str:
+    """``value`` as ``extra_repr`` shows it: ``0.5``, or ``[0.5, 1, 2]`` for one value per gate."""
+    if not isinstance(value, Tensor):
+        return f"{value:g}"
+    vals = [f"{v:g}" for v in value.tolist()]
+    if len(vals) > 6:
+        return f"[{', '.join(vals[:3])}, ..., {vals[-1]}] ({len(vals)} gates)"
+    return f"[{', '.join(vals)}]"
 
 
 class Gate(nn.Module):
@@ -203,6 +362,49 @@ class Gate(nn.Module):
         if self.static:
             return per_gate.sum()
         return per_gate.sum() / per_gate.shape[0]
+
+    @staticmethod
+    def _per_gate(value: Tensor, trailing: int) -> Tensor:
+        """A hyperparameter buffer shaped to broadcast against ``(*lead, *rest)`` tensors.
+
+        A 0-d buffer (one value) is returned as is; a (T,) buffer (one value per gate) gets
+        ``trailing`` singleton dims, so it lines up with the trailing gate axis of a static bank
+        ``(T, *rest)`` and of a per-example bank ``(B, T, *rest)`` (``len(rest) == trailing``).
+        """
+        if value.dim() == 0:
+            return value
+        return value.view(-1, *([1] * trailing))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A hyperparameter saved in the other form (one value vs one per gate) replaces the
+        # buffer's shape, as assigning it would; other mismatches are left to torch's checks.
+        hps = hyperparameters(self).values()
+        for hp in hps:
+            old, new = self._buffers.get(hp.buffer_name), state_dict.get(prefix + hp.buffer_name)
+            if not (isinstance(old, Tensor) and isinstance(new, Tensor)) or new.shape == old.shape:
+                continue
+            if new.dim() == 0 or tuple(new.shape) == (self.num_gates,):
+                fresh = torch.empty(new.shape, dtype=old.dtype, device=old.device)
+                fresh.copy_(new.detach())  # (also copied below; never left uninitialised)
+                self.register_buffer(hp.buffer_name, fresh)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        for hp in hps:
+            key = prefix + hp.buffer_name
+            if key in state_dict and hp.buffer_name in self._buffers:
+                hp.refresh(self)
+            elif hp.optional and key in missing_keys:
+                missing_keys.remove(key)
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +15,7 @@ from dselectk.gates.base import (
     HyperParameter,
     check_nonnegative,
     check_positive_int,
+    format_hyperparameter,
 )
 
 __all__ = ["DSelectK"]
@@ -31,22 +33,45 @@ class DSelectK(Gate):
 
     The auxiliary loss is λ Σ_i h(r(S(z⁽ⁱ⁾))) (entropy regulariser, Section 3.1.3), computed as
     the sum of the bits' binary entropies, plus ξ Σ_i 1/Σ_{j<=n} r(S(z⁽ⁱ⁾))_j when n is not a
-    power of two (Appendix B.2). Per-example, both are per example and averaged over the batch.
+    power of two (Appendix B.2), plus the optional selector-diversity penalty below.
+    Per-example, all terms are per example and averaged over the batch.
+
+    Selector diversity (ours, not the paper's): with ``diversity=μ > 0`` each gate's auxiliary
+    loss gains μ Σ_{i<j} P(selector i and selector j pick the same code). Because each selector
+    r(S(z⁽ⁱ⁾)) is the law of M independent bits (Section 3.1.1), this probability is
+    ⟨r_i, r_j⟩ = Π_m [p_im p_jm + (1 - p_im)(1 - p_jm)] (p = S(z), bit m of the two codes agrees
+    when both are 1 or both are 0), computed in O(K² M) without expanding the 2**M codes. It is 1
+    for two identical binary codes and 0 for distinct ones, and its gradient vanishes once S(Z)
+    is binary, like the entropy term. It targets the failure seen in Appendix C.1 runs:
+    selectors collapsing onto the same expert (fewer than k distinct). With μ = 0 (the default)
+    the term is not computed at all.
 
     Differences from the paper: optional biases in the per-example gate (on by default); an
     optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
-    distinct random expert, to keep selectors from collapsing onto the same expert.
+    distinct random expert, to keep selectors from collapsing onto the same expert; the
+    diversity penalty above (off by default).
+
+    Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma``, ``entropy_reg`` and
+    ``diversity`` may each be one number (all gates) or T numbers (a sequence or a (T,) tensor,
+    gate t gets value t), in the constructor or by assignment; see
+    :class:`~dselectk.gates.base.HyperParameter` (reading a per-gate value returns a (T,)
+    tensor, a copy). A bank with per-gate values computes, gate for gate, what T single gates
+    with those values compute; per-example banks (B, T, ...) broadcast them over the gate axis.
 
     Args:
         num_experts: n >= 2 (any n; Appendix B.2 handles non powers of two).
         k: number of selectors, 1 <= k <= n (at most k experts once S(Z) is binary).
         in_features: None (static) or input size p (per-example).
-        gamma: smooth-step width γ > 0. Settable; a schedule may anneal it towards 0.
-        entropy_reg: λ >= 0. Settable; a schedule may change it.
+        gamma: smooth-step width γ > 0, or one per gate. Settable; a schedule may anneal it
+            towards 0.
+        entropy_reg: λ >= 0, or one per gate. Settable; a schedule may change it.
         xi: ξ >= 0, weight of the unused-code penalty (only when n is not a power of two).
+        diversity: μ >= 0 of the selector-diversity penalty (see above), or one per gate.
+            Settable.
         init: "paper": Z (static) or the Z rows of the layer (per-example) ~ U(-γ/100, γ/100),
-            so every S(Z_ij) starts strictly inside (0, 1); "spread": as "paper" plus an offset
-            of ±γ/4 per bit towards a distinct random code per selector (S = 0.84 or 0.16).
+            (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every S(Z_ij) starts
+            strictly inside (0, 1); "spread": as "paper" plus an offset of ±γ/4 per bit towards
+            a distinct random code per selector (S = 0.84 or 0.16).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -54,6 +79,8 @@ class DSelectK(Gate):
     gamma = HyperParameter(positive=True)
     _entropy_reg: Tensor
     entropy_reg = HyperParameter(positive=False)
+    _diversity: Tensor
+    diversity = HyperParameter(positive=False, optional=True)  # old checkpoints lack it
 
     def __init__(
         self,
@@ -61,9 +88,10 @@ class DSelectK(Gate):
         k: int,
         *,
         in_features: int | None = None,
-        gamma: float = 1.0,
-        entropy_reg: float = 0.0,
+        gamma: float | Sequence[float] | Tensor = 1.0,
+        entropy_reg: float | Sequence[float] | Tensor = 0.0,
         xi: float = 1.0,
+        diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
         num_gates: int | None = None,
         bias: bool = True,
@@ -84,9 +112,10 @@ class DSelectK(Gate):
         self.max_nonzeros = self.k  # once S(Z) is binary
         self.num_bits = DF.num_bits(num_experts)
         self.xi = check_nonnegative("xi", xi)
-        # Schedulable scalars live in buffers (see HyperParameter).
+        # Schedulable values live in buffers (see HyperParameter).
         self.gamma = gamma
         self.entropy_reg = entropy_reg
+        self.diversity = diversity
         self.init = init
         self._build_logits()
         self.reset_parameters()
@@ -97,8 +126,16 @@ class DSelectK(Gate):
     # -- parameters -----------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise as in the reference: every S(Z_ij) strictly inside (0, 1) (Section 3.1.3)."""
-        bound = self.gamma / 100.0
+        """Initialise as in the reference: every S(Z_ij) strictly inside (0, 1) (Section 3.1.3).
+
+        With one γ per gate, gate t's rows are drawn from U(-γ_t/100, γ_t/100), row after row
+        (on the CPU the same random numbers as one draw over the whole tensor).
+        """
+        gamma = self.gamma
+        if isinstance(gamma, Tensor):
+            self._reset_per_gate([g / 100.0 for g in gamma.tolist()])
+            return
+        bound = gamma / 100.0
         k, m = self.k, self.num_bits
         if self.static:
             self.logits.uniform_(-bound, bound)
@@ -117,6 +154,29 @@ class DSelectK(Gate):
             if offset is not None:
                 b[:, k:] += offset.flatten(-2)
 
+    def _reset_per_gate(self, bounds: list[float]) -> None:
+        """:meth:`reset_parameters` with a bound per gate (the same draws, in the same order)."""
+        k, m = self.k, self.num_bits
+        if self.static:
+            for row, b in zip(self.logits, bounds):
+                row.uniform_(-b, b)
+            offset = self._spread_offset(self.logits.shape[:-1])
+            if offset is not None:
+                self.logits[..., k:] += offset.flatten(-2)
+            return
+        assert self.proj is not None and self.num_gates is not None
+        g = self.num_gates
+        w = self.proj.weight.view(g, k * (1 + m), -1)
+        for row, b in zip(w, bounds):
+            row.uniform_(-b, b)
+        if self.proj.bias is not None:
+            bias = self.proj.bias.view(g, k * (1 + m))
+            for row, b in zip(bias, bounds):
+                row.uniform_(-b, b)
+            offset = self._spread_offset((g,))
+            if offset is not None:
+                bias[:, k:] += offset.flatten(-2)
+
     def _spread_offset(self, lead: tuple[int, ...]) -> Tensor | None:
         """(*lead, K, M) offsets ±γ/4 towards k distinct random codes per gate, or None."""
         if self.init != "spread":
@@ -124,7 +184,10 @@ class DSelectK(Gate):
         n_gates = math.prod(lead)
         codes = torch.stack([torch.randperm(self.num_experts)[: self.k] for _ in range(n_gates)])
         bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
-        return ((bits.float() * 2 - 1) * (self.gamma / 4)).view(*lead, self.k, self.num_bits)
+        gamma = self.gamma
+        if isinstance(gamma, Tensor):  # one γ per gate; lead is (T,)
+            gamma = gamma.to(torch.float32).view(-1, 1, 1)
+        return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
 
     def split_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Split flat logits (..., K(1+M)) into α (..., K) and Z (..., K, M)."""
@@ -153,20 +216,38 @@ class DSelectK(Gate):
         alpha, z = self.split_logits(logits)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
+        # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
         w, ent = DF.dselect_k_fused(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
         weights = w[..., : self.num_experts]
-        per_gate = self._entropy_reg * ent.sum(dim=-1)
+        per_gate = self._entropy_reg * ent.sum(dim=-1)  # a per-gate λ (T,) broadcasts likewise
         if self.num_experts < 2**self.num_bits and self.xi > 0:
-            p = DF.smooth_step(z, self._gamma)  # (*lead, K, M)
+            p = DF.smooth_step(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
-        return GateOutput(weights, self._reduce_aux(per_gate))
+        aux = self._reduce_aux(per_gate)
+        if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
+            aux = aux + self._reduce_aux(self.diversity_penalty(z))
+        return GateOutput(weights, aux)
+
+    def diversity_penalty(self, z: Tensor) -> Tensor:
+        """μ Σ_{i<j} ⟨r_i, r_j⟩ of each gate (see the class docstring), shape (*lead,).
+
+        Args:
+            z: (*lead, K, M) encoding variables.
+        """
+        p = (z / self._per_gate(self._gamma, 2)).clamp(-0.5, 0.5)
+        p = p * (1.5 - 2.0 * p * p) + 0.5  # S(z), (*lead, K, M)
+        pi, pj = p.unsqueeze(-2), p.unsqueeze(-3)  # (*lead, K, 1, M), (*lead, 1, K, M)
+        same = (pi * pj + (1 - pi) * (1 - pj)).prod(-1)  # (*lead, K, K)
+        k = p.shape[-2]
+        upper = torch.ones(k, k, dtype=torch.bool, device=p.device).triu(1)
+        return self._diversity * (same * upper).sum((-1, -2))
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()
     def bits(self, x: Tensor | None = None) -> Tensor:
         """S(Z) (static, (K, M) or (T, K, M)) or S(Wx) per example ((B, [T,] K, M))."""
         _, z = self.split_logits(self.compute_logits(x))
-        return DF.smooth_step(z, self._gamma)
+        return DF.smooth_step(z, self._per_gate(self._gamma, 2))
 
     @torch.no_grad()
     def binary_fraction(self, x: Tensor | None = None) -> float:
@@ -186,7 +267,10 @@ class DSelectK(Gate):
         return binary if self.static else binary.float().mean(dim=0)
 
     def extra_repr(self) -> str:
+        extra = ""  # today's repr when the diversity penalty is off
+        if type(self).diversity.is_nonzero(self):
+            extra = f", diversity={format_hyperparameter(self.diversity)}"
         return (
-            f"{super().extra_repr()}, k={self.k}, gamma={self.gamma:g}, "
-            f"entropy_reg={self.entropy_reg:g}, init={self.init!r}"
+            f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
+            f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"
         )

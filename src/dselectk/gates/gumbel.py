@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dselectk.gates.base import Gate, GateOutput, HyperParameter
+from dselectk.gates.base import Gate, GateOutput, HyperParameter, format_hyperparameter
 
 __all__ = ["GumbelSoftmaxGate"]
 
@@ -24,10 +26,14 @@ class GumbelSoftmaxGate(Gate):
     Differences from the paper: none intended. Like the paper's gate, the output is *not* on the
     simplex (Σ_i d_i = Σ_{i: U_i=1} σ(α)_i <= 1, and 0 if no expert is kept).
 
+    In a bank (``num_gates=T``) ``sparsity_reg`` and ``temperature`` may each be one number or T
+    numbers, one per gate (see :class:`~dselectk.gates.base.HyperParameter`).
+
     Args:
         num_experts: n >= 2.
-        sparsity_reg: λ >= 0.
-        temperature: τ > 0 of the relaxation (settable, schedulable; AdaShare anneals it).
+        sparsity_reg: λ >= 0, or one per gate.
+        temperature: τ > 0 of the relaxation, or one per gate (settable, schedulable; AdaShare
+            anneals it).
         hard: straight-through hard samples in training (AdaShare) or soft relaxed samples.
         init_keep_logit: initial ℓ_i (ψ_i = σ(ℓ_i)); the default 2.0 keeps ~88 % of the experts
             at the start, as AdaShare initialises its policy towards executing every block.
@@ -45,8 +51,8 @@ class GumbelSoftmaxGate(Gate):
         num_experts: int,
         *,
         in_features: int | None = None,
-        sparsity_reg: float = 0.0,
-        temperature: float = 1.0,
+        sparsity_reg: float | Sequence[float] | Tensor = 0.0,
+        temperature: float | Sequence[float] | Tensor = 1.0,
         hard: bool = True,
         init_keep_logit: float = 2.0,
         num_gates: int | None = None,
@@ -81,7 +87,8 @@ class GumbelSoftmaxGate(Gate):
             # Two-class Gumbel-softmax == binary Concrete: the difference of two Gumbels is
             # logistic noise.
             u = torch.rand_like(keep).clamp(1e-6, 1 - 1e-6)
-            soft = torch.sigmoid((keep + torch.log(u) - torch.log1p(-u)) / self._temperature)
+            tau = self._per_gate(self._temperature, 1)  # per gate: (T, 1) against (*lead, n)
+            soft = torch.sigmoid((keep + torch.log(u) - torch.log1p(-u)) / tau)
             mask = soft
             if self.hard:
                 mask = (soft > 0.5).to(soft.dtype) + soft - soft.detach()
@@ -102,4 +109,5 @@ class GumbelSoftmaxGate(Gate):
         return self.keep_probability(x).sum(dim=-1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, temperature={self.temperature:g}, hard={self.hard}"
+        temperature = format_hyperparameter(self.temperature)
+        return f"{super().extra_repr()}, temperature={temperature}, hard={self.hard}"

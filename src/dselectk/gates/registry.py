@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dselectk.gates.ablation import SoftmaxSelectorGate
 from dselectk.gates.base import Gate
 from dselectk.gates.dselect_k import DSelectK
@@ -47,7 +49,8 @@ def _ablation_entropy(num_experts: int, **kw: Any) -> Gate:
 
 
 def _ablation_annealing(num_experts: int, **kw: Any) -> Gate:
-    if kw.get("entropy_reg", 0.0):
+    reg = kw.get("entropy_reg", 0.0)
+    if bool(torch.as_tensor(reg, dtype=torch.float64).ne(0).any()):  # a number or one per gate
         raise ValueError("ablation_annealing uses temperature annealing, not entropy_reg")
     return SoftmaxSelectorGate(num_experts, **kw)
 

@@ -1,0 +1,257 @@
+"""Hand-written autograd nodes behind the pure functions and the gates.
+
+The math lives in :mod:`dselectk.functional` (plain, composable formulas); this module holds
+the ``torch.autograd.Function`` kernels that compute the same numbers in one node with a written
+out backward pass (tested against the composed formulas):
+
+* :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
+  :func:`dselectk.functional.dselect_k_fused`;
+* :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies, used by
+  :class:`dselectk.gates.SoftmaxSelectorGate`.
+
+It depends on torch only (no import of :mod:`dselectk.functional` or :mod:`dselectk.gates`), so
+both can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+# -- fused per-example / static DSelect-k kernel ---------------------------------------------
+#
+# q̃ = Σ_i σ(α)_i r(S(z⁽ⁱ⁾)) and the selector entropies Σ_j h(S(z_ij)) in one autograd node.
+# The M bits of each selector are split into a low half (M_lo = floor(M/2) bits) and a high
+# half (M_hi = M - M_lo bits). Each half is expanded by successive outer products into a joint
+# law of L = 2**M_lo resp. H = 2**M_hi entries (O(sqrt N) per selector), and the K weighted
+# selectors are combined into the (H, L) = N entries as a sum of K outer products: the only
+# tensors with N entries per example are the output and its gradient (there is no (..., K, N)
+# tensor). The first M_lo bits of both halves are expanded together; when M is odd the high
+# half's last bit is one more outer product, with σ(α) folded into its two factors. Everything
+# runs with the batch as the innermost (contiguous) dimension, so every small op is one
+# vectorised pass over the batch (a batched matmul over B tiny (H, K) @ (K, L) products costs far
+# more per example); only z, α, q̃ and their gradients are transposed. The combine and its
+# backward are K resp. L + H fused multiply-adds into one buffer each; the backward of the
+# expansion is, per bit level, one multiply-reduce and one multiply-add.
+
+
+def _batch_last(t: Tensor) -> Tensor:
+    """(B, *rest) -> contiguous (*rest, B) through one 2-D transpose (the fast copy kernel)."""
+    b, rest = t.shape[0], t.shape[1:]
+    return t.reshape(b, -1).t().contiguous().view(*rest, b)
+
+
+def _batch_first(t: Tensor) -> Tensor:
+    """(*rest, B) -> contiguous (B, *rest) through one 2-D transpose."""
+    b, rest = t.shape[-1], t.shape[:-1]
+    return t.reshape(-1, b).t().contiguous().view(b, *rest)
+
+
+def _dselect_fused_forward(
+    z: Tensor, alpha: Tensor, gamma: Tensor, m_lo: int
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """Forward of :class:`_DSelectFused` on z (B, K, M), α (B, K): q̃ (B, N), entropies (B, K)."""
+    s = (_batch_last(z) / gamma).clamp(-0.5, 0.5)  # (K, M, B): batch innermost
+    p = s * (1.5 - 2.0 * s * s) + 0.5  # smooth_step, op for op
+    q = 1.0 - p
+    tiny = torch.finfo(p.dtype).tiny
+    log_p, log_q = torch.log(p.clamp_min(tiny)), torch.log(q.clamp_min(tiny))
+    ent = (p * log_p).addcmul_(q, log_q).sum(dim=1).neg_()  # (K, B) = selector_entropy(p)
+    k, m, b = p.shape
+    a = torch.softmax(_batch_last(alpha), dim=0)  # (K, B)
+    # Bit j of the low half (bit j) and of the high half (bit M_lo + j), j < M_lo, side by side.
+    bit_p = p[:, : 2 * m_lo].view(k, 2, m_lo, b)  # (K, half, M_lo, B)
+    if m_lo:
+        v = torch.stack((1.0 - bit_p, bit_p), dim=2)  # (K, half, value, M_lo, B)
+        prefixes = [v[:, :, :, 0]]  # joint law of the first j + 1 bits: (K, 2, 2**j, B)
+        for j in range(1, m_lo):
+            prefixes.append((v[:, :, :, None, j] * prefixes[-1][:, :, None]).flatten(2, 3))
+    else:  # M = 1: the low half is empty
+        prefixes = [p.new_ones(k, 2, 1, b)]
+    r_lo = prefixes[-1][:, 0]  # (K, L, B)
+    if m % 2:  # the high half's last bit, weighted by σ(α): (K, 2, 1, B) ⊗ (K, 1, L, B)
+        p_top = p[:, m - 1]
+        top = torch.stack((1.0 - p_top, p_top), dim=1)  # (K, value, B)
+        w = top * a.unsqueeze(1)
+        hia = (w.unsqueeze(2) * prefixes[-1][:, 1, None]).flatten(1, 2)  # (K, H, B)
+        saved = [s, bit_p, a, log_q - log_p, top, w, hia]
+    else:
+        top = prefixes[-1][:, 1]  # r_hi (K, H, B)
+        hia = top * a.unsqueeze(1)
+        saved = [s, bit_p, a, log_q - log_p, top, hia]
+    out = hia[0, :, None] * r_lo[0, None]  # (H, L, B): Σ_i outer(hia_i, r_lo_i)
+    for i in range(1, k):
+        out.addcmul_(hia[i, :, None], r_lo[i, None])
+    return _batch_first(out).flatten(1), ent.t(), saved, prefixes
+
+
+class _DSelectFused(torch.autograd.Function):
+    """(z (B, K, M), α (B, K), γ) -> (q̃ (B, N), entropies (B, K), *saved); see the comment above.
+
+    The intermediates the backward pass needs are returned as extra non-differentiable outputs
+    (the ``setup_context`` form, which ``torch.func`` transforms require).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+        out, ent, saved, prefixes = _dselect_fused_forward(z, alpha, gamma, z.shape[-1] // 2)
+        return (out, ent, *saved, *prefixes)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        z, _, gamma = inputs
+        ctx.m_lo = z.shape[-1] // 2
+        ctx.num_saved = 7 if z.shape[-1] % 2 else 6
+        ctx.set_materialize_grads(False)  # no zero grads for the unused outputs
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(gamma, *output[2:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, g_out: Tensor | None, g_ent: Tensor | None, *_: Any
+    ) -> tuple[Tensor, Tensor, None]:
+        gamma, *tensors = ctx.saved_tensors
+        saved, prefixes = tensors[: ctx.num_saved], tensors[ctx.num_saved :]
+        s, bit_p, a, dent, top = saved[:5]
+        hia = saved[-1]
+        m_lo: int = ctx.m_lo
+        k, m, b = s.shape
+        odd = m % 2 == 1
+        if g_out is not None:
+            r_lo = prefixes[-1][:, 0]  # (K, L, B)
+            n_hi, n_lo = hia.shape[1], r_lo.shape[1]
+            g = _batch_last(g_out.view(b, n_hi, n_lo))  # (H, L, B)
+            g_hia = r_lo[:, 0, None] * g[None, :, 0]  # (K, H, B): grad of hia
+            for i in range(1, n_lo):
+                g_hia.addcmul_(r_lo[:, i, None], g[None, :, i])
+            g_joint = s.new_zeros(prefixes[-1].shape)  # (K, half, L, B)
+            if m_lo:
+                g_lo = g_joint[:, 0]
+                for i in range(n_hi):
+                    g_lo.addcmul_(hia[:, i, None], g[None, i])
+            if odd:  # hia = (w_0 P, w_1 P), P the high half's prefix, w = (1 - p_top, p_top) a
+                w = saved[5]
+                g_hia = g_hia.view(k, 2, n_lo, b)
+                c = (g_hia * prefixes[-1][:, 1, None]).sum(dim=2)  # (K, value, B)
+                g_a = (top * c).sum(dim=1)  # (K, B)
+                g_top = a * (c[:, 1] - c[:, 0])  # d/dp_top
+                g_joint[:, 1].addcmul_(g_hia[:, 0], w[:, 0, None]).addcmul_(
+                    g_hia[:, 1], w[:, 1, None]
+                )
+            else:  # hia = r_hi a
+                g_a = (g_hia * top).sum(dim=1)
+                g_joint[:, 1].addcmul_(g_hia, a.unsqueeze(1))
+            # Reverse the expansion prefix_j = v_j ⊗ prefix_{j-1}, v_j = (1 - p_j, p_j): with
+            # d = g[value 1] - g[value 0], d/dp_j = Σ d·prefix_{j-1}, and the grad of the
+            # previous level is (1 - p_j) g[value 0] + p_j g[value 1] = g[value 0] + p_j d.
+            g_bits = []
+            for j in range(m_lo - 1, 0, -1):
+                gv = g_joint.unflatten(2, (2, -1))  # (K, 2, value, 2**j, B)
+                d = gv[:, :, 1] - gv[:, :, 0]
+                g_bits.append((d * prefixes[j - 1]).sum(dim=2))  # (K, 2, B)
+                g_joint = torch.addcmul(gv[:, :, 0], d, bit_p[:, :, j : j + 1])
+            if m_lo:  # level 0: the first factor pair itself
+                g_bits.append(g_joint[:, :, 1] - g_joint[:, :, 0])
+            g_bits.reverse()
+            g_p = torch.stack(g_bits, dim=2).view(k, 2 * m_lo, b) if m_lo else None
+            if odd:
+                g_top = g_top.unsqueeze(1)
+                g_p = g_top if g_p is None else torch.cat((g_p, g_top), dim=1)
+            assert g_p is not None
+        else:
+            g_p = torch.zeros_like(s)  # (K, M, B)
+            g_a = torch.zeros_like(a)  # (K, B)
+        if g_ent is not None:
+            g_p = torch.addcmul(g_p, _batch_last(g_ent).unsqueeze(1), dent)
+        # dS/dz = (1.5 - 6 s²) / γ, exactly 0 at |s| = 1/2 (so the clamp needs no mask).
+        g_z = _batch_first(g_p * (1.5 - 6.0 * s * s) / gamma)
+        g_alpha = a * (g_a - (g_a * a).sum(dim=0))  # softmax backward, (K, B)
+        return g_z, _batch_first(g_alpha), None
+
+
+# -- softmax-selector ablation gate -----------------------------------------------------------
+
+
+def _softmax_small(x: Tensor) -> Tensor:
+    """Softmax along a short last dim (K selectors): cheaper than ``torch.softmax`` there."""
+    e = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True))
+
+
+#: at or below this temperature the selector node flushes probabilities below float32's
+#: smallest normal number to exact zeros before exp (see ``_SelectorGate.forward``)
+_FLUSH_TEMPERATURE = 0.05
+
+
+class _SelectorGate(torch.autograd.Function):
+    """(logits (..., K(1+n)), τ, K) -> (Σ_i σ(α)_i σ(β⁽ⁱ⁾/τ) (..., n), entropies (..., K), *saved).
+
+    One autograd node for the gate and the selectors' entropies. The entropy is computed from
+    the log-softmax ℓ = log σ(β/τ) (clamped at log(tiny), as :func:`dselectk.functional.entropy`
+    clamps the probabilities, so -inf logits and τ -> 0 stay finite) as h = -Σ σ ℓ, and the
+    backward pass is written out: with u = σ(α) g_w - g_h ℓ, the grad of β/τ is σ (u - Σ σ u)
+    (the softmax backward, into which the entropy's grad -σ (ℓ + h) folds). Exactly one-hot
+    selectors (τ -> 0) get an exactly zero grad, before the division by τ. The grad of the
+    logits is one tensor (no zero-filled grads of the α and β slices).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(logits: Tensor, temperature: Tensor, k: int) -> tuple[Tensor, ...]:
+        alpha = logits[..., :k]
+        beta = logits[..., k:].unflatten(-1, (k, -1))
+        a = _softmax_small(alpha)  # (..., K)
+        log_s = torch.log_softmax(beta / temperature, dim=-1)  # (..., K, n)
+        log_tiny = math.log(torch.finfo(log_s.dtype).tiny)
+        if log_s.device.type == "cpu" and bool((temperature <= _FLUSH_TEMPERATURE).any()):
+            # At small τ most log-probabilities lie far below exp's range, where the CPU's
+            # vectorized exp takes a slow path (15x slower measured at τ = 1e-3 after
+            # training): exponentiate 0 there instead and write the exact zeros afterwards.
+            # Same s except that denormal probabilities (< 1.2e-38) become 0. Decided on τ,
+            # not on the data, so the node has no data-dependent branch (torch.func works).
+            under = log_s < log_tiny
+            s = log_s.masked_fill(under, 0.0).exp_().masked_fill_(under, 0.0)
+        else:
+            s = log_s.exp()
+        log_s = log_s.clamp_min_(log_tiny)
+        weights = (a.unsqueeze(-1) * s).sum(dim=-2)
+        ent = (s * log_s).sum(dim=-1).neg_()
+        return weights, ent, a, s, log_s
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(inputs[1], *output[2:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, g_w: Tensor | None, g_ent: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, None, None]:
+        temperature, a, s, log_s = ctx.saved_tensors
+        if g_w is None and g_ent is None:
+            return None, None, None
+        if g_w is not None:
+            gw = g_w.unsqueeze(-2)
+            u = a.unsqueeze(-1) * gw  # grad of s from the weights
+            g_a = (s * gw).sum(dim=-1)
+            if g_ent is not None:
+                u.addcmul_(g_ent.unsqueeze(-1), log_s, value=-1.0)
+        else:
+            assert g_ent is not None
+            u = (g_ent.unsqueeze(-1) * log_s).neg_()
+            g_a = torch.zeros_like(a)
+        g_beta = u.sub_((s * u).sum(dim=-1, keepdim=True)).mul_(s).div_(temperature)
+        g_alpha = a * (g_a - (g_a * a).sum(dim=-1, keepdim=True))  # softmax backward
+        return torch.cat((g_alpha, g_beta.flatten(-2)), dim=-1), None, None
