@@ -475,7 +475,7 @@ def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -
     runs = out / "runs"
     workers = _start_then_kill_9(cmd, env, tmp_path / "barrier", "record-saved", 1)
     assert workers, "no worker processes seen"
-    deadline = time.time() + 20
+    deadline = time.time() + 120  # bounds a broken test only: passes as soon as they exit
     while time.time() < deadline and any(map(_alive, workers)):
         time.sleep(0.05)
     assert not any(map(_alive, workers)), "workers outlived the killed sweep"
