@@ -51,18 +51,19 @@ def test_fetch_env_var_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     f.parent.mkdir()
     f.write_bytes(b"x")
     monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path))
-    assert fetch("mnist/t10k-labels-idx1-ubyte.gz") == f
+    assert fetch("mnist/t10k-labels-idx1-ubyte.gz", verify=False) == f
 
 
 # ---------------------------------------------------------------- fetch: local and errors
 
 
 def test_fetch_existing_file_not_verified(tmp_path: Path) -> None:
-    # Local files are used as they are (the user may provide their own copy).
+    # With verify=False local files are used as they are (the user may provide their own copy);
+    # by default they are verified (tests/data/test_bad_inputs.py).
     f = tmp_path / "movielens" / "ml-100k" / "u.data"
     f.parent.mkdir(parents=True)
     f.write_text("1\t1\t5\t0\n")
-    assert fetch("movielens/ml-100k/u.data", tmp_path, download=False) == f
+    assert fetch("movielens/ml-100k/u.data", tmp_path, download=False, verify=False) == f
 
 
 def test_missing_file_message(tmp_path: Path) -> None:

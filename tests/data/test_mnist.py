@@ -125,11 +125,11 @@ def _tiny_sources(
 def test_load_mnist_tiny(tmp_path: Path, kind: str) -> None:
     train, test = _tiny_sources()
     write_mnist_dir(tmp_path, kind, train, test)
-    x, y = load_mnist(tmp_path, kind, "train", download=False)
+    x, y = load_mnist(tmp_path, kind, "train", download=False, verify=False)
     assert x.shape == (60, 28, 28) and x.dtype == np.uint8
     assert y.shape == (60,) and y.dtype == np.int64
     np.testing.assert_array_equal(y, train[1])
-    xt, _ = load_mnist(tmp_path, kind, "test", download=False)
+    xt, _ = load_mnist(tmp_path, kind, "test", download=False, verify=False)
     assert xt.shape == (30, 28, 28)
     np.testing.assert_array_equal(xt, test[0])
 
@@ -140,14 +140,14 @@ def test_load_mnist_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="split"):
         load_mnist(tmp_path, "mnist", "val")
     with pytest.raises(FileNotFoundError, match=r"mnist/train-images-idx3-ubyte\.gz"):
-        load_mnist(tmp_path, "mnist", "train", download=False)
+        load_mnist(tmp_path, "mnist", "train", download=False, verify=False)
     train, test = _tiny_sources()
     write_mnist_dir(tmp_path, "mnist", (train[0], train[1][:-1]), test)
     with pytest.raises(ValueError, match=r"60 images but .* 59 labels"):
-        load_mnist(tmp_path, "mnist", "train", download=False)
+        load_mnist(tmp_path, "mnist", "train", download=False, verify=False)
     write_idx(tmp_path / "mnist" / "t10k-images-idx3-ubyte.gz", np.zeros((3, 5), np.uint8))
     with pytest.raises(ValueError, match=r"\(N, 28, 28\)"):
-        load_mnist(tmp_path, "mnist", "test", download=False)
+        load_mnist(tmp_path, "mnist", "test", download=False, verify=False)
 
 
 # ---------------------------------------------------------------- make_multi_mnist
@@ -242,7 +242,9 @@ def _source_values(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 def test_load_multi_mnist_no_leakage(tmp_path: Path) -> None:
     train, test = _tiny_sources(60, 30)
     write_mnist_dir(tmp_path, "mnist", train, test)
-    d = load_multi_mnist(tmp_path, n_train=400, n_val=80, n_test=90, seed=1, download=False)
+    d = load_multi_mnist(
+        tmp_path, n_train=400, n_val=80, n_test=90, seed=1, download=False, verify=False
+    )
     for split, n in ((d.train, 400), (d.val, 80), (d.test, 90)):
         assert split.X.shape == (n, 1, 36, 36) and split.X.dtype == torch.float32
         assert split.y1.shape == (n,) and split.y1.dtype == torch.int64
@@ -268,7 +270,7 @@ def test_load_multi_mnist_no_leakage(tmp_path: Path) -> None:
 def test_load_multi_mnist_deterministic_and_cached(tmp_path: Path) -> None:
     train, test = _tiny_sources(40, 20)
     write_mnist_dir(tmp_path, "fashion-mnist", train, test)
-    kw = dict(kind="fashion-mnist", n_train=50, n_val=10, n_test=10, download=False)
+    kw = dict(kind="fashion-mnist", n_train=50, n_val=10, n_test=10, download=False, verify=False)
     a = load_multi_mnist(tmp_path, seed=2, **kw)  # type: ignore[arg-type]
     b = load_multi_mnist(tmp_path, seed=2, cache=True, **kw)  # type: ignore[arg-type]
     cached = list((tmp_path / "multi-fashion-mnist").glob("*.npz"))
@@ -298,7 +300,7 @@ def test_load_multi_mnist_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="val_source_fraction"):
         load_multi_mnist(tmp_path, val_source_fraction=1.0)
     with pytest.raises(FileNotFoundError, match="train-images"):
-        load_multi_mnist(tmp_path, n_train=4, n_val=2, n_test=2, download=False)
+        load_multi_mnist(tmp_path, n_train=4, n_val=2, n_test=2, download=False, verify=False)
 
 
 # ---------------------------------------------------------------- real data

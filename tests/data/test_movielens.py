@@ -13,6 +13,7 @@ from datahelpers import write_ml1m, write_ml100k
 from dselectk.data import (
     MovieLensData,
     MovieLensSplit,
+    PartialDataWarning,
     load_movielens,
     read_ml1m_item_index_map,
     read_ml1m_movies,
@@ -194,7 +195,7 @@ def test_sample_negatives_validation() -> None:
 
 def test_load_ml100k_tiny(tmp_path: Path) -> None:
     _, ratings = write_ml100k(tmp_path)
-    d = load_movielens(tmp_path, "ml-100k", neg_ratio=1, seed=0, download=False)
+    d = load_movielens(tmp_path, "ml-100k", neg_ratio=1, seed=0, download=False, verify=False)
     assert d.num_users == 6 and d.num_items == 9 and d.num_ratings == len(ratings)
     assert (d.num_age_buckets, d.num_genders, d.num_occupations, d.num_genres) == (7, 2, 21, 19)
     a = _all(d)
@@ -219,7 +220,9 @@ def test_load_ml100k_tiny(tmp_path: Path) -> None:
 
 def test_load_movielens_split_sizes_and_side_features(tmp_path: Path) -> None:
     write_ml100k(tmp_path, n_users=20, n_items=30)
-    d = load_movielens(tmp_path, neg_ratio=2, fractions=(0.6, 0.25, 0.15), download=False)
+    d = load_movielens(
+        tmp_path, neg_ratio=2, fractions=(0.6, 0.25, 0.15), download=False, verify=False
+    )
     n = 3 * d.num_ratings
     sizes = [len(getattr(d, s)) for s in SPLITS]
     assert sizes[1] == round(0.25 * n) and sizes[2] == round(0.15 * n) and sum(sizes) == n
@@ -236,15 +239,15 @@ def test_load_movielens_split_sizes_and_side_features(tmp_path: Path) -> None:
         assert torch.equal(sp.item_genres, d.item_genres[sp.item])
         assert sp.item_genres.shape == (len(sp), 19)
         assert len(sp.dataset()[0]) == 9
-    bare = load_movielens(tmp_path, neg_ratio=2, side_features=False, download=False)
+    bare = load_movielens(tmp_path, neg_ratio=2, side_features=False, download=False, verify=False)
     assert bare.train.user_age is None and len(bare.train.dataset()[0]) == 5
 
 
 def test_load_movielens_deterministic(tmp_path: Path) -> None:
     write_ml100k(tmp_path, n_users=15, n_items=25)
-    a = load_movielens(tmp_path, seed=3, download=False)
-    b = load_movielens(tmp_path, seed=3, download=False)
-    c = load_movielens(tmp_path, seed=4, download=False)
+    a = load_movielens(tmp_path, seed=3, download=False, verify=False)
+    b = load_movielens(tmp_path, seed=3, download=False, verify=False)
+    c = load_movielens(tmp_path, seed=4, download=False, verify=False)
     for s in SPLITS:
         for f in ("user", "item", "watched", "rating", "rating_mask"):
             assert torch.equal(getattr(getattr(a, s), f), getattr(getattr(b, s), f))
@@ -253,12 +256,12 @@ def test_load_movielens_deterministic(tmp_path: Path) -> None:
 
 def test_load_movielens_options(tmp_path: Path) -> None:
     write_ml100k(tmp_path)
-    d = load_movielens(tmp_path, neg_ratio=3, negative_rating=-1.0, download=False)
+    d = load_movielens(tmp_path, neg_ratio=3, negative_rating=-1.0, download=False, verify=False)
     a = _all(d)
     neg = a["watched"] == 0
     assert neg.sum() == 3 * d.num_ratings
     assert np.all(a["rating"][neg] == -1.0) and d.negative_rating == -1.0
-    d0 = load_movielens(tmp_path, neg_ratio=0, download=False)
+    d0 = load_movielens(tmp_path, neg_ratio=0, download=False, verify=False)
     assert _all(d0)["watched"].min() == 1.0
     with pytest.raises(ValueError, match="variant"):
         load_movielens(tmp_path, "ml-20m")
@@ -272,9 +275,9 @@ def test_load_movielens_options(tmp_path: Path) -> None:
 
 def test_load_movielens_missing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"movielens/ml-100k/u\.data"):
-        load_movielens(tmp_path, download=False)
+        load_movielens(tmp_path, download=False, verify=False)
     with pytest.raises(FileNotFoundError, match="partial forms") as info:
-        load_movielens(tmp_path, "ml-1m", download=False)
+        load_movielens(tmp_path, "ml-1m", download=False, verify=False)
     assert "ratings_no_timestamps.csv.gz" in str(info.value)
 
 
@@ -283,7 +286,7 @@ def test_load_movielens_rated_user_missing_from_users(tmp_path: Path) -> None:
     lines = (d / "u.user").read_text().splitlines()
     (d / "u.user").write_text("\n".join(lines[:-1]) + "\n")
     with pytest.raises(ValueError, match=r"user 6 .* missing from users file"):
-        load_movielens(tmp_path, download=False)
+        load_movielens(tmp_path, download=False, verify=False)
 
 
 def test_load_movielens_duplicate_rating(tmp_path: Path) -> None:
@@ -292,14 +295,14 @@ def test_load_movielens_duplicate_rating(tmp_path: Path) -> None:
     first = text.splitlines()[0]
     (d / "u.data").write_text(text + first + "\n")
     with pytest.raises(ValueError, match="duplicate rating") as info:
-        load_movielens(tmp_path, download=False)
+        load_movielens(tmp_path, download=False, verify=False)
     assert f"line {len(text.splitlines()) + 1}" in str(info.value)
 
 
 @pytest.mark.parametrize("source", ["ratings.dat", "no-timestamps", "users-0001-2999"])
 def test_load_ml1m_sources(tmp_path: Path, source: str) -> None:
     _, ratings = write_ml1m(tmp_path)
-    d = load_movielens(tmp_path, "ml-1m", ratings_source=source, download=False)
+    d = load_movielens(tmp_path, "ml-1m", ratings_source=source, download=False, verify=False)
     assert d.ratings_source == source and d.num_genres == 18
     keep = ratings[:, 0] <= 4 if source == "users-0001-2999" else np.ones(len(ratings), bool)
     assert d.num_ratings == int(keep.sum())
@@ -326,11 +329,19 @@ def test_load_ml1m_sources(tmp_path: Path, source: str) -> None:
 
 def test_load_ml1m_auto_priority(tmp_path: Path) -> None:
     d, _ = write_ml1m(tmp_path)
-    assert load_movielens(tmp_path, "ml-1m", download=False).ratings_source == "ratings.dat"
+    assert (
+        load_movielens(tmp_path, "ml-1m", download=False, verify=False).ratings_source
+        == "ratings.dat"
+    )
     (d / "ratings.dat").unlink()
-    assert load_movielens(tmp_path, "ml-1m", download=False).ratings_source == "no-timestamps"
+    with pytest.warns(PartialDataWarning, match="'no-timestamps'.*7 users"):
+        assert (
+            load_movielens(tmp_path, "ml-1m", download=False, verify=False).ratings_source
+            == "no-timestamps"
+        )
     (d / "ratings_no_timestamps.csv.gz").unlink()
-    got = load_movielens(tmp_path, "ml-1m", download=False).ratings_source
+    with pytest.warns(PartialDataWarning, match="'users-0001-2999'.*4 users"):
+        got = load_movielens(tmp_path, "ml-1m", download=False, verify=False).ratings_source
     assert got == "users-0001-2999"
 
 
@@ -339,7 +350,9 @@ def test_load_ml1m_item_map_mismatch(tmp_path: Path) -> None:
     text = (d / "item_index_to_movieid.csv").read_text().replace("\n2,20,\n", "\n2,21,\n")
     (d / "item_index_to_movieid.csv").write_text(text)
     with pytest.raises(ValueError, match="disagrees"):
-        load_movielens(tmp_path, "ml-1m", ratings_source="no-timestamps", download=False)
+        load_movielens(
+            tmp_path, "ml-1m", ratings_source="no-timestamps", download=False, verify=False
+        )
 
 
 # ---------------------------------------------------------------- real data

@@ -7,6 +7,18 @@
 Files are looked up in a data directory (``data_dir`` argument > ``$DSELECTK_DATA`` >
 ``~/.cache/dselectk``) with the upstream layout (``mnist/``, ``fashion-mnist/``,
 ``movielens/ml-100k/``, ``movielens/ml-1m/``) and downloaded there, checksummed, when missing.
+
+Local files are verified too: every file the registry knows (:func:`verified_files`: the
+upstream files and the partial ML-1M forms of ``shared/data``) is checked against its known size
+and SHA-256 on first use, so a truncated ``u.data`` or Fashion-MNIST files under ``mnist/`` raise
+:class:`ChecksumError` instead of loading. The result is cached by (path, size, mtime) in
+``<data_dir>/.dselectk-verified.json`` (in memory only when the folder is read-only), so later
+uses cost nothing. Files the registry does not know are used with one warning. Pass
+``verify=False`` to a loader (or set ``DSELECTK_VERIFY=0``) to use your own copies as they are.
+
+:func:`fingerprint` gives a short stable hash of data files (names and contents); the loaders
+report it for the files they read (``MovieLensData.fingerprint``,
+``MultiMNISTData.fingerprint``), for run records to carry.
 """
 
 from dselectk.data._files import (
@@ -16,7 +28,9 @@ from dselectk.data._files import (
     fetch,
     known_files,
     resolve_data_dir,
+    verified_files,
 )
+from dselectk.data._integrity import VERIFY_ENV_VAR, PartialDataWarning, fingerprint
 from dselectk.data.mnist import (
     MNIST_KINDS,
     MultiMNISTData,
@@ -55,6 +69,7 @@ __all__ = [
     "ML1M_RATINGS_SOURCES",
     "MNIST_KINDS",
     "MOVIELENS_VARIANTS",
+    "VERIFY_ENV_VAR",
     "ChecksumError",
     "ItemIndexMap",
     "Items",
@@ -62,9 +77,11 @@ __all__ = [
     "MovieLensSplit",
     "MultiMNISTData",
     "MultiTaskImages",
+    "PartialDataWarning",
     "Ratings",
     "Users",
     "fetch",
+    "fingerprint",
     "known_files",
     "load_mnist",
     "load_movielens",
@@ -81,4 +98,5 @@ __all__ = [
     "read_ml100k_users",
     "resolve_data_dir",
     "sample_negatives",
+    "verified_files",
 ]

@@ -22,6 +22,7 @@ import numpy.typing as npt
 import torch
 
 from dselectk.data._files import fetch, resolve_data_dir
+from dselectk.data._integrity import fingerprint
 from dselectk.io import save_npz
 
 __all__ = [
@@ -125,22 +126,36 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind must be one of {MNIST_KINDS}, got {kind!r}")
 
 
+def _source_names(kind: str) -> list[str]:
+    """Registry names of the four IDX files of ``kind``."""
+    return [
+        f"{kind}/{prefix}-{what}-ubyte.gz"
+        for prefix in ("train", "t10k")
+        for what in ("images-idx3", "labels-idx1")
+    ]
+
+
 def load_mnist(
     data_dir: str | os.PathLike[str] | None = None,
     kind: str = "mnist",
     split: str = "train",
     download: bool = True,
+    verify: bool | None = None,
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
     """Load MNIST or Fashion-MNIST images and labels from the official IDX files.
 
     Files are looked up as ``<data_dir>/<kind>/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``
-    (downloaded there if missing and ``download`` is true).
+    (downloaded there if missing and ``download`` is true) and verified against the known
+    checksums on first use, so e.g. Fashion-MNIST files under ``mnist/`` are refused. Their
+    fingerprint is ``dselectk.data.fingerprint([...the two paths...])``.
 
     Args:
         data_dir: Data directory; see :func:`dselectk.data.resolve_data_dir`.
         kind: ``"mnist"`` or ``"fashion-mnist"``.
         split: ``"train"`` (60,000 examples) or ``"test"`` (10,000 examples).
         download: Whether missing files may be downloaded.
+        verify: Whether local files are checked against their known checksums; None: yes,
+            unless ``$DSELECTK_VERIFY`` is ``0``. False uses your own files as they are.
 
     Returns:
         ``(images, labels)``: uint8 array of shape ``(N, 28, 28)`` and int64 array of shape
@@ -148,14 +163,15 @@ def load_mnist(
 
     Raises:
         ValueError: For a bad ``kind``/``split`` or malformed files.
+        ChecksumError: If a local file is not the known file of that name.
         FileNotFoundError: If a file is missing and cannot be downloaded.
     """
     _check_kind(kind)
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
     prefix = "train" if split == "train" else "t10k"
-    img_path = fetch(f"{kind}/{prefix}-images-idx3-ubyte.gz", data_dir, download)
-    lbl_path = fetch(f"{kind}/{prefix}-labels-idx1-ubyte.gz", data_dir, download)
+    img_path = fetch(f"{kind}/{prefix}-images-idx3-ubyte.gz", data_dir, download, verify)
+    lbl_path = fetch(f"{kind}/{prefix}-labels-idx1-ubyte.gz", data_dir, download, verify)
     images = read_idx(img_path)
     labels = read_idx(lbl_path)
     if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
@@ -271,6 +287,9 @@ class MultiMNISTData:
         test: Built only from the official test split.
         kind: ``"mnist"`` or ``"fashion-mnist"``.
         num_classes: Number of classes per task (10).
+        fingerprint: Short stable hash of the four source IDX files (see
+            :func:`dselectk.data.fingerprint`); ``""`` only for a cache written before
+            fingerprints were recorded, read without its source files.
     """
 
     train: MultiTaskImages
@@ -278,6 +297,7 @@ class MultiMNISTData:
     test: MultiTaskImages
     kind: str
     num_classes: int = 10
+    fingerprint: str = ""
 
 
 def _to_split(
@@ -285,6 +305,33 @@ def _to_split(
 ) -> MultiTaskImages:
     xt = torch.from_numpy(x).unsqueeze(1).to(torch.float32).div_(255.0)
     return MultiTaskImages(X=xt, y1=torch.from_numpy(y1), y2=torch.from_numpy(y2))
+
+
+def _read_cache(
+    cache_path: Path,
+    kind: str,
+    data_dir: str | os.PathLike[str] | None,
+    verify: bool | None,
+) -> MultiMNISTData | None:
+    """The cached splits, or None when the present source files do not match the cache."""
+    root = resolve_data_dir(data_dir)
+    sources = [root / name for name in _source_names(kind)]
+    present = [
+        fetch(name, data_dir, False, verify)
+        for name, path in zip(_source_names(kind), sources, strict=True)
+        if path.is_file()
+    ]
+    with np.load(cache_path) as z:
+        stored = str(z["fingerprint"]) if "fingerprint" in z.files else ""
+        if len(present) == len(sources) and stored != fingerprint(present, root):
+            return None  # built from other source files: rebuild
+        return MultiMNISTData(
+            train=_to_split(z["x_train"], z["y1_train"], z["y2_train"]),
+            val=_to_split(z["x_val"], z["y1_val"], z["y2_val"]),
+            test=_to_split(z["x_test"], z["y1_test"], z["y2_test"]),
+            kind=kind,
+            fingerprint=stored,
+        )
 
 
 def _check_count(name: str, value: int, minimum: int) -> None:
@@ -304,6 +351,7 @@ def load_multi_mnist(
     val_source_fraction: float | None = None,
     cache: bool = False,
     download: bool = True,
+    verify: bool | None = None,
 ) -> MultiMNISTData:
     """Build Multi-MNIST / Multi-Fashion-MNIST train, validation and test splits.
 
@@ -324,10 +372,14 @@ def load_multi_mnist(
             pool. Defaults to ``n_val / (n_train + n_val)`` (1/6 for the paper's sizes, i.e.
             10,000 images); ignored when ``n_val == 0``.
         cache: If true, the built uint8 canvases and labels are stored as
-            ``<data_dir>/multi-<kind>/multi_<...>.npz`` (atomic write) and reused on later
-            calls with the same arguments (the key does not cover the source files: delete
-            the cache after replacing them). A cache that cannot be written only warns.
+            ``<data_dir>/multi-<kind>/multi_<...>.npz`` (atomic write) together with the
+            fingerprint of the source files, and reused on later calls with the same
+            arguments. When the source files are present they are verified and the cache is
+            used only if their fingerprint matches (else it is rebuilt); without them the
+            cache is used as it is. A cache that cannot be written only warns.
         download: Whether missing source files may be downloaded.
+        verify: Whether local source files are checked against their known checksums; None:
+            yes, unless ``$DSELECTK_VERIFY`` is ``0``. False uses your own files as they are.
 
     Returns:
         A :class:`MultiMNISTData` with float32 ``X`` of shape ``(N, 1, 36, 36)`` in ``[0, 1]``
@@ -354,21 +406,19 @@ def load_multi_mnist(
     if n_val == 0:
         frac = 0.0
 
+    root = resolve_data_dir(data_dir)
     cache_path: Path | None = None
     if cache:
         tag = f"multi_s{seed}_tr{n_train}_va{n_val}_te{n_test}_f{frac:.6f}.npz"
-        cache_path = resolve_data_dir(data_dir) / f"multi-{kind}" / tag
+        cache_path = root / f"multi-{kind}" / tag
         if cache_path.is_file():
-            with np.load(cache_path) as z:
-                return MultiMNISTData(
-                    train=_to_split(z["x_train"], z["y1_train"], z["y2_train"]),
-                    val=_to_split(z["x_val"], z["y1_val"], z["y2_val"]),
-                    test=_to_split(z["x_test"], z["y1_test"], z["y2_test"]),
-                    kind=kind,
-                )
+            hit = _read_cache(cache_path, kind, data_dir, verify)
+            if hit is not None:
+                return hit
 
-    train_imgs, train_lbls = load_mnist(data_dir, kind, "train", download)
-    test_imgs, test_lbls = load_mnist(data_dir, kind, "test", download)
+    train_imgs, train_lbls = load_mnist(data_dir, kind, "train", download, verify)
+    test_imgs, test_lbls = load_mnist(data_dir, kind, "test", download, verify)
+    data_fingerprint = fingerprint([root / name for name in _source_names(kind)], root)
 
     ss_partition, ss_train, ss_val, ss_test = np.random.SeedSequence(seed).spawn(4)
     perm = np.random.default_rng(ss_partition).permutation(train_imgs.shape[0])
@@ -392,7 +442,7 @@ def load_multi_mnist(
             built[split] = make_multi_mnist(imgs, lbls, count, ss)
 
     if cache_path is not None:
-        arrays: dict[str, npt.NDArray[np.generic]] = {}
+        arrays: dict[str, npt.NDArray[np.generic]] = {"fingerprint": np.array(data_fingerprint)}
         for split, (x, y1, y2) in built.items():
             arrays[f"x_{split}"], arrays[f"y1_{split}"], arrays[f"y2_{split}"] = x, y1, y2
         try:
@@ -409,4 +459,5 @@ def load_multi_mnist(
         val=_to_split(*built["val"]),
         test=_to_split(*built["test"]),
         kind=kind,
+        fingerprint=data_fingerprint,
     )

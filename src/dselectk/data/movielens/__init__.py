@@ -36,6 +36,13 @@ project's ``shared/data`` copy lacks it and holds two partial forms instead (see
 
 ``item_index_to_movieid.csv`` (the ItemIndex -> MovieID map) is read when present and checked
 against the ratings file.
+
+With ``ratings_source="auto"`` a partial form is used only when ``ratings.dat`` is absent, and
+then with a :class:`~dselectk.data.PartialDataWarning` naming the form and its number of users;
+name the form (``ratings_source="no-timestamps"`` / ``"users-0001-2999"``) to use it without the
+warning.
+All these files are verified against the checksums of ``shared/data/PROVENANCE.md`` on first
+use (see :func:`dselectk.data.fetch`).
 """
 
 from dselectk.data.movielens.dataset import MovieLensData, MovieLensSplit, load_movielens

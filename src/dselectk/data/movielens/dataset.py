@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dselectk.data._files import resolve_data_dir
+from dselectk.data._integrity import fingerprint
 from dselectk.data.movielens.negatives import sample_negatives
 from dselectk.data.movielens.schema import _GENDERS, AGE_BUCKETS, IntArray
 from dselectk.data.movielens.sources import MOVIELENS_VARIANTS, _item_keys, _load_sources
@@ -91,6 +93,11 @@ class MovieLensData:
         neg_ratio: Negatives per positive.
         negative_rating: Rating label given to negatives.
         seed: The seed.
+        fingerprint: Short stable hash of the files read (see :func:`dselectk.data.fingerprint`:
+            names and SHA-256 of the files, not their folder). Store it with results; a
+            different value means different data.
+        files: Paths of the files read (ratings, users, movies, and for the no-timestamps form
+            the ItemIndex map when present).
     """
 
     train: MovieLensSplit
@@ -116,6 +123,8 @@ class MovieLensData:
     neg_ratio: int
     negative_rating: float
     seed: int
+    fingerprint: str = ""
+    files: tuple[str, ...] = ()
 
 
 def _check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
@@ -137,6 +146,7 @@ def load_movielens(
     side_features: bool = True,
     ratings_source: str = "auto",
     download: bool = True,
+    verify: bool | None = None,
 ) -> MovieLensData:
     """Build the two-task (watch, rating) MovieLens dataset of the paper.
 
@@ -161,8 +171,13 @@ def load_movielens(
         ratings_source: ML-1M only: ``"auto"`` (``ratings.dat`` if present, else
             ``ratings_no_timestamps.csv.gz``, else ``ratings_users_0001-2999.dat``, else
             download ``ratings.dat``), or one of ``"ratings.dat"``, ``"no-timestamps"``,
-            ``"users-0001-2999"``. For ML-100K only ``"auto"``/``"u.data"``.
+            ``"users-0001-2999"``. A partial form is used silently only when named here;
+            picked by ``"auto"`` it gives a :class:`~dselectk.data.PartialDataWarning` naming
+            the form and its number of users. For ML-100K only ``"auto"``/``"u.data"``.
         download: Whether missing files may be downloaded.
+        verify: Whether local files are checked against their known checksums (first use
+            only; cached by size and mtime). None: yes, unless ``$DSELECTK_VERIFY`` is ``0``.
+            Pass False to use your own copies of the files as they are.
 
     Returns:
         A :class:`MovieLensData`.
@@ -172,6 +187,8 @@ def load_movielens(
         ValueError: On bad arguments, malformed files, duplicate (user, movie) ratings or rated
             users/movies missing from the side-information files.
         FileNotFoundError: If required files are missing and cannot be downloaded.
+        ChecksumError: If a local file is not the known file (e.g. a truncated ``u.data``);
+            the message names it and says what to do.
     """
     if variant not in MOVIELENS_VARIANTS:
         raise ValueError(f"variant must be one of {MOVIELENS_VARIANTS}, got {variant!r}")
@@ -183,7 +200,10 @@ def load_movielens(
     fr = _check_fractions(fractions)
     negative_rating = float(negative_rating)
 
-    src, path, ratings, users, items = _load_sources(variant, ratings_source, data_dir, download)
+    src, path, ratings, users, items, files = _load_sources(
+        variant, ratings_source, data_dir, download, verify
+    )
+    data_fingerprint = fingerprint(files, resolve_data_dir(data_dir))
 
     user_ids, pos_u = np.unique(ratings.user, return_inverse=True)
     pos_u = pos_u.astype(np.int64)
@@ -284,4 +304,6 @@ def load_movielens(
         neg_ratio=int(neg_ratio),
         negative_rating=negative_rating,
         seed=int(seed),
+        fingerprint=data_fingerprint,
+        files=tuple(str(f) for f in files),
     )

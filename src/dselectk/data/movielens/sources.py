@@ -5,16 +5,23 @@
   fetching and parsing of the ratings, users and movies files of a variant.
 * The item key of each rating (MovieID, or ItemIndex for ``ratings_no_timestamps.csv.gz``),
   checked against ``item_index_to_movieid.csv`` when present.
+
+Every file is obtained through :func:`~dselectk.data.fetch`, so local copies are verified
+against their known checksums (unless ``verify`` is off). A partial ML-1M form chosen by
+``"auto"`` (because ``ratings.dat`` is absent) gives a :class:`PartialDataWarning` saying which
+form and how many users; asking for it by name (``ratings_source=``) uses it silently.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from dselectk.data._files import fetch, resolve_data_dir
+from dselectk.data._integrity import PartialDataWarning
 from dselectk.data.movielens.parse import (
     read_ml1m_item_index_map,
     read_ml1m_movies,
@@ -35,19 +42,23 @@ _ML1M_FILES = {
     "users-0001-2999": "movielens/ml-1m/ratings_users_0001-2999.dat",
 }
 _ML1M_MAP = "movielens/ml-1m/item_index_to_movieid.csv"
+_PARTIAL_FORMS = ("no-timestamps", "users-0001-2999")
 
 
 def _pick_ml1m_source(
-    ratings_source: str, data_dir: str | os.PathLike[str] | None, download: bool
+    ratings_source: str,
+    data_dir: str | os.PathLike[str] | None,
+    download: bool,
+    verify: bool | None,
 ) -> tuple[str, Path]:
     if ratings_source != "auto":
-        return ratings_source, fetch(_ML1M_FILES[ratings_source], data_dir, download)
+        return ratings_source, fetch(_ML1M_FILES[ratings_source], data_dir, download, verify)
     root = resolve_data_dir(data_dir)
     for src in ("ratings.dat", "no-timestamps", "users-0001-2999"):
         if (root / _ML1M_FILES[src]).is_file():
-            return src, root / _ML1M_FILES[src]
+            return src, fetch(_ML1M_FILES[src], data_dir, False, verify)
     try:
-        return "ratings.dat", fetch(_ML1M_FILES["ratings.dat"], data_dir, download)
+        return "ratings.dat", fetch(_ML1M_FILES["ratings.dat"], data_dir, download, verify)
     except FileNotFoundError as exc:
         raise FileNotFoundError(
             2,
@@ -58,32 +69,66 @@ def _pick_ml1m_source(
         ) from exc
 
 
+def _warn_partial(src: str, path: Path, ratings: Ratings) -> None:
+    n_users = int(np.unique(ratings.user).size)
+    if src == "no-timestamps":
+        note = "without timestamps or the original line order"
+        if ratings.item_index is not None and np.any(ratings.movie < 0):
+            unresolved = int(np.unique(ratings.item_index[ratings.movie < 0]).size)
+            note += f", {unresolved} movies without a resolved MovieID"
+    else:
+        lo, hi = (int(ratings.user.min()), int(ratings.user.max())) if len(ratings) else (0, 0)
+        note = f"only users {lo} to {hi}; ML-1M has 6,040 users and 1,000,209 ratings"
+    warnings.warn(
+        f"ML-1M: ratings.dat was not found, so ratings_source='auto' uses the partial form "
+        f"{src!r} ({path}): {n_users:,} users and {len(ratings):,} ratings, {note}. Pass "
+        f"ratings_source={src!r} to use this form without this warning, or put the original "
+        "ratings.dat in the data directory.",
+        PartialDataWarning,
+        stacklevel=4,
+    )
+
+
 def _load_sources(
-    variant: str, ratings_source: str, data_dir: str | os.PathLike[str] | None, download: bool
-) -> tuple[str, Path, Ratings, Users, Items]:
+    variant: str,
+    ratings_source: str,
+    data_dir: str | os.PathLike[str] | None,
+    download: bool,
+    verify: bool | None = None,
+) -> tuple[str, Path, Ratings, Users, Items, list[Path]]:
+    """Read (and verify) a variant's files: (source, ratings path, ..., every file read)."""
     if variant == "ml-100k":
         if ratings_source not in ("auto", "u.data"):
             raise ValueError(
                 f"ratings_source must be 'auto' or 'u.data' for ml-100k, got {ratings_source!r}"
             )
-        path = fetch("movielens/ml-100k/u.data", data_dir, download)
+        path = fetch("movielens/ml-100k/u.data", data_dir, download, verify)
+        user_path = fetch("movielens/ml-100k/u.user", data_dir, download, verify)
+        item_path = fetch("movielens/ml-100k/u.item", data_dir, download, verify)
         ratings = read_ml100k_ratings(path)
-        users = read_ml100k_users(fetch("movielens/ml-100k/u.user", data_dir, download))
-        items = read_ml100k_items(fetch("movielens/ml-100k/u.item", data_dir, download))
-        return "u.data", path, ratings, users, items
+        users = read_ml100k_users(user_path)
+        items = read_ml100k_items(item_path)
+        return "u.data", path, ratings, users, items, [path, user_path, item_path]
     if ratings_source not in ML1M_RATINGS_SOURCES:
         raise ValueError(
             f"ratings_source must be one of {ML1M_RATINGS_SOURCES} for ml-1m, "
             f"got {ratings_source!r}"
         )
-    src, path = _pick_ml1m_source(ratings_source, data_dir, download)
+    src, path = _pick_ml1m_source(ratings_source, data_dir, download, verify)
+    user_path = fetch("movielens/ml-1m/users.dat", data_dir, download, verify)
+    item_path = fetch("movielens/ml-1m/movies.dat", data_dir, download, verify)
+    files = [path, user_path, item_path]
+    if src == "no-timestamps" and (resolve_data_dir(data_dir) / _ML1M_MAP).is_file():
+        files.append(fetch(_ML1M_MAP, data_dir, False, verify))  # read by _item_keys
     if src == "no-timestamps":
         ratings = read_ml1m_ratings_no_timestamps(path)
     else:
         ratings = read_ml1m_ratings(path)
-    users = read_ml1m_users(fetch("movielens/ml-1m/users.dat", data_dir, download))
-    items = read_ml1m_movies(fetch("movielens/ml-1m/movies.dat", data_dir, download))
-    return src, path, ratings, users, items
+    if ratings_source == "auto" and src in _PARTIAL_FORMS:
+        _warn_partial(src, path, ratings)
+    users = read_ml1m_users(user_path)
+    items = read_ml1m_movies(item_path)
+    return src, path, ratings, users, items, files
 
 
 def _item_keys(
