@@ -18,6 +18,7 @@ from dselectk.cli import main
 from dselectk.experiments import movielens as ml
 from dselectk.experiments import multi_mnist as mm
 from dselectk.experiments import realdata as rd
+from dselectk.experiments.realdata import recipe as rd_recipe
 from dselectk.models.cnn import (
     BatchedCNNExperts,
     SingleCNN,
@@ -253,7 +254,7 @@ def test_tiny_multi_fashion_sweep_and_resume(
         "--repetitions", "2", "--n-train", "64", "--n-val", "16", "--n-test", "16",
         "--no-progress",
     ]  # fmt: skip
-    real = rd.train_one
+    real = rd_recipe.train_one  # what a cell of the sweep calls
     calls: list[str] = []
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -262,7 +263,7 @@ def test_tiny_multi_fashion_sweep_and_resume(
             raise KeyboardInterrupt("simulated interruption")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rd, "train_one", failing)
+    monkeypatch.setattr(rd_recipe, "train_one", failing)
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     first = _runs(out)
@@ -276,7 +277,7 @@ def test_tiny_multi_fashion_sweep_and_resume(
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rd, "train_one", counting)
+    monkeypatch.setattr(rd_recipe, "train_one", counting)
     assert main(argv) == 0
     assert len(calls) == 4  # 6 runs, 2 already done
     recs = _runs(out)

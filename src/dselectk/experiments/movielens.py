@@ -51,8 +51,10 @@ __all__ = [
     "MovieLensEmbedding",
     "add_arguments",
     "build_model",
+    "load_data",
     "load_splits",
     "masked_mse",
+    "notes",
     "run",
     "write_report",
 ]
@@ -301,6 +303,65 @@ def _task_weights(alpha: Any) -> list[float]:
     return [float(alpha), 1.0 - float(alpha)]
 
 
+def _data_key(args: argparse.Namespace) -> tuple[Any, ...]:
+    return (
+        str(args.data_dir),
+        args.variant,
+        args.seed,
+        args.neg_ratio,
+        args.no_side_features,
+        args.max_train,
+    )
+
+
+def load_data(args: argparse.Namespace) -> rd.Splits:
+    """The splits of the (resolved, see :func:`run`) flags, with their data config."""
+    side = not args.no_side_features
+    data = load_splits(
+        args.data_dir,
+        args.variant,
+        args.seed,
+        side_features=side,
+        neg_ratio=args.neg_ratio,
+        max_train=args.max_train,
+    )
+    data.config = {
+        "variant": args.variant,
+        "neg_ratio": args.neg_ratio,
+        "side_features": side,
+        "seed": args.seed,
+        "max_train": args.max_train,
+        "ratings_source": data.meta["ratings_source"],
+    }
+    return data
+
+
+def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
+    """The report's "Setup and choices" (prose in ``templates/movielens.md``)."""
+    m = data.meta
+    side = (
+        ", age bucket (4), gender (2), occupation (4), genres (multi-hot → linear 8)"
+        if not args.no_side_features
+        else ""
+    )
+    return rd.template_notes(
+        "movielens",
+        quick=not args.full,
+        variant=args.variant,
+        ratings_source=m["ratings_source"],
+        num_ratings=f"{m['num_ratings']:,}",
+        neg_ratio=args.neg_ratio,
+        n_train=f"{m['n_train']:,}",
+        n_val=f"{m['n_val']:,}",
+        n_test=f"{m['n_test']:,}",
+        positive_fraction=f"{m['test_positive_fraction']:.2f}",
+        side_inputs=side,
+        bottom_features=m["bottom_features"],
+        epochs=args.epochs or QUICK_HPARAMS["softmax"]["epochs"],
+        repetitions=args.repetitions if args.repetitions is not None else 2,
+    )
+
+
 def experiment() -> rd.Experiment:
     """The MovieLens :class:`~dselectk.experiments.realdata.Experiment`."""
     return rd.Experiment(
@@ -316,6 +377,11 @@ def experiment() -> rd.Experiment:
         build_model=build_model,
         task_weights=_task_weights,
         expert_flops=expert_flops,
+        load_data=load_data,
+        data_key=_data_key,
+        notes=notes,
+        write_report=write_report,
+        quick_reps=2,
     )
 
 
@@ -336,70 +402,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
-    rd.set_threads(args)
-    variant = args.variant or ("ml-1m" if args.full else "ml-100k")
+    args.variant = args.variant or ("ml-1m" if args.full else "ml-100k")
     if args.max_train is None and not args.full:
         args.max_train = QUICK_MAX_TRAIN
-    side = not args.no_side_features
-    data = load_splits(
-        args.data_dir,
-        variant,
-        args.seed,
-        side_features=side,
-        neg_ratio=args.neg_ratio,
-        max_train=args.max_train,
-    )
-    m = data.meta
-    data_cfg = {
-        "variant": variant,
-        "neg_ratio": args.neg_ratio,
-        "side_features": side,
-        "seed": args.seed,
-        "max_train": args.max_train,
-        "ratings_source": m["ratings_source"],
-    }
-    notes = [
-        f"Data: MovieLens {variant} ({m['ratings_source']}), {m['num_ratings']:,} ratings, "
-        f"{args.neg_ratio} sampled negative(s) per rating (movies the user has not rated); "
-        f"splits {m['n_train']:,} / {m['n_val']:,} / {m['n_test']:,} (train / val / test). "
-        "The paper uses ML-1M with 1.6M / 200k / 200k.",
-        "Task 2 (rating) loss: squared error of observed ratings, negatives weighted 0, "
-        "averaged over all examples (Keras sample_weight semantics); this is ≈ "
-        f"{m['test_positive_fraction']:.2f} × the MSE over rated pairs "
-        "(fraction of rated pairs in the test split). Chosen because it matches the paper's "
-        "scale of task-2 losses (≈ 0.40); the paper does not say how negatives enter task 2.",
-        "Input: embeddings of user id (32), movie id (32)"
-        + (
-            ", age bucket (4), gender (2), occupation (4), genres (multi-hot → linear 8)"
-            if side
-            else ""
-        )
-        + f" concatenated into {m['bottom_features']} features (the paper does not describe "
-        "its input layer).",
-        "Model (Appendix D.1): 8 experts = Dense 256 ReLU + dropout 0.5; towers Dense 256 "
-        "ReLU → 1; shared bottom: Dense (units) ReLU + dropout 0.5; Adagrad, batch 128; loss "
-        "α·CE + (1 − α)·task-2 loss.",
-        "Losses in the tables are × 10⁴, as in the paper. 'Experts' is the number of experts "
-        "with a nonzero weight, averaged over the two tasks' gates (per-example: also over test "
-        "examples).",
-    ]
-    if not args.full:
-        notes.append(
-            "Quick mode: ML-100K instead of ML-1M, untuned hyperparameters from inside the "
-            "Appendix D.1 grid (lr 0.1, k = 2, γ = 1, λ = 1, Gumbel λ = 10⁻³, shared-bottom "
-            f"units 256), {args.epochs or QUICK_HPARAMS['softmax']['epochs']} epochs, "
-            f"{args.repetitions if args.repetitions is not None else 2} repetitions instead of "
-            "100."
-        )
-    return rd.run_experiment(
-        experiment(),
-        args,
-        [float(a) for a in args.alphas],
-        data,
-        data_cfg,
-        quick_reps=2,
-        notes=notes,
-    )
+    return rd.run_experiment(experiment(), args, [float(a) for a in args.alphas])
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,6 +459,10 @@ def _tables(
     return md
 
 
+def _c2_column(alpha: Any) -> str:
+    return f"MovieLens α={alpha}"
+
+
 SPEC = rd.ReportSpec(
     name=EXPERIMENT,
     title="MovieLens",
@@ -460,7 +470,7 @@ SPEC = rd.ReportSpec(
     task_names=TASK_NAMES,
     tables=_tables,
     paper_c2=PAPER_C2,
-    c2_column=lambda a: f"MovieLens α={a}",
+    c2_column=_c2_column,
 )
 
 

@@ -30,7 +30,9 @@ __all__ = [
     "add_arguments",
     "build_model",
     "expert_flops",
+    "load_data",
     "load_splits",
+    "notes",
     "run",
     "write_report",
 ]
@@ -147,6 +149,46 @@ def load_splits(
     return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta)
 
 
+def _equal_weights(_setting: Any) -> list[float]:
+    return [1.0, 1.0]
+
+
+def _name(args: argparse.Namespace) -> str:
+    return str(getattr(args, "experiment_name", "multi-mnist"))
+
+
+def _data_key(args: argparse.Namespace) -> tuple[Any, ...]:
+    return (str(args.data_dir), _name(args), args.seed, args.n_train, args.n_val, args.n_test)
+
+
+def load_data(args: argparse.Namespace) -> rd.Splits:
+    """The splits of the (resolved, see :func:`run`) flags, with their data config."""
+    name = _name(args)
+    data = load_splits(args.data_dir, name, args.seed, args.n_train, args.n_val, args.n_test)
+    data.config = {
+        "kind": KINDS[name],
+        "n_train": args.n_train,
+        "n_val": args.n_val,
+        "n_test": args.n_test,
+        "seed": args.seed,
+    }
+    return data
+
+
+def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
+    """The report's "Setup and choices" (prose in ``templates/multi_mnist.md``)."""
+    return rd.template_notes(
+        "multi_mnist",
+        quick=not args.full,
+        title=TITLES[_name(args)],
+        n_train=f"{args.n_train:,}",
+        n_val=f"{args.n_val:,}",
+        n_test=f"{args.n_test:,}",
+        epochs=args.epochs or _BASE["epochs"],
+        repetitions=args.repetitions if args.repetitions is not None else 1,
+    )
+
+
 def experiment(name: str) -> rd.Experiment:
     """The :class:`~dselectk.experiments.realdata.Experiment` of ``name``."""
     return rd.Experiment(
@@ -160,8 +202,13 @@ def experiment(name: str) -> rd.Experiment:
         grid=GRID,
         select="max_accuracy",
         build_model=build_model,
-        task_weights=lambda _s: [1.0, 1.0],
+        task_weights=_equal_weights,
         expert_flops=expert_flops,
+        load_data=load_data,
+        data_key=_data_key,
+        notes=notes,
+        write_report=write_report,
+        quick_reps=1,
     )
 
 
@@ -179,47 +226,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    rd.set_threads(args)
-    name = getattr(args, "experiment_name", "multi-mnist")
+    name = _name(args)
     if args.out == Path("results/multi-mnist") and name != "multi-mnist":
         args.out = Path(f"results/{name}")
     full = bool(args.full)
-    n_train = args.n_train or (100_000 if full else 6000)
-    n_val = args.n_val or (20_000 if full else 1000)
-    n_test = args.n_test or (20_000 if full else 2000)
-    data = load_splits(args.data_dir, name, args.seed, n_train, n_val, n_test)
-    data_cfg = {
-        "kind": KINDS[name],
-        "n_train": n_train,
-        "n_val": n_val,
-        "n_test": n_test,
-        "seed": args.seed,
-    }
-    notes = [
-        f"Data: {TITLES[name]} built by `load_multi_mnist` (two items overlaid on a 36×36 "
-        "canvas, shifted by 4 pixels to the top-left / bottom-right); "
-        f"{n_train:,} / {n_val:,} / {n_test:,} train / val / test images (the paper: "
-        "100,000 / 20,000 / 20,000).",
-        "Model (Appendix D.2): 8 CNN experts (conv 5×5×10 + max-pool, conv 5×5×20 + max-pool, "
-        "dense 50 × dense_layers, ReLU) computed as one batched module (stacked filters, "
-        "grouped convolution); towers dense 50-50-10; summed cross-entropy; Adam, batch 256. "
-        "Per-example gates take the flattened image.",
-        "'Experts' is the number of experts with a nonzero weight, averaged over the two tasks' "
-        "gates (per-example: also over test examples).",
-    ]
-    if not full:
-        notes.append(
-            "Quick mode: untuned hyperparameters inside the Appendix D.2 grid (Adam lr 10⁻³, "
-            "1 dense layer, DSelect-k k = 2, γ = 0.1 (so that S(Z) can become binary within "
-            "the few quick steps), λ = 0.1; Top-k k = 4 (the paper's tuned "
-            "Top-k uses 4 experts); Gumbel λ = 10⁻²), "
-            f"{args.epochs or _BASE['epochs']} epochs instead of 25–100, "
-            f"{args.repetitions if args.repetitions is not None else 1} repetition(s) instead of "
-            "100, and the reduced data sizes above."
-        )
-    return rd.run_experiment(
-        experiment(name), args, [None], data, data_cfg, quick_reps=1, notes=notes
-    )
+    args.n_train = args.n_train or (100_000 if full else 6000)
+    args.n_val = args.n_val or (20_000 if full else 1000)
+    args.n_test = args.n_test or (20_000 if full else 2000)
+    return rd.run_experiment(experiment(name), args, [None])
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""Shared code of the real-data experiments (Sections 4.1–4.2, Appendices C.3, C.4, D.1, D.2).
+
+A recipe (:mod:`dselectk.experiments.movielens`, :mod:`dselectk.experiments.multi_mnist`)
+describes its experiment as an :class:`Experiment`: how to load the data, build a model for a
+gate, which losses, hyperparameters and report apply. This package runs it:
+
+* ``spec`` — the gates, :class:`Splits`, :class:`Experiment`, record identity (configs, seeds);
+* ``monitor`` — Table C.2's measurements during training (:class:`TrainingMonitor`, FLOPs);
+* ``train`` — one run (:func:`train_one`) and the ``--full`` random grid search (:func:`tune`);
+* ``recipe`` — the flags, one (setting, gate) cell, and :func:`run_experiment`, which runs (or
+  resumes) the sweep settings × gates × repetitions on the shared runner
+  (:mod:`dselectk.experiments.runner`, ``--jobs`` worker processes);
+* ``report`` — ``summary.json``, ``report.md`` and the PNG plots, rebuilt from the run records
+  alone (:func:`write_report`, prose in ``templates/realdata.md``).
+
+Every finished run is one JSON record (:class:`~dselectk.experiments.records.RunStore`), keyed
+by the hash of its resolved config, written atomically: an interrupted sweep restarted with the
+same command skips finished runs and never leaves partial records. This package never imports
+the recipes: each recipe's :class:`Experiment` carries its own ``write_report``.
+"""
+
+from dselectk.experiments.realdata.monitor import (
+    TrainingMonitor,
+    flops_ratio,
+    gate_summary,
+    training_expert_flops,
+)
+from dselectk.experiments.realdata.recipe import (
+    add_common_arguments,
+    load,
+    run_cell,
+    run_experiment,
+    set_threads,
+    sweep,
+)
+from dselectk.experiments.realdata.report import (
+    ReportSpec,
+    current_records,
+    fmt,
+    table_c2,
+    template_notes,
+    write_report,
+)
+from dselectk.experiments.realdata.spec import (
+    DEFAULT_GATES,
+    GATE_KINDS,
+    LABELS,
+    Experiment,
+    Splits,
+    TaskData,
+    cell_key,
+    init_seed,
+    record_config,
+)
+from dselectk.experiments.realdata.train import train_one, tune
+
+__all__ = [
+    "DEFAULT_GATES",
+    "GATE_KINDS",
+    "LABELS",
+    "Experiment",
+    "ReportSpec",
+    "Splits",
+    "TaskData",
+    "TrainingMonitor",
+    "add_common_arguments",
+    "cell_key",
+    "current_records",
+    "flops_ratio",
+    "fmt",
+    "gate_summary",
+    "init_seed",
+    "load",
+    "record_config",
+    "run_cell",
+    "run_experiment",
+    "set_threads",
+    "sweep",
+    "table_c2",
+    "template_notes",
+    "train_one",
+    "training_expert_flops",
+    "tune",
+    "write_report",
+]

@@ -1,0 +1,261 @@
+"""The real-data sweep over the shared runner: flags, one (setting, gate) cell, the command.
+
+A cell is one (setting, gate) pair (e.g. (α = 0.5, static DSelect-k)): select its
+hyperparameters (the random grid search of Appendix D under ``--full``, else the recipe's quick
+defaults), then train the missing final repetitions, one record each. The shared runner
+(:mod:`dselectk.experiments.runner`) resumes, runs the cells in worker processes (``--jobs``)
+and writes ``selected_hparams.json``; :func:`run_experiment` then writes ``run_info.json`` and the
+recipe's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dselectk.experiments.realdata.spec import (
+    DEFAULT_GATES,
+    LABELS,
+    Experiment,
+    Splits,
+    cell_key,
+    init_seed,
+    record_config,
+)
+from dselectk.experiments.realdata.train import train_one, tune
+from dselectk.experiments.records import RunStore
+from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+from dselectk.io import write_json
+from dselectk.progress import tqdm
+
+__all__ = [
+    "add_common_arguments",
+    "load",
+    "run_cell",
+    "run_experiment",
+    "set_threads",
+    "sweep",
+]
+
+#: the data this process loaded for the running command (data key → splits); see :func:`load`
+_DATA: dict[Hashable, Splits] = {}
+
+
+def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
+    """Flags shared by the real-data experiments."""
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="data folder (default: $DSELECTK_DATA or ~/.cache/dselectk)",
+    )
+    p.add_argument("--out", type=Path, default=Path(default_out), help="results folder")
+    p.add_argument(
+        "--repetitions",
+        "--reps",
+        type=int,
+        default=None,
+        dest="repetitions",
+        help="repetitions per gate and setting (quick 2, full 100)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the runs")
+    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=DEFAULT_GATES)
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="paper protocol: random grid search of Appendix D, then 100 repetitions",
+    )
+    p.add_argument("--epochs", type=int, default=None, help="override the epochs of every run")
+    p.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    p.add_argument(
+        "--grid-points",
+        type=int,
+        default=20,
+        help="--full: random grid points per gate and setting",
+    )
+    p.add_argument("--trials", type=int, default=5, help="--full: trials per grid point")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of each process (default 1: fastest for these small models on "
+        "a shared machine; 0: torch's default)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes, each running whole (setting, gate) cells with --threads threads; "
+        "default 1 (the cells run in this process), because every worker loads its own copy of "
+        "the data set (memory and loading time grow with the workers); 0: cores / --threads of "
+        "them, at most one per cell",
+    )
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads``."""
+    n = getattr(args, "threads", None)
+    if n:
+        torch.set_num_threads(int(n))
+
+
+def load(exp: Experiment, args: argparse.Namespace) -> Splits:
+    """The experiment's data for these flags, loaded once per process and command (the sweep's
+    ``load_data``: in one process the cells reuse what :func:`run_experiment` loaded)."""
+    key = exp.data_key(args)
+    if key not in _DATA:
+        _DATA.clear()
+        _DATA[key] = exp.load_data(args)
+    return _DATA[key]
+
+
+def _repetitions(exp: Experiment, args: argparse.Namespace) -> int:
+    if args.repetitions is not None:
+        return int(args.repetitions)
+    return 100 if args.full else exp.quick_reps
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"epochs": args.epochs, "lr": args.lr}
+
+
+def run_cell(
+    exp: Experiment, args: argparse.Namespace, cell: tuple[Any, str], data: Splits, progress: bool
+) -> dict[str, Any]:
+    """One (setting, gate) cell: select its hyperparameters (the random grid search under
+    ``--full``, else the quick defaults with the flags' overrides), then train the missing
+    final repetitions, saving one record per run. Returns the selection (the cell's entry of
+    ``selected_hparams.json``)."""
+    setting, gate = cell
+    store = RunStore(args.out)
+    overrides = _overrides(args)
+    key = cell_key(exp, gate, setting)
+    if args.full:
+        choice = tune(
+            exp,
+            gate,
+            setting,
+            data,
+            store,
+            points=args.grid_points,
+            trials=args.trials,
+            base_seed=args.seed,
+            data_cfg=data.config,
+            overrides=overrides,
+            progress=progress,
+        )
+        hp = dict(choice["hparams"])
+        selection = {**choice, "source": "random grid search (--full)"}
+    else:
+        hp = {**exp.quick_hparams[gate]}
+        hp.update({k: v for k, v in overrides.items() if v is not None})
+        selection = {"hparams": hp, "source": "quick default (untuned)"}
+    seeds = [init_seed(args.seed, gate, setting, rep) for rep in range(_repetitions(exp, args))]
+    cfgs = [
+        record_config(exp, gate, setting, hp, rep, s, args.seed, data.config, "final")
+        for rep, s in enumerate(seeds)
+    ]
+    for rep in missing(store, cfgs):
+        desc = f"{LABELS[gate]} {key.split('/')[-1] if '/' in key else ''} rep {rep}".strip()
+        metrics, extra = train_one(
+            exp,
+            gate,
+            hp,
+            setting,
+            seeds[rep],
+            data,
+            progress=progress,
+            record_trajectory=rep == 0,
+            desc=desc,
+        )
+        store.save(cfgs[rep], metrics, **extra)
+        if progress:
+            tqdm.write(_done_message(desc, metrics))
+    return selection
+
+
+def _done_message(desc: str, m: dict[str, Any]) -> str:
+    msg = f"[{desc}] test loss {m['test_loss']:.4f}"
+    if "test_mean_accuracy" in m:
+        msg += f", mean acc {m['test_mean_accuracy']:.4f}"
+    if "selected_experts" in m:
+        msg += f", experts {m['selected_experts']:.2f}"
+    return msg + f", {m['examples_per_second']:.0f} ex/s, {m['train_seconds']:.0f}s"
+
+
+def _cell_name(exp: Experiment, cell: tuple[Any, str]) -> str:
+    return cell_key(exp, cell[1], cell[0])
+
+
+def sweep(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) -> Sweep:
+    """The (setting, gate) cells of the command line (settings outer, gates inner), for the
+    shared runner."""
+    return Sweep(
+        cells=list(itertools.product(settings, args.gates)),
+        run_cell=functools.partial(run_cell, exp),
+        load_data=functools.partial(load, exp),
+        data_key=exp.data_key,
+        cell_name=functools.partial(_cell_name, exp),
+    )
+
+
+def _previous_wall(path: Path) -> float:
+    if not path.is_file():
+        return 0.0
+    try:
+        return float(json.loads(path.read_text()).get("wall_seconds") or 0.0)
+    except (json.JSONDecodeError, ValueError, TypeError):
+        return 0.0
+
+
+def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) -> int:
+    """Run (or resume) the sweep settings × gates × repetitions, then write the report.
+
+    Args:
+        exp: the experiment.
+        args: parsed flags (:func:`add_common_arguments` and the experiment's own, resolved).
+        settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
+    """
+    out = Path(args.out)
+    sw = sweep(exp, args, settings)
+    threads = int(getattr(args, "threads", 0) or 0)
+    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
+    args.jobs = jobs
+    set_threads(args)
+    progress = not args.no_progress
+    try:
+        data = load(exp, args)  # fails before any worker starts when the data is missing
+        notes = exp.notes(args, data)
+        data_cfg = dict(data.config)
+        meta = {k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))}
+        del data
+        if jobs > 1:
+            _DATA.clear()  # the workers load their own copies
+        t0 = time.perf_counter()
+        run_sweep(sw, args, out, jobs=jobs, threads=threads, progress=progress)
+        wall = time.perf_counter() - t0
+    finally:
+        _DATA.clear()
+    run_info = {
+        "command": " ".join(["dselectk", *sys.argv[1:]]),
+        "wall_seconds": _previous_wall(out / "run_info.json") + wall,
+        "mode": "full" if args.full else "quick",
+        "repetitions": _repetitions(exp, args),
+        "notes": list(notes),
+        "data": data_cfg,
+        "meta": meta,
+    }
+    write_json(out / "run_info.json", run_info)
+    exp.write_report(out)
+    print((out / "report.md").read_text(encoding="utf-8"))
+    return 0

@@ -1,0 +1,287 @@
+"""The real-data reports: ``summary.json``, ``report.md`` and the plots, from the records alone.
+
+A recipe gives a :class:`ReportSpec` (its title, its paper tables as Markdown lines, the paper's
+Table C.2 column); :func:`write_report` summarises the final records of the latest sweep command
+of a results folder, measures Table C.2 (:func:`table_c2`), draws the gate heatmaps and
+trajectories, and renders the ``realdata`` report template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dselectk.experiments.realdata.monitor import flops_ratio
+from dselectk.experiments.realdata.spec import LABELS
+from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.templates import render
+from dselectk.io import write_json, write_text
+
+__all__ = [
+    "ReportSpec",
+    "current_records",
+    "fmt",
+    "table_c2",
+    "template_notes",
+    "write_report",
+]
+
+#: the paragraph of a notes template after which the quick-mode notes start
+QUICK_MARK = "<!-- quick mode -->"
+
+
+@dataclass
+class ReportSpec:
+    """What an experiment's report shows (given by movielens.py / multi_mnist.py)."""
+
+    name: str
+    title: str
+    setting_key: str | None
+    task_names: Sequence[str]
+    tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any]], list[str]]
+    """(rows keyed by (setting, gate), settings) → markdown lines of the paper tables."""
+    paper_c2: Mapping[str, Mapping[str, float]]
+    """Table C.2 of the paper: column label → {"pct": ..., "flops": ...}."""
+    c2_column: Callable[[Any], str]
+    """setting → Table C.2 column label."""
+
+
+def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
+    """The "Setup and choices" notes of a recipe, from its template ``templates/<name>.md``.
+
+    One note per paragraph; ``<!-- ... -->`` paragraphs are comments, and the paragraphs after
+    the ``<!-- quick mode -->`` one are kept only when ``quick``.
+    """
+    setup, _, rest = render(name, **values).partition(QUICK_MARK)
+
+    def paragraphs(text: str) -> list[str]:
+        parts = (p.strip() for p in text.split("\n\n"))
+        return [p for p in parts if p and not p.startswith("<!--")]
+
+    return paragraphs(setup) + (paragraphs(rest) if quick else [])
+
+
+def fmt(m: Mapping[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``mean ± se`` of a summarised metric (``-`` when missing)."""
+    return format_mean_se(m, digits, scale=scale, missing="-", show_n=True)
+
+
+def _final_records(records: Iterable[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
+    return [
+        r
+        for r in records
+        if r["config"].get("phase") == "final" and r["config"].get("experiment") == name
+    ]
+
+
+def current_records(
+    records: Sequence[Mapping[str, Any]],
+    setting_key: str | None,
+    data_cfg: Mapping[str, Any] | None,
+    selected: Mapping[str, Any],
+) -> list[Mapping[str, Any]]:
+    """The records of the latest sweep command of a results folder.
+
+    A folder may hold records of earlier commands with other flags (e.g. ``--epochs``); only
+    those with the data settings of ``run_info.json`` and the hyperparameters of
+    ``selected_hparams.json`` (when these files are present) are summarised, so that a table
+    row never mixes configurations. The others stay on disk (and are reused when the same
+    flags are run again).
+    """
+    out = []
+    for r in records:
+        c = r["config"]
+        if data_cfg is not None and c.get("data") != dict(data_cfg):
+            continue
+        key = (
+            c["gate"] if setting_key is None else f"{c['gate']}/{setting_key}={c.get(setting_key)}"
+        )
+        sel = selected.get(key)
+        if sel is not None and dict(sorted(sel["hparams"].items())) != c.get("hparams"):
+            continue
+        out.append(r)
+    return out
+
+
+def table_c2(
+    spec: ReportSpec,
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
+    records: Sequence[Mapping[str, Any]],
+    settings: Sequence[Any],
+) -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines and values of Table C.2 (ours beside the paper's)."""
+    lines = [
+        "| column | gating | % steps until binary S(Z), all gates: ours | runs binary "
+        "| per task gate: ours (runs binary) | paper | FLOPs DSelect-k / Top-k: ours | paper |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    values: dict[str, Any] = {}
+    for setting in settings:
+        col = spec.c2_column(setting)
+        paper = spec.paper_c2.get(col, {})
+        for kind in ("static", "per_example"):
+            dk, tk = f"dselect_k_{kind}", f"topk_{kind}"
+            if (setting, dk) not in rows:
+                continue
+            m = rows[(setting, dk)]["metrics"]
+            recs = [
+                r
+                for r in records
+                if r["config"]["gate"] == dk
+                and r["config"].get(spec.setting_key or "", None) == setting
+            ]
+            reached = sum(1 for r in recs if r["metrics"].get("binary_reached"))
+            ratio = math.nan
+            if (setting, tk) in rows:
+                fa = [r["metrics"].get("train_expert_flops") for r in recs]
+                fb = [
+                    r["metrics"].get("train_expert_flops")
+                    for r in records
+                    if r["config"]["gate"] == tk
+                    and r["config"].get(spec.setting_key or "", None) == setting
+                ]
+                ratio = flops_ratio(fa, fb)
+            values[f"{col}/{kind}"] = {
+                "pct_steps_until_binary": m.get("pct_steps_until_binary"),
+                "runs_binary": reached,
+                "runs": len(recs),
+                "flops_ratio": ratio,
+            }
+            pct = fmt(m.get("pct_steps_until_binary"))
+            ratio_s = "-" if not math.isfinite(ratio) else f"{ratio:.2f}"
+            paper_pct = paper.get("pct", math.nan) if kind == "static" else math.nan
+            paper_fl = paper.get("flops", math.nan) if kind == "static" else math.nan
+            per_task = []
+            for t in range(len(spec.task_names)):
+                key = f"binary_reached_task{t + 1}"
+                with_key = [r for r in recs if key in r["metrics"]]
+                rt = sum(1 for r in with_key if r["metrics"][key])
+                per_task.append(
+                    f"T{t + 1}: {fmt(m.get(f'pct_steps_until_binary_task{t + 1}'))} "
+                    f"({rt}/{len(with_key)})"
+                )
+            lines.append(
+                f"| {col} | {kind.replace('_', '-')} | {pct} | {reached}/{len(recs)} | "
+                f"{'; '.join(per_task)} | {_num(paper_pct)} | {ratio_s} | {_num(paper_fl)} |"
+            )
+    return lines, values
+
+
+def _num(v: float) -> str:
+    return "-" if not math.isfinite(v) else f"{v:g}"
+
+
+def write_report(results_dir: Path, spec: ReportSpec) -> None:
+    """Rebuild ``summary.json``, ``report.md`` and the plots from the run records alone."""
+    from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
+
+    results_dir = Path(results_dir)
+    all_records = RunStore(results_dir).load()
+    info: dict[str, Any] = {}
+    if (results_dir / "run_info.json").is_file():
+        try:
+            info = json.loads((results_dir / "run_info.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            info = {}
+    selected: dict[str, Any] = {}
+    if (results_dir / "selected_hparams.json").is_file():
+        try:
+            selected = json.loads((results_dir / "selected_hparams.json").read_text("utf-8"))
+        except json.JSONDecodeError:
+            selected = {}
+    finals = _final_records(all_records, spec.name)
+    records = current_records(finals, spec.setting_key, info.get("data"), selected)
+    stale = len(finals) - len(records)
+    tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
+    group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
+    summary_rows = summarize(records, group)
+    rows: dict[tuple[Any, str], Mapping[str, Any]] = {}
+    for row in summary_rows:
+        setting = row.get(spec.setting_key) if spec.setting_key else None
+        rows[(setting, row["gate"])] = row
+    settings = sorted({k[0] for k in rows}, key=lambda v: (v is None, v))
+    c2_lines, c2_values = table_c2(spec, rows, records, settings)
+
+    plots: list[Path] = []
+    plot_dir = results_dir / "plots"
+    for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
+        recs = sorted(
+            (
+                r
+                for r in records
+                if r["config"]["gate"] == gate
+                and (spec.setting_key is None or r["config"].get(spec.setting_key) == setting)
+            ),
+            key=lambda r: r["config"]["rep"],
+        )
+        if not recs:
+            continue
+        rec = recs[0]
+        tag = gate if spec.setting_key is None else f"{gate}_{spec.setting_key}{setting}"
+        label = LABELS.get(gate, gate) + (
+            "" if spec.setting_key is None else f", {spec.setting_key} = {setting}"
+        )
+        if rec.get("gate_weights"):
+            plots.append(
+                plot_task_heatmap(
+                    rec["gate_weights"],
+                    plot_dir / f"heatmap_{tag}.png",
+                    title=f"{spec.title}: expert weights, {label} (rep {rec['config']['rep']})",
+                    task_names=spec.task_names,
+                )
+            )
+        traj = rec.get("trajectory")
+        if traj and traj.get("steps"):
+            plots.append(
+                plot_task_trajectories(
+                    traj["steps"],
+                    traj["weights"],
+                    plot_dir / f"trajectory_{tag}.png",
+                    title=f"{spec.title}: gate weights during training, {label}",
+                    task_names=spec.task_names,
+                )
+            )
+
+    summary = {
+        "experiment": spec.name,
+        "group_by": group,
+        "rows": summary_rows,
+        "table_c2": c2_values,
+        "records": len(records),
+        "tune_records": tune_count,
+        "run_info": info,
+        "plots": [str(p.relative_to(results_dir)) for p in plots],
+    }
+    write_json(results_dir / "summary.json", summary)
+
+    run_lines: list[str] = []
+    if info:
+        train_s = sum(float(r["metrics"].get("train_seconds", 0.0)) for r in records)
+        run_lines += [
+            f"Command: `{info.get('command')}`  ",
+            f"Mode: **{info.get('mode')}**, repetitions per gate and setting: "
+            f"{info.get('repetitions')}, cumulative wall time of the sweep commands: "
+            f"{float(info.get('wall_seconds') or 0):.0f} s; training time of the summarised "
+            f"runs: {train_s:.0f} s.",
+            "",
+        ]
+        if info.get("mode") == "quick":
+            run_lines += [render("realdata_quick").strip(), ""]
+        if info.get("notes"):
+            run_lines += ["## Setup and choices", ""] + [f"- {n}" for n in info["notes"]] + [""]
+    text = render(
+        "realdata",
+        title=spec.title,
+        run_info="".join(f"{line}\n" for line in run_lines),
+        records=len(records),
+        tune_records=tune_count,
+        stale=stale,
+        tables="\n".join(spec.tables(rows, settings)),
+        table_c2="\n".join(c2_lines),
+        plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
+    )
+    write_text(results_dir / "report.md", text.rstrip("\n") + "\n")

@@ -1,0 +1,157 @@
+"""What a real-data experiment is: its gates, its data splits and its :class:`Experiment` spec.
+
+A recipe (:mod:`dselectk.experiments.movielens`, :mod:`dselectk.experiments.multi_mnist`) fills
+an :class:`Experiment`: how to load the data, build a model for a gate, which losses, optimizer
+and hyperparameters apply, and how its report is written. The shared code of this package
+(training, tuning, the sweep, the report tables) only sees the spec, never the recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dselectk.training import TaskData
+
+__all__ = [
+    "DEFAULT_GATES",
+    "GATE_KINDS",
+    "LABELS",
+    "Experiment",
+    "Splits",
+    "TaskData",
+    "cell_key",
+    "init_seed",
+    "record_config",
+]
+
+#: experiment gate name → (registry gate name or "shared_bottom", per-example?)
+GATE_KINDS: dict[str, tuple[str, bool]] = {
+    "dselect_k_static": ("dselect_k", False),
+    "topk_static": ("topk", False),
+    "gumbel_softmax": ("gumbel_softmax", False),
+    "dselect_k_per_example": ("dselect_k", True),
+    "topk_per_example": ("topk", True),
+    "softmax": ("softmax", False),
+    "shared_bottom": ("shared_bottom", False),
+}
+LABELS: dict[str, str] = {
+    "dselect_k_static": "Static DSelect-k",
+    "topk_static": "Static Top-k",
+    "gumbel_softmax": "Static Gumbel Softmax",
+    "dselect_k_per_example": "Per-example DSelect-k",
+    "topk_per_example": "Per-example Top-k",
+    "softmax": "Softmax MoE",
+    "shared_bottom": "Shared Bottom",
+}
+DEFAULT_GATES = list(GATE_KINDS)
+
+
+@dataclass
+class Splits:
+    """Train/validation/test task data plus what the model builder needs to know."""
+
+    train: TaskData
+    val: TaskData
+    test: TaskData
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Model-building facts (vocabulary sizes, ...); also saved in the summary."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Data settings recorded in every run config (the resume identity of the data)."""
+
+
+@dataclass
+class Experiment:
+    """How one real-data experiment is run and reported.
+
+    Every callable is a module-level function (the spec is sent to the sweep's worker
+    processes).
+
+    Attributes:
+        name: CLI name, also ``config["experiment"]`` of every record ("movielens",
+            "multi-mnist", "multi-fashion").
+        setting_key: name of the per-setting config key (e.g. "alpha"), or None.
+        losses: the per-task losses given to :func:`~dselectk.training.train`.
+        task_names: labels of the tasks.
+        optimizer: "adagrad" / "adam".
+        batch_size: examples per step.
+        quick_hparams: gate → hyperparameters of the quick default.
+        grid: gate → {hyperparameter: values} of the ``--full`` random grid search.
+        select: "min_loss" (weighted validation loss) or "max_accuracy" (mean validation
+            accuracy), the tuning metric.
+        build_model: (gate, hparams, meta) → model returning a ``MultiTaskOutput``.
+        task_weights: setting value → task weights of the summed loss.
+        expert_flops: (hparams, meta) → forward FLOPs of one expert on one example.
+        load_data: parsed flags → :class:`Splits` (with ``config`` filled); called once per
+            process of the sweep.
+        data_key: parsed flags → key identifying the data ``load_data`` returns.
+        notes: (parsed flags, data) → lines of the report's "Setup and choices" (data
+            choices, reductions; saved in ``run_info.json``).
+        write_report: results folder → None; rebuilds ``summary.json``, ``report.md`` and the
+            plots from the records (the recipe's report, see :mod:`.report`).
+        quick_reps: repetitions of the quick default.
+    """
+
+    name: str
+    setting_key: str | None
+    losses: Sequence[Any]
+    task_names: Sequence[str]
+    optimizer: str
+    batch_size: int
+    quick_hparams: Mapping[str, Mapping[str, Any]]
+    grid: Mapping[str, Mapping[str, Sequence[Any]]]
+    select: str
+    build_model: Callable[[str, Mapping[str, Any], Mapping[str, Any]], nn.Module]
+    task_weights: Callable[[Any], list[float]]
+    expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]
+    load_data: Callable[[argparse.Namespace], Splits]
+    data_key: Callable[[argparse.Namespace], Hashable]
+    notes: Callable[[argparse.Namespace, Splits], list[str]]
+    write_report: Callable[[Path], None]
+    quick_reps: int = 2
+
+
+def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:
+    """Initialisation seed of one run (stable, independent of sweep order)."""
+    key = f"{seed}|{gate}|{json.dumps(setting)}|{rep}|{phase}"
+    return int.from_bytes(key.encode(), "little") % 2_147_483_647
+
+
+def cell_key(exp: Experiment, gate: str, setting: Any) -> str:
+    """Key of a (setting, gate) cell in ``selected_hparams.json``: ``gate[/key=setting]``."""
+    return gate if exp.setting_key is None else f"{gate}/{exp.setting_key}={setting}"
+
+
+def record_config(
+    exp: Experiment,
+    gate: str,
+    setting: Any,
+    hp: Mapping[str, Any],
+    rep: int,
+    seed: int,
+    base_seed: int,
+    data_cfg: Mapping[str, Any],
+    phase: str,
+) -> dict[str, Any]:
+    """The resolved config of one run (its record's identity)."""
+    cfg: dict[str, Any] = {
+        "experiment": exp.name,
+        "phase": phase,
+        "gate": gate,
+        "hparams": dict(sorted(hp.items())),
+        "rep": rep,
+        "init_seed": seed,
+        "seed": base_seed,
+        "optimizer": exp.optimizer,
+        "batch_size": exp.batch_size,
+        "data": dict(data_cfg),
+    }
+    if exp.setting_key is not None:
+        cfg[exp.setting_key] = setting
+    return cfg

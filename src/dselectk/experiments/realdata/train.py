@@ -1,0 +1,225 @@
+"""Training one real-data run (:func:`train_one`) and the ``--full`` grid search (:func:`tune`).
+
+A run trains the experiment's model with the library's loop
+(:func:`~dselectk.training.train`) under a :class:`~.monitor.TrainingMonitor`, then evaluates it
+on the test and validation splits and measures its gates (Table C.2's quantities included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dselectk.experiments.realdata.monitor import (
+    TrainingMonitor,
+    gate_summary,
+    training_expert_flops,
+)
+from dselectk.experiments.realdata.spec import Experiment, Splits, init_seed, record_config
+from dselectk.experiments.records import RunStore, mean_se, run_id
+from dselectk.experiments.runner import grid_points, progress_position, sample_points
+from dselectk.training import TrainConfig, evaluate, train
+
+__all__ = ["train_one", "tune"]
+
+
+def _subsample(steps: Sequence[int], values: Sequence[Any], limit: int) -> tuple[list, list]:
+    if len(steps) <= limit:
+        return list(steps), list(values)
+    idx = np.unique(np.linspace(0, len(steps) - 1, limit).round().astype(int))
+    return [steps[i] for i in idx], [values[i] for i in idx]
+
+
+def train_one(
+    exp: Experiment,
+    gate: str,
+    hparams: Mapping[str, Any],
+    setting: Any,
+    seed: int,
+    data: Splits,
+    *,
+    progress: bool = False,
+    record_trajectory: bool = True,
+    desc: str = "",
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train one model and measure it.
+
+    Returns:
+        (metrics, extra): scalar metrics for the record's ``metrics`` and bulky extras (gate
+        weights, trajectories, binary checks) stored beside them.
+    """
+    torch.manual_seed(seed)
+    random.seed(seed)
+    model = exp.build_model(gate, hparams, data.meta)
+    weights = exp.task_weights(setting)
+    epochs = int(hparams["epochs"])
+    n_train = len(data.train)
+    steps_total = epochs * math.ceil(n_train / exp.batch_size)
+    record_every = max(1, steps_total // 60) if record_trajectory else 0
+    monitor = TrainingMonitor(
+        model,
+        check_every=max(1, min(10, steps_total // 200)),
+        progress=progress,
+        total_examples=epochs * n_train,
+        desc=desc,
+        position=progress_position(),
+    )
+    monitor.record_every = record_every
+    cfg = TrainConfig(
+        optimizer=exp.optimizer,
+        lr=float(hparams["lr"]),
+        batch_size=exp.batch_size,
+        epochs=epochs,
+        task_weights=weights,
+        seed=seed,
+        record_every=0,  # the monitor records the training batches' weights (no extra pass)
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    try:
+        hist = train(monitor, data.train, list(exp.losses), cfg)
+    finally:
+        throughput = monitor.close()
+    train_seconds = time.perf_counter() - t0
+    test = evaluate(model, data.test, list(exp.losses))
+    val = evaluate(model, data.val, list(exp.losses))
+    metrics: dict[str, Any] = {
+        "train_seconds": train_seconds,
+        "examples_per_second": throughput,
+        "steps": hist.steps,
+        "final_train_loss": hist.train_loss[-1] if hist.train_loss else math.nan,
+    }
+    for split, res in (("test", test), ("val", val)):
+        for t, (loss, acc) in enumerate(zip(res["loss"], res["accuracy"])):
+            metrics[f"{split}_loss_task{t + 1}"] = loss
+            if math.isfinite(acc):
+                metrics[f"{split}_accuracy_task{t + 1}"] = acc
+        metrics[f"{split}_loss"] = sum(w * v for w, v in zip(weights, res["loss"]))
+        accs = [a for a in res["accuracy"] if math.isfinite(a)]
+        if accs:
+            metrics[f"{split}_mean_accuracy"] = sum(accs) / len(accs)
+    extra: dict[str, Any] = {}
+    gs = gate_summary(model, data.test.x)
+    if gs:
+        metrics["selected_experts"] = float(np.mean(gs["selected_per_task"]))
+        for t, v in enumerate(gs["selected_per_task"]):
+            metrics[f"selected_experts_task{t + 1}"] = v
+        if "expected_nonzeros_per_task" in gs:
+            metrics["expected_nonzeros"] = float(np.mean(gs["expected_nonzeros_per_task"]))
+        extra["gate_weights"] = [[round(float(v), 4) for v in row] for row in gs["weights"]]
+    if monitor.needed_per_step:
+        flops_f = exp.expert_flops(hparams, data.meta)
+        sizes = [exp.batch_size] * len(monitor.needed_per_step)
+        rem = n_train % exp.batch_size
+        if rem:
+            per_epoch = math.ceil(n_train / exp.batch_size)
+            for i in range(per_epoch - 1, len(sizes), per_epoch):
+                sizes[i] = rem
+        metrics["train_expert_flops"] = training_expert_flops(
+            monitor.needed_per_step, sizes, flops_f
+        )
+        metrics["mean_experts_needed"] = monitor.needed_sum / max(1, monitor.examples)
+        metrics["expert_forward_flops"] = flops_f
+    if monitor.dselect_gates:
+        b = monitor.first_binary_step
+        metrics["binary_reached"] = 0.0 if b is None else 1.0
+        if b is not None:
+            metrics["steps_until_binary"] = b
+            metrics["pct_steps_until_binary"] = 100.0 * b / max(1, hist.steps)
+        metrics["final_binary_fraction"] = monitor.binary_checks[-1][1]
+        n_tasks = len(weights)
+        for t in range(n_tasks):
+            bt = monitor.first_binary_step_task.get(t)
+            metrics[f"binary_reached_task{t + 1}"] = 0.0 if bt is None else 1.0
+            if bt is not None:
+                metrics[f"pct_steps_until_binary_task{t + 1}"] = 100.0 * bt / max(1, hist.steps)
+        cs, cv = _subsample(
+            [c[0] for c in monitor.binary_checks], [c[1] for c in monitor.binary_checks], 200
+        )
+        extra["binary_checks"] = {"steps": cs, "fraction": [round(v, 4) for v in cv]}
+    if record_trajectory and monitor.recorded_steps:
+        ss, ws = _subsample(monitor.recorded_steps, monitor.recorded_weights, 120)
+        extra["trajectory"] = {
+            "steps": ss,
+            "weights": [
+                [[round(float(v), 4) for v in row] for row in w.reshape(-1, w.shape[-1])]
+                for w in ws
+            ],
+        }
+    return metrics, extra
+
+
+def _better(exp: Experiment, a: float, b: float) -> bool:
+    if not math.isfinite(a):
+        return False
+    if not math.isfinite(b):
+        return True
+    return a < b if exp.select == "min_loss" else a > b
+
+
+def tune(
+    exp: Experiment,
+    gate: str,
+    setting: Any,
+    data: Splits,
+    store: RunStore,
+    *,
+    points: int,
+    trials: int,
+    base_seed: int,
+    data_cfg: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    progress: bool,
+) -> dict[str, Any]:
+    """Random grid search (Appendix D): ``points`` random grid points × ``trials`` runs each.
+
+    Each trial is a resumable ``phase="tune"`` record. The point with the best mean validation
+    metric wins; for Gumbel-softmax only points whose expected number of nonzeros is <= 4 are
+    eligible (as in the paper).
+    """
+    grid = {**exp.grid[gate]}
+    for k, v in overrides.items():
+        if v is not None:
+            grid[k] = [v]
+    pts = grid_points(grid, sort_keys=True)
+    pts = sample_points(pts, points, f"{exp.name}|{gate}|{json.dumps(setting)}|{base_seed}")
+    metric = "val_loss" if exp.select == "min_loss" else "val_mean_accuracy"
+    best_hp, best_val = dict(exp.quick_hparams[gate]), math.nan
+    for i, point in enumerate(pts):
+        hp = {**exp.quick_hparams[gate], **point}
+        vals, nnz = [], []
+        for trial in range(trials):
+            s = init_seed(base_seed, gate, setting, trial, f"tune{i}")
+            cfg = record_config(exp, gate, setting, hp, trial, s, base_seed, data_cfg, "tune")
+            path = store.path(run_id(cfg))
+            if path.is_file():
+                rec = json.loads(path.read_text(encoding="utf-8"))
+                m = rec["metrics"]
+            else:
+                m, _ = train_one(
+                    exp,
+                    gate,
+                    hp,
+                    setting,
+                    s,
+                    data,
+                    progress=progress,
+                    record_trajectory=False,
+                    desc=f"tune {gate} {i + 1}/{len(pts)} trial {trial + 1}",
+                )
+                store.save(cfg, m)
+            vals.append(m.get(metric, math.nan))
+            nnz.append(m.get("expected_nonzeros", 0.0))
+        v = mean_se(vals)["mean"]
+        if gate == "gumbel_softmax" and float(np.mean(nnz)) > 4.0:
+            continue
+        if _better(exp, float(v), float(best_val)):
+            best_hp, best_val = hp, float(v)
+    return {"hparams": best_hp, "val_metric": best_val, "metric": metric, "points": len(pts)}

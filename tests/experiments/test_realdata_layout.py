@@ -1,0 +1,57 @@
+"""Layout of the real-data experiments: the shared package never imports its recipes, the
+recipes' specs travel to sweep workers, the grid search draws the points it always drew."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+import random
+import subprocess
+import sys
+
+from dselectk.experiments import movielens as ml
+from dselectk.experiments import multi_mnist as mm
+from dselectk.experiments import realdata as rd
+from dselectk.experiments.runner import grid_points, sample_points
+
+
+def test_realdata_does_not_import_the_recipes() -> None:
+    code = (
+        "import sys, dselectk.experiments.realdata\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dselectk.experiments.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = out.stdout
+    assert "dselectk.experiments.realdata.recipe" in loaded
+    assert "movielens" not in loaded and "multi_mnist" not in loaded
+
+
+def test_experiment_specs_pickle_for_the_sweep_workers() -> None:
+    for exp in (ml.experiment(), mm.experiment("multi-fashion")):
+        back = pickle.loads(pickle.dumps(exp))
+        assert back.name == exp.name and back.write_report is exp.write_report
+
+
+def test_tune_points_are_the_former_sorted_grid_and_sample() -> None:
+    exp = ml.experiment()
+    for gate, setting, points in (("dselect_k_static", 0.5, 20), ("softmax", 0.1, 1000)):
+        grid = {**exp.grid[gate], "epochs": [1]}
+        keys = sorted(grid)
+        former = [dict(zip(keys, v)) for v in itertools.product(*(grid[k] for k in keys))]
+        rng = random.Random(f"{exp.name}|{gate}|{json.dumps(setting)}|0")
+        if points < len(former):
+            former = rng.sample(former, points)
+        seed = f"{exp.name}|{gate}|{json.dumps(setting)}|0"
+        assert sample_points(grid_points(grid, sort_keys=True), points, seed) == former
+
+
+def test_notes_template_keeps_quick_paragraphs_for_quick_mode() -> None:
+    values = {"title": "Multi-MNIST", "n_train": "6,000", "n_val": "1,000", "n_test": "2,000"}
+    full = rd.template_notes("multi_mnist", quick=False, epochs=3, repetitions=1, **values)
+    quick = rd.template_notes("multi_mnist", quick=True, epochs=3, repetitions=1, **values)
+    assert len(full) == 3 and quick[:3] == full and len(quick) == 4
+    assert full[0].startswith("Data: Multi-MNIST built by `load_multi_mnist`")
+    assert "6,000 / 1,000 / 2,000 train / val / test images" in full[0]
+    assert quick[3].startswith("Quick mode:") and "3 epochs instead of 25–100" in quick[3]
+    assert not any("<!--" in n for n in quick)
