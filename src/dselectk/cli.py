@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dselectk", description="DSelect-k gates for mixture-of-experts models."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -71,13 +72,31 @@ def _bench(help_suite: bool, extra: Sequence[str]) -> int:
     return subprocess.run(cmd, cwd=root, check=False).returncode
 
 
+#: errors that a user's input causes (bad values, files, folders): one line and exit code 2
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dselectk`` command."""
+    """Entry point of the ``dselectk`` command.
+
+    A user error (a bad value, a missing or corrupt file, an unwritable folder) prints one line
+    ``dselectk: error: ...`` and returns 2; ``--debug`` shows the traceback instead.
+    """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     tune_allocator()
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return _dispatch(args, extra)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"dselectk: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace, extra: Sequence[str]) -> int:
     if args.command == "demo":
         return int(importlib.import_module("dselectk.experiments.demo").run(args))
     if args.command == "reproduce":

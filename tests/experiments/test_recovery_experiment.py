@@ -85,4 +85,4 @@ def test_cli_smoke_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_report_without_records_fails_cleanly(tmp_path: Path) -> None:
-    assert main(["report", str(tmp_path)]) == 1
+    assert main(["report", str(tmp_path)]) == 2  # a user error: one line, exit code 2

@@ -8,6 +8,7 @@ record or none, and the same command restarted skips finished runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -15,7 +16,7 @@ import math
 import os
 import platform
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from dselectk import io as _io
 from dselectk._testing import pause_point
 
 __all__ = [
+    "PLAN_FILE",
     "RunStore",
     "atomic_write_json",
     "atomic_write_text",
@@ -33,6 +35,7 @@ __all__ = [
     "mean_se",
     "run_id",
     "summarize",
+    "tracking",
 ]
 
 
@@ -91,6 +94,25 @@ def environment() -> dict[str, Any]:
     return env
 
 
+#: which runs the last command of a results folder consists of
+PLAN_FILE = "plan.json"
+_TRACKED: set[str] | None = None
+
+
+@contextlib.contextmanager
+def tracking() -> Iterator[set[str]]:
+    """Collect the ids of every run whose record this process looks up or writes (through
+    :meth:`RunStore.path`: ``done``, ``save``) inside the block: the runs a sweep consists of."""
+    global _TRACKED
+    outer, _TRACKED = _TRACKED, set()
+    try:
+        yield _TRACKED
+    finally:
+        ids, _TRACKED = _TRACKED, outer
+        if outer is not None:
+            outer.update(ids)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -130,6 +152,9 @@ class RunStore:
         return removed
 
     def path(self, rid: str) -> Path:
+        """The record file of run ``rid`` (the run counts as planned, see :func:`tracking`)."""
+        if _TRACKED is not None:
+            _TRACKED.add(rid)
         return self.runs / f"{rid}.json"
 
     def done(self, config: Mapping[str, Any]) -> bool:
@@ -145,6 +170,30 @@ class RunStore:
         path = _io.write_json(self.path(rid), record)
         pause_point("record-saved")  # test-only; see dselectk._testing
         return path
+
+    def load_planned(self) -> tuple[list[dict[str, Any]], int]:
+        """The records of the last command that ran in this folder (its ``plan.json``), and
+        how many other records the folder holds (earlier commands with other settings).
+
+        Summaries use these only, so runs made with different settings are never averaged
+        together. A folder without ``plan.json`` (written by older versions) gives all records.
+        """
+        records = self.load()
+        plan = self.root / PLAN_FILE
+        if not plan.is_file():
+            return records, 0
+        try:
+            planned = set(json.loads(plan.read_text(encoding="utf-8"))["runs"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{plan}: not a valid plan file ({e})") from None
+        mine = [r for r in records if r.get("run_id") in planned]
+        return mine, len(records) - len(mine)
+
+    def write_plan(self, run_ids: Iterable[str], command: str) -> Path:
+        """Record which runs the current command consists of (see :meth:`load_planned`)."""
+        return _io.write_json(
+            self.root / PLAN_FILE, {"command": command, "runs": sorted(set(run_ids))}
+        )
 
     def load(self) -> list[dict[str, Any]]:
         """All complete records, sorted by run id; an unreadable file raises a ValueError."""

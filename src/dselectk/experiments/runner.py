@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.records import RunStore
+from dselectk.experiments.records import RunStore, tracking
 from dselectk.io import write_json
 from dselectk.progress import tqdm
 
@@ -145,18 +145,25 @@ def _load(sweep: Sweep, args: Any) -> Any:
     return _WORKER["data"]
 
 
-def _worker_cell(sweep: Sweep, args: Any, cell: Any) -> tuple[str, dict[str, Any], float]:
+def _worker_cell(sweep: Sweep, args: Any, cell: Any) -> tuple[str, dict[str, Any], float, set[str]]:
     """One cell in a pool worker (the data is loaded once per worker)."""
     t0 = time.perf_counter()
     try:
-        selection = sweep.run_cell(args, cell, _load(sweep, args), _WORKER["progress"])
+        with tracking() as runs:
+            selection = sweep.run_cell(args, cell, _load(sweep, args), _WORKER["progress"])
     except _SweepKilled:
         os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
-    return sweep.cell_name(cell), selection, time.perf_counter() - t0
+    return sweep.cell_name(cell), selection, time.perf_counter() - t0, runs
 
 
 def _run_pool(
-    sweep: Sweep, args: Any, jobs: int, threads: int, progress: bool, save: Callable[[], None]
+    sweep: Sweep,
+    args: Any,
+    jobs: int,
+    threads: int,
+    progress: bool,
+    save: Callable[[], None],
+    runs: set[str],
 ) -> dict[str, Any]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -174,8 +181,9 @@ def _run_pool(
         bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
         try:
             for fut in as_completed(futures):
-                key, selection, seconds = fut.result()
+                key, selection, seconds, cell_runs = fut.result()
                 selected[key] = selection
+                runs.update(cell_runs)
                 save()
                 bar.set_postfix_str(f"{key} {seconds:.0f}s")
                 bar.update(1)
@@ -196,8 +204,13 @@ def run_sweep(
     jobs: int = 1,
     threads: int = 0,
     progress: bool = True,
+    command: str = "",
 ) -> dict[str, Any]:
     """Run (or resume) every cell; return the selections by cell name, in cell order.
+
+    When every cell has run, ``plan.json`` lists the runs of this command (records looked up or
+    written by its cells), so the reports summarise them only, never records of earlier
+    commands with other settings (see :meth:`RunStore.load_planned`).
 
     Args:
         sweep: the recipe's sweep.
@@ -207,6 +220,7 @@ def run_sweep(
         threads: torch threads of each process (0: torch's default in one process, an equal
             share of the cores in a pool).
         progress: show progress bars.
+        command: the command line, recorded in ``plan.json``.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,14 +231,18 @@ def run_sweep(
     def save() -> None:
         write_json(path, {n: selected[n] for n in names if n in selected})
 
+    runs: set[str] = set()
     if jobs > 1 and len(sweep.cells) > 1:
-        selected.update(_run_pool(sweep, args, jobs, threads, progress, save))
+        selected.update(_run_pool(sweep, args, jobs, threads, progress, save, runs))
     else:
         if threads:
             torch.set_num_threads(threads)
         data = sweep.load_data(args)
         for cell, name in zip(sweep.cells, names):
-            selected[name] = sweep.run_cell(args, cell, data, progress)
+            with tracking() as cell_runs:
+                selected[name] = sweep.run_cell(args, cell, data, progress)
+            runs.update(cell_runs)
             save()
     save()
+    RunStore(out).write_plan(runs, command)
     return {n: selected[n] for n in names}

@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dselectk.experiments.args import check_out_dir, int_at_least, positive_float
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -42,6 +43,9 @@ def _init_seed(seed: int, rep: int) -> int:
     return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
 
 
+POS, NONNEG = int_at_least(1), int_at_least(0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce recovery``."""
     p.add_argument("--out", type=Path, default=Path("results/recovery"), help="results folder")
@@ -51,29 +55,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=["dselect_k", "dselect_k_spread", "topk"],
         choices=sorted(GATES),
     )
-    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 20, full 100)")
+    p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 20, full 100)")
     p.add_argument(
         "--lrs",
-        type=float,
+        type=positive_float,
         nargs="+",
         default=None,
         help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
     )
-    p.add_argument("--epochs", type=int, default=None, help="override the epochs")
-    p.add_argument("--seed", type=int, default=0, help="base seed (init, shuffling)")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated data")
+    p.add_argument("--epochs", type=POS, default=None, help="override the epochs")
+    p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
+    p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
     p.add_argument("--full", action="store_true", help="100 repetitions")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
-    p.add_argument("--record-every", type=int, default=10, help="trajectory sampling (steps)")
+    p.add_argument("--record-every", type=NONNEG, default=10, help="trajectory sampling (steps)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=POS,
         default=1,
         help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=NONNEG,
         default=0,
         help="worker processes, each running whole gates (default 0: one per core / --threads, "
         "at most one per gate); the records are the same as in one process",
@@ -164,15 +168,17 @@ def sweep(args: argparse.Namespace) -> Sweep:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every gate × learning rate × repetition, then write the report."""
+    check_out_dir(args.out)
     sw = sweep(args)
     threads = max(1, int(getattr(args, "threads", 1) or 1))
     jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
     progress = not args.no_progress
     t0 = time.perf_counter()
-    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress)
+    command = " ".join(["dselectk", *sys.argv[1:]])
+    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress, command=command)
     wall = time.perf_counter() - t0
     out = Path(args.out)
-    write_report(out, wall_seconds=wall, command=" ".join(["dselectk", *sys.argv[1:]]))
+    write_report(out, wall_seconds=wall, command=command)
     print_table(json.loads((out / "summary.json").read_text()))
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
     return 0

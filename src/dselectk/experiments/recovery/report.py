@@ -10,7 +10,7 @@ from typing import Any
 
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.recovery.model import EXPERIMENT, LABELS, NUM_TRUE, PAPER
-from dselectk.experiments.templates import render
+from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
 __all__ = ["print_table", "write_report"]
@@ -42,7 +42,8 @@ def write_report(
     from dselectk.plots import plot_trajectories
 
     results_dir = Path(results_dir)
-    records = [r for r in RunStore(results_dir).load() if r["config"].get("phase") == "final"]
+    planned, others = RunStore(results_dir).load_planned()
+    records = [r for r in planned if r["config"].get("phase") == "final"]
     prev: dict[str, Any] = {}
     if (results_dir / "summary.json").is_file():
         try:
@@ -72,6 +73,7 @@ def write_report(
         "selection": "per gate, the learning rate with the lowest mean validation loss",
         "paper": PAPER,
         "records": len(records),
+        "records_not_summarised": others,
         "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
         "command": command or prev.get("command"),
     }
@@ -145,6 +147,7 @@ def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
         command=summary.get("command") or "(rebuilt with dselectk report)",
         wall_line=f"Wall time: {wall:.0f} s  " if wall else "Wall time: not recorded  ",
         records=summary["records"],
+        others=others_note(summary.get("records_not_summarised", 0)),
         selected_rows="\n".join(selected_rows),
         all_rows="\n".join(all_rows),
         claims="\n".join(claims),

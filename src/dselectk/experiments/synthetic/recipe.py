@@ -16,6 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dselectk.experiments.args import (
+    check_out_dir,
+    int_at_least,
+    nonnegative_float,
+    positive_float,
+)
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
 from dselectk.experiments.synthetic.data import SyntheticData, generate_data
@@ -34,44 +40,68 @@ from dselectk.experiments.synthetic.train import train_reps, tune
 __all__ = ["add_arguments", "run", "run_cell", "sweep"]
 
 
+POS, NONNEG = int_at_least(1), int_at_least(0)
+
+
+def task_count(text: str) -> int:
+    """An argparse type: a task count T of the study, a multiple of 16 up to 128."""
+    t = POS(text)
+    if t % 16 or t > 128:
+        raise argparse.ArgumentTypeError(f"expected one of 16, 32, ..., 128 (T/16 groups), got {t}")
+    return t
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
     p.add_argument("--out", type=Path, default=Path("results/synthetic"), help="results folder")
-    p.add_argument("--tasks", type=int, nargs="+", default=[16, 32, 64, 128], help="T values")
-    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(GATES))
-    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 5, full 100)")
-    p.add_argument("--batch-reps", type=int, default=None, help="repetitions trained together")
-    p.add_argument("--seed", type=int, default=0, help="base seed (init, shuffling)")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated data")
-    p.add_argument("--full", action="store_true", help="paper protocol: grid search + 100 reps")
-    p.add_argument("--epochs", type=int, default=None, help="override the epochs of every gate")
-    p.add_argument("--lr", type=float, default=None, help="override the learning rate")
-    p.add_argument("--gamma", type=float, default=None, help="override DSelect-k's γ")
-    p.add_argument("--gamma-end", type=float, default=None, help="anneal γ to this (log scale)")
-    p.add_argument("--entropy-reg", type=float, default=None, help="override λ (DSelect-k, abl.)")
-    p.add_argument("--entropy-reg-end", type=float, default=None, help="ramp λ linearly to this")
-    p.add_argument("--diversity", type=float, default=None, help="μ of dselect_k_diverse")
     p.add_argument(
-        "--temperature-start", type=float, default=None, help="annealing start temperature s"
+        "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
     )
-    p.add_argument("--n-train", type=int, default=100_000, help="training rows (paper 100k)")
-    p.add_argument("--n-eval", type=int, default=20_000, help="validation = test rows (20k)")
+    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(GATES))
+    p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 5, full 100)")
+    p.add_argument("--batch-reps", type=POS, default=None, help="repetitions trained together")
+    p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
+    p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
+    p.add_argument("--full", action="store_true", help="paper protocol: grid search + 100 reps")
+    p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every gate")
+    p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
+    p.add_argument("--gamma", type=positive_float, default=None, help="override DSelect-k's γ")
+    p.add_argument(
+        "--gamma-end", type=positive_float, default=None, help="anneal γ to this (log scale)"
+    )
+    p.add_argument(
+        "--entropy-reg", type=nonnegative_float, default=None, help="override λ (DSelect-k, abl.)"
+    )
+    p.add_argument(
+        "--entropy-reg-end", type=nonnegative_float, default=None, help="ramp λ linearly to this"
+    )
+    p.add_argument(
+        "--diversity", type=nonnegative_float, default=None, help="μ of dselect_k_diverse"
+    )
+    p.add_argument(
+        "--temperature-start",
+        type=positive_float,
+        default=None,
+        help="annealing start temperature s",
+    )
+    p.add_argument("--n-train", type=POS, default=100_000, help="training rows (paper 100k)")
+    p.add_argument("--n-eval", type=POS, default=20_000, help="validation = test rows (20k)")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
-    p.add_argument("--trials", type=int, default=5, help="--full: trials per grid point")
-    p.add_argument("--max-points", type=int, default=None, help="--full: grid points sampled")
+    p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
+    p.add_argument("--max-points", type=POS, default=None, help="--full: grid points sampled")
     p.add_argument(
         "--sequential", action="store_true", help="train repetitions one at a time (reference)"
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=NONNEG,
         default=0,
         help="torch CPU threads (default 0: torch's default, all cores; batches of 100 "
         "repetitions were 1.6x faster on 2 threads than on 1, batches of 5 the same)",
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=NONNEG,
         default=0,
         help="worker processes, each running whole (gate, T) cells with its share of the cores "
         "(--threads each if given); default 0: cores / --threads of them, at most one per cell. On "
@@ -187,16 +217,18 @@ def sweep(args: argparse.Namespace) -> Sweep:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
+    check_out_dir(args.out)
     sw = sweep(args)
     threads = int(getattr(args, "threads", 0) or 0)
     jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
     args.jobs = jobs
     progress = not args.no_progress
     t0 = time.perf_counter()
-    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress)
+    command = " ".join(["dselectk", *sys.argv[1:]])
+    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress, command=command)
     wall = time.perf_counter() - t0
     out = Path(args.out)
-    write_report(out, wall_seconds=wall, command=" ".join(["dselectk", *sys.argv[1:]]))
+    write_report(out, wall_seconds=wall, command=command)
     print_table(json.loads((out / "summary.json").read_text()))
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
     return 0

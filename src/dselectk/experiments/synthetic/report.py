@@ -21,7 +21,7 @@ from dselectk.experiments.synthetic.spec import (
     K,
     load_tuned,
 )
-from dselectk.experiments.templates import render
+from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
 __all__ = ["print_table", "write_report"]
@@ -134,7 +134,7 @@ def write_report(
     from dselectk.plots import plot_metric_panels, plot_metric_vs, plot_weight_heatmap
 
     results_dir = Path(results_dir)
-    records = RunStore(results_dir).load()
+    records, others = RunStore(results_dir).load_planned()
     rows = _summary_rows(records)
     final = [r for r in records if r["config"].get("phase") == "final"]
     tune_count = sum(1 for r in records if r["config"].get("phase") == "tune")
@@ -155,6 +155,7 @@ def write_report(
         "random_gate_expected_jaccard": {str(t): v for t, v in random_ref.items()},
         "records": len(final),
         "tune_records": tune_count,
+        "records_not_summarised": others,
         "wall_seconds": wall,
         "command": cmd,
         "paper": PAPER,
@@ -327,6 +328,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         else "Wall time: not recorded  ",
         records=summary["records"],
         tune_records=summary["tune_records"],
+        others=others_note(summary.get("records_not_summarised", 0)),
         source=source,
         result_rows="\n".join(result_rows),
         hparam_lines="\n".join(f"- {label}: {'; '.join(sorted(v))}" for label, v in seen.items()),

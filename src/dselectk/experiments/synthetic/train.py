@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk.experiments.records import RunStore
+from dselectk.experiments.records import RunStore, run_id
 from dselectk.experiments.runner import progress_position, sample_points
 from dselectk.experiments.synthetic.data import SyntheticData
 from dselectk.experiments.synthetic.loss import mixture_loss
@@ -215,6 +215,7 @@ def tune(
     # count of the grid covers the epochs axis (Adam's first 25 epochs of a 100-epoch run are
     # the 25-epoch run with the same seeds).
     members: list[tuple[dict[str, Any], int, list[int]]] = []
+    planned: set[str] = set()  # this search's runs: records of other settings are not scored
     for p in points:
         eps = [int(p["epochs"])] if epoch_dependent else epochs_axis
         for i, s in enumerate(seeds):
@@ -231,6 +232,7 @@ def tune(
                 )
                 for e in eps
             ]
+            planned.update(run_id(c) for c in cfgs)
             if not all(store.done(c) for c in cfgs):
                 members.append((p, i, eps))
     chunks = [members[i : i + max_members] for i in range(0, len(members), max_members)]
@@ -274,9 +276,9 @@ def tune(
                 store.save(cfg, res[e][j])
     scores: dict[str, tuple[float, bool, dict[str, Any]]] = {}
     for rec in store.load():
-        c = rec["config"]
-        if c.get("phase") != "tune" or c["gate"] != gate or c["num_tasks"] != num_tasks:
+        if rec.get("run_id") not in planned:
             continue
+        c = rec["config"]
         key = json.dumps(c["hparams"], sort_keys=True)
         m = rec["metrics"]
         prev = scores.get(key, (0.0, True, {"n": 0}))

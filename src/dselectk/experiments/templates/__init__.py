@@ -7,7 +7,7 @@ from importlib import resources
 from string import Template
 from typing import Any
 
-__all__ = ["render"]
+__all__ = ["others_note", "render"]
 
 
 def render(name: str, **values: Any) -> str:
@@ -18,3 +18,13 @@ def render(name: str, **values: Any) -> str:
     """
     text = resources.files(__name__).joinpath(f"{name}.md").read_text(encoding="utf-8")
     return Template(text).substitute(values)
+
+
+def others_note(n: int) -> str:
+    """The report line naming records that were not summarised (other settings), or ""."""
+    if not n:
+        return ""
+    return (
+        f"  \nRecords of earlier commands with other settings, not summarised: {n} "
+        "(plan.json lists the runs of this command)."
+    )

@@ -1,0 +1,98 @@
+"""Validated command-line values: every numeric flag of the recipes has a type with its domain.
+
+argparse calls these on the raw strings before any work starts, so ``--reps -1`` or
+``--lrs nan`` stop with one line naming the flag and the expected range (exit code 2), instead
+of empty results or a crash after a gate has trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "check_out_dir",
+    "finite_float",
+    "int_at_least",
+    "nonnegative_float",
+    "positive_float",
+    "probability",
+]
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number."""
+    return _float(text)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (learning rates, γ, temperatures)."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (regularisation weights)."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    value = _float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def check_out_dir(path: str | Path) -> Path:
+    """Create the results folder if needed and check that it can be written, up front.
+
+    Raises:
+        ValueError: ``path`` is a file, or the folder cannot be created or written.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path}: is a file, expected a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    return path
