@@ -15,6 +15,11 @@ static             (n,)                (T, n)
 per-example        (B, n)              (B, T, n)
 =================  ==================  =====================
 
+Per-example gates also accept tokens: an input of shape ``(..., p)`` (e.g. ``(B, S, p)``, a
+batch of sequences) is flattened to ``(N, p)`` with N the product of the leading dims, gated as N
+examples, and the weights are reshaped to ``(..., n)`` or ``(..., T, n)``; auxiliary losses are
+averaged over the N tokens. A ``(B, p)`` input takes exactly the path it always took.
+
 ``forward`` is pure: it returns the weights and the auxiliary loss (entropy terms, penalties,
 balancing losses) in a :class:`GateOutput`; nothing is stored on the module and nothing calls
 ``backward``. Per-example auxiliary losses are averaged over the batch, so their weight does not
@@ -323,11 +328,15 @@ class Gate(nn.Module):
             self.register_parameter("logits", None)
 
     def compute_logits(self, x: Tensor | None = None) -> Tensor:
-        """Logits of shape ``(*lead, *logit_shape)`` for input ``x`` (ignored by static gates)."""
+        """Logits of shape ``(*lead, *logit_shape)`` for input ``x`` (ignored by static gates).
+
+        A per-example input ``(..., p)`` with more than one leading dim is flattened first: the
+        logits are then ``(N, [T,] *logit_shape)``, N the number of tokens.
+        """
         shape = self._logit_shape()
         if self.static:
             return self.logits
-        x = self._check_input(x)
+        x = self._flatten_tokens(self._check_input(x))
         assert self.proj is not None
         out = self.proj(x)  # (B, G * size): one matmul for all gates and all parameter groups
         lead = (x.shape[0],) if self.num_gates is None else (x.shape[0], self.num_gates)
@@ -338,11 +347,29 @@ class Gate(nn.Module):
             raise ValueError(f"{type(self).__name__} is per-example: forward needs an input x")
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[-1] != self.in_features:
-            raise ValueError(f"x must have shape (batch, {self.in_features}), got {tuple(x.shape)}")
+        if x.dim() < 2 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x must have shape (batch, {self.in_features}) or (..., {self.in_features}) "
+                f"(tokens), got {tuple(x.shape)}"
+            )
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("x contains NaN or inf (check_finite=True)")
         return x
+
+    @staticmethod
+    def _flatten_tokens(x: Tensor) -> Tensor:
+        """``(..., p)`` tokens as ``(N, p)`` rows; a ``(B, p)`` input is returned as is."""
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+    def __call__(self, x: Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        # Tokens (..., p) of a per-example gate: gate the flattened (N, p) rows (every
+        # subclass's forward sees the (B, p) input it always saw), then give the weights back
+        # their leading dims. Everything else, (B, p) included, is the plain module call.
+        if self.static or not isinstance(x, Tensor) or x.dim() <= 2:
+            return super().__call__(x, *args, **kwargs)
+        lead = x.shape[:-1]
+        out = super().__call__(self._check_input(x).reshape(-1, x.shape[-1]), *args, **kwargs)
+        return GateOutput(out.weights.reshape(*lead, *out.weights.shape[1:]), out.aux_loss)
 
     # -- interface ------------------------------------------------------------------------
     def forward(self, x: Tensor | None = None) -> GateOutput:

@@ -1,0 +1,251 @@
+"""A sparse mixture-of-experts feed-forward block for transformers: per-token routing.
+
+:class:`SparseMoEFeedForward` replaces a transformer's feed-forward layer: each token ``x_t``
+(any leading dims, e.g. ``(B, S, d_model)``) is routed by a per-example gate (any registered
+gate, DSelect-k included) to at most ``k`` experts, each a two-layer MLP
+``d_model -> d_ff -> d_model``, and the output is ``Σ_i w_ti E_i(x_t)`` over the experts the token
+was dispatched to.
+
+Dispatch (the sparse path; no expert is ever evaluated on a token not routed to it): the
+(token, expert) pairs are sorted by expert, each used expert runs one matmul per layer on its
+block of rows (:meth:`~dselectk.layers.StackedMLP.forward_grouped`), and the weighted results are
+scatter-added back to their tokens.
+
+Which experts a token goes to: those with a nonzero weight, at most ``k`` of them (the largest).
+For gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits S(Wx) are binary)
+the block computes the gate's mixture exactly. For gates whose weights can have more nonzeros
+(DSelect-k while S(Wx) is not binary, softmax), the weight outside the ``k`` largest is dropped
+(or, with ``renormalize=True``, the kept weights are rescaled to sum to 1), so the compute stays
+at ``k`` experts per token.
+
+Capacity (optional, as Switch Transformer / GShard): with ``capacity_factor=c`` each expert takes
+at most ``ceil(c · N · k / n)`` (token, expert) pairs of a batch of N tokens; pairs over capacity
+are dropped (their term is missing from the token's output, which in a residual block leaves
+the token unchanged by that expert). Priority goes to first choices: all pairs of rank 1 (the
+token's largest weight) in token order, then rank 2, and so on (GShard's rule). Dropped pairs
+are counted in :attr:`SparseMoEFeedForward.last_stats`. ``None`` (default): no capacity limit.
+
+Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), for every gate:
+``balance = n · Σ_i f_i · P_i`` where f_i is the fraction of the (token, expert) pairs routed to
+expert i (before capacity drops; the f sum to 1, so balanced routing gives 1) and P_i the mean
+over tokens of the router's probability for i. A gate's weights need not be probabilities (they
+may sum to less than 1, e.g. DSelect-k with n not a power of two), so P uses the weights
+normalised per token, ``w_ti / Σ_j w_tj``. For DSelect-k these are its full weights (gradient
+reaches every selector and bit), for Top-k the softmax over its top k. f is not differentiable,
+P is. The block's auxiliary loss is the gate's own (e.g. DSelect-k's entropy term, averaged over
+tokens) plus ``balance_loss_weight · balance``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.base import Gate, check_nonnegative, check_positive_int
+from dselectk.gates.registry import GATES, make_gate
+from dselectk.layers.experts import StackedMLP
+
+__all__ = ["Routing", "SparseMoEFeedForward", "TokenMoEOutput", "balance_loss"]
+
+
+class TokenMoEOutput(NamedTuple):
+    """What :class:`SparseMoEFeedForward` returns."""
+
+    output: Tensor
+    """(..., d_model), shaped like the input."""
+    aux_loss: Tensor
+    """Scalar: the gate's auxiliary loss + balance_loss_weight · balance loss."""
+
+
+class Routing(NamedTuple):
+    """The routing of a batch of N tokens (see :meth:`SparseMoEFeedForward.route`)."""
+
+    weights: Tensor
+    """(N, n) the gate's weights (all of them, before the top-k cut)."""
+    gate_aux: Tensor
+    """Scalar auxiliary loss of the gate."""
+    token: Tensor
+    """(P,) token index of each dispatched (token, expert) pair, sorted by expert."""
+    expert: Tensor
+    """(P,) expert of each pair (non-decreasing)."""
+    pair_weight: Tensor
+    """(P,) weight of each pair (differentiable)."""
+    counts: list[int]
+    """Pairs per expert after capacity (n entries; sum P)."""
+    routed: Tensor
+    """(n,) pairs per expert before capacity (what the balance loss's f counts)."""
+    dropped: int
+    """Pairs dropped by the capacity limit."""
+
+
+def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
+    """Switch-style load-balancing loss ``n · Σ_i f_i · P_i`` (see the module docstring).
+
+    Args:
+        weights: (N, n) router weights, any nonnegative numbers (normalised per token here).
+        routed: (n,) number of (token, expert) pairs routed to each expert.
+    """
+    n = weights.shape[-1]
+    probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    p = probs.mean(0)
+    f = routed.to(weights.dtype) / routed.sum().clamp_min(1).to(weights.dtype)
+    return n * (f * p).sum()
+
+
+def _accepts(factory: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class SparseMoEFeedForward(nn.Module):
+    """Sparse MoE feed-forward block with a pluggable per-token router (module docstring).
+
+    Args:
+        d_model: token size.
+        d_ff: hidden size of each expert.
+        num_experts: n >= 2.
+        router: a gate name of :func:`~dselectk.gates.make_gate` (built per-example with
+            ``in_features=d_model`` and, if it takes one, ``k``) or a per-example single
+            :class:`~dselectk.gates.Gate` with ``in_features=d_model`` and n experts.
+        k: at most this many experts per token.
+        capacity_factor: None (no limit) or c > 0: each expert takes at most
+            ``ceil(c · N · k / n)`` pairs of a batch of N tokens.
+        balance_loss_weight: weight of the Switch balance loss in ``aux_loss`` (0: not computed).
+        renormalize: rescale the kept weights of a token to sum to 1 when the top-k cut drops
+            some.
+        activation: the experts' hidden activation ("gelu", "relu", ...).
+        router_kwargs: extra arguments of the gate when ``router`` is a name (gamma, ...).
+    """
+
+    last_stats: dict[str, Any] | None
+    """Routing statistics of the last forward (detached): ``load`` (n,) pairs per expert after
+    capacity, ``routed`` (n,) before, ``dropped``, ``tokens``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        router: Gate | str = "dselect_k",
+        k: int = 2,
+        *,
+        capacity_factor: float | None = None,
+        balance_loss_weight: float = 0.01,
+        renormalize: bool = False,
+        activation: str = "gelu",
+        router_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = check_positive_int("d_model", d_model)
+        self.num_experts = check_positive_int("num_experts", num_experts, 2)
+        self.k = check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        if capacity_factor is not None and not (
+            capacity_factor > 0 and math.isfinite(capacity_factor)
+        ):
+            raise ValueError(f"capacity_factor must be None or > 0, got {capacity_factor}")
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.balance_loss_weight = check_nonnegative("balance_loss_weight", balance_loss_weight)
+        self.renormalize = bool(renormalize)
+        if isinstance(router, str):
+            kw = dict(router_kwargs or {})
+            if router in GATES and _accepts(GATES[router], "k"):
+                kw.setdefault("k", k)
+            router = make_gate(router, num_experts, in_features=d_model, **kw)
+        elif router_kwargs:
+            raise ValueError("router_kwargs only apply when router is a gate name")
+        if not isinstance(router, Gate):
+            raise TypeError(f"router must be a Gate or a gate name, got {type(router).__name__}")
+        if router.static or router.in_features != d_model or router.num_gates is not None:
+            raise ValueError(
+                f"router must be a per-example single gate with in_features={d_model}, "
+                f"got {router!r}"
+            )
+        if router.num_experts != num_experts:
+            raise ValueError(f"router has {router.num_experts} experts, expected {num_experts}")
+        self.router = router
+        self.experts = StackedMLP(
+            num_experts, d_model, [d_ff, d_model], activation=activation, final_activation=False
+        )
+        self.last_stats = None
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Pairs each expert takes from a batch of ``num_tokens`` tokens (None: no limit)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts))
+
+    def route(self, x: Tensor) -> Routing:
+        """Gate the (N, d_model) tokens and build the dispatch (sorted by expert)."""
+        out = self.router(x)
+        weights = out.weights  # (N, n)
+        n, big_n = self.num_experts, weights.shape[0]
+        k = min(self.k, n)
+        top_w, top_e = weights.topk(k, dim=-1)  # (N, k), largest first: rank-major priority
+        if self.renormalize:
+            top_w = top_w / top_w.sum(-1, keepdim=True).clamp_min(torch.finfo(top_w.dtype).tiny)
+        # Pairs in rank-major order (all first choices, then second, ...), then by token.
+        flat_w = top_w.t().reshape(-1)
+        flat_e = top_e.t().reshape(-1)
+        flat_t = torch.arange(big_n, device=x.device).repeat(k)
+        live = (flat_w > 0).nonzero().squeeze(1)  # zero weights dispatch nothing
+        flat_w, flat_e, flat_t = flat_w[live], flat_e[live], flat_t[live]
+        routed = torch.bincount(flat_e, minlength=n)
+        order = torch.sort(flat_e, stable=True).indices  # by expert; priority kept within
+        flat_w, flat_e, flat_t = flat_w[order], flat_e[order], flat_t[order]
+        cap = self.capacity(big_n)
+        dropped = 0
+        if cap is not None:
+            starts = torch.cumsum(routed, 0) - routed
+            pos = torch.arange(flat_e.numel(), device=x.device) - starts[flat_e]
+            keep = (pos < cap).nonzero().squeeze(1)
+            dropped = int(flat_e.numel() - keep.numel())
+            flat_w, flat_e, flat_t = flat_w[keep], flat_e[keep], flat_t[keep]
+            counts = routed.clamp(max=cap).tolist()
+        else:
+            counts = routed.tolist()
+        return Routing(weights, out.aux_loss, flat_t, flat_e, flat_w, counts, routed, dropped)
+
+    def forward(self, x: Tensor) -> TokenMoEOutput:
+        """Route every token of ``x`` (..., d_model); returns the output and the aux loss."""
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape (..., {self.d_model}), got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.d_model)
+        r = self.route(flat)
+        y = self.experts.forward_grouped(flat[r.token], r.counts)  # (P, d): one matmul/expert
+        y = y * r.pair_weight.unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(flat).index_add(0, r.token, y)
+        aux = r.gate_aux
+        if self.balance_loss_weight > 0:
+            aux = aux + self.balance_loss_weight * balance_loss(r.weights, r.routed)
+        self.last_stats = {
+            "load": torch.tensor(r.counts),
+            "routed": r.routed.detach().cpu(),
+            "dropped": r.dropped,
+            "tokens": int(flat.shape[0]),
+        }
+        return TokenMoEOutput(out.reshape(*lead, self.d_model), aux)
+
+    @torch.no_grad()
+    def dense_reference(self, x: Tensor) -> Tensor:
+        """``Σ_i w_i E_i(x)`` with every expert evaluated on every token (tests, debugging)."""
+        flat = x.reshape(-1, self.d_model)
+        w = self.router(flat).weights  # (N, n)
+        every = self.experts(flat)  # (n, N, d)
+        return torch.einsum("tn,ntd->td", w, every).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
+            f"capacity_factor={self.capacity_factor}, "
+            f"balance_loss_weight={self.balance_loss_weight:g}, renormalize={self.renormalize}"
+        )

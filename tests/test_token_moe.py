@@ -1,0 +1,168 @@
+"""Per-token routing: gates on (..., d) tokens and the sparse MoE feed-forward block."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dselectk.gates import DSelectK, TopKGate, gate_names, make_gate
+from dselectk.layers import SparseMoEFeedForward, balance_loss
+
+D = 6
+
+
+def _gate(name: str, **kw: object) -> torch.nn.Module:
+    extra = (
+        {"k": 2} if name in ("dselect_k", "topk", "ablation_entropy", "ablation_annealing") else {}
+    )
+    return make_gate(name, 5, in_features=D, **extra, **kw)
+
+
+# -- gates on tokens ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", gate_names())
+def test_gates_accept_tokens(name: str) -> None:
+    torch.manual_seed(0)
+    gate = _gate(name).eval()
+    x = torch.randn(3, 4, D)
+    out = gate(x)
+    assert out.weights.shape == (3, 4, 5)
+    flat = gate(x.reshape(12, D))
+    torch.testing.assert_close(out.weights.reshape(12, 5), flat.weights, rtol=0, atol=0)
+    torch.testing.assert_close(out.aux_loss, flat.aux_loss, rtol=0, atol=0)
+    assert gate(torch.randn(2, 3, 4, D)).weights.shape == (2, 3, 4, 5)
+
+
+def test_gate_bank_on_tokens_and_errors() -> None:
+    gate = DSelectK(5, 2, in_features=D, num_gates=3)
+    assert gate(torch.randn(2, 7, D)).weights.shape == (2, 7, 3, 5)
+    with pytest.raises(ValueError, match=r"shape \(batch, 6\)"):
+        gate(torch.randn(2, 7, D + 1))
+    with pytest.raises(ValueError, match=r"shape \(batch, 6\)"):
+        gate(torch.randn(D))
+    assert gate.bits(torch.randn(2, 7, D)).shape == (14, 3, 2, 3)  # flattened tokens
+
+
+# -- the block -----------------------------------------------------------------------------------
+def _binary_dselect(block: SparseMoEFeedForward) -> None:
+    """Scale the router so that S(Wx) is binary on every token (≤ k experts)."""
+    with torch.no_grad():
+        block.router.proj.weight.mul_(1e4)
+        block.router.proj.bias.mul_(1e4)
+
+
+@pytest.mark.parametrize("router", ["topk", "dselect_k"])
+def test_block_equals_dense_mixture(router: str) -> None:
+    torch.manual_seed(1)
+    block = SparseMoEFeedForward(D, 8, 4, router, k=2).double()
+    if router == "dselect_k":
+        _binary_dselect(block)
+    x = torch.randn(3, 5, D, dtype=torch.float64)
+    out, aux = block(x)
+    assert out.shape == x.shape and aux.dim() == 0
+    torch.testing.assert_close(out, block.dense_reference(x), rtol=0, atol=1e-12)
+    assert block.last_stats is not None and block.last_stats["dropped"] == 0
+    if router == "dselect_k":
+        assert block.router.binary_fraction(x.reshape(-1, D)) == 1.0
+    # the sparse path evaluates each token on <= k experts
+    assert int(block.last_stats["load"].sum()) <= 2 * 15
+
+
+def test_nonbinary_dselect_keeps_top_k() -> None:
+    torch.manual_seed(2)
+    block = SparseMoEFeedForward(D, 8, 8, "dselect_k", k=2, renormalize=True).double()
+    x = torch.randn(10, D, dtype=torch.float64)
+    out, _ = block(x)
+    w = block.router(x).weights
+    top_w, top_e = w.topk(2, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    every = block.experts(x)  # (n, N, d)
+    ref = sum(top_w[:, j, None] * every[top_e[:, j], torch.arange(10)] for j in range(2))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert int(block.last_stats["load"].sum()) == 20
+
+
+@pytest.mark.parametrize("router", ["topk", "dselect_k", "softmax"])
+def test_gradients_reach_router_and_experts(router: str) -> None:
+    torch.manual_seed(3)
+    kw = {"entropy_reg": 0.1} if router == "dselect_k" else None
+    block = SparseMoEFeedForward(D, 8, 4, router, k=2, router_kwargs=kw)
+    out, aux = block(torch.randn(2, 6, D))
+    (out.square().mean() + aux).backward()
+    for name, p in block.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        if name.startswith("router"):
+            assert p.grad.abs().sum() > 0, name
+    assert sum(float(p.grad.abs().sum()) for p in block.experts.parameters()) > 0
+
+
+def test_capacity_drops_are_counted() -> None:
+    torch.manual_seed(4)
+    router = TopKGate(4, 1, in_features=D)
+    with torch.no_grad():  # every token prefers expert 2
+        router.proj.weight.zero_()
+        router.proj.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    block = SparseMoEFeedForward(D, 8, 4, router, k=1, capacity_factor=1.0).double()
+    x = torch.randn(16, D, dtype=torch.float64)
+    out, _ = block(x)
+    cap = block.capacity(16)
+    assert cap == 4
+    stats = block.last_stats
+    assert stats["dropped"] == 12 and stats["load"].tolist() == [0, 0, 4, 0]
+    assert stats["routed"].tolist() == [0, 0, 16, 0]
+    # the first `cap` tokens (token order) are kept, the rest get no expert output
+    ref = block.dense_reference(x)
+    torch.testing.assert_close(out[:4], ref[:4], rtol=0, atol=1e-12)
+    assert torch.all(out[4:] == 0)
+
+
+def test_capacity_priority_first_choices() -> None:
+    router = TopKGate(2, 2, in_features=D)
+    with torch.no_grad():
+        router.proj.weight.zero_()
+        router.proj.bias.copy_(torch.tensor([1.0, 0.0]))  # first choice 0, second 1
+    block = SparseMoEFeedForward(D, 4, 2, router, k=2, capacity_factor=0.5)
+    block(torch.randn(8, D))
+    # capacity ceil(0.5 * 8 * 2 / 2) = 4 per expert: 4 first choices kept on 0, 4 seconds on 1
+    assert block.last_stats["load"].tolist() == [4, 4] and block.last_stats["dropped"] == 8
+
+
+def test_balance_loss_by_hand() -> None:
+    w = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 2.0, 2.0]])
+    routed = torch.tensor([2, 1, 1, 1])
+    # P = mean of normalised rows = [(0.5+1+0)/3, 0.5/3, 0.5/3, 0.5/3]; f = [2, 1, 1, 1] / 5
+    p = [1.5 / 3, 0.5 / 3, 0.5 / 3, 0.5 / 3]
+    f = [0.4, 0.2, 0.2, 0.2]
+    expected = 4 * sum(a * b for a, b in zip(f, p))
+    assert math.isclose(float(balance_loss(w, routed)), expected, rel_tol=1e-6)
+    # uniform routing, uniform probabilities: 1
+    assert math.isclose(float(balance_loss(torch.full((5, 4), 0.25), torch.ones(4))), 1.0)
+
+
+def test_block_aux_is_gate_aux_plus_balance() -> None:
+    torch.manual_seed(5)
+    block = SparseMoEFeedForward(
+        D, 8, 4, "dselect_k", k=2, balance_loss_weight=0.3, router_kwargs={"entropy_reg": 0.2}
+    )
+    x = torch.randn(2, 5, D)
+    _, aux = block(x)
+    r = block.route(x.reshape(-1, D))
+    expected = r.gate_aux + 0.3 * balance_loss(r.weights, r.routed)
+    torch.testing.assert_close(aux, expected)
+    assert float(r.gate_aux.detach()) > 0
+
+
+def test_block_arguments() -> None:
+    with pytest.raises(ValueError, match="per-example"):
+        SparseMoEFeedForward(D, 8, 4, DSelectK(4, 2), k=2)
+    with pytest.raises(ValueError, match="experts"):
+        SparseMoEFeedForward(D, 8, 4, DSelectK(5, 2, in_features=D), k=2)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        SparseMoEFeedForward(D, 8, 4, "topk", k=2, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="k must be"):
+        SparseMoEFeedForward(D, 8, 4, "topk", k=5)
+    block = SparseMoEFeedForward(D, 8, 4, "softmax", k=2)  # a gate without k
+    assert block(torch.randn(3, D)).output.shape == (3, D)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 6\)"):
+        block(torch.randn(3, D + 1))
