@@ -74,18 +74,7 @@ GROUP_OF_TOP: dict[str, str] = {
 #: Modules whose ``importlib.import_module`` calls close an import cycle that other work is
 #: removing right now: the cycle check leaves out their dynamic imports (their static imports
 #: still count). Each also gets an xfail test below that passes once the cycle is gone.
-KNOWN_DYNAMIC_CYCLES: dict[str, str] = {
-    "dselectk.experiments.realdata": (
-        "src/dselectk/experiments/realdata.py (_report_module) imports "
-        "f'dselectk.experiments.{mod}' (movielens / multi_mnist) via importlib, and those "
-        "import realdata at module level; being fixed"
-    ),
-}
-
-#: Files over MAX_LINES that someone is splitting right now (path relative to src/dselectk).
-KNOWN_LONG_FILES: dict[str, str] = {
-    "experiments/realdata.py": "experiments/realdata.py (~1000 lines) is being split now",
-}
+KNOWN_LONG_FILES: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,20 +269,8 @@ def test_imports_go_down_the_stack(module: str) -> None:
 
 
 def test_no_import_cycles() -> None:
-    cycles = _cycles(_graph(set(KNOWN_DYNAMIC_CYCLES)))
+    cycles = _cycles(_graph(set()))
     assert not cycles, f"import cycles between modules: {cycles}"
-
-
-@pytest.mark.parametrize(
-    "module",
-    [
-        pytest.param(m, marks=pytest.mark.xfail(reason=reason, strict=False))
-        for m, reason in KNOWN_DYNAMIC_CYCLES.items()
-    ],
-)
-def test_known_dynamic_cycle_is_gone(module: str) -> None:
-    cycles = _cycles(_graph(set(KNOWN_DYNAMIC_CYCLES) - {module}))
-    assert not [c for c in cycles if module in c], cycles
 
 
 def test_cycle_finder_finds_a_cycle() -> None:

@@ -10,12 +10,12 @@ import pytest
 
 from dselectk.experiments.records import (
     RunStore,
-    atomic_write_json,
     format_mean_se,
     mean_se,
     run_id,
     summarize,
 )
+from dselectk.io import write_json
 
 
 def test_run_id_is_stable_and_order_free() -> None:
@@ -45,9 +45,9 @@ def test_unreadable_record_names_the_file(tmp_path: Path) -> None:
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path: Path) -> None:
     path = tmp_path / "x.json"
-    atomic_write_json(path, {"ok": 1})
+    write_json(path, {"ok": 1})
     with pytest.raises(TypeError):
-        atomic_write_json(path, {"bad": object()})
+        write_json(path, {"bad": object()})
     assert json.loads(path.read_text()) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
 

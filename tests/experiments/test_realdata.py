@@ -20,7 +20,7 @@ from dselectk.experiments import movielens as ml
 from dselectk.experiments import multi_mnist as mm
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.realdata import recipe as rd_recipe
-from dselectk.models.cnn import (
+from dselectk.layers.cnn import (
     BatchedCNNExperts,
     SingleCNN,
     load_from_reference,

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from dselectk.experiments import realdata as rd
 from dselectk.gates import make_gate
 from dselectk.layers.experts import StackedMLP
-from dselectk.models.cnn import make_towers
+from dselectk.layers.cnn import make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 

@@ -4,7 +4,7 @@ Multi-MNIST / Multi-Fashion-MNIST (two items overlaid on a 36×36 canvas, shifte
 top-left and to the bottom-right): task 1 classifies the top-left item, task 2 the bottom-right
 one. Model (Appendix D.2): a multi-gate MoE with 8 CNN experts (conv 5×5×10 + max-pool,
 conv 5×5×20 + max-pool, a stack of ReLU dense layers of 50 units) evaluated as one batched module
-(:class:`~dselectk.models.cnn.BatchedCNNExperts`), per-task towers dense 50-50-10, the summed
+(:class:`~dselectk.layers.cnn.BatchedCNNExperts`), per-task towers dense 50-50-10, the summed
 cross-entropy of the two tasks, Adam, batch 256. The shared-bottom baseline shares one CNN.
 
 Per-example gates see the raw image (flattened to 1,296 features), as the experts do.
@@ -21,7 +21,7 @@ from torch import nn
 
 from dselectk.experiments import realdata as rd
 from dselectk.gates import make_gate
-from dselectk.models.cnn import BatchedCNNExperts, SingleCNN, make_towers
+from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 

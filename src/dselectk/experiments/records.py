@@ -28,8 +28,6 @@ from dselectk._testing import pause_point
 __all__ = [
     "PLAN_FILE",
     "RunStore",
-    "atomic_write_json",
-    "atomic_write_text",
     "environment",
     "format_mean_se",
     "mean_se",
@@ -39,16 +37,9 @@ __all__ = [
 ]
 
 
-# Deprecated aliases, kept importable for existing callers: new code uses dselectk.io directly
-# (io.write_text / io.write_json / io.json_safe). Output is byte-identical to what these wrote.
-atomic_write_text = _io.write_text
-atomic_write_json = _io.write_json
-_clean = _io.json_safe
-
-
 def run_id(config: Mapping[str, Any]) -> str:
     """Stable 16-hex-digit id of a resolved run config (key order does not matter)."""
-    blob = json.dumps(_clean(config), sort_keys=True, separators=(",", ":"))
+    blob = json.dumps(_io.json_safe(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
