@@ -10,6 +10,7 @@ Imports go one way, down this stack (a group may import itself and the groups it
     training     optim, schedules, training
     data         dselectk.data          (loaders; no models, training or experiments)
     plots        dselectk.plots         (a leaf: draws arrays/records, imports only base)
+    integrations dselectk.integrations  (adapters to other libraries: gates and layers only)
     experiments  dselectk.experiments   (anything except cli)
     cli          dselectk.cli           (anything)
 
@@ -43,11 +44,23 @@ ALLOWED: dict[str, frozenset[str]] = {
     "training": frozenset({"base", "gates", "layers", "models", "api"}),
     "data": frozenset({"base", "gates", "layers"}),
     "plots": frozenset({"base"}),
+    "integrations": frozenset({"base", "gates", "layers"}),
     "experiments": frozenset(
-        {"base", "gates", "layers", "models", "api", "training", "data", "plots"}
+        {"base", "gates", "layers", "models", "api", "training", "data", "plots", "integrations"}
     ),
     "cli": frozenset(
-        {"base", "gates", "layers", "models", "api", "training", "data", "plots", "experiments"}
+        {
+            "base",
+            "gates",
+            "layers",
+            "models",
+            "api",
+            "training",
+            "data",
+            "plots",
+            "integrations",
+            "experiments",
+        }
     ),
 }
 
@@ -67,6 +80,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "training": "training",
     "data": "data",
     "plots": "plots",
+    "integrations": "integrations",
     "experiments": "experiments",
     "cli": "cli",
 }
