@@ -12,6 +12,8 @@ from dselectk.cli import main
 
 SYN = ["reproduce", "synthetic", "--no-progress", "--jobs", "1"]
 REC = ["reproduce", "recovery", "--no-progress", "--jobs", "1"]
+ML = ["reproduce", "movielens", "--no-progress"]
+MM = ["reproduce", "multi-mnist", "--no-progress"]
 
 BAD_FLAGS = [
     (REC, ["--reps", "-1"], "--reps"),
@@ -31,6 +33,14 @@ BAD_FLAGS = [
     (SYN, ["--gamma", "-1"], "--gamma"),
     (SYN, ["--entropy-reg", "-0.5"], "--entropy-reg"),
     (SYN, ["--max-points", "0"], "--max-points"),
+    (ML, ["--alphas", "1.5"], "--alphas"),
+    (ML, ["--reps", "0"], "--repetitions/--reps"),
+    (ML, ["--neg-ratio", "0"], "--neg-ratio"),
+    (ML, ["--lr", "-1"], "--lr"),
+    (ML, ["--jobs", "-1"], "--jobs"),
+    (MM, ["--n-train", "0"], "--n-train"),
+    (MM, ["--epochs", "0"], "--epochs"),
+    (MM, ["--grid-points", "0"], "--grid-points"),
 ]
 
 

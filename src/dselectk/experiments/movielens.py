@@ -38,9 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.experiments import realdata as rd
+from dselectk.experiments.args import int_at_least, probability
 from dselectk.gates import make_gate
-from dselectk.layers.experts import StackedMLP
 from dselectk.layers.cnn import make_towers
+from dselectk.layers.experts import StackedMLP
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 
@@ -294,6 +295,7 @@ def load_splits(
         "n_val": len(val),
         "n_test": len(test),
         "test_positive_fraction": float(data.test.rating_mask.float().mean()),
+        "data_fingerprint": data.fingerprint,
     }
     meta["bottom_features"] = MovieLensEmbedding(1, 1, meta["side"]).out_features
     return rd.Splits(train, val, test, meta)
@@ -332,6 +334,8 @@ def load_data(args: argparse.Namespace) -> rd.Splits:
         "seed": args.seed,
         "max_train": args.max_train,
         "ratings_source": data.meta["ratings_source"],
+        # the files' checksums: a run made from other data never counts as done
+        "fingerprint": data.meta["data_fingerprint"],
     }
     return data
 
@@ -348,6 +352,9 @@ def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
         "movielens",
         quick=not args.full,
         variant=args.variant,
+        variant_note=" instead of ML-1M"
+        if args.variant == "ml-100k"
+        else " (the paper's data set)",
         ratings_source=m["ratings_source"],
         num_ratings=f"{m['num_ratings']:,}",
         neg_ratio=args.neg_ratio,
@@ -394,9 +401,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="MovieLens variant (quick: ml-100k, --full: ml-1m)",
     )
-    p.add_argument("--alphas", type=float, nargs="+", default=list(ALPHAS), help="α values")
-    p.add_argument("--neg-ratio", type=int, default=1, help="sampled negatives per rating")
-    p.add_argument("--max-train", type=int, default=None, help="cap on training examples")
+    p.add_argument("--alphas", type=probability, nargs="+", default=list(ALPHAS), help="α values")
+    p.add_argument(
+        "--neg-ratio", type=int_at_least(1), default=1, help="sampled negatives per rating"
+    )
+    p.add_argument(
+        "--max-train", type=int_at_least(1), default=None, help="cap on training examples"
+    )
     p.add_argument("--no-side-features", action="store_true", help="user and movie ids only")
 
 

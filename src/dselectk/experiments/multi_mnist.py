@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from dselectk.experiments import realdata as rd
+from dselectk.experiments.args import int_at_least
 from dselectk.gates import make_gate
 from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
@@ -145,7 +146,13 @@ def load_splits(
     def pack(s: Any) -> TaskData:
         return TaskData(s.X.reshape(len(s), -1).contiguous(), [s.y1, s.y2])
 
-    meta = {"kind": KINDS[name], "n_train": n_train, "n_val": n_val, "n_test": n_test}
+    meta = {
+        "kind": KINDS[name],
+        "n_train": n_train,
+        "n_val": n_val,
+        "n_test": n_test,
+        "data_fingerprint": d.fingerprint,
+    }
     return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta)
 
 
@@ -171,6 +178,8 @@ def load_data(args: argparse.Namespace) -> rd.Splits:
         "n_val": args.n_val,
         "n_test": args.n_test,
         "seed": args.seed,
+        # the files' checksums: a run made from other data never counts as done
+        "fingerprint": data.meta["data_fingerprint"],
     }
     return data
 
@@ -216,12 +225,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``dselectk reproduce multi-mnist|multi-fashion``."""
     rd.add_common_arguments(p, "results/multi-mnist")
     p.add_argument(
-        "--n-train", type=int, default=None, help="training images (quick 6000, full 100000)"
+        "--n-train",
+        type=int_at_least(1),
+        default=None,
+        help="training images (quick 6000, full 100000)",
     )
     p.add_argument(
-        "--n-val", type=int, default=None, help="validation images (quick 1000, full 20000)"
+        "--n-val",
+        type=int_at_least(1),
+        default=None,
+        help="validation images (quick 1000, full 20000)",
     )
-    p.add_argument("--n-test", type=int, default=None, help="test images (quick 2000, full 20000)")
+    p.add_argument(
+        "--n-test", type=int_at_least(1), default=None, help="test images (quick 2000, full 20000)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

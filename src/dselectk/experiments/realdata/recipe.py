@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dselectk.experiments.args import check_out_dir, int_at_least, positive_float
 from dselectk.experiments.realdata.spec import (
     DEFAULT_GATES,
     LABELS,
@@ -50,6 +51,9 @@ __all__ = [
 _DATA: dict[Hashable, Splits] = {}
 
 
+POS, NONNEG = int_at_least(1), int_at_least(0)
+
+
 def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     """Flags shared by the real-data experiments."""
     p.add_argument(
@@ -62,38 +66,38 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument(
         "--repetitions",
         "--reps",
-        type=int,
+        type=POS,
         default=None,
         dest="repetitions",
         help="repetitions per gate and setting (quick 2, full 100)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the runs")
+    p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
     p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=DEFAULT_GATES)
     p.add_argument(
         "--full",
         action="store_true",
         help="paper protocol: random grid search of Appendix D, then 100 repetitions",
     )
-    p.add_argument("--epochs", type=int, default=None, help="override the epochs of every run")
-    p.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every run")
+    p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
     p.add_argument(
         "--grid-points",
-        type=int,
+        type=POS,
         default=20,
         help="--full: random grid points per gate and setting",
     )
-    p.add_argument("--trials", type=int, default=5, help="--full: trials per grid point")
+    p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--threads",
-        type=int,
+        type=NONNEG,
         default=1,
         help="torch CPU threads of each process (default 1: fastest for these small models on "
         "a shared machine; 0: torch's default)",
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=NONNEG,
         default=1,
         help="worker processes, each running whole (setting, gate) cells with --threads threads; "
         "default 1 (the cells run in this process), because every worker loads its own copy of "
@@ -226,7 +230,7 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         args: parsed flags (:func:`add_common_arguments` and the experiment's own, resolved).
         settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
     """
-    out = Path(args.out)
+    out = check_out_dir(args.out)
     sw = sweep(exp, args, settings)
     threads = int(getattr(args, "threads", 0) or 0)
     jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
@@ -242,7 +246,15 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         if jobs > 1:
             _DATA.clear()  # the workers load their own copies
         t0 = time.perf_counter()
-        run_sweep(sw, args, out, jobs=jobs, threads=threads, progress=progress)
+        run_sweep(
+            sw,
+            args,
+            out,
+            jobs=jobs,
+            threads=threads,
+            progress=progress,
+            command=" ".join(["dselectk", *sys.argv[1:]]),
+        )
         wall = time.perf_counter() - t0
     finally:
         _DATA.clear()

@@ -180,7 +180,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
 
     results_dir = Path(results_dir)
-    all_records = RunStore(results_dir).load()
+    all_records, others = RunStore(results_dir).load_planned()
     info: dict[str, Any] = {}
     if (results_dir / "run_info.json").is_file():
         try:
@@ -195,7 +195,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
             selected = {}
     finals = _final_records(all_records, spec.name)
     records = current_records(finals, spec.setting_key, info.get("data"), selected)
-    stale = len(finals) - len(records)
+    stale = len(finals) - len(records) + others
     tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
     summary_rows = summarize(records, group)
