@@ -33,6 +33,7 @@ EXPERIMENTS: dict[str, str] = {
     "movielens": "dselectk.experiments.movielens",
     "multi-mnist": "dselectk.experiments.multi_mnist",
     "multi-fashion": "dselectk.experiments.multi_mnist",
+    "token-moe": "dselectk.experiments.token_moe",
 }
 
 

@@ -1,0 +1,153 @@
+"""Report of the token-MoE study: ``summary.json`` and ``report.md`` (template
+``templates/token_moe.md``), rebuilt from the run records alone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.templates import render
+from dselectk.io import write_json, write_text
+
+__all__ = ["print_table", "write_report"]
+
+EXPERIMENT = "token-moe"
+LABELS = {"dselect_k": "DSelect-k (per token)", "topk": "Top-k"}
+
+
+def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
+    return format_mean_se(m, digits) if m else "–"
+
+
+def print_table(summary: Mapping[str, Any]) -> None:
+    """One-screen table: per router, validation bits per byte and routing figures."""
+    print(
+        f"{'router':<24}{'val bpc':>16}{'max load/mean':>16}{'binary tokens':>16}"
+        f"{'ms/step':>14}{'n':>4}"
+    )
+    for row in summary["rows"]:
+        m = row["metrics"]
+        print(
+            f"{row['label']:<24}{_fmt(m.get('val_bpc')):>16}"
+            f"{_fmt(m.get('load_max_over_mean'), 2):>16}"
+            f"{_fmt(m.get('binary_token_fraction'), 3):>16}"
+            f"{_fmt(m.get('ms_per_step'), 1):>14}{m['val_bpc']['n']:>4}"
+        )
+
+
+def write_report(
+    results_dir: Path,
+    *,
+    wall_seconds: float | None = None,
+    command: str | None = None,
+    jobs: int | None = None,
+    threads: int | None = None,
+) -> None:
+    """Rebuild ``summary.json`` and ``report.md`` from the records."""
+    results_dir = Path(results_dir)
+    records = [
+        r for r in RunStore(results_dir).load() if r["config"].get("experiment") == EXPERIMENT
+    ]
+    for r in records:  # derived scalars for the summary
+        m = r["metrics"]
+        m["ms_per_step"] = 1000 * m["seconds_per_step"]
+    prev: dict[str, Any] = {}
+    if (results_dir / "summary.json").is_file():
+        try:
+            prev = json.loads((results_dir / "summary.json").read_text())
+        except json.JSONDecodeError:
+            prev = {}
+    rows = summarize(records, ["router"])
+    for row in rows:
+        row["label"] = LABELS.get(row["router"], row["router"])
+        loads = [r["metrics"]["load"] for r in records if r["config"]["router"] == row["router"]]
+        # mean over seeds of each layer's load fractions
+        row["load"] = [
+            [sum(seed[layer][e] for seed in loads) / len(loads) for e in range(len(loads[0][0]))]
+            for layer in range(len(loads[0]))
+        ]
+    per_seed = sorted(
+        (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in records
+    )
+    first = records[0] if records else None
+    summary = {
+        "experiment": EXPERIMENT,
+        "group_by": ["router"],
+        "rows": rows,
+        "per_seed": per_seed,
+        "hparams": first["config"]["hparams"] if first else None,
+        "corpus": first["config"]["corpus"] if first else None,
+        "records": len(records),
+        "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
+        "command": command or prev.get("command"),
+        "jobs": jobs if jobs is not None else prev.get("jobs"),
+        "threads": threads if threads is not None else prev.get("threads"),
+        "environment": first.get("environment") if first else None,
+        "machine": {
+            "cpu_count": first["metrics"].get("cpu_count") if first else None,
+            "load_average": sorted(
+                round(float(r["metrics"].get("load_average_at_start", float("nan"))), 1)
+                for r in records
+            ),
+        },
+    }
+    write_json(results_dir / "summary.json", summary)
+    write_text(results_dir / "report.md", _markdown(summary))
+
+
+def _verdict(rows: list[dict[str, Any]]) -> str:
+    by = {r["router"]: r["metrics"]["val_bpc"] for r in rows}
+    if "dselect_k" not in by or "topk" not in by:
+        return "Only one router was run: no comparison."
+    d, t = by["dselect_k"], by["topk"]
+    diff = d["mean"] - t["mean"]
+    se = (d.get("se", 0.0) ** 2 + t.get("se", 0.0) ** 2) ** 0.5
+    winner = "DSelect-k" if diff < 0 else "Top-k"
+    clear = abs(diff) > 2 * se if se == se else False
+    return (
+        f"Lower validation bits per byte: **{winner}** ({d['mean']:.4f} vs {t['mean']:.4f}, "
+        f"difference {diff:+.4f}, ±{se:.4f} standard error of the difference over "
+        f"{d['n']} seeds; {'more' if clear else 'less'} than two standard errors)."
+    )
+
+
+def _markdown(summary: Mapping[str, Any]) -> str:
+    rows = []
+    loads = []
+    for r in summary["rows"]:
+        m = r["metrics"]
+        rows.append(
+            f"| {r['label']} | {_fmt(m.get('val_bpc'), 4)} | {_fmt(m.get('train_loss'), 3)} | "
+            f"{_fmt(m.get('load_max_over_mean'), 2)} | {_fmt(m.get('experts_per_token'), 2)} | "
+            f"{_fmt(m.get('binary_token_fraction'), 3)} | {_fmt(m.get('ms_per_step'), 1)} | "
+            f"{m['val_bpc']['n']} |"
+        )
+        for layer, fr in enumerate(r["load"]):
+            loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
+    seeds = [f"| {s} | {LABELS.get(g, g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
+    hp = summary.get("hparams") or {}
+    corpus = summary.get("corpus") or {}
+    wall = summary.get("wall_seconds")
+    env = summary.get("environment") or {}
+    m0 = summary.get("machine") or {}
+    return render(
+        "token_moe",
+        command=summary.get("command") or "(rebuilt with dselectk report)",
+        wall_line=f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded",
+        jobs=summary.get("jobs") or "?",
+        threads=summary.get("threads") or "?",
+        machine=(
+            f"{m0.get('cpu_count', '?')} CPUs, load average at the runs' starts "
+            f"{m0.get('load_average', '?')}, torch {env.get('torch', '?')}"
+        ),
+        records=summary["records"],
+        hparams=json.dumps(hp, sort_keys=True),
+        corpus=json.dumps(corpus, sort_keys=True),
+        rows="\n".join(rows),
+        loads="\n".join(loads),
+        seeds="\n".join(seeds),
+        verdict=_verdict(summary["rows"]),
+    )
