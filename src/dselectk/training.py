@@ -15,14 +15,32 @@ call :func:`train` in every process (e.g. under ``torchrun``). When a process gr
 initialised, every epoch's shuffled order is the same on all ranks and each rank trains on its own
 equal-sized shard, so ``batch_size`` is per process and DDP averages the gradients of a global
 batch of ``world_size * batch_size``. Only rank 0 shows a progress bar.
+
+Nothing goes silently wrong:
+
+* **Divergence guard.** A non-finite loss (or gradient) stops training with a
+  :class:`TrainingDivergedError` (a ``FloatingPointError``) naming the step, the epoch and the task
+  whose loss went non-finite, and what in the batch or the model caused it, e.g. ``training diverged
+  at step 12 (epoch 1): the loss of task 1 (ys[1]) is nan; the targets ys[1] of this batch hold
+  NaN/inf``. ``TrainConfig(nonfinite="skip")`` skips such steps instead, ``"warn"`` trains on
+  (see :class:`TrainConfig`). The loss check reuses the loss value the loop reads every step anyway
+  (no extra host sync); gradients are checked every step only in ``"skip"`` mode, otherwise when a
+  loss goes non-finite (the previous step's gradients and the parameters are inspected to name the
+  cause) and, with the parameters, once at the end of every epoch.
+* **Targets are checked** once, at the first step, against the model's outputs for the named
+  losses ("mse", "bce", "ce"): shapes, class indices and value ranges, with a ``ValueError`` naming
+  the task and what was expected.
+* **Checkpoints carry their configuration** (everything that changes the trajectory and the
+  model's parameter shapes); resuming with another one is a :class:`CheckpointMismatchError`
+  listing the differing fields unless ``TrainConfig(resume="force")``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,15 +52,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.io import save_torch
 from dselectk.progress import tqdm
 
 __all__ = [
     "LOSSES",
     "BatchLossFn",
     "Callback",
+    "CheckpointMismatchError",
     "History",
     "TaskData",
     "TrainConfig",
+    "TrainingDivergedError",
     "evaluate",
     "make_optimizer",
     "optimizer_step",
@@ -111,10 +132,33 @@ class TrainConfig:
         desc: label of the progress bar.
         position: line of the progress bar (worker processes each take their own line).
         weight_decay: optimizer weight decay.
-        checkpoint: file to save the full training state to after every epoch (atomically:
-            temp file + rename). If it exists when training starts, training resumes from it,
-            with the model, optimizer, schedulers, shuffling and RNG states restored, so an
-            interrupted run continues as if it had never stopped.
+        checkpoint: file to save the full training state to after every epoch (atomically,
+            with :func:`dselectk.io.save_torch`). If it exists when training starts, training
+            resumes from it, with the model, optimizer, schedulers, shuffling and RNG states
+            restored, so an interrupted run continues as if it had never stopped. The checkpoint
+            carries the run's configuration: the optimizer (class and hyperparameters: lr,
+            weight decay, betas, ...), ``batch_size``, ``seed``, ``shuffle_seed``,
+            ``task_weights``, ``early_stopping_patience``, ``record_every``, the losses (names,
+            or the callables' qualified names) and ``loss_fn``, the schedulers' classes, the
+            number of examples, the world size and the model's parameter names and shapes (not
+            ``progress``, ``desc``, ``position``, ``nonfinite``, ``resume`` or the path).
+            Resuming with any of these different raises :class:`CheckpointMismatchError`
+            listing them. ``epochs`` may be *increased*: training continues from the
+            checkpoint up to the new count (a run that stopped early stays stopped); fewer
+            epochs than the checkpoint's run is a mismatch.
+        nonfinite: what a non-finite loss or gradient does. "raise" (default): stop with a
+            :class:`TrainingDivergedError` naming the step, the epoch, the task and the cause;
+            the model keeps the parameters of the last good step, unless the non-finite
+            gradients of an earlier step already reached them. "skip": skip the step (no
+            optimizer step, no scheduler step, no callbacks; the gradients are checked before
+            every optimizer step, a fused max-norm and one more host sync per step), warn once
+            and count it in :attr:`History.nonfinite_steps`; parameters that became non-finite
+            anyway (an overflowing update) still raise at the end of the epoch. "warn": train on
+            as before (warn once, count the steps), for models whose loss sums independent
+            members (a vectorized grid search) where one diverged member must not stop the
+            others; check the members' results yourself.
+        resume: "strict" (default): a checkpoint written with another configuration is an
+            error; "force": resume it anyway (with a warning listing the differences).
     """
 
     optimizer: str = "adam"
@@ -132,6 +176,8 @@ class TrainConfig:
     position: int | None = None
     weight_decay: float = 0.0
     checkpoint: str | Path | None = None
+    nonfinite: str = "raise"
+    resume: str = "strict"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adagrad", "sgd"):
@@ -146,6 +192,10 @@ class TrainConfig:
         if self.early_stopping_patience is not None:
             check_positive_int("early_stopping_patience", self.early_stopping_patience)
         check_nonnegative("weight_decay", self.weight_decay)
+        if self.nonfinite not in ("raise", "skip", "warn"):
+            raise ValueError(f"nonfinite must be raise, skip or warn, got {self.nonfinite!r}")
+        if self.resume not in ("strict", "force"):
+            raise ValueError(f"resume must be strict or force, got {self.resume!r}")
         if self.task_weights is not None:
             for w in self.task_weights:
                 check_nonnegative("task_weights[i]", w)
@@ -165,6 +215,31 @@ class History:
     recorded_weights: list[Tensor] = field(default_factory=list)
     """Gate weights at ``recorded_steps`` (static gates; per-example: mean over the batch)."""
     stopped_early: bool = False
+    nonfinite_steps: int = 0
+    """Steps whose loss or gradients were non-finite (skipped with ``nonfinite="skip"``, taken
+    with ``"warn"``; not counted in :attr:`steps` when skipped)."""
+
+
+class TrainingDivergedError(FloatingPointError):
+    """Training produced a non-finite loss, gradient or parameter.
+
+    Attributes:
+        step: the 1-based index of the batch over the whole run (the steps of earlier epochs,
+            skipped ones included, plus the batch's position in its epoch).
+        epoch: the 1-based epoch.
+        tasks: the tasks whose loss was non-finite (empty when unknown: ``loss_fn`` gives only
+            the total, or the failure was in the gradients or parameters).
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, tasks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.tasks = list(tasks)
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint was written with another training configuration than the one resuming it."""
 
 
 def seed_everything(seed: int) -> None:
@@ -209,21 +284,278 @@ def _task_losses(model: nn.Module, data: TaskData, fns: list[LossFn]) -> tuple[l
     return [fn(p, y) for fn, p, y in zip(fns, out.outputs, data.ys)], out
 
 
-def _save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _shape(shape: Sequence[int], lead: str = "N") -> str:
+    return "(" + ", ".join([lead, *map(str, shape)]) + (",)" if not shape else ")")
+
+
+def _check_targets(
+    kinds: Sequence[str | None], preds: Sequence[Tensor], ys: Sequence[Tensor]
+) -> None:
+    """Check the targets of the named losses against the model's outputs (of the first batch)."""
+    for t, (kind, pred, y) in enumerate(zip(kinds, preds, ys)):
+        if kind is None:
+            continue
+        name = f"task {t} (ys[{t}], loss {kind!r})"
+        per_pred, per_y = tuple(pred.shape[1:]), tuple(y.shape[1:])
+        if kind in ("mse", "bce"):
+            if math.prod(per_pred) != math.prod(per_y):
+                raise ValueError(
+                    f"{name}: the model predicts {math.prod(per_pred)} value(s) per example "
+                    f"(output {_shape(per_pred, 'B')}) but the targets have shape "
+                    f"{_shape(per_y)}; expected targets of shape {_shape(per_pred)} (or any "
+                    f"shape with {math.prod(per_pred)} value(s) per example)"
+                )
+            if kind == "bce" and y.numel():
+                lo, hi = (float(v) for v in torch.aminmax(y.detach().to(torch.float64)))
+                if lo < 0 or hi > 1:
+                    raise ValueError(
+                        f"{name}: binary cross-entropy needs targets in [0, 1], got values in "
+                        f"[{lo:g}, {hi:g}]"
+                    )
+            continue
+        if kind != "ce":
+            continue
+        if pred.dim() < 2:
+            raise ValueError(
+                f"{name}: cross-entropy needs class logits of shape (B, C), the model's output "
+                f"has shape {_shape(per_pred, 'B')}"
+            )
+        classes = int(pred.shape[1])
+        if classes < 2:
+            raise ValueError(
+                f"{name}: the model predicts {classes} class logit, and cross-entropy over one "
+                f"class is always 0 (nothing would train; targets: {y.dtype} of shape "
+                f"{_shape(per_y)}); for a binary task use loss 'bce' with one logit, for C "
+                f"classes predict C logits and give integer class indices of shape (N,)"
+            )
+        if y.is_floating_point():
+            if per_y != per_pred:
+                raise ValueError(
+                    f"{name}: float targets are class probabilities and must have shape "
+                    f"{_shape(per_pred)}, got {_shape(per_y)}; give class indices as an integer "
+                    f"tensor of shape {_shape(per_pred[1:])}"
+                )
+            if y.numel():
+                lo, hi = (float(v) for v in torch.aminmax(y.detach()))
+                if lo < 0 or hi > 1:
+                    raise ValueError(
+                        f"{name}: class probabilities must lie in [0, 1], got values in "
+                        f"[{lo:g}, {hi:g}]"
+                    )
+            continue
+        if y.dtype == torch.bool or y.is_complex():
+            raise ValueError(
+                f"{name}: cross-entropy needs integer class indices (or float class "
+                f"probabilities), got {y.dtype}"
+            )
+        if per_y != per_pred[1:]:
+            raise ValueError(
+                f"{name}: class indices must have shape {_shape(per_pred[1:])} for logits of "
+                f"shape {_shape(per_pred, 'B')}, got {_shape(per_y)}"
+            )
+        bad = ((y < 0) | (y >= classes)) & (y != -100)  # -100: cross_entropy's ignore_index
+        if bool(bad.any()):
+            lo, hi = int(y.min()), int(y.max())
+            raise ValueError(
+                f"{name}: class indices must lie in [0, {classes}) for {classes} class logits, "
+                f"got values in [{lo}, {hi}]"
+            )
+
+
+def _all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one fused max-norm, one host sync)."""
+    if not tensors:
+        return True
+    norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: no overflow, NaN propagates
+    return bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).max()))
+
+
+def _nonfinite_names(named: Sequence[tuple[str, Tensor | None]], limit: int = 3) -> str:
+    bad = [name for name, t in named if t is not None and not bool(torch.isfinite(t).all())]
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return ", ".join(bad[:limit]) + more
+
+
+def _fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _data_cause(batch: TaskData, tasks: Sequence[int]) -> str:
+    causes = []
+    if batch.x.is_floating_point() and not bool(torch.isfinite(batch.x).all()):
+        causes.append("the inputs x of this batch hold NaN/inf")
+    for t in tasks or range(len(batch.ys)):
+        y = batch.ys[t]
+        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+            causes.append(f"the targets ys[{t}] of this batch hold NaN/inf")
+    return "; ".join(causes)
+
+
+def _diverged(
+    *,
+    step: int,
+    epoch: int,
+    model: nn.Module,
+    batch: TaskData,
+    value: float,
+    task_losses: Sequence[Tensor] | None,
+    weights: Sequence[float],
+    aux: Tensor | float | None,
+    other_rank: int | None,
+) -> TrainingDivergedError:
+    """The error of a non-finite loss at ``step``, naming the task and the likely cause."""
+    tasks: list[int] = []
+    if other_rank is not None:
+        what = f"the loss on rank {other_rank} is non-finite (this rank's loss is {value:.6g})"
+    elif task_losses is not None:
+        vals = [float(lt.detach()) for lt in task_losses]
+        tasks = [t for t, v in enumerate(vals) if not math.isfinite(v)]
+        aux_v = float(aux.detach()) if isinstance(aux, Tensor) else float(aux or 0.0)
+        if len(tasks) == 1:
+            what = f"the loss of task {tasks[0]} (ys[{tasks[0]}]) is {_fmt(vals[tasks[0]])}"
+        elif tasks:
+            what = "the losses of tasks " + ", ".join(f"{t} ({_fmt(vals[t])})" for t in tasks)
+        elif not math.isfinite(aux_v):
+            what = f"the model's auxiliary loss is {_fmt(aux_v)} (the task losses are finite)"
+        else:
+            what = (
+                f"the loss is {_fmt(value)}: the task losses {[f'{v:.3g}' for v in vals]} with "
+                f"weights {list(weights)} overflowed"
+            )
+    else:
+        what = f"the loss is {_fmt(value)} (loss_fn gives only the total: the task is not known)"
+    named = list(model.named_parameters())
+    bad_params = _nonfinite_names([(n, p.detach()) for n, p in named])
+    if bad_params:
+        bad_grads = _nonfinite_names([(n, p.grad) for n, p in named])
+        cause = (
+            f"the parameters {bad_params} are already non-finite: "
+            + (
+                f"the gradients of {bad_grads} at the previous step were non-finite"
+                if bad_grads
+                else "an earlier update overflowed"
+            )
+            + "; lower the learning rate"
+        )
+    else:
+        cause = (
+            _data_cause(batch, tasks)
+            or "lower the learning rate or check the targets (NaN/inf in the data)"
+        )
+    return TrainingDivergedError(
+        f"training diverged at step {step} (epoch {epoch}): {what}; {cause}",
+        step=step,
+        epoch=epoch,
+        tasks=tasks,
+    )
+
+
+def _plain(v: Any) -> Any:
+    """A picklable, comparable form of a configuration value (tensors as lists)."""
+    if isinstance(v, Tensor):
+        return v.detach().cpu().tolist()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+_OPT_HPARAMS = (
+    "lr",
+    "betas",
+    "eps",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "weight_decay",
+    "lr_decay",
+    "initial_accumulator_value",
+    "amsgrad",
+    "maximize",
+)
+
+
+def _qualname(f: Any) -> str | None:
+    if f is None:
+        return None
+    if isinstance(f, str):
+        return f
+    return str(getattr(f, "__qualname__", None) or type(f).__qualname__)
+
+
+def _run_config(
+    cfg: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    losses: Any,
+    loss_fn: Any,
+    schedulers: Sequence[Any],
+    n: int,
+    world: int,
+) -> dict[str, Any]:
+    """Everything that changes the trajectory of a run (saved with its checkpoints)."""
+    hp = {k: _plain(v) for k, v in opt.defaults.items() if k in _OPT_HPARAMS}
+    if "lr" not in hp and hasattr(opt, "lr"):  # e.g. RowwiseAdam's per-member rates
+        hp["lr"] = _plain(opt.lr)
+    if losses is None or isinstance(losses, str) or callable(losses):
+        loss_names: Any = _qualname(losses)
+    else:
+        loss_names = [_qualname(item) for item in losses]
+    return {
+        "optimizer": type(opt).__qualname__,
+        **{f"optimizer.{k}": v for k, v in sorted(hp.items())},
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "shuffle_seed": cfg.shuffle_seed,
+        "task_weights": _plain(cfg.task_weights),
+        "early_stopping_patience": cfg.early_stopping_patience,
+        "record_every": cfg.record_every,
+        "losses": loss_names,
+        "loss_fn": _qualname(loss_fn),
+        "schedulers": [type(s).__qualname__ for s in schedulers],
+        "examples": n,
+        "world_size": world,
+        "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "epochs": cfg.epochs,
+    }
+
+
+def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    diffs = []
+    for key in [*now, *(k for k in saved if k not in now)]:
+        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if key == "epochs":
+            if isinstance(a, int) and isinstance(b, int) and b < a:
+                diffs.append(
+                    f"epochs: {a} in the checkpoint, {b} now (only more epochs continue it)"
+                )
+        elif key == "parameters" and a != b:
+            both = isinstance(a, dict) and isinstance(b, dict)
+            names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if both else []
+            shown = ", ".join(
+                f"{k} {a.get(k, 'absent')} -> {b.get(k, 'absent')}" for k in names[:3]
+            )
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            diffs.append(f"parameters: {shown}{more}")
+        elif a != b:
+            diffs.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
+    return diffs
 
 
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _first_bad_rank(bad: bool, rank: int, device: torch.device) -> int | None:
+    """Under DDP, the highest rank whose loss is non-finite (the same answer on every rank, so
+    all of them raise or skip together), else None."""
+    flag = torch.tensor([rank + 1 if bad else 0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    worst = int(flag.item())
+    return worst - 1 if worst else None
 
 
 def _loss_names(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[str | None]:
@@ -403,9 +735,32 @@ def train(
         leave=cfg.position is None,
     )
     probe = train_data.x[: min(n, 1024)]
+    kinds = _loss_names(losses, len(fns)) if losses is not None else []
+    check_targets = loss_fn is None and any(k is not None for k in kinds)
+    params = [p for p in model.parameters() if p.requires_grad]
+    run_config = _run_config(cfg, model, opt, losses, loss_fn, schedulers, n, world)
     start_epoch = 0
     if cfg.checkpoint is not None and Path(cfg.checkpoint).is_file():
         state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+        saved = state.get("config")
+        if saved is None:
+            diffs = ["the checkpoint carries no configuration (written by an older dselectk)"]
+        else:
+            diffs = _config_diff(saved, run_config)
+        if diffs:
+            listing = "; ".join(diffs)
+            if cfg.resume != "force":
+                raise CheckpointMismatchError(
+                    f"checkpoint {cfg.checkpoint} was written by a run with another "
+                    f"configuration: {listing}. Delete it to start over, or pass "
+                    f"TrainConfig(resume='force') to resume it anyway"
+                )
+            warnings.warn(
+                f"resuming checkpoint {cfg.checkpoint} despite another configuration "
+                f"(resume='force'): {listing}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         for s, st in zip(schedulers, state["schedulers"]):
@@ -419,7 +774,8 @@ def train(
             state["best_state"],
         )
         start_epoch = cfg.epochs if hist.stopped_early else state["epoch"]
-        bar.update(start_epoch * (steps_per_epoch if per_step else 1))
+        bar.update(min(start_epoch, cfg.epochs) * (steps_per_epoch if per_step else 1))
+    warned = False
     model.train()
     try:
         for epoch in range(start_epoch, cfg.epochs):
@@ -427,18 +783,82 @@ def train(
             if world > 1:
                 perm = perm[: shard * world].view(shard, world)[:, rank]
             total = 0.0
-            for start in range(0, shard, cfg.batch_size):
+            counted = 0
+            for i, start in enumerate(range(0, shard, cfg.batch_size)):
                 batch = train_data.batch(perm[start : start + cfg.batch_size])
+                task_losses: list[Tensor] | None = None
+                aux: Any = None
                 if loss_fn is None:
-                    task_losses, out = _task_losses(model, batch, fns)
-                    loss = sum(w * lt for w, lt in zip(weights, task_losses)) + out.aux_loss
+                    out = model(batch.x)
+                    if len(out.outputs) != len(fns):
+                        raise ValueError(
+                            f"model has {len(out.outputs)} task outputs but {len(fns)} losses"
+                        )
+                    if check_targets:
+                        _check_targets(kinds, out.outputs, train_data.ys)
+                        check_targets = False
+                    task_losses = [fn(p, y) for fn, p, y in zip(fns, out.outputs, batch.ys)]
+                    aux = out.aux_loss
+                    loss = sum(w * lt for w, lt in zip(weights, task_losses)) + aux
                 else:
                     loss, out = loss_fn(model, batch)
-                optimizer_step(opt, loss, schedulers)
+                value = float(loss.detach())  # the loop's one host sync per step
+                bad = not math.isfinite(value)
+                other = _first_bad_rank(bad, rank, loss.device) if world > 1 else None
+                step_no = epoch * steps_per_epoch + i + 1
+                error: TrainingDivergedError | None = None
+                if bad or other is not None:
+                    error = _diverged(
+                        step=step_no,
+                        epoch=epoch + 1,
+                        model=model,
+                        batch=batch,
+                        value=value,
+                        task_losses=task_losses,
+                        weights=weights,
+                        aux=aux,
+                        other_rank=None if bad else other,
+                    )
+                    if cfg.nonfinite == "raise":
+                        raise error
+                opt.zero_grad(set_to_none=True)
+                if error is None or cfg.nonfinite == "warn":
+                    loss.backward()
+                    if cfg.nonfinite == "skip" and not _all_finite(
+                        [p.grad for p in params if p.grad is not None]
+                    ):
+                        names = _nonfinite_names([(n, p.grad) for n, p in model.named_parameters()])
+                        error = TrainingDivergedError(
+                            f"training diverged at step {step_no} (epoch {epoch + 1}): the loss "
+                            f"is finite ({value:.6g}) but the gradients of {names} are not; "
+                            f"lower the learning rate",
+                            step=step_no,
+                            epoch=epoch + 1,
+                        )
+                if error is not None:
+                    hist.nonfinite_steps += 1
+                    if not warned:
+                        warned = True
+                        action = "skipping" if cfg.nonfinite == "skip" else "training on through"
+                        warnings.warn(
+                            f"{error}. nonfinite={cfg.nonfinite!r}: {action} such steps "
+                            f"(counted in History.nonfinite_steps)",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                    if cfg.nonfinite == "skip":
+                        opt.zero_grad(set_to_none=True)
+                        if per_step:
+                            bar.update(1)
+                        continue
+                opt.step()
+                for sched in schedulers:
+                    sched.step()
                 hist.steps += 1
                 for hook in step_hooks:
                     hook(model, batch, out, hist)
-                total += float(loss.detach())
+                total += value
+                counted += 1
                 if cfg.record_every and hist.steps % cfg.record_every == 0:
                     with torch.no_grad():
                         snap = _gate_snapshot(model, probe)
@@ -447,7 +867,17 @@ def train(
                         hist.recorded_weights.append(snap)
                 if per_step:
                     bar.update(1)
-            hist.train_loss.append(total / steps_per_epoch)
+            if cfg.nonfinite != "warn" and not _all_finite([p.detach() for p in params]):
+                names = _nonfinite_names([(n, p.detach()) for n, p in model.named_parameters()])
+                raise TrainingDivergedError(
+                    f"training diverged in epoch {epoch + 1} (by step "
+                    f"{(epoch + 1) * steps_per_epoch}): the parameters {names} are non-finite "
+                    f"although every loss was finite (non-finite gradients or an overflowing "
+                    f"update); lower the learning rate",
+                    step=(epoch + 1) * steps_per_epoch,
+                    epoch=epoch + 1,
+                )
+            hist.train_loss.append(total / counted if counted else math.nan)
             postfix = {"epoch": epoch + 1, "loss": f"{hist.train_loss[-1]:.4g}"}
             if val_data is not None:
                 assert losses is not None  # checked above
@@ -471,10 +901,11 @@ def train(
                 bar.update(1)
             bar.set_postfix(postfix)
             if cfg.checkpoint is not None and rank == 0:
-                _save_checkpoint(
+                save_torch(
                     cfg.checkpoint,
                     {
                         "epoch": epoch + 1,
+                        "config": run_config,
                         "model": model.state_dict(),
                         "optimizer": opt.state_dict(),
                         "schedulers": [s.state_dict() for s in schedulers],
