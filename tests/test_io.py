@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dselectk import io
-from dselectk.experiments import records
 
 
 def _names(folder: Path) -> list[str]:
@@ -44,8 +43,6 @@ def test_write_json_format_is_byte_identical_to_records(tmp_path: Path) -> None:
         + "\n"
     )
     assert (tmp_path / "x.json").read_text() == expected
-    records.atomic_write_json(tmp_path / "y.json", obj)  # deprecated alias, same bytes
-    assert (tmp_path / "y.json").read_bytes() == (tmp_path / "x.json").read_bytes()
     io.write_json(tmp_path / "c.json", [1], indent=None)
     assert (tmp_path / "c.json").read_text() == "[1]\n"
 

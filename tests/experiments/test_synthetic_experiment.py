@@ -441,9 +441,10 @@ def test_jobs_processes_write_the_same_records(tmp_path: Path) -> None:
     assert sel_a == sel_b and list(sel_a) == list(sel_b)
 
 
-def test_jobs_must_not_be_negative(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="--jobs"):
+def test_jobs_must_not_be_negative(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # refused by the flag's type, before any work
         main(_args(tmp_path / "x", "--jobs", "-1"))
+    assert e.value.code == 2 and "--jobs" in capsys.readouterr().err
 
 
 def _children(pid: int) -> list[int]:
