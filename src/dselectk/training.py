@@ -48,12 +48,30 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dselectk._train_checks import (
+    CheckpointMismatchError,
+    TrainingDivergedError,
+    _all_finite,
+    _check_targets,
+    _config_diff,
+    _diverged,
+    _first_bad_rank,
+    _nonfinite_names,
+    _run_config,
+)
 from dselectk.gates.base import check_nonnegative, check_positive_int
 from dselectk.io import save_torch
 from dselectk.progress import tqdm
+from dselectk.tasks import (
+    LOSSES,
+    LossFn,
+    TaskData,
+    _loss_names,
+    _resolve_losses,
+    evaluate,
+)
 
 __all__ = [
     "LOSSES",
@@ -71,43 +89,8 @@ __all__ = [
     "train",
 ]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
 #: ``loss_fn(model, batch) -> (total loss, model output or None)``: replaces the summed task losses
 BatchLossFn = Callable[[nn.Module, "TaskData"], tuple[Tensor, Any]]
-
-
-def _mse(pred: Tensor, y: Tensor) -> Tensor:
-    return F.mse_loss(pred.reshape(y.shape), y)
-
-
-def _bce(pred: Tensor, y: Tensor) -> Tensor:
-    return F.binary_cross_entropy_with_logits(pred.reshape(y.shape), y.to(pred.dtype))
-
-
-LOSSES: dict[str, LossFn] = {"mse": _mse, "bce": _bce, "ce": F.cross_entropy}
-"""Named per-task losses: mean squared error, binary cross-entropy on logits, cross-entropy."""
-
-
-@dataclass
-class TaskData:
-    """Inputs shared by all tasks and one target tensor per task (first dim: examples)."""
-
-    x: Tensor
-    ys: list[Tensor]
-
-    def __post_init__(self) -> None:
-        if not self.ys:
-            raise ValueError("ys must hold one target tensor per task")
-        n = self.x.shape[0]
-        for i, y in enumerate(self.ys):
-            if y.shape[0] != n:
-                raise ValueError(f"ys[{i}] has {y.shape[0]} rows but x has {n}")
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-    def batch(self, idx: Tensor) -> TaskData:
-        return TaskData(self.x[idx], [y[idx] for y in self.ys])
 
 
 @dataclass
@@ -220,28 +203,6 @@ class History:
     with ``"warn"``; not counted in :attr:`steps` when skipped)."""
 
 
-class TrainingDivergedError(FloatingPointError):
-    """Training produced a non-finite loss, gradient or parameter.
-
-    Attributes:
-        step: the 1-based index of the batch over the whole run (the steps of earlier epochs,
-            skipped ones included, plus the batch's position in its epoch).
-        epoch: the 1-based epoch.
-        tasks: the tasks whose loss was non-finite (empty when unknown: ``loss_fn`` gives only
-            the total, or the failure was in the gradients or parameters).
-    """
-
-    def __init__(self, message: str, *, step: int, epoch: int, tasks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.step = step
-        self.epoch = epoch
-        self.tasks = list(tasks)
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint was written with another training configuration than the one resuming it."""
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch."""
     random.seed(seed)
@@ -262,343 +223,10 @@ def make_optimizer(
     raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
 
 
-def _resolve_losses(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[LossFn]:
-    items = [losses] * num_tasks if isinstance(losses, str) or callable(losses) else list(losses)
-    if len(items) != num_tasks:
-        raise ValueError(f"losses must name one loss per task ({num_tasks}), got {len(items)}")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            if item not in LOSSES:
-                raise ValueError(f"unknown loss {item!r}; expected one of {sorted(LOSSES)}")
-            out.append(LOSSES[item])
-        else:
-            out.append(item)
-    return out
-
-
-def _task_losses(model: nn.Module, data: TaskData, fns: list[LossFn]) -> tuple[list[Tensor], Any]:
-    out = model(data.x)
-    if len(out.outputs) != len(fns):
-        raise ValueError(f"model has {len(out.outputs)} task outputs but {len(fns)} losses")
-    return [fn(p, y) for fn, p, y in zip(fns, out.outputs, data.ys)], out
-
-
-def _shape(shape: Sequence[int], lead: str = "N") -> str:
-    return "(" + ", ".join([lead, *map(str, shape)]) + (",)" if not shape else ")")
-
-
-def _check_targets(
-    kinds: Sequence[str | None], preds: Sequence[Tensor], ys: Sequence[Tensor]
-) -> None:
-    """Check the targets of the named losses against the model's outputs (of the first batch)."""
-    for t, (kind, pred, y) in enumerate(zip(kinds, preds, ys)):
-        if kind is None:
-            continue
-        name = f"task {t} (ys[{t}], loss {kind!r})"
-        per_pred, per_y = tuple(pred.shape[1:]), tuple(y.shape[1:])
-        if kind in ("mse", "bce"):
-            if math.prod(per_pred) != math.prod(per_y):
-                raise ValueError(
-                    f"{name}: the model predicts {math.prod(per_pred)} value(s) per example "
-                    f"(output {_shape(per_pred, 'B')}) but the targets have shape "
-                    f"{_shape(per_y)}; expected targets of shape {_shape(per_pred)} (or any "
-                    f"shape with {math.prod(per_pred)} value(s) per example)"
-                )
-            if kind == "bce" and y.numel():
-                lo, hi = (float(v) for v in torch.aminmax(y.detach().to(torch.float64)))
-                if lo < 0 or hi > 1:
-                    raise ValueError(
-                        f"{name}: binary cross-entropy needs targets in [0, 1], got values in "
-                        f"[{lo:g}, {hi:g}]"
-                    )
-            continue
-        if kind != "ce":
-            continue
-        if pred.dim() < 2:
-            raise ValueError(
-                f"{name}: cross-entropy needs class logits of shape (B, C), the model's output "
-                f"has shape {_shape(per_pred, 'B')}"
-            )
-        classes = int(pred.shape[1])
-        if classes < 2:
-            raise ValueError(
-                f"{name}: the model predicts {classes} class logit, and cross-entropy over one "
-                f"class is always 0 (nothing would train; targets: {y.dtype} of shape "
-                f"{_shape(per_y)}); for a binary task use loss 'bce' with one logit, for C "
-                f"classes predict C logits and give integer class indices of shape (N,)"
-            )
-        if y.is_floating_point():
-            if per_y != per_pred:
-                raise ValueError(
-                    f"{name}: float targets are class probabilities and must have shape "
-                    f"{_shape(per_pred)}, got {_shape(per_y)}; give class indices as an integer "
-                    f"tensor of shape {_shape(per_pred[1:])}"
-                )
-            if y.numel():
-                lo, hi = (float(v) for v in torch.aminmax(y.detach()))
-                if lo < 0 or hi > 1:
-                    raise ValueError(
-                        f"{name}: class probabilities must lie in [0, 1], got values in "
-                        f"[{lo:g}, {hi:g}]"
-                    )
-            continue
-        if y.dtype == torch.bool or y.is_complex():
-            raise ValueError(
-                f"{name}: cross-entropy needs integer class indices (or float class "
-                f"probabilities), got {y.dtype}"
-            )
-        if per_y != per_pred[1:]:
-            raise ValueError(
-                f"{name}: class indices must have shape {_shape(per_pred[1:])} for logits of "
-                f"shape {_shape(per_pred, 'B')}, got {_shape(per_y)}"
-            )
-        bad = ((y < 0) | (y >= classes)) & (y != -100)  # -100: cross_entropy's ignore_index
-        if bool(bad.any()):
-            lo, hi = int(y.min()), int(y.max())
-            raise ValueError(
-                f"{name}: class indices must lie in [0, {classes}) for {classes} class logits, "
-                f"got values in [{lo}, {hi}]"
-            )
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite (one fused max-norm, one host sync)."""
-    if not tensors:
-        return True
-    norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: no overflow, NaN propagates
-    return bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).max()))
-
-
-def _nonfinite_names(named: Sequence[tuple[str, Tensor | None]], limit: int = 3) -> str:
-    bad = [name for name, t in named if t is not None and not bool(torch.isfinite(t).all())]
-    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
-    return ", ".join(bad[:limit]) + more
-
-
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
-def _data_cause(batch: TaskData, tasks: Sequence[int]) -> str:
-    causes = []
-    if batch.x.is_floating_point() and not bool(torch.isfinite(batch.x).all()):
-        causes.append("the inputs x of this batch hold NaN/inf")
-    for t in tasks or range(len(batch.ys)):
-        y = batch.ys[t]
-        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
-            causes.append(f"the targets ys[{t}] of this batch hold NaN/inf")
-    return "; ".join(causes)
-
-
-def _diverged(
-    *,
-    step: int,
-    epoch: int,
-    model: nn.Module,
-    batch: TaskData,
-    value: float,
-    task_losses: Sequence[Tensor] | None,
-    weights: Sequence[float],
-    aux: Tensor | float | None,
-    other_rank: int | None,
-) -> TrainingDivergedError:
-    """The error of a non-finite loss at ``step``, naming the task and the likely cause."""
-    tasks: list[int] = []
-    if other_rank is not None:
-        what = f"the loss on rank {other_rank} is non-finite (this rank's loss is {value:.6g})"
-    elif task_losses is not None:
-        vals = [float(lt.detach()) for lt in task_losses]
-        tasks = [t for t, v in enumerate(vals) if not math.isfinite(v)]
-        aux_v = float(aux.detach()) if isinstance(aux, Tensor) else float(aux or 0.0)
-        if len(tasks) == 1:
-            what = f"the loss of task {tasks[0]} (ys[{tasks[0]}]) is {_fmt(vals[tasks[0]])}"
-        elif tasks:
-            what = "the losses of tasks " + ", ".join(f"{t} ({_fmt(vals[t])})" for t in tasks)
-        elif not math.isfinite(aux_v):
-            what = f"the model's auxiliary loss is {_fmt(aux_v)} (the task losses are finite)"
-        else:
-            what = (
-                f"the loss is {_fmt(value)}: the task losses {[f'{v:.3g}' for v in vals]} with "
-                f"weights {list(weights)} overflowed"
-            )
-    else:
-        what = f"the loss is {_fmt(value)} (loss_fn gives only the total: the task is not known)"
-    named = list(model.named_parameters())
-    bad_params = _nonfinite_names([(n, p.detach()) for n, p in named])
-    if bad_params:
-        bad_grads = _nonfinite_names([(n, p.grad) for n, p in named])
-        cause = (
-            f"the parameters {bad_params} are already non-finite: "
-            + (
-                f"the gradients of {bad_grads} at the previous step were non-finite"
-                if bad_grads
-                else "an earlier update overflowed"
-            )
-            + "; lower the learning rate"
-        )
-    else:
-        cause = (
-            _data_cause(batch, tasks)
-            or "lower the learning rate or check the targets (NaN/inf in the data)"
-        )
-    return TrainingDivergedError(
-        f"training diverged at step {step} (epoch {epoch}): {what}; {cause}",
-        step=step,
-        epoch=epoch,
-        tasks=tasks,
-    )
-
-
-def _plain(v: Any) -> Any:
-    """A picklable, comparable form of a configuration value (tensors as lists)."""
-    if isinstance(v, Tensor):
-        return v.detach().cpu().tolist()
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return repr(v)
-
-
-_OPT_HPARAMS = (
-    "lr",
-    "betas",
-    "eps",
-    "momentum",
-    "dampening",
-    "nesterov",
-    "weight_decay",
-    "lr_decay",
-    "initial_accumulator_value",
-    "amsgrad",
-    "maximize",
-)
-
-
-def _qualname(f: Any) -> str | None:
-    if f is None:
-        return None
-    if isinstance(f, str):
-        return f
-    return str(getattr(f, "__qualname__", None) or type(f).__qualname__)
-
-
-def _run_config(
-    cfg: TrainConfig,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    losses: Any,
-    loss_fn: Any,
-    schedulers: Sequence[Any],
-    n: int,
-    world: int,
-) -> dict[str, Any]:
-    """Everything that changes the trajectory of a run (saved with its checkpoints)."""
-    hp = {k: _plain(v) for k, v in opt.defaults.items() if k in _OPT_HPARAMS}
-    if "lr" not in hp and hasattr(opt, "lr"):  # e.g. RowwiseAdam's per-member rates
-        hp["lr"] = _plain(opt.lr)
-    if losses is None or isinstance(losses, str) or callable(losses):
-        loss_names: Any = _qualname(losses)
-    else:
-        loss_names = [_qualname(item) for item in losses]
-    return {
-        "optimizer": type(opt).__qualname__,
-        **{f"optimizer.{k}": v for k, v in sorted(hp.items())},
-        "batch_size": cfg.batch_size,
-        "seed": cfg.seed,
-        "shuffle_seed": cfg.shuffle_seed,
-        "task_weights": _plain(cfg.task_weights),
-        "early_stopping_patience": cfg.early_stopping_patience,
-        "record_every": cfg.record_every,
-        "losses": loss_names,
-        "loss_fn": _qualname(loss_fn),
-        "schedulers": [type(s).__qualname__ for s in schedulers],
-        "examples": n,
-        "world_size": world,
-        "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
-        "epochs": cfg.epochs,
-    }
-
-
-def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    diffs = []
-    for key in [*now, *(k for k in saved if k not in now)]:
-        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
-        if key == "epochs":
-            if isinstance(a, int) and isinstance(b, int) and b < a:
-                diffs.append(
-                    f"epochs: {a} in the checkpoint, {b} now (only more epochs continue it)"
-                )
-        elif key == "parameters" and a != b:
-            both = isinstance(a, dict) and isinstance(b, dict)
-            names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if both else []
-            shown = ", ".join(
-                f"{k} {a.get(k, 'absent')} -> {b.get(k, 'absent')}" for k in names[:3]
-            )
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            diffs.append(f"parameters: {shown}{more}")
-        elif a != b:
-            diffs.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
-    return diffs
-
-
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _first_bad_rank(bad: bool, rank: int, device: torch.device) -> int | None:
-    """Under DDP, the highest rank whose loss is non-finite (the same answer on every rank, so
-    all of them raise or skip together), else None."""
-    flag = torch.tensor([rank + 1 if bad else 0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    worst = int(flag.item())
-    return worst - 1 if worst else None
-
-
-def _loss_names(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[str | None]:
-    if isinstance(losses, str):
-        return [losses] * num_tasks
-    if callable(losses):
-        return [None] * num_tasks
-    return [item if isinstance(item, str) else None for item in losses]
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    data: TaskData,
-    losses: str | LossFn | Sequence[str | LossFn],
-    batch_size: int = 4096,
-) -> dict[str, list[float]]:
-    """Mean loss of each task over ``data`` (model in eval mode), and accuracy for "ce"/"bce".
-
-    Returns:
-        ``{"loss": [...], "accuracy": [...]}`` (accuracy is NaN for regression tasks).
-    """
-    fns = _resolve_losses(losses, len(data.ys))
-    kinds = _loss_names(losses, len(fns))
-    was_training = model.training
-    model.eval()
-    sums = [0.0] * len(fns)
-    correct = [0.0] * len(fns)
-    for start in range(0, len(data), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(data)))
-        batch = data.batch(idx)
-        task_losses, out = _task_losses(model, batch, fns)
-        for t, (loss, pred, y) in enumerate(zip(task_losses, out.outputs, batch.ys)):
-            sums[t] += float(loss) * len(idx)
-            if kinds[t] == "ce":
-                correct[t] += float((pred.argmax(-1) == y).sum())
-            elif kinds[t] == "bce":
-                correct[t] += float(((pred.reshape(y.shape) > 0) == (y > 0.5)).sum())
-            else:
-                correct[t] = math.nan
-    model.train(was_training)
-    n = len(data)
-    return {"loss": [s / n for s in sums], "accuracy": [c / n for c in correct]}
 
 
 def _gate_snapshot(model: nn.Module, x: Tensor) -> Tensor | None:

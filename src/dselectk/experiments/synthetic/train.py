@@ -139,6 +139,9 @@ def train_reps(
         shuffle_seed=int(shuffle_seed),
         progress=progress,
         progress_unit="epoch",
+        # the members are independent: one that diverges ends with NaN metrics (its records
+        # say so) while the others train on; the loop warns once
+        nonfinite="warn",
         desc=desc,
         position=progress_position(),
     )
