@@ -12,6 +12,9 @@ record per run. The runner owns everything else:
 * **worker pool** — with ``jobs > 1`` the cells run in spawned processes, largest first, each
   with its share of the cores and its own progress-bar line; workers exit with the sweep's main
   process (``kill -9`` of the sweep stops it whole);
+* **executors** — ``--executor local`` (the above) or ``--executor slurm`` (one Slurm job per
+  cell through submitit, resumable and re-attachable; see :mod:`dselectk.experiments.executors`),
+  flags added by :func:`add_executor_arguments`;
 * **selections** — ``selected_hparams.json`` is rewritten as cells finish (cell order);
 * **grid search** helpers — :func:`grid_points`, :func:`sample_points`.
 """
@@ -30,12 +33,21 @@ from typing import Any
 
 import torch
 
+from dselectk.experiments.executors import (
+    SweepDetached,
+    add_executor_arguments,
+    executor_from_args,
+    run_slurm,
+)
 from dselectk.experiments.records import RunStore, tracking
 from dselectk.io import write_json
 from dselectk.progress import tqdm
 
 __all__ = [
     "Sweep",
+    "SweepDetached",
+    "add_executor_arguments",
+    "executor_from_args",
     "grid_points",
     "missing",
     "progress_position",
@@ -221,6 +233,10 @@ def run_sweep(
             share of the cores in a pool).
         progress: show progress bars.
         command: the command line, recorded in ``plan.json``.
+
+    ``args.executor == "slurm"`` (see :func:`add_executor_arguments`) runs the cells as Slurm
+    jobs instead (``jobs`` is then unused); it raises :class:`SweepDetached` when the driver
+    stops waiting (the jobs keep running; the same command again re-attaches).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,7 +248,16 @@ def run_sweep(
         write_json(path, {n: selected[n] for n in names if n in selected})
 
     runs: set[str] = set()
-    if jobs > 1 and len(sweep.cells) > 1:
+    slurm = executor_from_args(args)
+    if slurm is not None:
+
+        def on_cell(name: str, selection: dict[str, Any], cell_runs: list[str]) -> None:
+            selected[name] = selection
+            runs.update(cell_runs)
+            save()
+
+        run_slurm(sweep, args, out, slurm, progress=progress, on_cell=on_cell)
+    elif jobs > 1 and len(sweep.cells) > 1:
         selected.update(_run_pool(sweep, args, jobs, threads, progress, save, runs))
     else:
         if threads:

@@ -34,7 +34,13 @@ from dselectk.experiments.realdata.spec import (
 )
 from dselectk.experiments.realdata.train import train_one, tune
 from dselectk.experiments.records import RunStore
-from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+from dselectk.experiments.runner import (
+    Sweep,
+    add_executor_arguments,
+    missing,
+    resolve_jobs,
+    run_sweep,
+)
 from dselectk.io import write_json
 from dselectk.progress import tqdm
 
@@ -88,6 +94,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_executor_arguments(p)
     p.add_argument(
         "--threads",
         type=NONNEG,

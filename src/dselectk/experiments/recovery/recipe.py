@@ -25,7 +25,13 @@ from dselectk.experiments.recovery.model import (
     train_reps,
 )
 from dselectk.experiments.recovery.report import print_table, write_report
-from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+from dselectk.experiments.runner import (
+    Sweep,
+    add_executor_arguments,
+    missing,
+    resolve_jobs,
+    run_sweep,
+)
 
 __all__ = ["add_arguments", "load_tuned", "run", "run_cell", "sweep"]
 
@@ -83,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "at most one per gate); the records are the same as in one process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_executor_arguments(p)
 
 
 def _config(

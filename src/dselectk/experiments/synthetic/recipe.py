@@ -23,7 +23,13 @@ from dselectk.experiments.args import (
     positive_float,
 )
 from dselectk.experiments.records import RunStore
-from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+from dselectk.experiments.runner import (
+    Sweep,
+    add_executor_arguments,
+    missing,
+    resolve_jobs,
+    run_sweep,
+)
 from dselectk.experiments.synthetic.data import SyntheticData, generate_data
 from dselectk.experiments.synthetic.report import print_table, write_report
 from dselectk.experiments.synthetic.spec import (
@@ -110,6 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "than one two-thread process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_executor_arguments(p)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.records import RunStore
-from dselectk.experiments.runner import Sweep, missing, resolve_jobs, run_sweep
+from dselectk.experiments.runner import (
+    Sweep,
+    add_executor_arguments,
+    missing,
+    resolve_jobs,
+    run_sweep,
+)
 from dselectk.experiments.token_moe.model import (
     DEFAULTS,
     EXPERIMENT,
@@ -60,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="worker processes, each running whole routers (0: one per core)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_executor_arguments(p)
 
 
 def hparams(args: argparse.Namespace) -> dict[str, Any]:
