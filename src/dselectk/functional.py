@@ -14,6 +14,7 @@ n experts.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +41,12 @@ __all__ = [
 
 def num_bits(num_experts: int) -> int:
     """m = ceil(log2 n): bits a single expert selector needs for n experts (Appendix B.2)."""
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+    if isinstance(num_experts, bool) or not hasattr(type(num_experts), "__index__"):
         raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
-    if num_experts < 2:
-        raise ValueError(f"num_experts must be >= 2, got {num_experts}")
-    return (num_experts - 1).bit_length()
+    n = operator.index(num_experts)  # also NumPy integers
+    if n < 2:
+        raise ValueError(f"num_experts must be >= 2, got {n}")
+    return (n - 1).bit_length()
 
 
 def _check_gamma(gamma: float | Tensor) -> None:

@@ -21,6 +21,9 @@ import torch
 
 from dselectk._testing import pause_point
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 __all__ = [
     "json_safe",
     "save_npz",
@@ -38,6 +41,7 @@ def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     fd, tmp = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
     )
+    os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; a written file gets the usual mode
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -30,6 +30,7 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -58,11 +59,12 @@ class GateOutput(NamedTuple):
 
 def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
     """Return ``value`` if it is an int >= minimum, else raise a TypeError/ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    as_int = operator.index(value)  # also NumPy and 0-d integer tensors
+    if as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
+    return as_int
 
 
 def check_nonnegative(name: str, value: float) -> float:
@@ -388,7 +390,7 @@ class Gate(nn.Module):
         """
         if self.static:
             return per_gate.sum()
-        return per_gate.sum() / per_gate.shape[0]
+        return per_gate.sum() / max(per_gate.shape[0], 1)  # an empty batch: 0, not 0/0
 
     @staticmethod
     def _per_gate(value: Tensor, trailing: int) -> Tensor:

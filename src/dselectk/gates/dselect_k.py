@@ -209,7 +209,9 @@ class DSelectK(Gate):
 
     def _require_static(self, name: str) -> None:
         if not self.static:
-            raise AttributeError(f"{name} is a parameter of static gates only; use bits(x)")
+            # not an AttributeError: nn.Module.__getattr__ would replace this message by a bare
+            # "object has no attribute"
+            raise TypeError(f"{name} is a parameter of static gates only; use bits(x)")
 
     # -- math -----------------------------------------------------------------------------
     def gate(self, logits: Tensor) -> GateOutput:
