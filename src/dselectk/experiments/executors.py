@@ -75,6 +75,9 @@ _ACTIVE = {
 }
 
 
+_LOST = "job ended without a result (cancelled, killed, preempted or out of time)"
+
+
 class SweepDetached(SystemExit):
     """The driver stopped waiting (Ctrl-C or ``--slurm-no-wait``); the jobs keep running."""
 
@@ -287,8 +290,8 @@ def run_slurm(
     *,
     progress: bool,
     on_cell: Callable[[str, dict[str, Any], list[str]], None],
-    make_executor: Callable[[Path, SlurmOptions], Any] = _make_slurm_executor,
-    states: Callable[[Iterable[str]], Mapping[str, str]] = squeue_states,
+    make_executor: Callable[[Path, SlurmOptions], Any] | None = None,
+    states: Callable[[Iterable[str]], Mapping[str, str]] | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
     """Run (or resume / re-attach to) the sweep's cells as Slurm jobs.
@@ -296,7 +299,11 @@ def run_slurm(
     ``on_cell(name, selection, run_ids)`` is called once per complete cell (earlier invocations'
     included). Raises :class:`SweepDetached` when the driver stops waiting, :class:`SweepFailed`
     (after printing which cells failed and why) when jobs failed; the others' records land.
+    ``make_executor`` (a submitit executor) and ``states`` (job id → squeue state of the jobs
+    still queued/running) default to Slurm's; tests pass their own.
     """
+    make_executor = make_executor or _make_slurm_executor
+    states = states or squeue_states
     out = Path(out)
     folder = out / LOG_DIR
     book_path = out / JOBS_FILE
@@ -315,8 +322,8 @@ def run_slurm(
     pending = [e for e in latest.values() if "result" not in e and "error" not in e]
     live = states(e["job_id"] for e in pending) if pending else {}
     for e in pending:
-        if e["job_id"] not in live:
-            _collect(e, folder)
+        if live.get(e["job_id"], "") not in _ACTIVE and not _collect(e, folder):
+            e["error"] = _LOST
     save_book()
 
     waiting: dict[str, dict[str, Any]] = {}
@@ -401,7 +408,7 @@ def _wait(
                     if _collect(entry, folder):  # finished between squeue and the first look
                         pass
                     else:
-                        entry["error"] = f"job ended without a result (state {live.get(jid)})"
+                        entry["error"] = f"{_LOST} (state {live.get(jid, 'gone')})"
                 del waiting[name]
                 if "result" in entry:
                     res = entry["result"]
