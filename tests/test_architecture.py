@@ -81,6 +81,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "_train_checks": "training",
     "training": "training",
     "export": "training",
+    "telemetry": "training",
     "data": "data",
     "plots": "plots",
     "integrations": "integrations",

@@ -1,0 +1,490 @@
+"""Routing telemetry: a training callback that logs what every gate of a model does.
+
+:class:`RoutingTelemetry` is a :class:`~dselectk.training.Callback`. Every ``every`` optimizer
+steps (and on no other step) it finds the :class:`~dselectk.gates.base.Gate` modules of the
+model, measures them under ``torch.no_grad`` and writes one record: to TensorBoard (the
+``tensorboard`` extra), to a JSON-lines file (no extra needed; the automatic fallback), or both.
+
+Gates are named after their module path, with ``/`` for ``.``; a bank of T gates
+(``num_gates=T``) is T gates ``<path>/task<t>``, and the single gates of a ``gates`` list
+(``MultiGateMoE(experts, [g0, g1, ...])``) are ``<path>/gates/task<i>`` too, so both forms of a
+multi-gate MoE log ``gates/task0``, ``gates/task1``, ...
+
+Static gates are measured as they are. Per-example gates (routers) need the input that reaches
+them, which is not the model's input when a bottom, an embedding or earlier layers come first:
+the callback runs the model once on a *probe* batch (by default the first ``probe_size`` rows of
+the training inputs of the first logged step, kept so that successive records are comparable),
+in eval mode (deterministic routing: no Gumbel noise, no dropout; the modules' modes are
+restored after), with forward pre-hooks on the gates recording what they see. Tokens ``(..., d)``
+count as examples, so "per example" below reads "per token" for a transformer MoE layer.
+
+What one record holds, per gate (``weights`` w, n experts; per-example values are means over
+the probe's examples/tokens):
+
+=====================  ======================================================================
+``experts``            experts with a nonzero weight: per task (static), mean per example/token
+``experts_used``       experts with a nonzero weight for at least one probe example (static:
+                       = ``experts``); ``experts_used`` falling to 1 is collapse
+``load`` (n,)          mean weight of each expert
+``routed`` (n,)        fraction of the examples routed to each expert (weight > 0); static: 0/1
+``weight_entropy``     entropy (nats) of w / Σw, mean over examples
+``binary_fraction``    DSelect-k: fraction of the entries of S(Z) (per-example: S(Wx)) that are
+                       exactly 0 or 1
+``binary``             DSelect-k: whether all of S(Z) is binary (1/0); per-example: the fraction
+                       of examples whose S(Wx) is
+``selector_entropy``   DSelect-k: Σ_m h(S(z_m)) per selector (binary entropies, nats), mean over
+                       selectors (and examples); softmax-selector ablation: entropy of σ(β/τ)
+``collisions``         DSelect-k and the ablation: pairs i < j of selectors of one gate whose
+                       argmax codes (S(z) > 1/2 bitwise; argmax of σ(β/τ)) pick the same expert
+                       (codes >= n select none and never collide); per example: the mean
+``<hyperparameter>``   every :class:`~dselectk.gates.base.HyperParameter` of the gate by name
+                       (``gamma``, ``entropy_reg``, ``diversity``, ``temperature``,
+                       ``sparsity_reg``): this gate's value when the bank holds one per gate
+=====================  ======================================================================
+
+A JSON-lines record is ``{"step": s, "epoch": e, "wall_time": t, "gates": {name: {metric:
+value}}}`` (``load`` and ``routed`` as lists; non-finite numbers as ``null``), one line per
+logged step, flushed as it is written, so an interrupted run keeps what was logged. TensorBoard
+gets one scalar per tag ``<gate name>/<metric>``, lists as ``<gate name>/load/expert<i>`` and
+``<gate name>/routed/expert<i>``, at ``global_step = s``, flushed at every record.
+
+Example::
+
+    from dselectk.telemetry import RoutingTelemetry
+    tel = RoutingTelemetry("runs/mmoe", every=50)  # TensorBoard, else JSON lines (warns)
+    train(model, data, "mse", cfg, callbacks=[tel])
+    tel.close()
+    tel.records[-1]["gates"]["gates/task0"]["experts"]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.ablation import SoftmaxSelectorGate
+from dselectk.gates.base import Gate, check_positive_int, hyperparameters
+from dselectk.gates.dselect_k import DSelectK
+from dselectk.training import Callback, History
+
+__all__ = [
+    "JsonlWriter",
+    "RoutingTelemetry",
+    "TensorBoardWriter",
+    "find_gates",
+    "flatten_record",
+    "gate_names",
+    "gate_stats",
+    "tensorboard_available",
+]
+
+BACKENDS = ("auto", "tensorboard", "jsonl", "both")
+#: file name of the JSON-lines log inside ``log_dir``
+JSONL_NAME = "routing.jsonl"
+
+
+# --------------------------------------------------------------------------------------------
+# measuring gates
+# --------------------------------------------------------------------------------------------
+
+
+def find_gates(model: nn.Module) -> list[tuple[str, Gate]]:
+    """The gate modules of ``model`` with their base names (module path, ``/``-separated).
+
+    A gate that is an entry of a ``gates`` list is named ``.../gates/task<i>``; the model itself,
+    when it is a gate, is ``gate``. A bank's T gates are ``<name>/task<t>`` (see
+    :func:`gate_names`).
+    """
+    out = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, Gate):
+            continue
+        parts = path.split(".") if path else ["gate"]
+        if len(parts) >= 2 and parts[-2] == "gates" and parts[-1].isdigit():
+            parts[-1] = f"task{parts[-1]}"
+        out.append(("/".join(parts), mod))
+    return out
+
+
+def gate_names(name: str, gate: Gate) -> list[str]:
+    """One name per gate of ``gate``: ``[name]``, or ``name/task<t>`` for a bank."""
+    if gate.num_gates is None:
+        return [name]
+    return [f"{name}/task{t}" for t in range(gate.num_gates)]
+
+
+def _entropy(p: Tensor, dim: int = -1) -> Tensor:
+    return -torch.special.xlogy(p, p).sum(dim)
+
+
+def _collisions(codes: Tensor, num_experts: int) -> Tensor:
+    """Pairs i < j of equal codes < n: (N, T, K) codes -> (T,) mean count over N."""
+    k = codes.shape[-1]
+    same = codes.unsqueeze(-1) == codes.unsqueeze(-2)  # (N, T, K, K)
+    valid = (codes < num_experts).unsqueeze(-1)
+    upper = torch.ones(k, k, dtype=torch.bool, device=codes.device).triu(1)
+    return (same & valid & upper).sum((-1, -2)).float().mean(0)
+
+
+@torch.no_grad()
+def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
+    """The telemetry of ``gate``: one dict per gate (T for a bank), metrics as in the module doc.
+
+    Args:
+        gate: any :class:`~dselectk.gates.base.Gate`; it is called as it is (put it in eval
+            mode first for deterministic routing, e.g. of a Gumbel-softmax gate).
+        x: the input reaching a per-example gate, ``(B, p)`` or tokens ``(..., p)``; ignored by
+            static gates.
+    """
+    if gate.static:
+        x = None
+    elif x is None:
+        raise ValueError(f"{type(gate).__name__} is per-example: gate_stats needs its input x")
+    else:
+        x = x.reshape(-1, x.shape[-1])
+    t_count, n = gate.num_gates or 1, gate.num_experts
+    w = gate(x).weights.detach().float().reshape(-1, t_count, n)  # (N, T, n); static N = 1
+    nz = w > 0
+    metrics: dict[str, Tensor] = {
+        "experts": nz.sum(-1).float().mean(0),
+        "experts_used": nz.any(0).sum(-1).float(),
+        "load": w.mean(0),
+        "routed": nz.float().mean(0),
+        "weight_entropy": _entropy(w / w.sum(-1, keepdim=True).clamp_min(1e-30)).mean(0),
+    }
+    if isinstance(gate, DSelectK):
+        p = gate.bits(x).float()
+        p = p.reshape(-1, t_count, *p.shape[-2:])  # (N, T, K, M)
+        binary = (p == 0) | (p == 1)
+        metrics["binary_fraction"] = binary.float().mean((0, 2, 3))
+        metrics["binary"] = binary.flatten(2).all(-1).float().mean(0)
+        bit_ent = _entropy(torch.stack((p, 1 - p)), dim=0).sum(-1)  # (N, T, K)
+        metrics["selector_entropy"] = bit_ent.mean((0, 2))
+        place = 2 ** torch.arange(p.shape[-1], device=p.device)
+        codes = ((p > 0.5).long() * place).sum(-1)  # bit m is worth 2**m (functional.selector)
+        metrics["collisions"] = _collisions(codes, n)
+    elif isinstance(gate, SoftmaxSelectorGate):
+        _, s = gate.selectors(gate.compute_logits(x))
+        s = s.float().reshape(-1, t_count, *s.shape[-2:])  # (N, T, K, n)
+        metrics["selector_entropy"] = _entropy(s).mean((0, 2))
+        metrics["collisions"] = _collisions(s.argmax(-1), n)
+    hps: dict[str, float | Tensor] = {}
+    for name in hyperparameters(gate):
+        try:
+            hps[name] = getattr(gate, name)
+        except AttributeError:  # declared but never set
+            continue
+    out: list[dict[str, Any]] = []
+    for t in range(t_count):
+        rec: dict[str, Any] = {}
+        for key, val in metrics.items():
+            rec[key] = val[t].tolist() if val.dim() == 2 else float(val[t])
+        for key, hp in hps.items():
+            rec[key] = float(hp[t]) if isinstance(hp, Tensor) and hp.dim() > 0 else float(hp)
+        out.append(rec)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# writers
+# --------------------------------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def flatten_record(record: Mapping[str, Any]) -> dict[str, float]:
+    """A record's scalars by TensorBoard tag: ``<gate>/<metric>``, ``<gate>/load/expert<i>``."""
+    out: dict[str, float] = {}
+    for gname, metrics in record["gates"].items():
+        for key, val in metrics.items():
+            if isinstance(val, (list, tuple)):
+                for i, v in enumerate(val):
+                    out[f"{gname}/{key}/expert{i}"] = float(v)
+            else:
+                out[f"{gname}/{key}"] = float(val)
+    return out
+
+
+class JsonlWriter:
+    """Appends one JSON object per record to ``path`` (line-buffered, flushed at every record)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _summary_writer_class() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter`` (ImportError without the tensorboard package)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter
+
+
+def tensorboard_available() -> bool:
+    """Whether TensorBoard logging works here (the ``tensorboard`` extra is installed)."""
+    try:
+        _summary_writer_class()
+    except ImportError:
+        return False
+    return True
+
+
+class TensorBoardWriter:
+    """Writes each record's scalars (:func:`flatten_record`) to TensorBoard event files."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
+        self._writer = _summary_writer_class()(log_dir=str(self.log_dir))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step, wall = int(record["step"]), record.get("wall_time")
+        for tag, value in flatten_record(record).items():
+            self._writer.add_scalar(tag, value, global_step=step, walltime=wall)
+        self._writer.flush()
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the callback
+# --------------------------------------------------------------------------------------------
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP/DataParallel and torch.compile wrappers (hooks must see it)."""
+    for _ in range(4):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(
+            model, (nn.parallel.DistributedDataParallel, nn.DataParallel)
+        ):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class RoutingTelemetry(Callback):
+    """Logs the routing of every gate of the model every ``every`` steps (see the module doc).
+
+    Args:
+        log_dir: directory of the TensorBoard event files and/or of ``routing.jsonl``; None
+            keeps the records in memory only (:attr:`records`).
+        every: log after every ``every``-th optimizer step (``history.steps % every == 0``);
+            nothing at all is done on the other steps.
+        backend: "auto" (TensorBoard if installed, else JSON lines with a warning), "tensorboard"
+            (ImportError without it), "jsonl" or "both".
+        probe: fixed inputs of the model for the per-example gates (default: the first
+            ``probe_size`` rows of ``batch.x`` at the first logged step, then kept).
+        probe_size: rows of the default probe.
+        forward: ``forward(model, probe)`` runs the model on the probe (default ``model(probe)``).
+        keep_records: keep every record in :attr:`records` (small: a few numbers per gate).
+        module: measure this module (gate names relative to it) instead of the model the
+            training loop passes (e.g. the model inside a wrapper that ``train`` drives).
+
+    Under DDP only rank 0 measures and writes (the probe runs on the unwrapped module, no
+    collectives). :meth:`log` measures and writes one record now (e.g. after training).
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path | None,
+        every: int = 100,
+        *,
+        backend: str = "auto",
+        probe: Tensor | None = None,
+        probe_size: int = 128,
+        forward: Callable[[nn.Module, Any], Any] | None = None,
+        keep_records: bool = True,
+        module: nn.Module | None = None,
+    ) -> None:
+        self.every = check_positive_int("every", every)
+        self.probe_size = check_positive_int("probe_size", probe_size)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.probe = probe
+        self.forward = forward
+        self.keep_records = bool(keep_records)
+        self.module = module
+        self.records: list[dict[str, Any]] = []
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.writers: list[JsonlWriter | TensorBoardWriter] = []
+        self._warned: set[str] = set()
+        if self.log_dir is None or not _is_rank0():
+            self.backend = "none"
+            return
+        if backend == "auto":
+            if tensorboard_available():
+                backend = "tensorboard"
+            else:
+                backend = "jsonl"
+                warnings.warn(
+                    "RoutingTelemetry: tensorboard is not installed (pip install "
+                    f"'dselectk[tensorboard]'); logging to {self.log_dir / JSONL_NAME} instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self.backend = backend
+        if backend in ("tensorboard", "both"):
+            self.writers.append(TensorBoardWriter(self.log_dir))
+        if backend in ("jsonl", "both"):
+            self.writers.append(JsonlWriter(self.log_dir / JSONL_NAME))
+
+    @property
+    def jsonl_path(self) -> Path | None:
+        """The JSON-lines file, when one is written."""
+        for w in self.writers:
+            if isinstance(w, JsonlWriter):
+                return w.path
+        return None
+
+    # -- Callback ---------------------------------------------------------------------------
+    def on_step(self, model: nn.Module, batch: Any, out: Any, history: History) -> None:
+        if history.steps % self.every:
+            return
+        self.log(model, history.steps, batch=batch, epoch=len(history.train_loss) + 1)
+
+    def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
+        self.flush()
+
+    # -- logging ----------------------------------------------------------------------------
+    def log(
+        self, model: nn.Module, step: int, *, batch: Any = None, epoch: int | None = None
+    ) -> dict[str, Any] | None:
+        """Measure every gate now and write one record (returned; None on ranks > 0)."""
+        if not _is_rank0():
+            return None
+        module = _unwrap(model if self.module is None else self.module)
+        found = find_gates(module)
+        if not found:
+            self._warn_once("nogates", "RoutingTelemetry: the model holds no dselectk Gate")
+        inputs: dict[int, Tensor] = {}
+        per_example = [g for _, g in found if not g.static]
+        if per_example:
+            inputs = self._probe_inputs(module, per_example, batch)
+        gates: dict[str, dict[str, Any]] = {}
+        for name, gate in found:
+            if gate.static:
+                stats = self._stats_in_eval(gate, None)
+            elif id(gate) in inputs:
+                stats = self._stats_in_eval(gate, inputs[id(gate)])
+            else:
+                self._warn_once(
+                    name,
+                    f"RoutingTelemetry: the probe forward never reached the per-example gate "
+                    f"{name!r}; it is not logged",
+                )
+                continue
+            gates.update(zip(gate_names(name, gate), stats))
+        record: dict[str, Any] = {
+            "step": int(step),
+            "epoch": epoch,
+            "wall_time": time.time(),
+            "gates": gates,
+        }
+        for w in self.writers:
+            w.write(record)
+        if self.keep_records:
+            self.records.append(record)
+        return record
+
+    @staticmethod
+    def _stats_in_eval(gate: Gate, x: Tensor | None) -> list[dict[str, Any]]:
+        was = gate.training
+        gate.train(False)
+        try:
+            return gate_stats(gate, x)
+        finally:
+            gate.train(was)
+
+    def _probe_inputs(self, module: nn.Module, gates: list[Gate], batch: Any) -> dict[int, Tensor]:
+        """What each per-example gate sees when the model runs on the probe (eval, no grad)."""
+        if self.probe is None:
+            x = getattr(batch, "x", batch)
+            if not isinstance(x, Tensor):
+                raise ValueError(
+                    "RoutingTelemetry needs a probe for the per-example gates: pass probe= "
+                    "(model inputs) or log from a step whose batch has a tensor .x"
+                )
+            self.probe = x[: self.probe_size].detach().clone()
+        seen: dict[int, list[Tensor]] = {}
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs.get("x")
+            if isinstance(x, Tensor):
+                seen.setdefault(id(mod), []).append(x.detach().reshape(-1, x.shape[-1]))
+
+        handles = [g.register_forward_pre_hook(hook, with_kwargs=True) for g in gates]
+        modes = [(m, m.training) for m in module.modules()]
+        try:
+            module.eval()
+            with torch.no_grad():
+                if self.forward is not None:
+                    self.forward(module, self.probe)
+                else:
+                    module(self.probe)
+        finally:
+            for h in handles:
+                h.remove()
+            for m, mode in modes:
+                m.training = mode
+        return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in seen.items()}
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def flush(self) -> None:
+        """Flush every writer."""
+        for w in self.writers:
+            w.flush()
+
+    def close(self) -> None:
+        """Close every writer (further records are kept in memory only)."""
+        for w in self.writers:
+            w.close()
+        self.writers = []
+
+    def __enter__(self) -> RoutingTelemetry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
