@@ -50,3 +50,22 @@ def test_tiny_run_records_and_report(tmp_path: Path) -> None:
     assert len(list((out / "runs").glob("*.json"))) == 2
     (out / "report.md").unlink()
     assert rebuild(out) == "token-moe" and (out / "report.md").is_file()
+
+
+def test_telemetry_flag_logs_routing_per_run(tmp_path: Path) -> None:
+    out = tmp_path / "tm"
+    argv = ["reproduce", "token-moe", "--out", str(out), "--seeds", "1", "--steps", "20",
+            "--batch-size", "8", "--d-model", "16", "--d-ff", "16", "--num-experts", "4",
+            "--corpus-bytes", "40000", "--seq-len", "16", "--val-windows", "16",
+            "--jobs", "1", "--no-progress", "--telemetry"]  # fmt: skip
+    assert main(argv) == 0
+    runs = sorted(p.name for p in (out / "telemetry").iterdir())
+    assert runs == ["dselect_k-seed0", "topk-seed0"]
+    for run in runs:
+        files = list((out / "telemetry" / run).iterdir())
+        assert files, run  # an event file (TensorBoard) or routing.jsonl
+        jsonl = out / "telemetry" / run / "routing.jsonl"
+        if jsonl.is_file():
+            lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+            assert [r["step"] for r in lines] == list(range(1, 21))  # every = 20 // 20
+            assert all("experts" in g for r in lines for g in r["gates"].values())

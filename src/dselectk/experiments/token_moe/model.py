@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from dselectk.experiments.runner import progress_position
 from dselectk.gates import DSelectK
 from dselectk.layers import SparseMoEFeedForward
+from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 
 __all__ = ["CharMoETransformer", "Corpus", "load_corpus", "train_run"]
@@ -241,9 +242,21 @@ def evaluate_lm(model: CharMoETransformer, data: TaskData, batch: int = 256) -> 
 
 
 def train_run(
-    router: str, hp: Mapping[str, Any], corpus: Corpus, seed: int, *, progress: bool, desc: str
+    router: str,
+    hp: Mapping[str, Any],
+    corpus: Corpus,
+    seed: int,
+    *,
+    progress: bool,
+    desc: str,
+    telemetry_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics."""
+    """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics.
+
+    With ``telemetry_dir``, routing telemetry (:class:`~dselectk.telemetry.RoutingTelemetry`:
+    binary fraction, experts per token, load, selector collisions, per router) is logged there
+    20 times over the run (TensorBoard if installed, else JSON lines).
+    """
     torch.manual_seed(seed)
     model = CharMoETransformer(hp, router)
     seq = int(hp["seq_len"])
@@ -256,6 +269,10 @@ def train_run(
     data = TaskData(chunks[:, :-1].contiguous(), [chunks[:, 1:].contiguous()])
     val = windows(corpus.val, seq, int(hp["val_windows"]))
     timer = _StepTimer()
+    callbacks: list[Any] = [timer]
+    if telemetry_dir is not None:
+        every = max(1, int(hp["steps"]) // 20)
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=every, probe_size=16))
     cfg = TrainConfig(
         lr=float(hp["lr"]),
         batch_size=int(hp["batch_size"]),
@@ -269,7 +286,11 @@ def train_run(
     )
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     t0 = time.perf_counter()
-    hist = train(model, data, None, cfg, callbacks=[timer], loss_fn=_lm_loss)
+    try:
+        hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
+    finally:
+        for cb in callbacks[1:]:
+            cb.close()
     wall = time.perf_counter() - t0
     metrics = evaluate_lm(model, val)
     metrics.update(

@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="worker processes, each running whole routers (0: one per core)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry of every run to OUT/telemetry/ (TensorBoard if installed, "
+        "else JSON lines): binary tokens, experts per token, load, selector collisions",
+    )
     add_executor_arguments(p)
 
 
@@ -100,7 +106,10 @@ def run_cell(args: argparse.Namespace, router: str, corpus: Corpus, progress: bo
     hp = hparams(args)
     cfgs = [_config(router, hp, s, corpus) for s in range(args.seeds)]
     for i in missing(store, cfgs):
-        metrics = train_run(router, hp, corpus, i, progress=progress, desc=f"{router} seed {i}")
+        tel = Path(args.out) / "telemetry" / f"{router}-seed{i}" if args.telemetry else None
+        metrics = train_run(
+            router, hp, corpus, i, progress=progress, desc=f"{router} seed {i}", telemetry_dir=tel
+        )
         store.save(
             cfgs[i],
             metrics,
