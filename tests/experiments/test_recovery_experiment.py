@@ -86,3 +86,20 @@ def test_cli_smoke_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_report_without_records_fails_cleanly(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path)]) == 2  # a user error: one line, exit code 2
+
+
+def test_telemetry_flag_logs_collisions_per_repetition(tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    argv = ["reproduce", "recovery", "--out", str(out), "--reps", "2", "--lrs", "0.1",
+            "--gates", "dselect_k", "--epochs", "1", "--no-progress", "--jobs", "1",
+            "--telemetry", "--record-every", "20"]  # fmt: skip
+    assert main(argv) == 0
+    files = list((out / "telemetry" / "dselect_k").iterdir())
+    assert files  # TensorBoard event file, or routing.jsonl without the extra
+    jsonl = out / "telemetry" / "dselect_k" / "routing.jsonl"
+    if jsonl.is_file():
+        rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        assert [r["step"] for r in rows] == [20, 40]  # 40 steps per epoch
+        gates = rows[-1]["gates"]
+        assert sorted(gates) == ["gates/task0", "gates/task1"]  # one per repetition
+        assert all(0 <= g["collisions"] <= 6 for g in gates.values())

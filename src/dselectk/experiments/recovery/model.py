@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from dselectk.gates import DSelectK, make_gate
 from dselectk.gates.base import Gate
 from dselectk.optim import RowwiseAdam
 from dselectk.schedules import AttributeScheduler, LinearSchedule
+from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 
 __all__ = ["RecoveryData", "RecoveryMoE", "generate_data", "train_reps"]
@@ -220,6 +222,7 @@ def train_reps(
     record_reps: Sequence[int] = (0,),
     progress: bool = False,
     desc: str = "",
+    telemetry_dir: Path | None = None,
 ) -> tuple[list[dict[str, float]], dict[int, dict[str, Any]]]:
     """Train R repetitions together; return their final metrics and weight trajectories.
 
@@ -229,6 +232,9 @@ def train_reps(
         shuffle_seed: seed of the mini-batch order, shared by all repetitions.
         lrs: one learning rate per repetition (default ``hparams["lr"]`` for all).
         record_every: record the gate weights of ``record_reps`` every N steps (0: never).
+        telemetry_dir: log routing telemetry of every repetition's gate there (``gates/task<r>``
+            is repetition r): binary fraction, selector collisions, entropy, experts, every
+            ``record_every`` steps (or 10).
 
     Returns:
         (metrics per repetition, {rep: {"steps", "weights" (S x 16), "true" positions}}).
@@ -249,6 +255,9 @@ def train_reps(
         )
         scheds.append(AttributeScheduler(model.gates, "entropy_reg", sched))
     recorder = _Trajectories(model, record_reps, record_every)
+    callbacks: list[Any] = [recorder]
+    if telemetry_dir is not None:
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
     config = TrainConfig(
         lr=max(rates),
         batch_size=BATCH_SIZE,
@@ -264,14 +273,18 @@ def train_reps(
         position=progress_position(),
     )
     train_data = TaskData(model.features(data.x_train), [data.y_train])
-    train(
-        model,
-        train_data,
-        None,
-        config,
-        schedulers=scheds,
-        optimizer=opt,
-        callbacks=[recorder],
-        loss_fn=_loss,
-    )
+    try:
+        train(
+            model,
+            train_data,
+            None,
+            config,
+            schedulers=scheds,
+            optimizer=opt,
+            callbacks=callbacks,
+            loss_fn=_loss,
+        )
+    finally:
+        for cb in callbacks[1:]:
+            cb.close()
     return _evaluate(model, model.features(data.x_val), data.y_val), recorder.trajs

@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "at most one per gate); the records are the same as in one process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry (binary S(Z), selector collisions, entropy, experts) of every "
+        "repetition to OUT/telemetry/GATE/ (TensorBoard if installed, else JSON lines)",
+    )
     add_executor_arguments(p)
 
 
@@ -143,6 +149,7 @@ def run_cell(
         record_reps=[todo.index(i) for i in first],
         progress=progress,
         desc=f"{gate} ({len(todo)} runs)",
+        telemetry_dir=Path(args.out) / "telemetry" / gate if args.telemetry else None,
     )
     for j, i in enumerate(todo):
         extra = {"trajectory": trajs[j]} if j in trajs else {}
