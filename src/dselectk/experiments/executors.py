@@ -330,13 +330,12 @@ def run_slurm(
     to_submit: list[str] = []
     done = 0
     for name in cells:
-        entry = latest.get(name)
-        if _complete(entry, store):
-            assert entry is not None
-            on_cell(name, entry["result"]["selection"], entry["result"]["runs"])
+        prev = latest.get(name)
+        if prev is not None and _complete(prev, store):
+            on_cell(name, prev["result"]["selection"], prev["result"]["runs"])
             done += 1
-        elif entry is not None and live.get(entry["job_id"], "") in _ACTIVE:
-            waiting[name] = entry
+        elif prev is not None and live.get(prev["job_id"], "") in _ACTIVE:
+            waiting[name] = prev
         else:
             to_submit.append(name)
     if waiting:
