@@ -7,6 +7,16 @@ search) along the leading dimension of every parameter, member-major: rows
 elementwise, so one optimizer over the stacked parameters follows the same trajectories as R
 separate ``torch.optim.Adam`` runs — as long as each member can have its own learning rate,
 which is what :class:`RowwiseAdam` adds.
+
+The reference optimizers (:func:`make_reference_optimizer`): the paper's models were trained
+with TensorFlow 2 / Keras, whose optimizer defaults differ from torch's. TF2's Keras
+``Adagrad`` (``ResourceApplyAdagradV2``) updates ``accum ← accum + g²``,
+``θ ← θ − lr · g / (√accum + ε)`` with ``initial_accumulator_value = 0.1`` and ``ε = 1e-7``;
+``torch.optim.Adagrad`` (no ``lr_decay``, no weight decay) applies exactly this update, with
+defaults 0 and 1e-10: the TF-compatible Adagrad is ``torch.optim.Adagrad`` with TF's values
+(:data:`TF_ADAGRAD_DEFAULTS`). Keras ``Adam`` uses ε = 1e-7 (torch: 1e-8) and adds it to √v
+before the bias correction (torch: after it), i.e. torch's update with ε/√(1 − β₂ᵗ) (3e-6 at
+step 1, → 1e-7); :data:`TF_ADAM_DEFAULTS` sets ε = 1e-7 and leaves that small difference.
 """
 
 from __future__ import annotations
@@ -18,7 +28,61 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RowwiseAdam"]
+__all__ = [
+    "OPTIMIZER_DEFAULTS",
+    "TF_ADAGRAD_DEFAULTS",
+    "TF_ADAM_DEFAULTS",
+    "RowwiseAdam",
+    "make_reference_optimizer",
+    "tf_adagrad",
+]
+
+#: TF2 Keras ``Adagrad``'s defaults, as ``torch.optim.Adagrad`` keywords.
+TF_ADAGRAD_DEFAULTS: dict[str, float] = {"initial_accumulator_value": 0.1, "eps": 1e-7}
+#: TF2 Keras ``Adam``'s defaults, as ``torch.optim.Adam`` keywords (β's are torch's too).
+TF_ADAM_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-7}
+#: names accepted by :func:`make_reference_optimizer`'s ``defaults``
+OPTIMIZER_DEFAULTS = ("tf", "torch")
+
+
+def tf_adagrad(
+    params: Iterable[Tensor] | Iterable[dict[str, Any]],
+    lr: float = 1e-3,
+    *,
+    initial_accumulator_value: float = 0.1,
+    eps: float = 1e-7,
+) -> torch.optim.Adagrad:
+    """TF2 Keras' Adagrad: ``torch.optim.Adagrad`` (same update) with TF's default values.
+
+    ``accum₀ = initial_accumulator_value``; each step ``accum ← accum + g²`` and
+    ``θ ← θ − lr · g / (√accum + eps)``.
+    """
+    return torch.optim.Adagrad(
+        params, lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=True
+    )
+
+
+def make_reference_optimizer(
+    name: str, params: Iterable[Tensor], lr: float, defaults: str = "tf"
+) -> torch.optim.Optimizer:
+    """ "adagrad" or "adam" with TF2 Keras' defaults (``defaults="tf"``) or torch's ("torch").
+
+    Args:
+        name: "adagrad" or "adam".
+        params: the parameters.
+        lr: learning rate.
+        defaults: "tf" (:data:`TF_ADAGRAD_DEFAULTS` / :data:`TF_ADAM_DEFAULTS`) or "torch".
+    """
+    if defaults not in OPTIMIZER_DEFAULTS:
+        raise ValueError(f"defaults must be one of {OPTIMIZER_DEFAULTS}, got {defaults!r}")
+    tf = defaults == "tf"
+    if name == "adagrad":
+        kw: dict[str, Any] = dict(TF_ADAGRAD_DEFAULTS) if tf else {}
+        return torch.optim.Adagrad(params, lr=lr, foreach=True, **kw)
+    if name == "adam":
+        kw = dict(TF_ADAM_DEFAULTS) if tf else {}
+        return torch.optim.Adam(params, lr=lr, foreach=True, **kw)
+    raise ValueError(f"name must be adagrad or adam, got {name!r}")
 
 
 class RowwiseAdam(torch.optim.Optimizer):

@@ -229,9 +229,10 @@ def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
     write_ml100k(tmp_path / "data")
     out = tmp_path / "res"
     argv = [
-        "reproduce", "movielens", "--data-dir", str(tmp_path / "data"), "--out", str(out),
-        "--alphas", "0.5", "--gates", "dselect_k_static", "topk_static", "shared_bottom",
-        "--epochs", "1", "--repetitions", "2", "--no-progress",
+        "reproduce", "movielens", "--variant", "ml-100k", "--data-dir", str(tmp_path / "data"),
+        "--out", str(out), "--alphas", "0.5",
+        "--gates", "dselect_k_static", "topk_static", "shared_bottom", "--epochs", "1",
+        "--repetitions", "2", "--no-progress",
     ]  # fmt: skip
     assert main(argv) == 0
     recs = _runs(out)
@@ -245,6 +246,10 @@ def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
     assert "Table 1" in report and "Table C.3" in report and "Table C.2" in report
     assert "4015 ± 5" not in report  # α = 0.1 not run: its paper row is not shown
     assert "3804 ± 3" in report  # the paper's static DSelect-k loss at α = 0.5
+    assert "Non-neural: item popularity" in report and "Constant predictor" in report
+    assert all(r["config"]["init"] == "keras" for r in recs)
+    assert all(r["config"]["optimizer_defaults"] == "tf" for r in recs)
+    assert len(list(out.glob("reference_*.json"))) == 1  # cached once per data configuration
     assert (out / "plots" / "heatmap_dselect_k_static_alpha0.5.png").is_file()
     assert (out / "plots" / "trajectory_dselect_k_static_alpha0.5.png").is_file()
     # the report is rebuilt from the records alone

@@ -30,6 +30,9 @@ Choices where the paper is silent (all recorded in the report):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ from torch import Tensor, nn
 
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import int_at_least, probability
+from dselectk.experiments.realdata import nonneural
 from dselectk.gates import make_gate
 from dselectk.layers.cnn import make_towers
 from dselectk.layers.experts import StackedMLP
@@ -135,15 +139,34 @@ PAPER_C2 = {
 }
 
 #: Untuned hyperparameters of the quick default (values inside the Appendix D.1 grid).
+#: One epoch of the full ML-1M (12,503 steps of 128): ~15–20 ms per step on one idle core, so the
+#: quick default (3 gates × 3 repetitions on ``--jobs 2 --threads 1``) fits in ~30 minutes.
+QUICK_EPOCHS = 1
 QUICK_HPARAMS: dict[str, dict[str, Any]] = {
-    "dselect_k_static": {"lr": 0.1, "epochs": 3, "k": 2, "gamma": 1.0, "entropy_reg": 1.0},
-    "dselect_k_per_example": {"lr": 0.1, "epochs": 3, "k": 2, "gamma": 1.0, "entropy_reg": 1.0},
-    "topk_static": {"lr": 0.1, "epochs": 3, "k": 2},
-    "topk_per_example": {"lr": 0.1, "epochs": 3, "k": 2},
-    "gumbel_softmax": {"lr": 0.1, "epochs": 3, "sparsity_reg": 1e-3},
-    "softmax": {"lr": 0.1, "epochs": 3},
-    "shared_bottom": {"lr": 0.1, "epochs": 3, "units": 256},
+    "dselect_k_static": {
+        "lr": 0.1,
+        "epochs": QUICK_EPOCHS,
+        "k": 2,
+        "gamma": 1.0,
+        "entropy_reg": 1.0,
+    },
+    "dselect_k_per_example": {
+        "lr": 0.1,
+        "epochs": QUICK_EPOCHS,
+        "k": 2,
+        "gamma": 1.0,
+        "entropy_reg": 1.0,
+    },
+    "topk_static": {"lr": 0.1, "epochs": QUICK_EPOCHS, "k": 2},
+    "topk_per_example": {"lr": 0.1, "epochs": QUICK_EPOCHS, "k": 2},
+    "gumbel_softmax": {"lr": 0.1, "epochs": QUICK_EPOCHS, "sparsity_reg": 1e-3},
+    "softmax": {"lr": 0.1, "epochs": QUICK_EPOCHS},
+    "shared_bottom": {"lr": 0.1, "epochs": QUICK_EPOCHS, "units": 256},
 }
+#: gates, α values and repetitions of the quick default (the others behind --gates / --alphas)
+QUICK_GATES = ("dselect_k_static", "topk_static", "softmax")
+QUICK_ALPHAS = (0.5,)
+QUICK_REPS = 3
 _OPT: dict[str, list[Any]] = {"lr": [0.001, 0.01, 0.1, 0.2, 0.3], "epochs": [5, 10, 20, 30, 40, 50]}
 #: Appendix D.1 grid.
 GRID: dict[str, dict[str, list[Any]]] = {
@@ -155,9 +178,6 @@ GRID: dict[str, dict[str, list[Any]]] = {
     "softmax": dict(_OPT),
     "shared_bottom": {**_OPT, "units": [32, 256, 2048, 4096, 8192]},
 }
-
-QUICK_MAX_TRAIN = 60_000
-"""Training examples of the quick default (of ML-100K's 160,000)."""
 
 EMBED_DIMS = {"user": 32, "item": 32, "age": 4, "gender": 2, "occupation": 4, "genres": 8}
 
@@ -365,7 +385,15 @@ def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
         side_inputs=side,
         bottom_features=m["bottom_features"],
         epochs=args.epochs or QUICK_HPARAMS["softmax"]["epochs"],
-        repetitions=args.repetitions if args.repetitions is not None else 2,
+        repetitions=args.repetitions if args.repetitions is not None else QUICK_REPS,
+    )
+
+
+def reference(args: argparse.Namespace, data: rd.Splits, out: Path) -> None:
+    """Compute (once per data configuration) and cache the non-neural reference in ``out``."""
+    m = data.meta
+    nonneural.cached_reference(
+        out, data.config, data.train, data.val, data.test, m["num_users"], m["num_items"]
     )
 
 
@@ -388,7 +416,9 @@ def experiment() -> rd.Experiment:
         data_key=_data_key,
         notes=notes,
         write_report=write_report,
-        quick_reps=2,
+        quick_reps=QUICK_REPS,
+        quick_gates=QUICK_GATES,
+        reference=reference,
     )
 
 
@@ -398,10 +428,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--variant",
         choices=["ml-100k", "ml-1m"],
-        default=None,
-        help="MovieLens variant (quick: ml-100k, --full: ml-1m)",
+        default="ml-1m",
+        help="MovieLens variant (default ml-1m, the paper's)",
     )
-    p.add_argument("--alphas", type=probability, nargs="+", default=list(ALPHAS), help="α values")
+    p.add_argument(
+        "--alphas",
+        type=probability,
+        nargs="+",
+        default=None,
+        help="α values (default: quick 0.5, --full 0.1 0.5 0.9)",
+    )
     p.add_argument(
         "--neg-ratio", type=int_at_least(1), default=1, help="sampled negatives per rating"
     )
@@ -413,17 +449,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
-    args.variant = args.variant or ("ml-1m" if args.full else "ml-100k")
-    if args.max_train is None and not args.full:
-        args.max_train = QUICK_MAX_TRAIN
-    return rd.run_experiment(experiment(), args, [float(a) for a in args.alphas])
+    args.variant = args.variant or "ml-1m"
+    alphas = args.alphas if args.alphas is not None else (ALPHAS if args.full else QUICK_ALPHAS)
+    return rd.run_experiment(experiment(), args, [float(a) for a in alphas])
 
 
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
+#: report labels of the non-neural reference predictors (see ``realdata.nonneural``)
+REFERENCE_LABELS = {
+    "popularity_biases": "*Non-neural: item popularity + user/item biases*",
+    "constant": "*Constant predictor*",
+}
+
+
+def _reference_rows(ref: Mapping[str, Any] | None, alpha: Any, c3: bool) -> list[str]:
+    """Table rows of the non-neural predictors (test split) in the units of the gates' rows."""
+    lines = []
+    for key, label in REFERENCE_LABELS.items():
+        if not ref or key not in ref:
+            continue
+        t = ref[key]["test"]
+        if c3:
+            acc = 100 * t["accuracy_task1"]
+            lines.append(f"| {label} | {1e4 * t['loss_task2']:.0f} | - | {acc:.2f} | - |")
+        else:
+            a = float(alpha)
+            loss = a * t["loss_task1"] + (1 - a) * t["loss_task2"]
+            lines.append(f"| {label} | {1e4 * loss:.0f} | - | - | - |")
+    return lines
+
+
 def _tables(
-    rows: Mapping[tuple[Any, str], Mapping[str, Any]], settings: Sequence[Any]
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
+    settings: Sequence[Any],
+    ref: Mapping[str, Any] | None = None,
 ) -> list[str]:
     gates = [g for g in rd.GATE_KINDS if any((s, g) in rows for s in settings)]
     md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
@@ -445,6 +506,7 @@ def _tables(
                 f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_loss'), 1e4, 0)} | {pl} | "
                 f"{rd.fmt(m.get('selected_experts'), 1, 2)} | {pe} |"
             )
+        md += _reference_rows(ref, a, c3=False)
         md.append("")
     md += ["## Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)", ""]
     for a in settings:
@@ -466,6 +528,7 @@ def _tables(
                 + (f"{c[2]:.2f} ± {c[3]:.2f}" if c else "-")
                 + " |"
             )
+        md += _reference_rows(ref, a, c3=True)
         md.append("")
     return md
 
@@ -485,6 +548,20 @@ SPEC = rd.ReportSpec(
 )
 
 
+def load_reference(results_dir: Path) -> dict[str, Any] | None:
+    """The cached non-neural reference of the data of ``run_info.json`` (None if absent)."""
+    info_path = Path(results_dir) / "run_info.json"
+    try:
+        data_cfg = json.loads(info_path.read_text(encoding="utf-8"))["data"]
+        path = nonneural.reference_path(Path(results_dir), data_cfg)
+        return dict(json.loads(path.read_text(encoding="utf-8"))["reference"])
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return None
+
+
 def write_report(results_dir: Path) -> None:
-    """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder."""
-    rd.write_report(Path(results_dir), SPEC)
+    """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder
+    (with the non-neural reference rows when its cache is there)."""
+    ref = load_reference(Path(results_dir))
+    spec = dataclasses.replace(SPEC, tables=functools.partial(_tables, ref=ref))
+    rd.write_report(Path(results_dir), spec)

@@ -11,6 +11,7 @@ recipe's report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from dselectk.experiments.args import check_out_dir, int_at_least, positive_float
+from dselectk.experiments.realdata.plan import print_plan
+from dselectk.experiments.realdata.plan import repetitions as _repetitions
 from dselectk.experiments.realdata.spec import (
     DEFAULT_GATES,
     LABELS,
@@ -42,6 +45,8 @@ from dselectk.experiments.runner import (
     run_sweep,
 )
 from dselectk.io import write_json
+from dselectk.layers.init import INITS
+from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.progress import tqdm
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "run_experiment",
     "set_threads",
     "sweep",
+    "with_training_defaults",
 ]
 
 #: the data this process loaded for the running command (data key → splits); see :func:`load`
@@ -78,7 +84,14 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
         help="repetitions per gate and setting (quick 2, full 100)",
     )
     p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
-    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=DEFAULT_GATES)
+    p.add_argument(
+        "--gates",
+        nargs="+",
+        default=None,
+        choices=DEFAULT_GATES,
+        help="gates to run (default: all; the MovieLens quick default runs static DSelect-k, "
+        "static Top-k and softmax)",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -95,6 +108,26 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_executor_arguments(p)
+    p.add_argument(
+        "--init",
+        choices=list(INITS),
+        default="keras",
+        help="initialisation: keras (default, the reference's TF2/Keras defaults: embeddings "
+        "U(±0.05), Glorot-uniform dense/conv weights, zero biases) or torch (PyTorch's defaults)",
+    )
+    p.add_argument(
+        "--optimizer-defaults",
+        choices=list(OPTIMIZER_DEFAULTS),
+        default="tf",
+        help="optimizer constants: tf (default, TF2 Keras': Adagrad initial accumulator 0.1 and "
+        "eps 1e-7, Adam eps 1e-7) or torch (torch.optim's: 0 and 1e-10, 1e-8)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (runs, steps each, CPU time estimated from a short timed probe of "
+        "each gate) and exit; --full prints it before it starts",
+    )
     p.add_argument(
         "--threads",
         type=NONNEG,
@@ -128,12 +161,6 @@ def load(exp: Experiment, args: argparse.Namespace) -> Splits:
         _DATA.clear()
         _DATA[key] = exp.load_data(args)
     return _DATA[key]
-
-
-def _repetitions(exp: Experiment, args: argparse.Namespace) -> int:
-    if args.repetitions is not None:
-        return int(args.repetitions)
-    return 100 if args.full else exp.quick_reps
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,6 +247,18 @@ def sweep(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) ->
     )
 
 
+def with_training_defaults(exp: Experiment, args: argparse.Namespace) -> Experiment:
+    """``exp`` with the flags' ``--init`` and ``--optimizer-defaults`` (kept when absent);
+    resolves ``--gates`` (default: all gates, or the experiment's quick gates in quick mode)."""
+    if getattr(args, "gates", None) is None:
+        args.gates = list(DEFAULT_GATES if args.full or not exp.quick_gates else exp.quick_gates)
+    return dataclasses.replace(
+        exp,
+        init=getattr(args, "init", None) or exp.init,
+        optimizer_defaults=getattr(args, "optimizer_defaults", None) or exp.optimizer_defaults,
+    )
+
+
 def _previous_wall(path: Path) -> float:
     if not path.is_file():
         return 0.0
@@ -237,6 +276,7 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         args: parsed flags (:func:`add_common_arguments` and the experiment's own, resolved).
         settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
     """
+    exp = with_training_defaults(exp, args)
     out = check_out_dir(args.out)
     sw = sweep(exp, args, settings)
     threads = int(getattr(args, "threads", 0) or 0)
@@ -249,6 +289,12 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         notes = exp.notes(args, data)
         data_cfg = dict(data.config)
         meta = {k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))}
+        if args.full or getattr(args, "dry_run", False):
+            print_plan(exp, args, settings, data, jobs)
+            if getattr(args, "dry_run", False):
+                return 0
+        if exp.reference is not None:
+            exp.reference(args, data, out)
         del data
         if jobs > 1:
             _DATA.clear()  # the workers load their own copies
@@ -269,6 +315,7 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         "command": " ".join(["dselectk", *sys.argv[1:]]),
         "wall_seconds": _previous_wall(out / "run_info.json") + wall,
         "mode": "full" if args.full else "quick",
+        "training": {"init": exp.init, "optimizer_defaults": exp.optimizer_defaults},
         "repetitions": _repetitions(exp, args),
         "notes": list(notes),
         "data": data_cfg,

@@ -96,6 +96,14 @@ class Experiment:
         write_report: results folder → None; rebuilds ``summary.json``, ``report.md`` and the
             plots from the records (the recipe's report, see :mod:`.report`).
         quick_reps: repetitions of the quick default.
+        quick_gates: the gates of the quick default (None: all).
+        reference: (parsed flags, data, results folder) → None; computes (once per data
+            fingerprint) and caches the non-neural reference predictors of the report, or None.
+        init: "keras" (the reference's TF2/Keras initialisation,
+            :func:`~dselectk.layers.init.keras_init_`) or "torch" (PyTorch's defaults).
+        optimizer_defaults: "tf" (TF2 Keras' optimizer defaults, e.g. Adagrad's initial
+            accumulator 0.1 and ε 1e-7) or "torch"; see
+            :func:`~dselectk.optim.make_reference_optimizer`.
     """
 
     name: str
@@ -115,6 +123,10 @@ class Experiment:
     notes: Callable[[argparse.Namespace, Splits], list[str]]
     write_report: Callable[[Path], None]
     quick_reps: int = 2
+    quick_gates: Sequence[str] | None = None
+    reference: Callable[[argparse.Namespace, Splits, Path], None] | None = None
+    init: str = "keras"
+    optimizer_defaults: str = "tf"
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:
@@ -149,6 +161,8 @@ def record_config(
         "init_seed": seed,
         "seed": base_seed,
         "optimizer": exp.optimizer,
+        "optimizer_defaults": exp.optimizer_defaults,
+        "init": exp.init,
         "batch_size": exp.batch_size,
         "data": dict(data_cfg),
     }

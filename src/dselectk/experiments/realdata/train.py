@@ -25,6 +25,8 @@ from dselectk.experiments.realdata.monitor import (
 from dselectk.experiments.realdata.spec import Experiment, Splits, init_seed, record_config
 from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
+from dselectk.layers.init import init_module_
+from dselectk.optim import make_reference_optimizer
 from dselectk.training import TrainConfig, evaluate, train
 
 __all__ = ["train_one", "tune"]
@@ -57,7 +59,7 @@ def train_one(
     """
     torch.manual_seed(seed)
     random.seed(seed)
-    model = exp.build_model(gate, hparams, data.meta)
+    model = init_module_(exp.build_model(gate, hparams, data.meta), exp.init)
     weights = exp.task_weights(setting)
     epochs = int(hparams["epochs"])
     n_train = len(data.train)
@@ -84,7 +86,10 @@ def train_one(
     )
     t0 = time.perf_counter()
     try:
-        hist = train(monitor, data.train, list(exp.losses), cfg)
+        opt = make_reference_optimizer(
+            exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
+        )
+        hist = train(monitor, data.train, list(exp.losses), cfg, optimizer=opt)
     finally:
         throughput = monitor.close()
     train_seconds = time.perf_counter() - t0
