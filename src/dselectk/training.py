@@ -162,6 +162,35 @@ class TrainConfig:
     nonfinite: str = "raise"
     resume: str = "strict"
 
+    @classmethod
+    def for_members(
+        cls,
+        *,
+        lr: float,
+        batch_size: int,
+        epochs: int,
+        shuffle_seed: int,
+        progress: bool = False,
+        desc: str = "",
+        position: int | None = None,
+    ) -> TrainConfig:
+        """Settings for a vectorized model whose independent members (repetitions, grid
+        points) train as one: no global seeding (each member was initialised by its own seed),
+        one shared shuffle, one progress tick per epoch, and a member that diverges ends with
+        NaN metrics while the others train on (``nonfinite="warn"``)."""
+        return cls(
+            lr=lr,
+            batch_size=batch_size,
+            epochs=epochs,
+            seed=None,
+            shuffle_seed=int(shuffle_seed),
+            progress=progress,
+            progress_unit="epoch",
+            nonfinite="warn",
+            desc=desc,
+            position=position,
+        )
+
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adagrad", "sgd"):
             raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")

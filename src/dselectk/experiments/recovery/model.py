@@ -33,11 +33,20 @@ LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
 GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "dselect_k": ("dselect_k", {"init": "paper"}),
     "dselect_k_spread": ("dselect_k", {"init": "spread"}),
+    # collapse remedies (issue 14, docs/collapse.md); γ, λ, epochs as dselect_k's
+    "dselect_k_distinct": ("dselect_k", {"init": "distinct"}),
+    "dselect_k_diverse": ("dselect_k", {"init": "paper", "diversity": 1.0}),
+    "dselect_k_exclusive": ("dselect_k", {"init": "paper", "exclusive": True}),
+    "dselect_k_remedy": ("dselect_k", {"init": "distinct", "exclusive": True, "diversity": 1.0}),
     "topk": ("topk", {}),
 }
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
     "dselect_k_spread": "DSelect-k (spread init, ours)",
+    "dselect_k_distinct": "DSelect-k (distinct init, ours)",
+    "dselect_k_diverse": "DSelect-k (diversity μ=1, ours)",
+    "dselect_k_exclusive": "DSelect-k (exclusive selectors, ours)",
+    "dselect_k_remedy": "DSelect-k (distinct + exclusive + μ=1, ours)",
     "topk": "Top-k",
 }
 PAPER = {"dselect_k": 4, "topk": 1}
@@ -258,17 +267,12 @@ def train_reps(
     callbacks: list[Any] = [recorder]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
-    config = TrainConfig(
+    config = TrainConfig.for_members(
         lr=max(rates),
         batch_size=BATCH_SIZE,
         epochs=epochs,
-        seed=None,  # the repetitions are initialised by their own seeds
-        shuffle_seed=int(shuffle_seed),
+        shuffle_seed=shuffle_seed,
         progress=progress,
-        progress_unit="epoch",
-        # the members are independent: one that diverges ends with NaN metrics (its records
-        # say so) while the others train on; the loop warns once
-        nonfinite="warn",
         desc=desc,
         position=progress_position(),
     )

@@ -131,17 +131,12 @@ def train_reps(
     else:
         opt = RowwiseAdam(model.parameters(), lr=model.member_values("lr"))
     evaluator = _Checkpoints(cps, data)
-    config = TrainConfig(
+    config = TrainConfig.for_members(
         lr=float(hparams["lr"]),
         batch_size=BATCH_SIZE,
         epochs=epochs,
-        seed=None,  # the members are initialised by their own seeds
-        shuffle_seed=int(shuffle_seed),
+        shuffle_seed=shuffle_seed,
         progress=progress,
-        progress_unit="epoch",
-        # the members are independent: one that diverges ends with NaN metrics (its records
-        # say so) while the others train on; the loop warns once
-        nonfinite="warn",
         desc=desc,
         position=progress_position(),
     )
