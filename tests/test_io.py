@@ -74,7 +74,8 @@ def test_keyboard_interrupt_removes_temp(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_failed_rename_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(src: str, dst: str) -> None:
-        assert Path(src).name.startswith(f".x.bin.{os.getpid()}.") and src.endswith(".tmp")
+        assert Path(src).name.startswith(f".x.bin.{io.HOST}-{os.getpid()}.")
+        assert src.endswith(".tmp")
         raise OSError("disk gone")
 
     monkeypatch.setattr(os, "replace", broken)

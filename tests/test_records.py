@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,25 @@ def test_environment_runs_git_once_per_process(
     assert sorted(envs[0]) == sorted(
         ["dselectk", "git_commit", "torch", "python", "machine", "processor", "threads", "cuda"]
     )
+
+
+def test_stale_temps_of_dead_local_writers_are_removed_other_hosts_kept(tmp_path: Path) -> None:
+    """A kill -9 mid-write leaves a temp file; the next RunStore removes it only if its writer
+    ran on this host and is gone (on a shared filesystem another node's pid means nothing)."""
+    import subprocess
+    import sys
+
+    from dselectk import io as _io
+    from dselectk.experiments.records import RunStore
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    mine = runs / f".a.json.{_io.HOST}-{dead}.xyz.tmp"
+    alive = runs / f".b.json.{_io.HOST}-{os.getpid()}.xyz.tmp"
+    other = runs / f".c.json.other_host-{dead}.xyz.tmp"
+    for p in (mine, alive, other):
+        p.write_text("{")
+    RunStore(tmp_path)
+    assert not mine.exists() and alive.exists() and other.exists()

@@ -1,10 +1,11 @@
 """The package's one atomic file writer.
 
-Every writer here writes to a uniquely named temp file in the destination's folder (``.<name>.<pid>.
-<random>.tmp``), flushes and fsyncs it, then renames it over the destination with ``os.replace``.
-A reader therefore sees either the old file or the complete new one, never a partial write; on
-any error (KeyboardInterrupt and SystemExit included) the temp file is removed, the old file is
-left untouched, and the exception propagates. Parent folders are created as needed.
+Every writer here writes to a uniquely named temp file in the destination's folder
+(``.<name>.<host>-<pid>.<random>.tmp``), flushes and fsyncs it, then renames it over the
+destination with ``os.replace``. A reader therefore sees either the old file or the complete
+new one, never a partial write. On any error (KeyboardInterrupt and SystemExit included) the
+temp file is removed, the old file is left untouched, and the exception propagates. Parent
+folders are created as needed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,6 +23,9 @@ import torch
 
 from dselectk._testing import pause_point
 
+#: the host part of temp-file names (dots become underscores): on a shared filesystem a
+#: process can tell its own host's dead writers from other hosts' live ones
+HOST = socket.gethostname().replace(".", "_")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -38,9 +43,8 @@ def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write`` on a binary temp file beside ``path``, fsync, then rename it to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
-    )
+    writer = f"{HOST}-{os.getpid()}"  # at call time: forked processes have their own pid
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer}.", suffix=".tmp")
     os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; a written file gets the usual mode
     try:
         with os.fdopen(fd, "wb") as f:

@@ -128,10 +128,22 @@ class RunStore:
 
     def remove_stale_temps(self) -> list[Path]:
         """Delete the temp files of record writes whose process is gone (a sweep killed with
-        ``kill -9`` mid-write cannot remove its own); returns what was removed."""
+        ``kill -9`` mid-write cannot remove its own); returns what was removed. Only this
+        host's writers are judged: on a shared filesystem another node's pids mean nothing
+        here, so their temp files are left alone."""
         removed: list[Path] = []
         if not self.runs.is_dir():
             return removed
+        for tmp in self.runs.glob(".*.tmp"):
+            # io's temp names are .<name>.<host>-<pid>.<random>.tmp
+            parts = tmp.name.split(".")
+            writer = parts[-3] if len(parts) >= 5 else ""
+            who, _, pid = writer.rpartition("-")
+            if who != _io.HOST or not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        return removed
         for tmp in self.runs.glob(".*.tmp"):
             # io's temp names are .<name>.<pid>.<random>.tmp
             parts = tmp.name.split(".")
