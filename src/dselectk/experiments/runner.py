@@ -22,9 +22,11 @@ record per run. The runner owns everything else:
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dselectk.experiments.args import check_out_dir
 from dselectk.experiments.executors import (
     SweepDetached,
     add_executor_arguments,
@@ -52,6 +55,7 @@ __all__ = [
     "missing",
     "progress_position",
     "resolve_jobs",
+    "run_recipe",
     "run_sweep",
     "sample_points",
 ]
@@ -271,3 +275,38 @@ def run_sweep(
     save()
     RunStore(out).write_plan(runs, command)
     return {n: selected[n] for n in names}
+
+
+def run_recipe(
+    sweep: Sweep,
+    args: Any,
+    *,
+    threads: int,
+    write_report: Callable[..., None],
+    print_table: Callable[[Mapping[str, Any]], None],
+    report_jobs: bool = False,
+) -> int:
+    """The ``run`` of a recipe: check ``--out`` up front, resolve ``--jobs``, run (or resume)
+    the sweep, rebuild the report and print its table. Returns the exit code (0).
+
+    Args:
+        sweep: the recipe's sweep for ``args``.
+        args: the parsed command line (``out``, ``jobs``, ``no_progress``, executor flags).
+        threads: torch threads of each process (0: torch's default / an equal share).
+        write_report: ``(out, wall_seconds=, command=[, jobs=, threads=])``.
+        print_table: prints the one-screen table of ``summary.json``.
+        report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
+    """
+    out = check_out_dir(args.out)
+    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sweep.cells))
+    args.jobs = jobs
+    command = " ".join(["dselectk", *sys.argv[1:]])
+    t0 = time.perf_counter()
+    progress = not args.no_progress
+    run_sweep(sweep, args, out, jobs=jobs, threads=threads, progress=progress, command=command)
+    wall = time.perf_counter() - t0
+    extra = {"jobs": jobs, "threads": threads} if report_jobs else {}
+    write_report(out, wall_seconds=wall, command=command, **extra)
+    print_table(json.loads((out / "summary.json").read_text(encoding="utf-8")))
+    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
+    return 0

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import check_out_dir, int_at_least, positive_float
+from dselectk.experiments.args import int_at_least, positive_float
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -29,8 +27,7 @@ from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
     missing,
-    resolve_jobs,
-    run_sweep,
+    run_recipe,
 )
 
 __all__ = ["add_arguments", "load_tuned", "run", "run_cell", "sweep"]
@@ -182,17 +179,10 @@ def sweep(args: argparse.Namespace) -> Sweep:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every gate × learning rate × repetition, then write the report."""
-    check_out_dir(args.out)
-    sw = sweep(args)
-    threads = max(1, int(getattr(args, "threads", 1) or 1))
-    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
-    progress = not args.no_progress
-    t0 = time.perf_counter()
-    command = " ".join(["dselectk", *sys.argv[1:]])
-    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress, command=command)
-    wall = time.perf_counter() - t0
-    out = Path(args.out)
-    write_report(out, wall_seconds=wall, command=command)
-    print_table(json.loads((out / "summary.json").read_text()))
-    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
-    return 0
+    return run_recipe(
+        sweep(args),
+        args,
+        threads=max(1, int(getattr(args, "threads", 1) or 1)),
+        write_report=write_report,
+        print_table=print_table,
+    )

@@ -172,9 +172,9 @@ def schedulers(
     if model.member_hparams is not None:
         if reg == "ablation_annealing":
             t = model.num_tasks
-            start = model.member_values("temperature_start", 1.0).repeat_interleave(t)
-            total = (model.member_values("epochs") * steps_per_epoch).repeat_interleave(t)
-            anneal = GeometricSchedule(start, ANNEAL_END, total)
+            starts = model.member_values("temperature_start", 1.0).repeat_interleave(t)
+            totals = (model.member_values("epochs") * steps_per_epoch).repeat_interleave(t)
+            anneal = GeometricSchedule(starts, ANNEAL_END, totals)
             out.append(AttributeScheduler(model.gates, "temperature", anneal))
         return out
     if reg == "dselect_k":

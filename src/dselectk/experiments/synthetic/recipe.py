@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.args import (
-    check_out_dir,
     int_at_least,
     nonnegative_float,
     positive_float,
@@ -27,8 +24,7 @@ from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
     missing,
-    resolve_jobs,
-    run_sweep,
+    run_recipe,
 )
 from dselectk.experiments.synthetic.data import SyntheticData, generate_data
 from dselectk.experiments.synthetic.report import print_table, write_report
@@ -224,18 +220,10 @@ def sweep(args: argparse.Namespace) -> Sweep:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    check_out_dir(args.out)
-    sw = sweep(args)
-    threads = int(getattr(args, "threads", 0) or 0)
-    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
-    args.jobs = jobs
-    progress = not args.no_progress
-    t0 = time.perf_counter()
-    command = " ".join(["dselectk", *sys.argv[1:]])
-    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=progress, command=command)
-    wall = time.perf_counter() - t0
-    out = Path(args.out)
-    write_report(out, wall_seconds=wall, command=command)
-    print_table(json.loads((out / "summary.json").read_text()))
-    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
-    return 0
+    return run_recipe(
+        sweep(args),
+        args,
+        threads=int(getattr(args, "threads", 0) or 0),
+        write_report=write_report,
+        print_table=print_table,
+    )

@@ -197,14 +197,15 @@ class _StepTimer(Callback):
 def evaluate_lm(model: CharMoETransformer, data: TaskData, batch: int = 256) -> dict[str, Any]:
     """Validation bits per byte, load per expert (per layer) and DSelect-k's binary tokens."""
     model.eval()
-    n = int(model.blocks[0].moe.num_experts)
-    loads = [torch.zeros(n) for _ in model.blocks]
-    binary = [0.0 for _ in model.blocks]
-    nonzero = [0.0 for _ in model.blocks]
+    blocks: list[Any] = list(model.blocks)
+    n = int(blocks[0].moe.num_experts)
+    loads = [torch.zeros(n) for _ in blocks]
+    binary = [0.0 for _ in blocks]
+    nonzero = [0.0 for _ in blocks]
     inputs: list[Tensor] = []
     hooks = [
         b.moe.router.register_forward_hook(lambda m, a, o: inputs.append(a[0]))
-        for b in model.blocks
+        for b in blocks
     ]
     total, tokens = 0.0, 0
     try:
@@ -216,7 +217,7 @@ def evaluate_lm(model: CharMoETransformer, data: TaskData, batch: int = 256) -> 
                 F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum")
             )
             tokens += y.numel()
-            for j, blk in enumerate(model.blocks):
+            for j, blk in enumerate(blocks):
                 stats = blk.moe.last_stats
                 loads[j] += stats["load"].float()
                 router = blk.moe.router
@@ -229,7 +230,7 @@ def evaluate_lm(model: CharMoETransformer, data: TaskData, batch: int = 256) -> 
         for h in hooks:
             h.remove()
     model.train()
-    is_dk = isinstance(model.blocks[0].moe.router, DSelectK)
+    is_dk = isinstance(blocks[0].moe.router, DSelectK)
     fractions = [(ld / ld.sum()).tolist() for ld in loads]
     return {
         "val_bpc": total / tokens / math.log(2),

@@ -4,9 +4,6 @@ shared runner; one record per (router, seed)."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +12,7 @@ from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
     missing,
-    resolve_jobs,
-    run_sweep,
+    run_recipe,
 )
 from dselectk.experiments.token_moe.model import (
     DEFAULTS,
@@ -145,20 +141,11 @@ def sweep(args: argparse.Namespace) -> Sweep:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
-    sw = sweep(args)
-    threads = max(1, int(getattr(args, "threads", 1) or 1))
-    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
-    t0 = time.perf_counter()
-    run_sweep(sw, args, args.out, jobs=jobs, threads=threads, progress=not args.no_progress)
-    wall = time.perf_counter() - t0
-    out = Path(args.out)
-    write_report(
-        out,
-        wall_seconds=wall,
-        command=" ".join(["dselectk", *sys.argv[1:]]),
-        jobs=jobs,
-        threads=threads,
+    return run_recipe(
+        sweep(args),
+        args,
+        threads=max(1, int(getattr(args, "threads", 1) or 1)),
+        write_report=write_report,
+        print_table=print_table,
+        report_jobs=True,
     )
-    print_table(json.loads((out / "summary.json").read_text()))
-    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
-    return 0
