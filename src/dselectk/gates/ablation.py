@@ -100,7 +100,14 @@ class SoftmaxSelectorGate(Gate):
         # Same numbers as the weights Σ_i a_i s_i and the entropies of self.selectors(logits)
         # (tested, values and gradients), in one autograd node.
         tau = self._per_gate(self._temperature, 2)
-        weights, ent = _SelectorGate.apply(logits, tau, self.k)[:2]
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+            # Export: the node branches on τ's value (torch.export cannot trace that) and the
+            # tracing ONNX exporter mis-exports it; the composed ops give the same numbers.
+            a, s = self.selectors(logits)
+            weights = (a.unsqueeze(-1) * s).sum(dim=-2)
+            ent = -(s * torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))).sum(dim=-1)
+        else:
+            weights, ent = _SelectorGate.apply(logits, tau, self.k)[:2]
         per_gate = self._entropy_reg * ent.sum(dim=-1)
         return GateOutput(weights, self._reduce_aux(per_gate))
 

@@ -6,6 +6,16 @@
 Experts whose weight is exactly zero in every gate are skipped (conditional computation); at
 inference, per-example weights route each example only to its experts
 (:meth:`ExpertMixer.dispatch`). The models in :mod:`dselectk.models` are built on it.
+
+Export safety: both kinds of skipping read the *values* of the weights to choose which experts
+run, which a tracer (``torch.jit.trace``, ``torch.onnx.export``) would freeze into the graph as
+constants (a graph valid only for the example batch) and which ``torch.export`` cannot trace.
+While tracing or exporting (:func:`exporting`), the mixer therefore takes the dense masked mix
+instead: every expert is computed and weighted by its gate weight, which is exactly zero where
+the expert is unused, so the outputs equal the routed ones (up to the order of float
+additions) for any input. A fixed selection (a static gate whose experts were chosen once and
+for all) is exported as a static gather by freezing the model first
+(:func:`dselectk.export.freeze`).
 """
 
 from __future__ import annotations
@@ -15,11 +25,31 @@ from torch import Tensor, nn
 
 from dselectk.layers.experts import StackedMLP
 
-__all__ = ["ExpertMixer", "active_experts", "mix"]
+__all__ = ["ExpertMixer", "active_experts", "exporting", "mix"]
+
+
+def exporting() -> bool:
+    """Whether the code runs under a tracer or exporter that records a graph for later inputs.
+
+    True under ``torch.jit.trace`` / ``torch.jit.script`` (and so the TorchScript ONNX exporter,
+    ``torch.onnx.export(..., dynamo=False)``), ``torch.onnx.export`` of either kind, and
+    ``torch.export`` (which the dynamo ONNX exporter uses). Plain ``torch.compile`` is not
+    included: it guards on the data-dependent values (graph breaks), so routing stays correct.
+    """
+    if torch.jit.is_scripting():
+        return True
+    return bool(
+        torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
+    )
 
 
 def active_experts(weights: Tensor, num_experts: int) -> Tensor | None:
-    """Indices of the experts some gate weight uses, or None when all are used."""
+    """Indices of the experts some gate weight uses, or None when all are used.
+
+    Always None while :func:`exporting` (the choice would depend on the example's values).
+    """
+    if exporting():
+        return None
     used = (weights != 0).reshape(-1, num_experts).any(dim=0)
     if bool(used.all()):
         return None
@@ -55,12 +85,17 @@ class ExpertMixer(nn.Module):
         Skipping is exact: an expert whose weight is exactly zero in every gate contributes
         nothing to the output, and DSelect-k and Top-k weights that are exactly zero have exactly
         zero gradients as well (S'(z) = 0 on binary bits; top-k masks).
+
+        While tracing or exporting (:func:`exporting`) nothing is skipped: the dense masked mix
+        of all experts, which is what the skipping computes, for every input.
         """
-        if self.conditional and weights.dim() == 3 and not self.training:
+        if not self.conditional or exporting():
+            return mix(self.experts(x), weights)
+        if weights.dim() == 3 and not self.training:
             routed = self.dispatch(x, weights)
             if routed is not None:
                 return routed
-        active = active_experts(weights, self.num_experts) if self.conditional else None
+        active = active_experts(weights, self.num_experts)
         if active is None:
             return mix(self.experts(x), weights)
         return mix(self.experts(x, active), weights.index_select(-1, active))
@@ -79,8 +114,11 @@ class ExpertMixer(nn.Module):
                 used; otherwise return None (the dense batched evaluation is cheaper).
 
         Returns:
-            (T, B, D...) mixtures, or None when the weights are not sparse enough.
+            (T, B, D...) mixtures, or None when the weights are not sparse enough, and always
+            None while :func:`exporting` (the grouping depends on the weights' values).
         """
+        if exporting():
+            return None
         b, t, e = weights.shape
         used = (weights != 0).any(dim=1)  # (B, E): expert needed by some task of the example
         counts = used.sum(dim=0)  # (E,)

@@ -1,0 +1,501 @@
+"""Deployment: ONNX and ``torch.export`` with verification, and freezing a converged model.
+
+* :func:`to_onnx` writes an ONNX file and :func:`export_program` returns a
+  :class:`torch.export.ExportedProgram`; both **verify** the result on fresh random inputs at
+  several batch sizes against PyTorch eager and raise :class:`ExportVerificationError` when
+  they differ (a wrong graph is never returned silently). Models are exported in eval mode
+  (gates with training-time randomness, noisy Top-k and Gumbel-softmax, export their
+  deterministic eval behaviour).
+* :func:`freeze` turns a model whose static gates have converged (binary S(Z)) into an
+  inference model holding only the experts some task uses, each static gate replaced by its
+  fixed weights; outputs are unchanged.
+
+Routing and export: the expert mixer skips unused experts by reading the gate weights' values
+(:mod:`dselectk.layers.mixer`). While tracing or exporting it takes the dense masked mix instead
+(every expert computed, weighted by its gate weight, which is exactly zero where unused): the
+same outputs for every input. A frozen model's selection is part of its structure (a static
+gather), so exporting it computes only the kept experts.
+
+ONNX needs the ``export`` extra: ``pip install 'dselectk[export]'`` (onnx, onnxruntime and
+onnxscript, which the ``torch.export``-based ONNX exporter uses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.base import Gate, GateOutput
+from dselectk.gates.dselect_k import DSelectK
+from dselectk.gates.gumbel import GumbelSoftmaxGate
+from dselectk.layers.experts import ExpertList, StackedMLP
+from dselectk.models.moe import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "ExportVerificationError",
+    "FixedGate",
+    "SelectedExperts",
+    "export_program",
+    "freeze",
+    "to_onnx",
+    "verify",
+]
+
+#: ONNX opset of :func:`to_onnx` (torch 2.13's default)
+DEFAULT_OPSET = 20
+#: batch sizes of the fresh inputs the exported model is checked on
+VERIFY_BATCH_SIZES = (16, 7, 1)
+
+Inputs = Tensor | Sequence[Tensor]
+Sampler = Callable[[int], Sequence[Tensor]]
+
+
+class ExportVerificationError(RuntimeError):
+    """The exported model does not compute what the PyTorch model computes."""
+
+
+# -- inputs and outputs -------------------------------------------------------------------------
+class _Predictions(nn.Module):
+    """The model with its predictions as a flat tuple of tensors (what export writes out)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.training = False  # the wrapper only; the model's modes are left alone
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
+        return _flatten(self.model(*args))
+
+
+def _flatten(out: Any) -> tuple[Tensor, ...]:
+    if isinstance(out, MoEOutput):
+        return (out.output,)
+    if isinstance(out, MultiTaskOutput):
+        return tuple(out.outputs)
+    if isinstance(out, Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(t for o in out for t in _flatten(o))
+    raise TypeError(f"cannot export an output of type {type(out).__name__}")
+
+
+def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
+    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if not args or not all(isinstance(a, Tensor) and a.dim() >= 1 for a in args):
+        raise TypeError("example_inputs must be a tensor or a sequence of tensors (batch first)")
+    if len({a.shape[0] for a in args}) != 1:
+        raise ValueError("all example inputs must have the same batch size (dim 0)")
+    return args
+
+
+def fresh_inputs(example: Sequence[Tensor], batch: int, generator: torch.Generator) -> list[Tensor]:
+    """Random inputs like ``example`` with ``batch`` rows, never equal to the example.
+
+    Floating inputs: Gaussian with the example's mean and standard deviation per feature.
+    Integer and boolean inputs (ids, categories): rows of the example drawn at random, each
+    column independently (so the values stay valid ids).
+    """
+    out = []
+    for a in example:
+        if a.is_floating_point():
+            mean = a.mean(dim=0, keepdim=True)
+            std = a.std(dim=0, keepdim=True) if a.shape[0] > 1 else torch.ones_like(mean)
+            noise = torch.randn((batch, *a.shape[1:]), generator=generator, dtype=a.dtype)
+            out.append(mean + noise.to(a.device) * std.clamp_min(1e-3))
+        else:
+            flat = a.reshape(a.shape[0], -1)
+            rows = torch.randint(0, a.shape[0], (batch, flat.shape[1]), generator=generator)
+            cols = torch.arange(flat.shape[1]).expand(batch, -1)
+            out.append(flat[rows.to(a.device), cols.to(a.device)].view(batch, *a.shape[1:]))
+    return out
+
+
+def _trace_example(args: tuple[Tensor, ...], dynamic_batch: bool) -> tuple[Tensor, ...]:
+    """The example to trace: batch >= 2 for a dynamic batch (exporters specialise 0 and 1)."""
+    if dynamic_batch and args[0].shape[0] < 2:
+        return tuple(torch.cat([a, a]) for a in args)
+    return args
+
+
+def _compare(
+    got: Sequence[Any], want: Sequence[Tensor], atol: float, rtol: float, where: str
+) -> None:
+    if len(got) != len(want):
+        raise ExportVerificationError(f"{where}: {len(got)} outputs, PyTorch gives {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        g_t = torch.as_tensor(g).to(w.device, w.dtype)
+        if g_t.shape != w.shape:
+            raise ExportVerificationError(
+                f"{where}: output {i} has shape {tuple(g_t.shape)}, PyTorch {tuple(w.shape)}"
+            )
+        err = (g_t - w).abs()
+        bad = err > atol + rtol * w.abs()
+        if bool(bad.any()) or not bool(torch.isfinite(g_t).eq(torch.isfinite(w)).all()):
+            raise ExportVerificationError(
+                f"{where}: output {i} differs from PyTorch by up to {float(err.max()):.3g} "
+                f"(atol={atol:g}, rtol={rtol:g}); the exported graph is wrong for new inputs"
+            )
+
+
+def verify(
+    run: Callable[[list[Tensor]], Sequence[Any]],
+    model: nn.Module,
+    example_inputs: Inputs,
+    *,
+    batch_sizes: Sequence[int] = VERIFY_BATCH_SIZES,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    input_sampler: Sampler | None = None,
+    seed: int = 0,
+) -> float:
+    """Check ``run(inputs)`` against ``model`` in eval mode on fresh inputs at ``batch_sizes``.
+
+    Returns the largest absolute difference; raises :class:`ExportVerificationError` beyond
+    ``atol + rtol·|expected|`` (or when ``run`` fails).
+    """
+    args = _as_tuple(example_inputs)
+    gen = torch.Generator().manual_seed(seed)
+    wrapped = _Predictions(model)
+    worst = 0.0
+    with _eval(model), torch.no_grad():
+        for b in batch_sizes:
+            xs = list(input_sampler(b)) if input_sampler else fresh_inputs(args, b, gen)
+            want = wrapped(*xs)
+            try:
+                got = run(xs)
+            except Exception as e:  # onnxruntime / ExportedProgram refusing new inputs
+                raise ExportVerificationError(
+                    f"batch {b}: the exported model fails on fresh inputs: {e}"
+                ) from e
+            _compare(got, want, atol, rtol, f"batch {b}")
+            for g, w in zip(got, want):
+                worst = max(worst, float((torch.as_tensor(g).to(w.dtype) - w).abs().max()))
+    return worst
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[nn.Module]:
+    """Eval mode inside the block, every submodule's previous mode restored afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+# -- ONNX -----------------------------------------------------------------------------------
+def _require_onnx() -> Any:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime
+    except ImportError as e:
+        raise ImportError(
+            f"ONNX export needs onnx and onnxruntime ({e.name} is missing): "
+            "pip install 'dselectk[export]'"
+        ) from e
+    return onnxruntime
+
+
+def to_onnx(
+    model: nn.Module,
+    example_inputs: Inputs,
+    path: str | os.PathLike[str],
+    *,
+    opset: int = DEFAULT_OPSET,
+    dynamic_batch: bool = True,
+    exporter: Literal["dynamo", "torchscript"] = "dynamo",
+    verify_export: bool = True,
+    batch_sizes: Sequence[int] = VERIFY_BATCH_SIZES,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    input_sampler: Sampler | None = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> Path:
+    """Export ``model`` (in eval mode) to an ONNX file and check it with onnxruntime.
+
+    The graph's outputs are the model's predictions: ``MoEOutput.output``, the tensors of
+    ``MultiTaskOutput.outputs``, or the (flattened) tensors the model returns.
+
+    Args:
+        model: e.g. :class:`~dselectk.models.MoE` or :class:`~dselectk.models.MultiGateMoE`
+            (or a :func:`freeze` d one).
+        example_inputs: a tensor or a sequence of tensors, batch first.
+        path: where to write the ``.onnx`` file.
+        opset: ONNX opset version.
+        dynamic_batch: make dim 0 of every input (and output) dynamic.
+        exporter: ``"dynamo"`` (``torch.onnx.export(dynamo=True)``, via ``torch.export``;
+            needs onnxscript) or ``"torchscript"`` (the tracing exporter, ``dynamo=False``).
+        verify_export: run the file with onnxruntime on fresh inputs at ``batch_sizes`` (only
+            the example's batch size when ``dynamic_batch=False``) and compare with PyTorch
+            eager; on a mismatch the file is deleted and :class:`ExportVerificationError` is
+            raised.
+        atol, rtol: tolerance of the comparison.
+        input_sampler: ``batch -> inputs``, to verify on your own data instead of random inputs
+            shaped like the example (see :func:`fresh_inputs`).
+        input_names, output_names: names in the graph (default ``input_i``, ``output_i``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    ort = _require_onnx()
+    args = _as_tuple(example_inputs)
+    path = Path(path)
+    wrapped = _Predictions(model)
+    with _eval(model), torch.no_grad():
+        n_out = len(wrapped(*args))
+        trace_args = _trace_example(args, dynamic_batch)
+        names = list(input_names or [f"input_{i}" for i in range(len(args))])
+        outs = list(output_names or [f"output_{i}" for i in range(n_out)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)  # the tracing exporter, chosen
+            if exporter == "dynamo":
+                shapes = _dynamic_shapes(len(args)) if dynamic_batch else None
+                program = torch.onnx.export(
+                    wrapped,
+                    trace_args,
+                    dynamo=True,
+                    opset_version=opset,
+                    input_names=names,
+                    output_names=outs,
+                    dynamic_shapes=shapes,
+                    verbose=False,
+                )
+                assert program is not None
+                program.save(str(path))
+            elif exporter == "torchscript":
+                axes = {n: {0: "batch"} for n in names + outs} if dynamic_batch else None
+                torch.onnx.export(
+                    wrapped,
+                    trace_args,
+                    str(path),
+                    dynamo=False,
+                    opset_version=opset,
+                    input_names=names,
+                    output_names=outs,
+                    dynamic_axes=axes,
+                )
+            else:
+                raise ValueError(f"exporter must be 'dynamo' or 'torchscript', got {exporter!r}")
+    if verify_export:
+        sizes = batch_sizes if dynamic_batch else (args[0].shape[0],)
+        try:
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as e:  # an invalid graph (shapes, types)
+            path.unlink(missing_ok=True)
+            raise ExportVerificationError(
+                f"onnxruntime cannot load the exported model ({path} deleted): {e}"
+            ) from e
+        feeds = [i.name for i in session.get_inputs()]
+
+        def run(xs: list[Tensor]) -> list[Any]:
+            return session.run(None, {n: x.cpu().numpy() for n, x in zip(feeds, xs)})
+
+        try:
+            verify(
+                run, model, args, batch_sizes=sizes, atol=atol, rtol=rtol,
+                input_sampler=input_sampler,
+            )  # fmt: skip
+        except ExportVerificationError as e:
+            path.unlink(missing_ok=True)
+            raise ExportVerificationError(f"{e} ({path} deleted)") from e
+    return path
+
+
+def _dynamic_shapes(n_inputs: int) -> tuple[tuple[dict[int, Any], ...]]:
+    """Dim 0 of every input dynamic (one entry: the wrapper's ``*args``)."""
+    batch = torch.export.Dim.DYNAMIC
+    return (tuple({0: batch} for _ in range(n_inputs)),)
+
+
+# -- torch.export -----------------------------------------------------------------------------
+def export_program(
+    model: nn.Module,
+    example_inputs: Inputs,
+    *,
+    dynamic_batch: bool = True,
+    verify_export: bool = True,
+    batch_sizes: Sequence[int] = VERIFY_BATCH_SIZES,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    input_sampler: Sampler | None = None,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of ``model`` (eval mode, predictions as a tuple), verified.
+
+    The program's ``module()`` is run on fresh inputs at ``batch_sizes`` and compared with
+    PyTorch eager; :class:`ExportVerificationError` on a mismatch. Arguments as
+    :func:`to_onnx`.
+    """
+    args = _as_tuple(example_inputs)
+    wrapped = _Predictions(model)
+    with _eval(model), torch.no_grad():
+        shapes = _dynamic_shapes(len(args)) if dynamic_batch else None
+        program = torch.export.export(
+            wrapped, _trace_example(args, dynamic_batch), dynamic_shapes=shapes
+        )
+    if verify_export:
+        sizes = batch_sizes if dynamic_batch else (args[0].shape[0],)
+        runner = program.module()
+        verify(
+            lambda xs: runner(*xs), model, args, batch_sizes=sizes, atol=atol, rtol=rtol,
+            input_sampler=input_sampler,
+        )  # fmt: skip
+    return program
+
+
+# -- freezing -----------------------------------------------------------------------------------
+class FixedGate(Gate):
+    """A static gate frozen to fixed weights (a buffer): what :func:`freeze` puts in place.
+
+    Args:
+        weights: (n,) for a single gate or (T, n) for a bank of T gates.
+        bank: whether ``weights`` holds a bank (``num_gates=T``).
+    """
+
+    fixed_weights: Tensor
+
+    def __init__(self, weights: Tensor, *, bank: bool = False) -> None:
+        if weights.dim() != (2 if bank else 1):
+            raise ValueError(f"weights must be {'(T, n)' if bank else '(n,)'}, got {weights.shape}")
+        n = weights.shape[-1]
+        super().__init__(max(n, 2), num_gates=weights.shape[0] if bank else None)
+        self.num_experts = n  # a frozen gate may keep a single expert
+        self.register_buffer("fixed_weights", weights.detach().clone())
+        self.max_nonzeros = int((weights != 0).sum(-1).max())
+
+    def forward(self, x: Tensor | None = None) -> GateOutput:
+        return GateOutput(self.fixed_weights, self.fixed_weights.new_zeros(()))
+
+
+class SelectedExperts(nn.Module):
+    """Members ``members`` of an expert bank, as a bank (a static gather, export-safe).
+
+    Used by :func:`freeze` for banks it cannot slice (e.g. CNN banks): the full bank's
+    parameters stay, only the selected members are computed.
+    """
+
+    members: Tensor
+
+    def __init__(self, bank: nn.Module, members: Tensor) -> None:
+        super().__init__()
+        self.bank = bank
+        self.register_buffer("members", members.detach().to(torch.long).clone())
+        self.num_members = int(members.numel())
+
+    def forward(self, x: Tensor, members: Tensor | None = None) -> Tensor:
+        idx = self.members if members is None else self.members[members]
+        return self.bank(x, idx)
+
+
+def _select_experts(bank: nn.Module, keep: Tensor) -> nn.Module:
+    """A bank of the members ``keep`` of ``bank`` (fewer parameters when it can be sliced)."""
+    if isinstance(bank, StackedMLP):
+        new = copy.deepcopy(bank)
+        for plist in (new.weights, new.biases):
+            for i, p in enumerate(plist):
+                plist[i] = nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad)
+        new.num_members = int(keep.numel())
+        return new
+    if isinstance(bank, ExpertList):
+        return ExpertList([bank.members[i] for i in keep.tolist()])
+    return SelectedExperts(bank, keep)
+
+
+def _not_converged(gate: Gate, weights: Tensor) -> str | None:
+    """Why freezing ``gate`` would not give a sparse model, or None when it is converged."""
+    if isinstance(gate, FixedGate | GumbelSoftmaxGate):
+        return None  # fixed; Gumbel: eval weights use the hard mask 1[ℓ > 0]
+    if isinstance(gate, DSelectK):
+        if bool(gate.is_binary().all()):
+            return None
+        return f"S(Z) is not binary yet ({gate.binary_fraction():.1%} of its bits are)"
+    k = gate.max_nonzeros or getattr(gate, "k", None)
+    if k is None:
+        return "it is a dense gate (every expert gets a weight)"
+    nnz = int((weights != 0).sum(-1).max())
+    if nnz > k:
+        return f"{nnz} experts have a nonzero weight, more than k={k}"
+    return None
+
+
+def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
+    """An inference copy of ``model`` with its static gates fixed and unused experts removed.
+
+    Every static gate is replaced by a :class:`FixedGate` holding its (eval-mode) weights. When
+    all gates are static, the experts no gate uses are removed from the expert bank (sliced out
+    of a :class:`~dselectk.layers.StackedMLP` or :class:`~dselectk.layers.ExpertList`; other
+    banks are wrapped in :class:`SelectedExperts`) and the mixer no longer checks which experts
+    are used (``conditional=False``; all kept experts are). Per-example gates are kept as they
+    are and keep routing each example, exactly; all experts stay then, since they may use any.
+
+    The predictions equal ``model``'s in eval mode (the same experts, the same weights). The
+    frozen gates' auxiliary loss is 0 and the gate weights the model returns cover the kept
+    experts only. The frozen model's selection is part of its structure, so it exports as a
+    static gather (:func:`to_onnx`, :func:`export_program`). ``model`` is not modified.
+
+    A static gate must have converged: DSelect-k once S(Z) is binary (at most k experts); Top-k
+    and Gumbel-softmax always (their eval-mode weights are a hard selection); other gates with
+    k selectors (the softmax-selector ablations) when at most k weights are nonzero; dense
+    gates (softmax) never.
+
+    Args:
+        model: a :class:`~dselectk.models.MoE` or :class:`~dselectk.models.MultiGateMoE`.
+        force: freeze gates that have not converged too (the outputs are still unchanged; only
+            the experts whose weight is exactly zero are removed).
+
+    Raises:
+        ValueError: a static gate has not converged and ``force`` is False.
+    """
+    if not isinstance(model, MoE | MultiGateMoE):
+        raise TypeError(f"freeze takes a MoE or MultiGateMoE, got {type(model).__name__}")
+    frozen = copy.deepcopy(model).eval()
+    if isinstance(frozen, MoE):
+        slots: list[tuple[nn.Module, str, Gate]] = [(frozen, "gate", frozen.gate)]
+    elif isinstance(frozen.gates, Gate):
+        slots = [(frozen, "gates", frozen.gates)]
+    else:
+        assert isinstance(frozen.gates, nn.ModuleList)
+        slots = []
+        for i, g in enumerate(frozen.gates):
+            assert isinstance(g, Gate)
+            slots.append((frozen.gates, str(i), g))
+    fixed: list[tuple[nn.Module, str, Tensor, bool]] = []
+    with torch.no_grad():
+        for parent, name, gate in slots:
+            if not gate.static:
+                continue
+            w = gate(None).weights.detach()
+            reason = _not_converged(gate, w)
+            if reason is not None and not force:
+                raise ValueError(
+                    f"cannot freeze gate {name!r} ({type(gate).__name__}): {reason}; train "
+                    "until it converges, or pass force=True to freeze its current weights"
+                )
+            fixed.append((parent, name, w, gate.num_gates is not None))
+    mixer = frozen.mixer
+    n = mixer.num_experts
+    keep = torch.arange(n)
+    all_static = len(fixed) == len(slots)
+    if fixed and all_static:
+        used = torch.stack([(w != 0).reshape(-1, n).any(0).cpu() for _, _, w, _ in fixed])
+        keep = used.any(0).nonzero().flatten()
+        if keep.numel() == 0:
+            raise ValueError("the static gates give every expert a zero weight")
+    for parent, name, w, bank in fixed:
+        setattr(parent, name, FixedGate(w[..., keep.to(w.device)], bank=bank))
+    if fixed:
+        experts = mixer.experts if keep.numel() == n else _select_experts(mixer.experts, keep)
+        frozen.mixer = type(mixer)(experts, mixer.conditional and not all_static)
+    return frozen.eval()
