@@ -16,7 +16,13 @@ from dselectk.experiments.runner import progress_position
 from dselectk.gates import DSelectK, make_gate
 from dselectk.gates.base import Gate
 from dselectk.optim import RowwiseAdam
-from dselectk.schedules import AttributeScheduler, LinearSchedule
+from dselectk.schedules import (
+    AttributeScheduler,
+    GeometricSchedule,
+    LinearSchedule,
+    Schedule,
+    WarmupSchedule,
+)
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 
@@ -38,8 +44,45 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "dselect_k_diverse": ("dselect_k", {"init": "paper", "diversity": 1.0}),
     "dselect_k_exclusive": ("dselect_k", {"init": "paper", "exclusive": True}),
     "dselect_k_remedy": ("dselect_k", {"init": "distinct", "exclusive": True, "diversity": 1.0}),
+    "dselect_k_excl_diverse": ("dselect_k", {"init": "paper", "exclusive": True, "diversity": 1.0}),
+    "dselect_k_warm": ("dselect_k", {"init": "paper"}),
+    "dselect_k_warm_remedy": ("dselect_k", {"init": "paper", "exclusive": True, "diversity": 1.0}),
+    "dselect_k_anneal": ("dselect_k", {"init": "paper"}),
+    "dselect_k_warm_anneal": ("dselect_k", {"init": "paper"}),
+    "dselect_k_warm_anneal_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0},
+    ),
     "topk": ("topk", {}),
 }
+# λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
+# ``delay``, then linear from 0 to the tuned λ over ``ramp``, then the tuned λ
+WARMUPS: dict[str, dict[str, float]] = {
+    "dselect_k_warm": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_anneal": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_anneal_remedy": {"delay": 0.4, "ramp": 0.2},
+}
+# γ anneal of some variants: the tuned γ for the first ``delay`` of the steps, then
+# geometric down to γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the
+# side of 0 its z is on, unless |z| < γ·factor/2)
+ANNEALS: dict[str, dict[str, float]] = {
+    "dselect_k_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
+    "dselect_k_warm_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
+    "dselect_k_warm_anneal_remedy": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
+}
+
+
+class _Held(Schedule):
+    """``before`` for ``delay`` steps, then ``inner`` shifted by ``delay``."""
+
+    def __init__(self, inner: Schedule, delay: int, before: float) -> None:
+        self.inner, self.delay, self.before = inner, int(delay), float(before)
+
+    def __call__(self, step: int) -> Any:
+        return self.before if step < self.delay else self.inner(step - self.delay)
+
+
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
     "dselect_k_spread": "DSelect-k (spread init, ours)",
@@ -47,6 +90,12 @@ LABELS = {
     "dselect_k_diverse": "DSelect-k (diversity μ=1, ours)",
     "dselect_k_exclusive": "DSelect-k (exclusive selectors, ours)",
     "dselect_k_remedy": "DSelect-k (distinct + exclusive + μ=1, ours)",
+    "dselect_k_excl_diverse": "DSelect-k (exclusive + μ=1, ours)",
+    "dselect_k_warm": "DSelect-k (λ warm-up, ours)",
+    "dselect_k_warm_remedy": "DSelect-k (λ warm-up + exclusive + μ=1, ours)",
+    "dselect_k_anneal": "DSelect-k (γ anneal, ours)",
+    "dselect_k_warm_anneal": "DSelect-k (λ warm-up + γ anneal, ours)",
+    "dselect_k_warm_anneal_remedy": "DSelect-k (λ warm-up + γ anneal + exclusive + μ=1, ours)",
     "topk": "Top-k",
 }
 PAPER = {"dselect_k": 4, "topk": 1}
@@ -263,6 +312,20 @@ def train_reps(
             float(hparams.get("entropy_reg") or 0.0), float(hparams["entropy_reg_end"]), steps_total
         )
         scheds.append(AttributeScheduler(model.gates, "entropy_reg", sched))
+    elif gate in WARMUPS:
+        warm = WARMUPS[gate]
+        ramp = LinearSchedule(
+            0.0, float(hparams.get("entropy_reg") or 0.0), max(1, int(warm["ramp"] * steps_total))
+        )
+        delayed = WarmupSchedule(ramp, int(warm["delay"] * steps_total))
+        scheds.append(AttributeScheduler(model.gates, "entropy_reg", delayed))
+    if gate in ANNEALS:
+        ann, gamma = ANNEALS[gate], float(hparams["gamma"])
+        geo = GeometricSchedule(
+            gamma, gamma * ann["factor"], max(1, int(ann["steps"] * steps_total))
+        )
+        held = _Held(geo, int(ann["delay"] * steps_total), gamma)
+        scheds.append(AttributeScheduler(model.gates, "gamma", held))
     recorder = _Trajectories(model, record_reps, record_every)
     callbacks: list[Any] = [recorder]
     if telemetry_dir is not None:
