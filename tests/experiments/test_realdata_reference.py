@@ -105,3 +105,14 @@ def test_training_defaults_enter_the_run_identity() -> None:
     args = ("softmax", 0.5, {"lr": 0.1}, 0, 1, 0, {"fingerprint": "f"}, "final")
     a, b = record_config(exp, *args), record_config(torch_exp, *args)
     assert a["init"] == "keras" and b["init"] == "torch" and run_id(a) != run_id(b)
+
+
+def test_report_rows_never_mix_training_defaults() -> None:
+    from dselectk.experiments.realdata.report import current_records
+
+    recs = [
+        {"config": {"gate": "softmax", "alpha": 0.5, "init": i, "optimizer_defaults": "tf"}}
+        for i in ("keras", "torch")
+    ]
+    kept = current_records(recs, "alpha", None, {}, {"init": "torch", "optimizer_defaults": "tf"})
+    assert [r["config"]["init"] for r in kept] == ["torch"]

@@ -372,6 +372,7 @@ def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
         "movielens",
         quick=not args.full,
         variant=args.variant,
+        init_note=rd.training_note(args),
         variant_note=" instead of ML-1M"
         if args.variant == "ml-100k"
         else " (the paper's data set)",

@@ -39,6 +39,7 @@ from dselectk.experiments.realdata.report import (
     fmt,
     table_c2,
     template_notes,
+    training_note,
     write_report,
 )
 from dselectk.experiments.realdata.spec import (
@@ -80,6 +81,7 @@ __all__ = [
     "template_notes",
     "train_one",
     "training_expert_flops",
+    "training_note",
     "tune",
     "write_report",
 ]

@@ -27,6 +27,8 @@ __all__ = ["PROBE_STEPS", "estimate", "print_plan", "probe", "repetitions"]
 
 #: training steps of the timed probe of each gate (after one warm-up step)
 PROBE_STEPS = 30
+#: the probe trains fewer steps when a step takes longer than PROBE_SECONDS / PROBE_STEPS
+PROBE_SECONDS = 10.0
 #: validation and test examples evaluated by the probe (to price each run's evaluation)
 PROBE_EVAL = 2048
 
@@ -59,7 +61,8 @@ def sub_eval(sub: Splits, n: int) -> tuple[Any, Any, dict[str, Any], dict[str, A
 def probe(
     exp: Experiment, data: Splits, gates: Sequence[str], setting: Any, steps: int = PROBE_STEPS
 ) -> dict[str, dict[str, float]]:
-    """Time ``steps`` training steps (and a small evaluation) of one model per gate.
+    """Time ``steps`` training steps (fewer for slow models, see :data:`PROBE_SECONDS`; and a
+    small evaluation) of one model per gate.
 
     Returns:
         gate → {"step_seconds": seconds per training step, "eval_seconds_per_example": ...},
@@ -75,7 +78,17 @@ def probe(
     for i, gate in enumerate(gates):
         hp = {**exp.quick_hparams[gate], "epochs": 1}
         if i == 0:  # warm-up (first-call costs of torch and the data path), not timed
-            train_one(exp, gate, hp, setting, 0, warm, record_trajectory=False)
+            m, _ = train_one(exp, gate, hp, setting, 0, warm, record_trajectory=False)
+            per_step = float(m["train_seconds"]) / max(1, int(m["steps"]))
+            # slow models (the CNN experts on a loaded machine): about PROBE_SECONDS per gate
+            steps = max(3, min(steps, int(PROBE_SECONDS / max(per_step, 1e-6))))
+            sub = Splits(
+                sub.train.batch(torch.arange(min(n, (steps + 1) * exp.batch_size))),
+                sub.val,
+                sub.test,
+                sub.meta,
+                sub.config,
+            )
         t0 = time.perf_counter()
         m, _ = train_one(exp, gate, hp, setting, 0, sub, record_trajectory=False)
         wall = time.perf_counter() - t0
@@ -166,7 +179,7 @@ def print_plan(
         )
     lines.append(
         f"Estimated CPU time {_hms(est['cpu_seconds'])} ({est['cpu_seconds'] / 3600:.2f} "
-        f"core-hours, probe: {PROBE_STEPS} steps per gate with {threads} thread(s) on this "
+        f"core-hours, probe: up to {PROBE_STEPS} steps per gate with {threads} thread(s) on this "
         f"machine as loaded now); wall time with --jobs {jobs} --threads {threads}: about "
         f"{_hms(est['wall_seconds'])} (data loading not included)."
     )

@@ -27,6 +27,7 @@ __all__ = [
     "fmt",
     "table_c2",
     "template_notes",
+    "training_note",
     "write_report",
 ]
 
@@ -65,6 +66,13 @@ def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
     return paragraphs(setup) + (paragraphs(rest) if quick else [])
 
 
+def training_note(args: Any) -> str:
+    """The report sentence naming the run's ``--init`` and ``--optimizer-defaults``."""
+    init = getattr(args, "init", None) or "keras"
+    opt = getattr(args, "optimizer_defaults", None) or "tf"
+    return f"this run used `--init {init} --optimizer-defaults {opt}`."
+
+
 def fmt(m: Mapping[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:
     """``mean ± se`` of a summarised metric (``-`` when missing)."""
     return format_mean_se(m, digits, scale=scale, missing="-", show_n=True)
@@ -83,12 +91,14 @@ def current_records(
     setting_key: str | None,
     data_cfg: Mapping[str, Any] | None,
     selected: Mapping[str, Any],
+    training: Mapping[str, Any] | None = None,
 ) -> list[Mapping[str, Any]]:
     """The records of the latest sweep command of a results folder.
 
     A folder may hold records of earlier commands with other flags (e.g. ``--epochs``); only
     those with the data settings of ``run_info.json`` and the hyperparameters of
-    ``selected_hparams.json`` (when these files are present) are summarised, so that a table
+    ``selected_hparams.json`` (when these files are present), and with its ``--init`` and
+    ``--optimizer-defaults`` (``training``), are summarised, so that a table
     row never mixes configurations. The others stay on disk (and are reused when the same
     flags are run again).
     """
@@ -96,6 +106,9 @@ def current_records(
     for r in records:
         c = r["config"]
         if data_cfg is not None and c.get("data") != dict(data_cfg):
+            continue
+        # --init / --optimizer-defaults of the latest command: the two never mix in a row
+        if training and any(c.get(k) != v for k, v in training.items()):
             continue
         key = (
             c["gate"] if setting_key is None else f"{c['gate']}/{setting_key}={c.get(setting_key)}"
@@ -194,7 +207,9 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
         except json.JSONDecodeError:
             selected = {}
     finals = _final_records(all_records, spec.name)
-    records = current_records(finals, spec.setting_key, info.get("data"), selected)
+    records = current_records(
+        finals, spec.setting_key, info.get("data"), selected, info.get("training")
+    )
     stale = len(finals) - len(records) + others
     tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
