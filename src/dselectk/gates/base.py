@@ -390,7 +390,9 @@ class Gate(nn.Module):
         """
         if self.static:
             return per_gate.sum()
-        return per_gate.sum() / max(per_gate.shape[0], 1)  # an empty batch: 0, not 0/0
+        if not torch.jit.is_tracing() and per_gate.shape[0] == 0:
+            return per_gate.sum()  # an empty batch: 0, not 0 / 0
+        return per_gate.sum() / per_gate.shape[0]
 
     @staticmethod
     def _per_gate(value: Tensor, trailing: int) -> Tensor:

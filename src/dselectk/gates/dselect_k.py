@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,9 @@ def exclusive_selectors(r: Tensor, eps: float = EXCLUSIVE_EPS) -> Tensor:
         rows.append((num + eps * ri) / (num.sum(-1, keepdim=True) + eps))
         keep = keep * (1.0 - rows[-1])
     return torch.stack(rows, dim=-2)
+
+
+_STATIC_ONLY = "{name} is a parameter of static gates only (this gate is per-example); use bits(x)"
 
 
 class DSelectK(Gate):
@@ -277,9 +281,15 @@ class DSelectK(Gate):
 
     def _require_static(self, name: str) -> None:
         if not self.static:
-            # not an AttributeError: nn.Module.__getattr__ would replace this message by a bare
-            # "object has no attribute"
-            raise TypeError(f"{name} is a parameter of static gates only; use bits(x)")
+            raise AttributeError(_STATIC_ONLY.format(name=name))
+
+    def __getattr__(self, name: str) -> Any:
+        # A property that raises AttributeError makes Python fall back to __getattr__, and
+        # nn.Module's would replace the message by a bare "object has no attribute". Still an
+        # AttributeError (hasattr and torch.jit.trace rely on that), but one that says why.
+        if name in ("alpha", "z") and self.__dict__.get("in_features") is not None:
+            raise AttributeError(_STATIC_ONLY.format(name=name))
+        return super().__getattr__(name)
 
     # -- math -----------------------------------------------------------------------------
     def gate(self, logits: Tensor) -> GateOutput:

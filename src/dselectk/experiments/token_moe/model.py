@@ -204,8 +204,7 @@ def evaluate_lm(model: CharMoETransformer, data: TaskData, batch: int = 256) -> 
     nonzero = [0.0 for _ in blocks]
     inputs: list[Tensor] = []
     hooks = [
-        b.moe.router.register_forward_hook(lambda m, a, o: inputs.append(a[0]))
-        for b in blocks
+        b.moe.router.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for b in blocks
     ]
     total, tokens = 0.0, 0
     try:
