@@ -68,3 +68,23 @@ def test_written_files_get_the_usual_mode(tmp_path: Path) -> None:
             assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "per-example"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "dense"])
+def test_models_on_an_empty_batch(static: bool, training: bool, conditional: bool) -> None:
+    """MoE and MultiGateMoE on B = 0 used to crash (static: an ambiguous reshape; per-example in
+    eval: the routing path)."""
+    from dselectk import MoE, MultiGateMoE, StackedMLP
+
+    kw = {} if static else {"in_features": 4}
+    moe = MoE(StackedMLP(8, 4, [6]), DSelectK(8, 2, **kw), conditional=conditional)
+    moe.train(training)
+    out = moe(torch.zeros(0, 4))
+    assert out.output.shape == (0, 6) and float(out.aux_loss.detach()) == 0.0
+    towers = StackedMLP(2, 6, [1], final_activation=False)
+    gates = DSelectK(8, 2, num_gates=2, **kw)
+    mmoe = MultiGateMoE(StackedMLP(8, 4, [6]), gates, towers, conditional=conditional)
+    mmoe.train(training)
+    assert [tuple(o.shape) for o in mmoe(torch.zeros(0, 4)).outputs] == [(0, 1), (0, 1)]

@@ -60,6 +60,8 @@ def mix(expert_out: Tensor, weights: Tensor) -> Tensor:
     """Combine (E, B, D) expert outputs with (T, E) or (B, T, E) weights into (T, B, D)."""
     if weights.dim() == 2:  # static: one matmul for all tasks
         e, b, d = expert_out.shape
+        if not exporting() and b == 0:  # an empty batch (the reshape below would be ambiguous)
+            return expert_out.new_zeros(weights.shape[0], 0, d)
         return (weights @ expert_out.reshape(e, b * d)).view(-1, b, d)
     return torch.bmm(weights, expert_out.transpose(0, 1)).transpose(0, 1)  # (T, B, D)
 
@@ -120,6 +122,8 @@ class ExpertMixer(nn.Module):
         if exporting():
             return None
         b, t, e = weights.shape
+        if b == 0:  # an empty batch: nothing to route (the batched path handles it)
+            return None
         used = (weights != 0).any(dim=1)  # (B, E): expert needed by some task of the example
         counts = used.sum(dim=0)  # (E,)
         per_expert = counts.tolist()  # one sync
