@@ -310,3 +310,34 @@ def test_recovery_schedules() -> None:
     hp = {"gamma": 10.0, "entropy_reg": 0.1, "epochs": 2, "lr": 0.1}
     metrics, _ = train_reps("dselect_k_warm_anneal_remedy", hp, data, [1], shuffle_seed=0)
     assert metrics[0]["binary"] in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_alpha_floor(exclusive: bool) -> None:
+    torch.manual_seed(0)
+    gate = DSelectK(8, 3, gamma=1.0, alpha_floor=0.4, exclusive=exclusive, num_gates=2)
+    with torch.no_grad():
+        gate.alpha.copy_(torch.tensor([[30.0, -30.0, 0.0], [0.0, 1.0, 2.0]]))
+    alpha, z = gate.split_logits(gate.logits)
+    r = DF.selector(DF.smooth_step(z, 1.0))
+    if exclusive:
+        r = exclusive_selectors(r)
+    share = 0.6 * torch.softmax(alpha, -1) + 0.4 / 3
+    assert float(share.detach().min()) >= 0.4 / 3 - 1e-7  # no starved selector
+    torch.testing.assert_close(gate().weights, (share.unsqueeze(-1) * r).sum(-2))
+    assert "alpha_floor=0.4" in repr(gate)
+    # binary S(Z): still at most k experts
+    with torch.no_grad():
+        gate.z.copy_(torch.sign(gate.z) * 2.0)
+    assert int((gate().weights > 0).sum(-1).max()) <= 3
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="alpha_floor"):
+            DSelectK(8, 3, alpha_floor=bad)
+
+
+def test_alpha_floor_gradcheck_and_off_by_default() -> None:
+    torch.manual_seed(2)
+    gate = DSelectK(6, 3, in_features=3, gamma=4.0, entropy_reg=0.2, alpha_floor=0.3).double()
+    logits = gate.compute_logits(torch.randn(4, 3, dtype=torch.float64)).detach()
+    assert gradcheck(lambda t: gate.gate(t).weights, (logits.requires_grad_(),))
+    assert DSelectK(6, 3).alpha_floor == 0.0

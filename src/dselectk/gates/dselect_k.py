@@ -87,6 +87,11 @@ class DSelectK(Gate):
     The entropy, unused-code and diversity terms stay on the raw S(Z). This path expands the
     (*lead, K, 2**M) code laws (no fused kernel).
 
+    α floor (ours, ``alpha_floor=ε``, default 0): the selector shares σ(α) are replaced by
+    (1 - ε) σ(α) + ε/k, so every selector keeps a share >= ε/k and its data gradient never
+    vanishes (with ε = 0 the softmax of α can starve selectors, which then sit on arbitrary
+    codes). Composed path, like ``exclusive``; sparsity once binary is unchanged.
+
     Differences from the paper: optional biases in the per-example gate (on by default); an
     optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
     distinct random expert, to keep selectors from collapsing onto the same expert; the
@@ -118,6 +123,7 @@ class DSelectK(Gate):
         init_margin: strength of ``init="distinct"``, in (0, 0.5) (0.5 would start binary;
             0.25 gives S = 0.84 or 0.16 as "spread"). Ignored by the other inits.
         exclusive: use exclusive selectors (see above). Default False.
+        alpha_floor: ε in [0, 1] of the α floor (see above). Default 0 (off).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -141,6 +147,7 @@ class DSelectK(Gate):
         init: str = "paper",
         init_margin: float = 0.25,
         exclusive: bool = False,
+        alpha_floor: float = 0.0,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -169,6 +176,9 @@ class DSelectK(Gate):
             raise ValueError(f"init_margin must be in (0, 0.5), got {init_margin}")
         self.init_margin = float(init_margin)
         self.exclusive = bool(exclusive)
+        if not 0.0 <= float(alpha_floor) <= 1.0:
+            raise ValueError(f"alpha_floor must be in [0, 1], got {alpha_floor}")
+        self.alpha_floor = float(alpha_floor)
         self._build_logits()
         self.reset_parameters()
 
@@ -294,8 +304,8 @@ class DSelectK(Gate):
     # -- math -----------------------------------------------------------------------------
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
-        if self.exclusive:
-            return self._gate_exclusive(alpha, z)
+        if self.exclusive or self.alpha_floor > 0:
+            return self._gate_composed(alpha, z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
@@ -310,11 +320,17 @@ class DSelectK(Gate):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(weights, aux)
 
-    def _gate_exclusive(self, alpha: Tensor, z: Tensor) -> GateOutput:
-        """:meth:`gate` with :func:`exclusive_selectors` (composed, over all 2**M codes)."""
+    def _gate_composed(self, alpha: Tensor, z: Tensor) -> GateOutput:
+        """:meth:`gate` with :func:`exclusive_selectors` and/or the α floor (composed, over all
+        2**M codes)."""
         p = DF.smooth_step(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
-        r = exclusive_selectors(DF.selector(p))  # (*lead, K, 2**M)
-        w = (torch.softmax(alpha, dim=-1).unsqueeze(-1) * r).sum(dim=-2)
+        r = DF.selector(p)  # (*lead, K, 2**M)
+        if self.exclusive:
+            r = exclusive_selectors(r)
+        share = torch.softmax(alpha, dim=-1)
+        if self.alpha_floor > 0:
+            share = (1.0 - self.alpha_floor) * share + self.alpha_floor / self.k
+        w = (share.unsqueeze(-1) * r).sum(dim=-2)
         weights = w[..., : self.num_experts]
         per_gate = self._entropy_reg * DF.selector_entropy(p).sum(dim=-1)
         if self.num_experts < 2**self.num_bits and self.xi > 0:
@@ -371,4 +387,5 @@ class DSelectK(Gate):
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"
             + (f", init_margin={self.init_margin}" if self.init == "distinct" else "")
             + (", exclusive=True" if self.exclusive else "")
+            + (f", alpha_floor={self.alpha_floor}" if self.alpha_floor > 0 else "")
         )

@@ -53,6 +53,18 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
         "dselect_k",
         {"init": "paper", "exclusive": True, "diversity": 1.0},
     ),
+    "dselect_k_warm_late_anneal": ("dselect_k", {"init": "paper"}),
+    "dselect_k_warm_late_anneal_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0},
+    ),
+    "dselect_k_warm_late_anneal_excl": ("dselect_k", {"init": "paper", "exclusive": True}),
+    "dselect_k_warm_late_anneal_diverse": ("dselect_k", {"init": "paper", "diversity": 1.0}),
+    "dselect_k_floor_warm_late_anneal": ("dselect_k", {"init": "paper", "alpha_floor": 0.5}),
+    "dselect_k_floor_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
+    ),
     "topk": ("topk", {}),
 }
 # λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
@@ -62,6 +74,12 @@ WARMUPS: dict[str, dict[str, float]] = {
     "dselect_k_warm_remedy": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_warm_anneal": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_warm_anneal_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_late_anneal": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_late_anneal_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_late_anneal_excl": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_warm_late_anneal_diverse": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_floor_warm_late_anneal": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_floor_remedy": {"delay": 0.4, "ramp": 0.2},
 }
 # γ anneal of some variants: the tuned γ for the first ``delay`` of the steps, then
 # geometric down to γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the
@@ -70,6 +88,12 @@ ANNEALS: dict[str, dict[str, float]] = {
     "dselect_k_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
     "dselect_k_warm_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
     "dselect_k_warm_anneal_remedy": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
+    "dselect_k_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_warm_late_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_warm_late_anneal_excl": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_warm_late_anneal_diverse": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_floor_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_floor_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
 }
 
 
@@ -96,6 +120,16 @@ LABELS = {
     "dselect_k_anneal": "DSelect-k (γ anneal, ours)",
     "dselect_k_warm_anneal": "DSelect-k (λ warm-up + γ anneal, ours)",
     "dselect_k_warm_anneal_remedy": "DSelect-k (λ warm-up + γ anneal + exclusive + μ=1, ours)",
+    "dselect_k_warm_late_anneal": "DSelect-k (λ warm-up + late γ anneal, ours)",
+    "dselect_k_warm_late_anneal_remedy": (
+        "DSelect-k (λ warm-up + late γ anneal + exclusive + μ=1, ours)"
+    ),
+    "dselect_k_warm_late_anneal_excl": "DSelect-k (λ warm-up + late γ anneal + exclusive, ours)",
+    "dselect_k_warm_late_anneal_diverse": "DSelect-k (λ warm-up + late γ anneal + μ=1, ours)",
+    "dselect_k_floor_warm_late_anneal": "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal, ours)",
+    "dselect_k_floor_remedy": (
+        "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
+    ),
     "topk": "Top-k",
 }
 PAPER = {"dselect_k": 4, "topk": 1}
