@@ -50,6 +50,7 @@ __all__ = [
     "Sweep",
     "SweepDetached",
     "add_executor_arguments",
+    "cell_str",
     "executor_from_args",
     "grid_points",
     "missing",
@@ -89,6 +90,11 @@ class Sweep:
     data_key: Callable[[Any], Hashable]
     cell_name: Callable[[Any], str]
     cost: Callable[[Any], float] | None = None
+
+
+def cell_str(cell: Any) -> str:
+    """The cell's name when the cell is a plain name (a gate, a router)."""
+    return str(cell)
 
 
 # -- grid search --------------------------------------------------------------------------------

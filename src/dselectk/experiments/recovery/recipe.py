@@ -26,6 +26,7 @@ from dselectk.experiments.recovery.report import print_table, write_report
 from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
+    cell_str,
     missing,
     run_recipe,
 )
@@ -162,10 +163,6 @@ def _data_key(args: argparse.Namespace) -> int:
     return int(args.data_seed)
 
 
-def _cell_name(gate: str) -> str:
-    return gate
-
-
 def sweep(args: argparse.Namespace) -> Sweep:
     """One cell per gate, for the shared runner."""
     return Sweep(
@@ -173,7 +170,7 @@ def sweep(args: argparse.Namespace) -> Sweep:
         run_cell=run_cell,
         load_data=_load_data,
         data_key=_data_key,
-        cell_name=_cell_name,
+        cell_name=cell_str,
     )
 
 

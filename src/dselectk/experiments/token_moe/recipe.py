@@ -11,6 +11,7 @@ from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
+    cell_str,
     missing,
     run_recipe,
 )
@@ -124,10 +125,6 @@ def _data_key(args: argparse.Namespace) -> int:
     return int(hparams(args)["corpus_bytes"])
 
 
-def _cell_name(router: str) -> str:
-    return router
-
-
 def sweep(args: argparse.Namespace) -> Sweep:
     """One cell per router, for the shared runner."""
     return Sweep(
@@ -135,7 +132,7 @@ def sweep(args: argparse.Namespace) -> Sweep:
         run_cell=run_cell,
         load_data=_load_data,
         data_key=_data_key,
-        cell_name=_cell_name,
+        cell_name=cell_str,
     )
 
 
