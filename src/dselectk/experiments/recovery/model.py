@@ -65,6 +65,14 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
         "dselect_k",
         {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
     ),
+    "dselect_k_floor_excl_diverse": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
+    ),
+    "dselect_k_floor_anneal_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
+    ),
     "topk": ("topk", {}),
 }
 # λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
@@ -94,6 +102,7 @@ ANNEALS: dict[str, dict[str, float]] = {
     "dselect_k_warm_late_anneal_diverse": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_floor_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_floor_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_floor_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
 }
 
 
@@ -129,6 +138,10 @@ LABELS = {
     "dselect_k_floor_warm_late_anneal": "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal, ours)",
     "dselect_k_floor_remedy": (
         "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
+    ),
+    "dselect_k_floor_excl_diverse": "DSelect-k (α floor 0.5 + exclusive + μ=1, ours)",
+    "dselect_k_floor_anneal_remedy": (
+        "DSelect-k (α floor 0.5 + late γ anneal + exclusive + μ=1, ours)"
     ),
     "topk": "Top-k",
 }
