@@ -73,6 +73,14 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
         "dselect_k",
         {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
     ),
+    "dselect_k_floor_slow_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
+    ),
+    "dselect_k_uniform_remedy": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 1.0},
+    ),
     "topk": ("topk", {}),
 }
 # λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
@@ -88,6 +96,8 @@ WARMUPS: dict[str, dict[str, float]] = {
     "dselect_k_warm_late_anneal_diverse": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_floor_warm_late_anneal": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_floor_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_floor_slow_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_uniform_remedy": {"delay": 0.4, "ramp": 0.2},
 }
 # γ anneal of some variants: the tuned γ for the first ``delay`` of the steps, then
 # geometric down to γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the
@@ -103,6 +113,8 @@ ANNEALS: dict[str, dict[str, float]] = {
     "dselect_k_floor_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_floor_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_floor_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_floor_slow_remedy": {"delay": 0.4, "steps": 0.5, "factor": 1e-3},
+    "dselect_k_uniform_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
 }
 
 
@@ -142,6 +154,12 @@ LABELS = {
     "dselect_k_floor_excl_diverse": "DSelect-k (α floor 0.5 + exclusive + μ=1, ours)",
     "dselect_k_floor_anneal_remedy": (
         "DSelect-k (α floor 0.5 + late γ anneal + exclusive + μ=1, ours)"
+    ),
+    "dselect_k_floor_slow_remedy": (
+        "DSelect-k (α floor 0.5 + λ warm-up + slow γ anneal + exclusive + μ=1, ours)"
+    ),
+    "dselect_k_uniform_remedy": (
+        "DSelect-k (uniform shares + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
     ),
     "topk": "Top-k",
 }
