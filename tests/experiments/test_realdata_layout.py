@@ -48,10 +48,12 @@ def test_tune_points_are_the_former_sorted_grid_and_sample() -> None:
 
 def test_notes_template_keeps_quick_paragraphs_for_quick_mode() -> None:
     values = {"title": "Multi-MNIST", "n_train": "6,000", "n_val": "1,000", "n_test": "2,000"}
+    values["init_note"] = "Keras initialisation, TF constants."  # the defaults paragraph
     full = rd.template_notes("multi_mnist", quick=False, epochs=3, repetitions=1, **values)
     quick = rd.template_notes("multi_mnist", quick=True, epochs=3, repetitions=1, **values)
-    assert len(full) == 3 and quick[:3] == full and len(quick) == 4
+    assert len(full) == 4 and quick[:4] == full and len(quick) == 5
+    assert full[2].startswith("Initialisation and optimizer constants: Keras initialisation")
     assert full[0].startswith("Data: Multi-MNIST built by `load_multi_mnist`")
     assert "6,000 / 1,000 / 2,000 train / val / test images" in full[0]
-    assert quick[3].startswith("Quick mode:") and "3 epochs instead of 25–100" in quick[3]
+    assert quick[4].startswith("Quick mode:") and "3 epochs instead of 25–100" in quick[4]
     assert not any("<!--" in n for n in quick)
