@@ -33,8 +33,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates.base import Gate, GateOutput
+from dselectk.gates.base import Gate
 from dselectk.gates.dselect_k import DSelectK
+from dselectk.gates.fixed import FixedGate
 from dselectk.gates.gumbel import GumbelSoftmaxGate
 from dselectk.layers.experts import ExpertList, StackedMLP
 from dselectk.models.moe import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput
@@ -356,29 +357,6 @@ def export_program(
 
 
 # -- freezing -----------------------------------------------------------------------------------
-class FixedGate(Gate):
-    """A static gate frozen to fixed weights (a buffer): what :func:`freeze` puts in place.
-
-    Args:
-        weights: (n,) for a single gate or (T, n) for a bank of T gates.
-        bank: whether ``weights`` holds a bank (``num_gates=T``).
-    """
-
-    fixed_weights: Tensor
-
-    def __init__(self, weights: Tensor, *, bank: bool = False) -> None:
-        if weights.dim() != (2 if bank else 1):
-            raise ValueError(f"weights must be {'(T, n)' if bank else '(n,)'}, got {weights.shape}")
-        n = weights.shape[-1]
-        super().__init__(max(n, 2), num_gates=weights.shape[0] if bank else None)
-        self.num_experts = n  # a frozen gate may keep a single expert
-        self.register_buffer("fixed_weights", weights.detach().clone())
-        self.max_nonzeros = int((weights != 0).sum(-1).max())
-
-    def forward(self, x: Tensor | None = None) -> GateOutput:
-        return GateOutput(self.fixed_weights, self.fixed_weights.new_zeros(()))
-
-
 class SelectedExperts(nn.Module):
     """Members ``members`` of an expert bank, as a bank (a static gather, export-safe).
 
