@@ -3,7 +3,8 @@
 Interruption tests (``kill -9`` of a sweep, mid-record or between records) must not depend on
 timing. With ``DSELECTK_PAUSE_AT="<point>@<count>@<barrier file>"`` in its environment, a
 process that reaches ``<point>`` for the ``<count>``-th time creates ``<barrier file>`` (holding
-its pid) and then sleeps until it is killed; the test waits for the barrier, then kills. Points:
+its pid) and then waits until it is killed, or until the test creates ``<barrier file>.release``;
+the test waits for the barrier, then acts. Points:
 
 * ``record-saved`` — right after a run record was written (:meth:`RunStore.save`);
 * ``before-replace/<folder>`` — inside an atomic write into ``<folder>`` (e.g. ``runs``), after
@@ -42,5 +43,6 @@ def pause_point(name: str) -> None:
     if _counts[name] != target:
         return
     Path(barrier).write_text(f"{os.getpid()}\n", encoding="utf-8")
-    while True:  # until the test kills this process
-        time.sleep(3600)
+    release = Path(f"{barrier}.release")
+    while not release.exists():  # until the test kills this process, or releases it
+        time.sleep(0.05)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from dselectk._testing import PAUSE_ENV
 from dselectk.cli import main
 from dselectk.experiments.executors import JOBS_FILE, squeue_states
 
@@ -170,28 +171,33 @@ def test_detach_with_ctrl_c_and_reattach(
 ) -> None:
     out = tmp_path / "detach"
     exe = Path(sys.executable).with_name("dselectk")
+    # Each job pauses right after its record (dselectk._testing), so the jobs are certainly
+    # still running when the driver is interrupted, however loaded the machine is.
+    barrier = tmp_path / "barrier"
+    env = {**os.environ, PAUSE_ENV: f"record-saved@1@{barrier}"}
     driver = subprocess.Popen(
         [str(exe), *COMMON, "--out", str(out), *SLURM],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
-    end = time.time() + 60
-    while not (out / JOBS_FILE).is_file() and time.time() < end and driver.poll() is None:
+    end = time.time() + 300  # bounds a broken test only
+    while not barrier.is_file():
+        assert driver.poll() is None, "the driver ended before a job reached its pause point"
+        assert time.time() < end, "no job reached its pause point"
         time.sleep(0.2)
-    time.sleep(1.0)
     driver.send_signal(signal.SIGINT)
     _, err = driver.communicate(timeout=30)
     assert driver.returncode == 130, err
     assert "detached" in err and "re-attach" in err
     ids = [e["job_id"] for e in _book(out)]
     assert len(ids) == 2 and squeue_states(ids), "the jobs should outlive the driver"
-    # the report reads records only: it works while the jobs run (once one record is in)
-    end = time.time() + 90
-    while not _results_records(out) and time.time() < end:
-        time.sleep(0.5)
+    # the report reads records only: it works while the jobs run (a record is in: the barrier)
+    assert _results_records(out)
     assert main(["report", str(out)]) == 0
     capsys.readouterr()
+    Path(f"{barrier}.release").touch()  # let the paused jobs finish
     assert main([*COMMON, "--out", str(out), *SLURM]) == 0  # re-attach: nothing new submitted
     assert [e["job_id"] for e in _book(out)] == ids
     _assert_same(_results(out), local_run)
