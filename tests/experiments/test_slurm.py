@@ -181,6 +181,9 @@ def test_detach_with_ctrl_c_and_reattach(
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # a shell that runs the suite in the background starts it with SIGINT ignored, and
+        # children inherit that: give the driver the default disposition, as in a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     end = time.time() + 300  # bounds a broken test only
     while not barrier.is_file():
