@@ -483,3 +483,23 @@ def test_kill_9_of_a_jobs_sweep_stops_its_workers_then_resumes(tmp_path: Path) -
     first = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
     assert 1 <= len(first) <= 2, "each worker pauses after its first record"
     _resume_keeps_finished_records(cmd, env, runs, first)
+
+
+def test_telemetry_flag_logs_each_epoch_without_changing_records(tmp_path: Path) -> None:
+    """--telemetry logs routing once per epoch and changes no record."""
+    argv = ["reproduce", "synthetic", "--tasks", "16", "--gates", "dselect_k", "--reps", "2",
+            *TINY, "--epochs", "2"]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "tel"), "--telemetry"]) == 0
+    (run,) = list((tmp_path / "tel" / "telemetry").iterdir())
+    assert run.name == "dselect_k-T16-reps0-1" and list(run.iterdir())
+    jsonl = run / "routing.jsonl"
+    if jsonl.is_file():  # JSON lines without the tensorboard extra
+        rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        assert [r["step"] for r in rows] == [4, 8]  # 1024 rows / 256 = 4 steps per epoch
+        assert len(rows[-1]["gates"]) == 2 * 16  # repetitions × tasks
+    plain = sorted((tmp_path / "plain" / "runs").glob("*.json"))
+    tel = sorted((tmp_path / "tel" / "runs").glob("*.json"))
+    assert [p.name for p in plain] == [p.name for p in tel]
+    for a, b in zip(plain, tel, strict=True):
+        assert json.loads(a.read_text())["metrics"] == json.loads(b.read_text())["metrics"]

@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "than one two-thread process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry once per epoch to OUT/telemetry/ (binary S(Z), experts per "
+        "task, selector collisions; TensorBoard if installed, else JSON lines)",
+    )
     add_executor_arguments(p)
 
 
@@ -176,6 +182,11 @@ def run_cell(
             progress=progress,
             desc=f"{gate} T={t} reps {chunk[0][0]}-{chunk[-1][0]}",
             return_model=True,
+            telemetry_dir=(
+                Path(args.out) / "telemetry" / f"{gate}-T{t}-reps{chunk[0][0]}-{chunk[-1][0]}"
+                if getattr(args, "telemetry", False)
+                else None
+            ),
         )
         assert isinstance(res, tuple)
         metrics, model = res

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from dselectk.experiments.synthetic.spec import (
 )
 from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
+from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, optimizer_step, train
 
 __all__ = ["train_reps", "train_sequential", "train_step", "tune"]
@@ -87,6 +89,7 @@ def train_reps(
     desc: str = "",
     return_model: bool = False,
     member_hparams: Sequence[Mapping[str, Any]] | None = None,
+    telemetry_dir: Path | None = None,
 ) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], SyntheticMoE]:
     """Train R repetitions together; return metrics per checkpoint epoch and repetition.
 
@@ -110,6 +113,9 @@ def train_reps(
             temperature, epochs) for that member: different configurations trained as one
             model (used by :func:`tune`). Training runs for the largest ``epochs``; a member's
             annealing schedule spans its own epochs (evaluate it at its own epochs).
+        telemetry_dir: log routing telemetry there once per epoch (binary S(Z), experts per
+            task, selector collisions, ...; gate ``gates/task<r*T + t>`` is repetition r's
+            task t).
     """
     if member_hparams is not None:
         extra = {k for m in member_hparams for k in m} - set(MEMBER_KEYS)
@@ -131,6 +137,9 @@ def train_reps(
     else:
         opt = RowwiseAdam(model.parameters(), lr=model.member_values("lr"))
     evaluator = _Checkpoints(cps, data)
+    callbacks: list[Any] = [evaluator]
+    if telemetry_dir is not None:
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
     config = TrainConfig.for_members(
         lr=float(hparams["lr"]),
         batch_size=BATCH_SIZE,
@@ -140,16 +149,20 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
-    train(
-        model,
-        TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
-        None,
-        config,
-        schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
-        optimizer=opt,
-        callbacks=[evaluator],
-        loss_fn=_fused_loss,
-    )
+    try:
+        train(
+            model,
+            TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
+            None,
+            config,
+            schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
+            optimizer=opt,
+            callbacks=callbacks,
+            loss_fn=_fused_loss,
+        )
+    finally:
+        for cb in callbacks[1:]:
+            cb.close()
     if return_model:
         return evaluator.results, model
     return evaluator.results
