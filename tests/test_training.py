@@ -184,3 +184,28 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert calls == list(range(7, 13))  # only epochs 3-4 ran again (3 steps per epoch)
     for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_callbacks_see_the_end_of_training_also_on_an_error() -> None:
+    from dselectk.training import Callback
+
+    class Ends(Callback):
+        def __init__(self) -> None:
+            self.ended: list[int] = []
+
+        def on_train_end(self, model: torch.nn.Module, history: History) -> None:
+            self.ended.append(history.steps)
+
+    model, data = make_problem()
+    ends = Ends()
+    train(model, data, "mse", TrainConfig(epochs=1, batch_size=64, progress=False),
+          callbacks=[ends])  # fmt: skip
+    assert ends.ended == [math.ceil(len(data) / 64)]
+
+    def boom(model: torch.nn.Module, history: History) -> None:
+        raise RuntimeError("stop")
+
+    ends = Ends()
+    with pytest.raises(RuntimeError, match="stop"):
+        train(model, data, "mse", TrainConfig(epochs=1, progress=False), callbacks=[ends, boom])
+    assert ends.ended == [1]

@@ -60,7 +60,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -73,6 +72,7 @@ from torch import Tensor, nn
 from dselectk.gates.ablation import SoftmaxSelectorGate
 from dselectk.gates.base import Gate, check_positive_int, hyperparameters
 from dselectk.gates.dselect_k import DSelectK
+from dselectk.io import json_safe
 from dselectk.training import Callback, History
 
 __all__ = [
@@ -198,16 +198,6 @@ def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def flatten_record(record: Mapping[str, Any]) -> dict[str, float]:
     """A record's scalars by TensorBoard tag: ``<gate>/<metric>``, ``<gate>/load/expert<i>``."""
     out: dict[str, float] = {}
@@ -230,7 +220,7 @@ class JsonlWriter:
         self._file = self.path.open("a", buffering=1, encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def flush(self) -> None:
@@ -383,6 +373,11 @@ class RoutingTelemetry(Callback):
 
     def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
         self.flush()
+
+    def on_train_end(self, model: nn.Module, history: History) -> None:
+        """Close the writers when the run ends: one telemetry object per training run (records
+        logged after this are kept in memory only)."""
+        self.close()
 
     # -- logging ----------------------------------------------------------------------------
     def log(

@@ -290,7 +290,7 @@ def optimizer_step(
 
 
 class Callback:
-    """Hooks of :func:`train`; override what you need (both default to doing nothing).
+    """Hooks of :func:`train`; override what you need (all default to doing nothing).
 
     A plain callable ``f(model, history)`` passed as a callback is called after every step,
     like :meth:`on_step` (the batch and output are not passed to it).
@@ -302,6 +302,9 @@ class Callback:
 
     def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
         """After every epoch (1-based ``epoch``), after validation, before the checkpoint."""
+
+    def on_train_end(self, model: nn.Module, history: History) -> None:
+        """Once when training ends, normally or by an exception (release files, writers)."""
 
 
 def _step_hooks(callbacks: Sequence[Any]) -> list[Callable[..., None]]:
@@ -576,6 +579,9 @@ def train(
                 )
     finally:
         bar.close()
+        for cb in callbacks:
+            if isinstance(cb, Callback):
+                cb.on_train_end(model, hist)
     if best_state is not None and hist.stopped_early:
         model.load_state_dict(best_state)
     return hist

@@ -405,18 +405,14 @@ def train_reps(
         position=progress_position(),
     )
     train_data = TaskData(model.features(data.x_train), [data.y_train])
-    try:
-        train(
-            model,
-            train_data,
-            None,
-            config,
-            schedulers=scheds,
-            optimizer=opt,
-            callbacks=callbacks,
-            loss_fn=_loss,
-        )
-    finally:
-        for cb in callbacks[1:]:
-            cb.close()
+    train(
+        model,
+        train_data,
+        None,
+        config,
+        schedulers=scheds,
+        optimizer=opt,
+        callbacks=callbacks,
+        loss_fn=_loss,
+    )
     return _evaluate(model, model.features(data.x_val), data.y_val), recorder.trajs

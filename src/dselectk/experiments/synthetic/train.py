@@ -149,20 +149,16 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
-    try:
-        train(
-            model,
-            TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
-            None,
-            config,
-            schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
-            optimizer=opt,
-            callbacks=callbacks,
-            loss_fn=_fused_loss,
-        )
-    finally:
-        for cb in callbacks[1:]:
-            cb.close()
+    train(
+        model,
+        TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
+        None,
+        config,
+        schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
+        optimizer=opt,
+        callbacks=callbacks,
+        loss_fn=_fused_loss,
+    )
     if return_model:
         return evaluator.results, model
     return evaluator.results

@@ -286,11 +286,7 @@ def train_run(
     )
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     t0 = time.perf_counter()
-    try:
-        hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
-    finally:
-        for cb in callbacks[1:]:
-            cb.close()
+    hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
     wall = time.perf_counter() - t0
     metrics = evaluate_lm(model, val)
     metrics.update(
