@@ -82,6 +82,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "training": "training",
     "export": "training",
     "telemetry": "training",
+    "search": "training",
     "data": "data",
     "plots": "plots",
     "integrations": "integrations",

@@ -16,6 +16,7 @@ from dselectk.experiments.runner import progress_position
 from dselectk.gates import DSelectK, make_gate
 from dselectk.gates.base import Gate
 from dselectk.optim import RowwiseAdam
+from dselectk.search import SwapSearch
 from dselectk.schedules import (
     AttributeScheduler,
     GeometricSchedule,
@@ -82,6 +83,13 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
         {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 1.0},
     ),
     "topk": ("topk", {}),
+    # swap local search (dselectk.search; ours): the gate as above, searched during training
+    "dselect_k_search": ("dselect_k", {"init": "paper"}),
+    "dselect_k_uniform_search": (
+        "dselect_k",
+        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 1.0},
+    ),
+    "topk_search": ("topk", {}),
 }
 # λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
 # ``delay``, then linear from 0 to the tuned λ over ``ramp``, then the tuned λ
@@ -98,6 +106,7 @@ WARMUPS: dict[str, dict[str, float]] = {
     "dselect_k_floor_remedy": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_floor_slow_remedy": {"delay": 0.4, "ramp": 0.2},
     "dselect_k_uniform_remedy": {"delay": 0.4, "ramp": 0.2},
+    "dselect_k_uniform_search": {"delay": 0.4, "ramp": 0.2},
 }
 # γ anneal of some variants: the tuned γ for the first ``delay`` of the steps, then
 # geometric down to γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the
@@ -115,7 +124,16 @@ ANNEALS: dict[str, dict[str, float]] = {
     "dselect_k_floor_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_floor_slow_remedy": {"delay": 0.4, "steps": 0.5, "factor": 1e-3},
     "dselect_k_uniform_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    "dselect_k_uniform_search": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
 }
+# swap local search of some variants (dselectk.search.SwapSearch): after these fractions of
+# the training steps, scored by each repetition's data loss on a fixed probe of the training set
+SEARCHES: dict[str, tuple[float, ...]] = {
+    "dselect_k_search": (0.25, 0.5, 0.75),
+    "dselect_k_uniform_search": (0.25, 0.5, 0.75, 0.96),
+    "topk_search": (0.25, 0.5, 0.75),
+}
+SEARCH_PROBE = 2048
 
 
 class _Held(Schedule):
@@ -162,6 +180,9 @@ LABELS = {
         "DSelect-k (uniform shares + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
     ),
     "topk": "Top-k",
+    "dselect_k_search": "DSelect-k (paper) + swap local search (ours)",
+    "dselect_k_uniform_search": "DSelect-k (uniform remedy) + swap local search (ours)",
+    "topk_search": "Top-k + swap local search (ours)",
 }
 PAPER = {"dselect_k": 4, "topk": 1}
 BASE_HPARAMS: dict[str, Any] = {
@@ -333,6 +354,42 @@ def _loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
     return bce.mean(-1).sum() + aux, None
 
 
+def _search(
+    model: RecoveryMoE, data: RecoveryData, gate: str, steps_total: int, seed: int
+) -> SwapSearch:
+    """The swap search of ``gate``: each candidate selection is scored by every repetition's
+    BCE on a fixed probe of the training set *after refitting the head* to it (a move changes
+    the features the head reads; scored with the old head, a move towards the true experts can
+    look worse than the wrong selection the head was fitted to). The model's head is not changed.
+    """
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(data.y_train.shape[0], generator=g)[:SEARCH_PROBE]
+    feats, y = model.features(data.x_train[idx]), data.y_train[idx]
+
+    def member_loss() -> Tensor:
+        h = torch.einsum("rn,brnu->rbu", model.gates().weights, feats)  # (R, B, 4)
+        w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
+        return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
+
+    at = sorted({max(1, round(f * steps_total)) for f in SEARCHES[gate]})
+    return SwapSearch(model.gates, member_loss, at=at)
+
+
+def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:
+    """(R,) mean BCE of logistic regressions of y on h (R, B, d), each refitted from w (R, d)
+    by ``iters`` Newton steps on BCE + l2·|w|² (a tiny ridge keeps separable data finite)."""
+    eye = torch.eye(h.shape[-1], dtype=h.dtype)
+    for _ in range(iters):
+        p = torch.sigmoid(torch.einsum("rbd,rd->rb", h, w))
+        grad = torch.einsum("rbd,rb->rd", h, p - y) / h.shape[1] + 2 * l2 * w
+        hess = torch.einsum("rbd,rb,rbe->rde", h, p * (1 - p), h) / h.shape[1] + 2 * l2 * eye
+        w = w - torch.linalg.solve(hess, grad.unsqueeze(-1)).squeeze(-1)
+    logits = torch.einsum("rbd,rd->rb", h, w)
+    return F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").mean(
+        -1
+    )
+
+
 def train_reps(
     gate: str,
     hparams: Mapping[str, Any],
@@ -393,6 +450,8 @@ def train_reps(
         scheds.append(AttributeScheduler(model.gates, "gamma", held))
     recorder = _Trajectories(model, record_reps, record_every)
     callbacks: list[Any] = [recorder]
+    if gate in SEARCHES:
+        callbacks.append(_search(model, data, gate, steps_total, shuffle_seed))
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
     config = TrainConfig.for_members(

@@ -1,0 +1,275 @@
+"""Swap local search for sparse static gates: discrete moves that first-order training cannot make.
+
+Once DSelect-k's S(Z) is binary its gradient is exactly zero, so a selector that binarized on
+the wrong expert (or on the same expert as another selector, the "collapse" of
+``docs/collapse.md``) can never move again by gradient descent. Top-k has the same blind spot
+for experts outside its top k (they receive no gradient). The COMET paper (Ibrahim et al.,
+KDD 2023) makes this point and answers it with a learned permutation of the experts; this
+module answers it with the plain combinatorial move instead: **swap** one selected expert for
+another and keep the swap when the data loss falls.
+
+:func:`swap_search` runs a best-improvement coordinate search over the selectors of every gate
+of a bank at once: for selector (or top-k slot) i it tries every expert, scores each with the
+caller's per-gate loss, and moves the gates for which some expert beats the current choice.
+:class:`SwapSearch` is the :class:`~dselectk.training.Callback` that runs it at chosen steps of
+:func:`~dselectk.training.train`.
+
+A DSelect-k move writes selector i's Z row to ``±scale·γ`` per bit (the code of the new expert,
+exactly binary, saturated, so leftover optimizer momentum cannot pull it back inside); α is not
+touched, so the selector keeps its share. A Top-k move exchanges two experts' logits (the
+selected set changes by one expert, the weights keep their values). Candidates that would put
+two DSelect-k selectors on one expert are skipped. Per-example gates are not supported (their
+selection is a function of the input, not a parameter one can move).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.base import Gate
+from dselectk.gates.dselect_k import DSelectK
+from dselectk.gates.topk import TopKGate
+from dselectk.training import Callback, History, TaskData
+
+__all__ = ["SearchResult", "SwapSearch", "swap_search"]
+
+MemberLoss = Callable[[], Tensor]
+
+
+@dataclass
+class SearchResult:
+    """What one :func:`swap_search` did."""
+
+    moves: Tensor
+    """(G,) accepted moves per gate."""
+    loss_before: Tensor
+    """(G,) per-gate loss before the search."""
+    loss_after: Tensor
+    """(G,) per-gate loss after it (never above ``loss_before``)."""
+    evaluations: int = 0
+    """Calls of the loss function."""
+    sweeps: int = 0
+    """Sweeps run (a sweep that moves nothing ends the search)."""
+
+
+def _check_gate(gate: Gate) -> None:
+    if not isinstance(gate, (DSelectK, TopKGate)):
+        raise TypeError(
+            f"gate: swap_search supports DSelectK and TopKGate, got {type(gate).__name__}"
+        )
+    if not gate.static:
+        raise ValueError(
+            "gate: swap_search needs a static gate (in_features=None); a per-example gate's "
+            "selection is a function of the input, not a parameter"
+        )
+
+
+def _losses(member_loss: MemberLoss, groups: int) -> Tensor:
+    out = torch.as_tensor(member_loss()).detach().float().reshape(-1)
+    if out.numel() != groups:
+        raise ValueError(
+            f"member_loss must return one loss per gate of the bank ({groups}), "
+            f"got shape {tuple(out.shape)}"
+        )
+    if not torch.isfinite(out).all():
+        raise ValueError("member_loss returned a non-finite loss")
+    return out.cpu()
+
+
+def _code_bits(num_bits: int, device: torch.device) -> Tensor:
+    """(2**M, M) {-1, +1}: bit j of code c is (c >> j) & 1 (LSB first, as DSelectK)."""
+    codes = torch.arange(2**num_bits, device=device)
+    bits = (codes.unsqueeze(-1) >> torch.arange(num_bits, device=device)) & 1
+    return bits.float() * 2 - 1
+
+
+@torch.no_grad()
+def swap_search(
+    gate: Gate,
+    member_loss: MemberLoss,
+    *,
+    sweeps: int = 2,
+    tol: float = 1e-4,
+    scale: float = 1.0,
+) -> SearchResult:
+    """Best-improvement swap search over a static DSelect-k or Top-k gate (bank).
+
+    Args:
+        gate: a static :class:`~dselectk.gates.DSelectK` or :class:`~dselectk.gates.TopKGate`
+            (one gate or a bank of G gates); its logits are changed in place.
+        member_loss: called with no arguments under ``torch.no_grad()``; returns the data loss
+            of each gate's model at the gate's current logits, shape (G,) (or a scalar for a
+            single gate). Use a fixed batch so that scores are comparable.
+        sweeps: at most this many passes over the selectors (a pass with no move stops).
+        tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss|.
+        scale: DSelect-k moves write ``±scale·γ`` per bit (binary needs ≥ 0.5).
+
+    Returns:
+        A :class:`SearchResult`.
+    """
+    _check_gate(gate)
+    if sweeps < 1:
+        raise ValueError(f"sweeps must be >= 1, got {sweeps}")
+    if tol < 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
+    if scale < 0.5:
+        raise ValueError(f"scale must be >= 0.5 (a move must be binary), got {scale}")
+    logits = gate.logits
+    assert logits is not None
+    view = logits.view(-1, logits.shape[-1])  # (G, L), shares storage with the parameter
+    groups = view.shape[0]
+    before = _losses(member_loss, groups)
+    best = before.clone()
+    moves = torch.zeros(groups, dtype=torch.long)
+    evals = 1
+    if isinstance(gate, DSelectK):
+        runner = _dselect_k_sweep
+    else:
+        runner = _topk_sweep
+    done = 0
+    for _ in range(sweeps):
+        done += 1
+        moved, n, best = runner(gate, view, member_loss, best, tol, scale)
+        evals += n
+        moves += moved
+        if not bool(moved.any()):
+            break
+    return SearchResult(moves, before, best, evals, done)
+
+
+def _dselect_k_sweep(
+    gate: DSelectK, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float, scale: float
+) -> tuple[Tensor, int, Tensor]:
+    k, m, n = gate.k, gate.num_bits, gate.num_experts
+    z = view[:, k:].view(-1, k, m)  # (G, K, M), a view
+    gamma = gate._gamma.reshape(-1, 1).to(z)  # (1 or G, 1)
+    signs = _code_bits(m, z.device)[:n]  # (N, M) reachable codes
+    moved = torch.zeros(z.shape[0], dtype=torch.long)
+    evals = 0
+    for i in range(k):
+        keep = z[:, i].clone()
+        held = _held_codes(gate, z, skip=i)  # (G, N) experts held by the other selectors
+        choice = torch.full((z.shape[0],), -1, dtype=torch.long)
+        for c in range(n):
+            z[:, i] = signs[c] * (scale * gamma)
+            loss = _losses(member_loss, z.shape[0])
+            evals += 1
+            better = (loss < best - tol * best.abs()) & ~held[:, c].cpu()
+            best = torch.where(better, loss, best)
+            choice = torch.where(better, torch.tensor(c), choice)
+        new = z.new_empty(keep.shape)
+        for g in range(z.shape[0]):
+            c = int(choice[g])
+            new[g] = keep[g] if c < 0 else signs[c] * (scale * gamma[min(g, gamma.shape[0] - 1)])
+        z[:, i] = new
+        moved += (choice >= 0).long()
+    return moved, evals, best
+
+
+def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> Tensor:
+    """(G, N) bool: expert c is the argmax code of some binary selector other than ``skip``."""
+    p = gate.bits()
+    p = p.reshape(z.shape)  # (G, K, M)
+    binary = ((p == 0) | (p == 1)).all(-1)  # (G, K)
+    code = (p.round().long() << torch.arange(z.shape[-1], device=z.device)).sum(-1)  # (G, K)
+    held = torch.zeros(z.shape[0], gate.num_experts, dtype=torch.bool, device=z.device)
+    for j in range(gate.k):
+        if j == skip:
+            continue
+        ok = binary[:, j] & (code[:, j] < gate.num_experts)
+        held[ok, code[ok, j]] = True
+    return held
+
+
+def _topk_sweep(
+    gate: TopKGate, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float, scale: float
+) -> tuple[Tensor, int, Tensor]:
+    del scale
+    k, n = gate.k, gate.num_experts
+    logits = view[:, :n]  # (G, N), a view
+    groups = logits.shape[0]
+    rows = torch.arange(groups, device=logits.device)
+    moved = torch.zeros(groups, dtype=torch.long)
+    evals = 0
+    for slot in range(k):
+        keep = logits.clone()
+        selected = keep.topk(k, dim=-1).indices  # (G, K)
+        out = selected[:, slot]  # the expert this slot holds, per gate
+        choice = torch.full((groups,), -1, dtype=torch.long)
+        for e in range(n):
+            target = torch.full((groups,), e, device=logits.device)
+            skip = (selected == target.unsqueeze(-1)).any(-1)  # already selected: no move
+            swapped = keep.clone()
+            swapped[rows, out] = keep[rows, target]
+            swapped[rows, target] = keep[rows, out]
+            logits.copy_(torch.where(skip.unsqueeze(-1), keep, swapped))
+            loss = _losses(member_loss, groups)
+            evals += 1
+            better = (loss < best - tol * best.abs()) & ~skip.cpu()
+            best = torch.where(better, loss, best)
+            choice = torch.where(better, torch.tensor(e), choice)
+        final = keep.clone()
+        for g in range(groups):
+            e = int(choice[g])
+            if e >= 0:
+                o = int(out[g])
+                final[g, o], final[g, e] = keep[g, e], keep[g, o]
+        logits.copy_(final)
+        moved += (choice >= 0).long()
+    return moved, evals, best
+
+
+@dataclass
+class SwapSearch(Callback):
+    """Run :func:`swap_search` on ``gate`` after the training steps ``at``.
+
+    Args:
+        gate: the static gate (bank) to search.
+        member_loss: the per-gate loss at the current parameters, shape (G,) (see
+            :func:`swap_search`); typically the model's data loss on a fixed training batch.
+        at: steps (1-based, as ``History.steps``) after which to search.
+        sweeps, tol, scale: see :func:`swap_search`.
+    """
+
+    gate: Gate
+    member_loss: MemberLoss
+    at: Sequence[int]
+    sweeps: int = 2
+    tol: float = 1e-4
+    scale: float = 1.0
+    results: list[SearchResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_gate(self.gate)
+        self._at = {int(s) for s in self.at}
+        if any(s < 1 for s in self._at):
+            raise ValueError(f"at: steps must be >= 1, got {sorted(self._at)}")
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        if history.steps in self._at:
+            was = model.training
+            model.eval()
+            try:
+                self.results.append(
+                    swap_search(
+                        self.gate,
+                        self.member_loss,
+                        sweeps=self.sweeps,
+                        tol=self.tol,
+                        scale=self.scale,
+                    )
+                )
+            finally:
+                model.train(was)
+
+    @property
+    def total_moves(self) -> Tensor | None:
+        """(G,) moves summed over the searches so far (None before the first)."""
+        if not self.results:
+            return None
+        return torch.stack([r.moves for r in self.results]).sum(0)

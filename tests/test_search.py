@@ -1,0 +1,169 @@
+"""Swap local search (dselectk.search): finds the right experts where gradients cannot move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dselectk.gates import DSelectK, SoftmaxGate, TopKGate
+from dselectk.search import SwapSearch, swap_search
+from dselectk.training import TaskData, TrainConfig, train
+
+
+def _collapsed(gate: DSelectK, code: int = 0) -> None:
+    """Every selector of every gate binary on expert ``code``."""
+    with torch.no_grad():
+        z = gate.z
+        bits = torch.tensor([(code >> j) & 1 for j in range(gate.num_bits)]).float() * 2 - 1
+        z.copy_(bits * gate.gamma)
+
+
+def _targets(groups: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(groups)])
+
+
+@pytest.mark.parametrize("n", [8, 11, 16])
+def test_dselect_k_search_recovers_the_target_set_from_a_collapse(n: int) -> None:
+    torch.manual_seed(0)
+    groups, k = 5, 3
+    gate = DSelectK(n, k, gamma=2.0, num_gates=groups)
+    _collapsed(gate)
+    true = _targets(groups, n, k)
+    target = torch.zeros(groups, n).scatter_(1, true, 1.0 / k)
+
+    def loss() -> torch.Tensor:
+        w = gate.expert_weights()
+        return ((w - target) ** 2).sum(-1)
+
+    with torch.no_grad():
+        gate.alpha.zero_()  # equal shares: the target is reachable exactly
+    res = swap_search(gate, loss, sweeps=3)
+    assert torch.all(res.loss_after <= res.loss_before)
+    assert torch.allclose(res.loss_after, torch.zeros(groups), atol=1e-10)
+    assert gate.is_binary().all()
+    for g in range(groups):
+        assert set(gate.selected_experts()[g].nonzero().flatten().tolist()) == set(
+            true[g].tolist()
+        )
+    # one move per selector, except when expert 0 (where all collapsed) is a target: one stays
+    assert res.moves.tolist() == [k - int(0 in true[g].tolist()) for g in range(groups)]
+    assert res.sweeps == 2  # the second sweep finds nothing
+    assert res.evaluations == 1 + res.sweeps * k * n
+
+
+def test_dselect_k_search_never_creates_a_collision() -> None:
+    torch.manual_seed(1)
+    gate = DSelectK(8, 3, gamma=1.0, num_gates=4)
+    # selectors on distinct experts 0, 1, 2; a loss that loves expert 0 only
+    with torch.no_grad():
+        for i, c in enumerate([0, 1, 2]):
+            gate.z[:, i] = (torch.tensor([(c >> j) & 1 for j in range(3)]).float() * 2 - 1) * 1.0
+
+    def loss() -> torch.Tensor:
+        return -gate.expert_weights()[:, 0]
+
+    swap_search(gate, loss)
+    codes = gate.bits().round().long()
+    code = (codes << torch.arange(3)).sum(-1)  # (G, K)
+    for g in range(4):
+        assert len(set(code[g].tolist())) == 3
+
+
+def test_search_keeps_an_optimum_and_never_raises_the_loss() -> None:
+    torch.manual_seed(2)
+    gate = DSelectK(8, 2, gamma=1.0, num_gates=3)
+    with torch.no_grad():
+        gate.z.copy_(torch.randn_like(gate.z))  # fractional selectors
+    w0 = gate.expert_weights().clone()
+
+    def loss() -> torch.Tensor:
+        return ((gate.expert_weights() - w0) ** 2).sum(-1)  # current point is optimal
+
+    before = gate.logits.detach().clone()
+    res = swap_search(gate, loss)
+    assert res.moves.tolist() == [0, 0, 0]
+    assert res.sweeps == 1
+    assert torch.equal(gate.logits.detach(), before)
+
+
+def test_topk_search_swaps_in_the_right_experts() -> None:
+    torch.manual_seed(3)
+    groups, n, k = 6, 10, 3
+    gate = TopKGate(n, k, num_gates=groups)
+    true = _targets(groups, n, k, seed=4)
+
+    def loss() -> torch.Tensor:
+        w = gate.expert_weights()
+        return -w.gather(1, true).sum(-1)
+
+    res = swap_search(gate, loss)
+    assert torch.allclose(res.loss_after, -torch.ones(groups))
+    sel = gate.selected_experts()
+    for g in range(groups):
+        assert set(sel[g].nonzero().flatten().tolist()) == set(true[g].tolist())
+    # the weights keep their values (a swap exchanges two logits)
+    assert torch.allclose(
+        gate.expert_weights().sort(-1).values[:, -k:],
+        torch.softmax(gate.logits.detach().topk(k).values, -1).sort(-1).values,
+    )
+
+
+def test_search_rejects_what_it_cannot_search() -> None:
+    with pytest.raises(ValueError, match="static gate"):
+        swap_search(DSelectK(8, 2, in_features=3), lambda: torch.zeros(()))
+    with pytest.raises(TypeError, match="DSelectK and TopKGate"):
+        swap_search(SoftmaxGate(8), lambda: torch.zeros(()))
+    gate = DSelectK(8, 2, num_gates=3)
+    with pytest.raises(ValueError, match=r"one loss per gate of the bank \(3\)"):
+        swap_search(gate, lambda: torch.zeros(2))
+    with pytest.raises(ValueError, match="non-finite"):
+        swap_search(gate, lambda: torch.full((3,), float("nan")))
+    with pytest.raises(ValueError, match="sweeps"):
+        swap_search(gate, lambda: torch.zeros(3), sweeps=0)
+    with pytest.raises(ValueError, match="scale"):
+        swap_search(gate, lambda: torch.zeros(3), scale=0.4)
+    with pytest.raises(ValueError, match="at: steps"):
+        SwapSearch(gate, lambda: torch.zeros(3), at=[0])
+
+
+def test_swap_search_callback_runs_inside_train() -> None:
+    """A static DSelect-k MoE of frozen linear experts; the search at step 5 fixes a collapse
+    that the gradient cannot (binary S(Z) has zero gradient)."""
+    torch.manual_seed(5)
+    n, k, d = 8, 2, 6
+    experts = torch.randn(n, d)
+    true = [3, 6]
+    x = torch.randn(512, d)
+    y = x @ experts[true].mean(0)
+    gate = DSelectK(n, k, gamma=1.0)
+    _collapsed(gate, code=0)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = gate
+
+        def forward(self, xb: torch.Tensor) -> torch.Tensor:
+            out = self.gate()
+            return (xb @ experts.T) @ out.weights
+
+    model = Model()
+    probe = x[:256], y[:256]
+
+    def member_loss() -> torch.Tensor:
+        return F.mse_loss(model(probe[0]), probe[1]).reshape(1)
+
+    cb = SwapSearch(gate, member_loss, at=[5])
+    train(
+        model,
+        TaskData(x, [y]),
+        None,
+        TrainConfig(lr=0.01, batch_size=64, epochs=1, shuffle_seed=0),
+        loss_fn=lambda m, b: (F.mse_loss(m(b.x), b.ys[0]), None),
+        callbacks=[cb],
+    )
+    assert len(cb.results) == 1
+    assert cb.total_moves is not None and int(cb.total_moves[0]) >= 1
+    assert set(gate.selected_experts().nonzero().flatten().tolist()) == set(true)
