@@ -167,3 +167,23 @@ def test_swap_search_callback_runs_inside_train() -> None:
     assert len(cb.results) == 1
     assert cb.total_moves is not None and int(cb.total_moves[0]) >= 1
     assert set(gate.selected_experts().nonzero().flatten().tolist()) == set(true)
+
+
+def test_binarize_moves_fractional_selectors_to_distinct_codes() -> None:
+    torch.manual_seed(6)
+    gate = DSelectK(8, 3, gamma=1.0, num_gates=4)
+    with torch.no_grad():
+        gate.z.uniform_(-0.1, 0.1)  # every selector fractional
+    w0 = gate.expert_weights().clone()
+
+    def loss() -> torch.Tensor:  # the fractional start is optimal: only binarize moves
+        return ((gate.expert_weights() - w0) ** 2).sum(-1)
+
+    assert not gate.is_binary().any()
+    res = swap_search(gate, loss, binarize=True)
+    assert gate.is_binary().all()
+    assert gate.num_selected().tolist() == [3] * 4  # distinct experts
+    assert torch.all(res.loss_after > res.loss_before)  # binarizing cost loss here
+    assert all(m >= 3 for m in res.moves.tolist())  # then normal moves may follow
+    with pytest.raises(ValueError, match="binarize"):
+        swap_search(TopKGate(8, 2), lambda: torch.zeros(()), binarize=True)

@@ -81,6 +81,11 @@ def _losses(member_loss: MemberLoss, groups: int) -> Tensor:
     return out.cpu()
 
 
+def _threshold(best: Tensor, tol: float) -> Tensor:
+    """A candidate must score below this to replace ``best`` (inf stays inf)."""
+    return torch.where(torch.isfinite(best), best - tol * best.abs(), best)
+
+
 def _code_bits(num_bits: int, device: torch.device) -> Tensor:
     """(2**M, M) {-1, +1}: bit j of code c is (c >> j) & 1 (LSB first, as DSelectK)."""
     codes = torch.arange(2**num_bits, device=device)
@@ -96,6 +101,7 @@ def swap_search(
     sweeps: int = 2,
     tol: float = 1e-4,
     scale: float = 1.0,
+    binarize: bool = False,
 ) -> SearchResult:
     """Best-improvement swap search over a static DSelect-k or Top-k gate (bank).
 
@@ -108,6 +114,10 @@ def swap_search(
         sweeps: at most this many passes over the selectors (a pass with no move stops).
         tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss|.
         scale: DSelect-k moves write ``±scale·γ`` per bit (binary needs ≥ 0.5).
+        binarize: DSelect-k only: a selector whose S(Z) row is not binary must move to its best
+            code (free of other selectors) even when that raises the loss, so that S(Z) is
+            binary afterwards, with k distinct experts. ``loss_after`` may then exceed
+            ``loss_before``.
 
     Returns:
         A :class:`SearchResult`.
@@ -127,14 +137,17 @@ def swap_search(
     best = before.clone()
     moves = torch.zeros(groups, dtype=torch.long)
     evals = 1
-    if isinstance(gate, DSelectK):
-        runner = _dselect_k_sweep
-    else:
-        runner = _topk_sweep
+    if binarize and not isinstance(gate, DSelectK):
+        raise ValueError("binarize: only DSelectK has non-binary selectors")
     done = 0
     for _ in range(sweeps):
         done += 1
-        moved, n, best = runner(gate, view, member_loss, best, tol, scale)
+        if isinstance(gate, DSelectK):
+            moved, n, best = _dselect_k_sweep(
+                gate, view, member_loss, best, tol, scale, binarize and done == 1
+            )
+        else:
+            moved, n, best = _topk_sweep(gate, view, member_loss, best, tol)
         evals += n
         moves += moved
         if not bool(moved.any()):
@@ -143,7 +156,13 @@ def swap_search(
 
 
 def _dselect_k_sweep(
-    gate: DSelectK, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float, scale: float
+    gate: DSelectK,
+    view: Tensor,
+    member_loss: MemberLoss,
+    best: Tensor,
+    tol: float,
+    scale: float,
+    binarize: bool,
 ) -> tuple[Tensor, int, Tensor]:
     k, m, n = gate.k, gate.num_bits, gate.num_experts
     z = view[:, k:].view(-1, k, m)  # (G, K, M), a view
@@ -153,13 +172,16 @@ def _dselect_k_sweep(
     evals = 0
     for i in range(k):
         keep = z[:, i].clone()
-        held = _held_codes(gate, z, skip=i)  # (G, N) experts held by the other selectors
+        held, binary = _held_codes(gate, z, skip=i)  # (G, N) held by the other selectors
+        if binarize:  # a fractional selector must move: its current loss does not count
+            kept_best = best
+            best = torch.where(binary[:, i].cpu(), best, torch.full_like(best, float("inf")))
         choice = torch.full((z.shape[0],), -1, dtype=torch.long)
         for c in range(n):
             z[:, i] = signs[c] * (scale * gamma)
             loss = _losses(member_loss, z.shape[0])
             evals += 1
-            better = (loss < best - tol * best.abs()) & ~held[:, c].cpu()
+            better = (loss < _threshold(best, tol)) & ~held[:, c].cpu()
             best = torch.where(better, loss, best)
             choice = torch.where(better, torch.tensor(c), choice)
         new = z.new_empty(keep.shape)
@@ -167,12 +189,15 @@ def _dselect_k_sweep(
             c = int(choice[g])
             new[g] = keep[g] if c < 0 else signs[c] * (scale * gamma[min(g, gamma.shape[0] - 1)])
         z[:, i] = new
+        if binarize:
+            best = torch.where(choice >= 0, best, kept_best)
         moved += (choice >= 0).long()
     return moved, evals, best
 
 
-def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> Tensor:
-    """(G, N) bool: expert c is the argmax code of some binary selector other than ``skip``."""
+def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor]:
+    """(G, N) bool: expert c is the code of some binary selector other than ``skip``; and
+    (G, K) bool: selector j is binary."""
     p = gate.bits()
     p = p.reshape(z.shape)  # (G, K, M)
     binary = ((p == 0) | (p == 1)).all(-1)  # (G, K)
@@ -183,13 +208,12 @@ def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> Tensor:
             continue
         ok = binary[:, j] & (code[:, j] < gate.num_experts)
         held[ok, code[ok, j]] = True
-    return held
+    return held, binary
 
 
 def _topk_sweep(
-    gate: TopKGate, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float, scale: float
+    gate: TopKGate, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float
 ) -> tuple[Tensor, int, Tensor]:
-    del scale
     k, n = gate.k, gate.num_experts
     logits = view[:, :n]  # (G, N), a view
     groups = logits.shape[0]
@@ -210,7 +234,7 @@ def _topk_sweep(
             logits.copy_(torch.where(skip.unsqueeze(-1), keep, swapped))
             loss = _losses(member_loss, groups)
             evals += 1
-            better = (loss < best - tol * best.abs()) & ~skip.cpu()
+            better = (loss < _threshold(best, tol)) & ~skip.cpu()
             best = torch.where(better, loss, best)
             choice = torch.where(better, torch.tensor(e), choice)
         final = keep.clone()
@@ -234,6 +258,8 @@ class SwapSearch(Callback):
             :func:`swap_search`); typically the model's data loss on a fixed training batch.
         at: steps (1-based, as ``History.steps``) after which to search.
         sweeps, tol, scale: see :func:`swap_search`.
+        binarize_at: steps after which to search with ``binarize=True`` (DSelect-k: S(Z) is
+            binary with k distinct experts afterwards); may overlap ``at``.
     """
 
     gate: Gate
@@ -242,16 +268,21 @@ class SwapSearch(Callback):
     sweeps: int = 2
     tol: float = 1e-4
     scale: float = 1.0
+    binarize_at: Sequence[int] = ()
     results: list[SearchResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_gate(self.gate)
         self._at = {int(s) for s in self.at}
-        if any(s < 1 for s in self._at):
-            raise ValueError(f"at: steps must be >= 1, got {sorted(self._at)}")
+        self._binarize_at = {int(s) for s in self.binarize_at}
+        for name, steps in (("at", self._at), ("binarize_at", self._binarize_at)):
+            if any(s < 1 for s in steps):
+                raise ValueError(f"{name}: steps must be >= 1, got {sorted(steps)}")
+        if self._binarize_at and not isinstance(self.gate, DSelectK):
+            raise ValueError("binarize_at: only DSelectK has non-binary selectors")
 
     def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
-        if history.steps in self._at:
+        if history.steps in self._at or history.steps in self._binarize_at:
             was = model.training
             model.eval()
             try:
@@ -262,6 +293,7 @@ class SwapSearch(Callback):
                         sweeps=self.sweeps,
                         tol=self.tol,
                         scale=self.scale,
+                        binarize=history.steps in self._binarize_at,
                     )
                 )
             finally:

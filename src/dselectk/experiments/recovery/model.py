@@ -126,12 +126,13 @@ ANNEALS: dict[str, dict[str, float]] = {
     "dselect_k_uniform_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
     "dselect_k_uniform_search": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
 }
-# swap local search of some variants (dselectk.search.SwapSearch): after these fractions of
-# the training steps, scored by each repetition's data loss on a fixed probe of the training set
-SEARCHES: dict[str, tuple[float, ...]] = {
-    "dselect_k_search": (0.25, 0.5, 0.75),
-    "dselect_k_uniform_search": (0.25, 0.5, 0.75, 0.96),
-    "topk_search": (0.25, 0.5, 0.75),
+# swap local search of some variants (dselectk.search.SwapSearch): after the fractions ``at``
+# of the training steps, scored by each repetition's data loss on a fixed probe of the
+# training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
+SEARCHES: dict[str, dict[str, Any]] = {
+    "dselect_k_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.9},
+    "dselect_k_uniform_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.96},
+    "topk_search": {"at": (0.25, 0.5, 0.75), "binarize": None},
 }
 SEARCH_PROBE = 2048
 
@@ -371,8 +372,10 @@ def _search(
         w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
         return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
-    at = sorted({max(1, round(f * steps_total)) for f in SEARCHES[gate]})
-    return SwapSearch(model.gates, member_loss, at=at)
+    plan = SEARCHES[gate]
+    at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
+    final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
+    return SwapSearch(model.gates, member_loss, at=at, binarize_at=final)
 
 
 def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:
