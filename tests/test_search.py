@@ -44,9 +44,7 @@ def test_dselect_k_search_recovers_the_target_set_from_a_collapse(n: int) -> Non
     assert torch.allclose(res.loss_after, torch.zeros(groups), atol=1e-10)
     assert gate.is_binary().all()
     for g in range(groups):
-        assert set(gate.selected_experts()[g].nonzero().flatten().tolist()) == set(
-            true[g].tolist()
-        )
+        assert set(gate.selected_experts()[g].nonzero().flatten().tolist()) == set(true[g].tolist())
     # one move per selector, except when expert 0 (where all collapsed) is a target: one stays
     assert res.moves.tolist() == [k - int(0 in true[g].tolist()) for g in range(groups)]
     assert res.sweeps == 2  # the second sweep finds nothing
@@ -187,3 +185,18 @@ def test_binarize_moves_fractional_selectors_to_distinct_codes() -> None:
     assert all(m >= 3 for m in res.moves.tolist())  # then normal moves may follow
     with pytest.raises(ValueError, match="binarize"):
         swap_search(TopKGate(8, 2), lambda: torch.zeros(()), binarize=True)
+
+
+def test_binarize_separates_collided_binary_selectors() -> None:
+    torch.manual_seed(7)
+    gate = DSelectK(8, 3, gamma=1.0, num_gates=2)
+    _collapsed(gate, code=5)  # binary, all on expert 5
+
+    def loss() -> torch.Tensor:  # loves expert 5 only: a plain search keeps the collapse
+        return -gate.expert_weights()[:, 5]
+
+    assert swap_search(gate, loss).moves.tolist() == [0, 0]
+    swap_search(gate, loss, binarize=True)
+    assert gate.is_binary().all()
+    assert gate.num_selected().tolist() == [3, 3]
+    assert gate.selected_experts()[:, 5].all()  # one selector stays on the loved expert

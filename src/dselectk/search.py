@@ -114,10 +114,10 @@ def swap_search(
         sweeps: at most this many passes over the selectors (a pass with no move stops).
         tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss|.
         scale: DSelect-k moves write ``±scale·γ`` per bit (binary needs ≥ 0.5).
-        binarize: DSelect-k only: a selector whose S(Z) row is not binary must move to its best
-            code (free of other selectors) even when that raises the loss, so that S(Z) is
-            binary afterwards, with k distinct experts. ``loss_after`` may then exceed
-            ``loss_before``.
+        binarize: DSelect-k only: in the first sweep a selector whose S(Z) row is not binary,
+            or is binary on an expert another binary selector holds, must move to its best free
+            code even when that raises the loss, so that S(Z) is binary afterwards with k
+            distinct experts. ``loss_after`` may then exceed ``loss_before``.
 
     Returns:
         A :class:`SearchResult`.
@@ -172,10 +172,13 @@ def _dselect_k_sweep(
     evals = 0
     for i in range(k):
         keep = z[:, i].clone()
-        held, binary = _held_codes(gate, z, skip=i)  # (G, N) held by the other selectors
-        if binarize:  # a fractional selector must move: its current loss does not count
+        held, binary, code = _held_codes(gate, z, skip=i)  # held by the other selectors
+        if binarize:  # a fractional or colliding selector must move: its loss does not count
             kept_best = best
-            best = torch.where(binary[:, i].cpu(), best, torch.full_like(best, float("inf")))
+            rows = torch.arange(z.shape[0], device=z.device)
+            stays = binary[:, i] & ~held[rows, code[:, i].clamp(max=n - 1)]
+            stays &= code[:, i] < n
+            best = torch.where(stays.cpu(), best, torch.full_like(best, float("inf")))
         choice = torch.full((z.shape[0],), -1, dtype=torch.long)
         for c in range(n):
             z[:, i] = signs[c] * (scale * gamma)
@@ -195,9 +198,9 @@ def _dselect_k_sweep(
     return moved, evals, best
 
 
-def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor]:
-    """(G, N) bool: expert c is the code of some binary selector other than ``skip``; and
-    (G, K) bool: selector j is binary."""
+def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(G, N) bool: expert c is the code of some binary selector other than ``skip``;
+    (G, K) bool: selector j is binary; (G, K) the code of each selector's rounded S(Z) row."""
     p = gate.bits()
     p = p.reshape(z.shape)  # (G, K, M)
     binary = ((p == 0) | (p == 1)).all(-1)  # (G, K)
@@ -208,7 +211,7 @@ def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor]:
             continue
         ok = binary[:, j] & (code[:, j] < gate.num_experts)
         held[ok, code[ok, j]] = True
-    return held, binary
+    return held, binary, code
 
 
 def _topk_sweep(

@@ -16,7 +16,6 @@ from dselectk.experiments.runner import progress_position
 from dselectk.gates import DSelectK, make_gate
 from dselectk.gates.base import Gate
 from dselectk.optim import RowwiseAdam
-from dselectk.search import SwapSearch
 from dselectk.schedules import (
     AttributeScheduler,
     GeometricSchedule,
@@ -24,6 +23,7 @@ from dselectk.schedules import (
     Schedule,
     WarmupSchedule,
 )
+from dselectk.search import SwapSearch
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 
@@ -130,9 +130,9 @@ ANNEALS: dict[str, dict[str, float]] = {
 # of the training steps, scored by each repetition's data loss on a fixed probe of the
 # training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
 SEARCHES: dict[str, dict[str, Any]] = {
-    "dselect_k_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.9},
-    "dselect_k_uniform_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.96},
-    "topk_search": {"at": (0.25, 0.5, 0.75), "binarize": None},
+    "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
+    "dselect_k_uniform_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
+    "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
 }
 SEARCH_PROBE = 2048
 
@@ -375,7 +375,9 @@ def _search(
     plan = SEARCHES[gate]
     at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
     final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
-    return SwapSearch(model.gates, member_loss, at=at, binarize_at=final)
+    return SwapSearch(
+        model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4)
+    )
 
 
 def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:

@@ -22,6 +22,9 @@ __all__ = [
     "MEMBER_KEYS",
     "PAPER",
     "PAPER_GRID",
+    "SEARCHES",
+    "SEARCH_PROBE",
+    "TUNED_AS",
     "K",
     "grid_points",
     "init_seed",
@@ -42,7 +45,20 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "topk": ("topk", {}),
     "ablation_annealing": ("ablation_annealing", {}),
     "ablation_entropy": ("ablation_entropy", {}),
+    # swap local search (dselectk.search; ours): the paper's gate, searched during training
+    "dselect_k_search": ("dselect_k", {"init": "paper"}),
+    "topk_search": ("topk", {}),
 }
+#: search variants use the tuned hyperparameters of the gate they search
+TUNED_AS = {"dselect_k_search": "dselect_k", "topk_search": "topk"}
+#: swap local search of the search variants (dselectk.search.SwapSearch): after these fractions
+#: of the training steps, scored by each (repetition, task)'s MSE on a fixed probe of the
+#: training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
+SEARCHES: dict[str, dict[str, Any]] = {
+    "dselect_k_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.9},
+    "topk_search": {"at": (0.25, 0.5, 0.75), "binarize": None},
+}
+SEARCH_PROBE = 2048
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
     "dselect_k_spread": "DSelect-k (spread init, ours)",
@@ -50,9 +66,17 @@ LABELS = {
     "topk": "Top-k",
     "ablation_annealing": "Ablation (Annealing)",
     "ablation_entropy": "Ablation (Entropy)",
+    "dselect_k_search": "DSelect-k + swap local search (ours)",
+    "topk_search": "Top-k + swap local search (ours)",
 }
 DEFAULT_GATES = ["dselect_k", "dselect_k_spread", "topk", "ablation_annealing", "ablation_entropy"]
-ALL_GATES = [*DEFAULT_GATES[:2], "dselect_k_diverse", *DEFAULT_GATES[2:]]
+ALL_GATES = [
+    *DEFAULT_GATES[:2],
+    "dselect_k_diverse",
+    *DEFAULT_GATES[2:],
+    "dselect_k_search",
+    "topk_search",
+]
 
 #: the paper's tuning grid (Appendix D, "Synthetic Data")
 PAPER_GRID: dict[str, list[float]] = {
@@ -126,7 +150,8 @@ def resolve_hparams(
 ) -> dict[str, Any]:
     """BASE ← tuned[gate][str(T)] (or tuned[gate]["default"]) ← command-line overrides."""
     hp = dict(BASE_HPARAMS)
-    per_gate = tuned.get("hparams", {}).get(gate, {})
+    table = tuned.get("hparams", {})
+    per_gate = table.get(gate) or table.get(TUNED_AS.get(gate, gate), {})
     hp.update(per_gate.get(str(num_tasks), per_gate.get("default", {})))
     hp.update({k: v for k, v in overrides.items() if v is not None})
     return hp

@@ -23,12 +23,15 @@ from dselectk.experiments.synthetic.spec import (
     GATES,
     MEMBER_KEYS,
     PAPER_GRID,
+    SEARCH_PROBE,
+    SEARCHES,
     grid_points,
     init_seed,
     record_config,
 )
 from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
+from dselectk.search import SwapSearch
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, optimizer_step, train
 
@@ -74,6 +77,27 @@ class _Checkpoints(Callback):
 def _fused_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
     assert isinstance(model, SyntheticMoE)
     return mixture_loss(model, batch.x, batch.ys[0]), None
+
+
+def _search(
+    model: SyntheticMoE, data: SyntheticData, gate: str, steps_total: int, seed: int
+) -> SwapSearch:
+    """The swap search of ``gate``: each (repetition, task) gate scored by that task's MSE on
+    a fixed probe of the training set."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(data.x_train.shape[0], generator=g)[:SEARCH_PROBE]
+    x, y = data.x_train[idx], data.y_train[idx, : model.num_tasks].T  # (B, p), (T, B)
+
+    def member_loss() -> Tensor:
+        pred, _ = model(x)  # (R, T, B)
+        return ((pred - y) ** 2).mean(-1).flatten()
+
+    plan = SEARCHES[gate]
+    at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
+    final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
+    return SwapSearch(
+        model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4)
+    )
 
 
 def train_reps(
@@ -140,6 +164,8 @@ def train_reps(
     callbacks: list[Any] = [evaluator]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
+    if gate in SEARCHES:
+        callbacks.append(_search(model, data, gate, epochs * steps_per_epoch, shuffle_seed))
     config = TrainConfig.for_members(
         lr=float(hparams["lr"]),
         batch_size=BATCH_SIZE,
