@@ -200,3 +200,57 @@ def test_binarize_separates_collided_binary_selectors() -> None:
     assert gate.is_binary().all()
     assert gate.num_selected().tolist() == [3, 3]
     assert gate.selected_experts()[:, 5].all()  # one selector stays on the loved expert
+
+
+def test_refit_bce_matches_a_converged_logistic_regression() -> None:
+    from dselectk.experiments.recovery.model import _refit_bce
+
+    torch.manual_seed(8)
+    h = torch.randn(3, 400, 4)
+    y = (h[0] @ torch.tensor([1.0, -1.0, 0.5, 0.0]) + 0.3 * torch.randn(400) > 0).float()
+    got = _refit_bce(h, y, torch.zeros(3, 4), iters=30)
+    for r in range(3):  # compare with LBFGS on the same ridge objective
+        want = _lbfgs_bce(h[r], y)
+        assert abs(float(got[r]) - want) < 1e-4
+
+
+def _lbfgs_bce(h: torch.Tensor, y: torch.Tensor) -> float:
+    w = torch.zeros(h.shape[-1], requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(h @ w, y) + 1e-3 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return float(F.binary_cross_entropy_with_logits(h @ w.detach(), y))
+
+
+def test_recovery_search_variant_ends_binary_with_k_distinct_experts() -> None:
+    from dselectk.experiments.recovery.model import SEARCHES, generate_data, train_reps
+
+    assert {"dselect_k_search", "topk_search", "dselect_k_uniform_search"} <= set(SEARCHES)
+    data = generate_data(0, n_train=1024, n_val=256)
+    hp = {"gamma": 10.0, "entropy_reg": 0.1, "epochs": 4, "lr": 0.1}
+    metrics, _ = train_reps("dselect_k_search", hp, data, [1, 2], shuffle_seed=0)
+    for m in metrics:
+        assert m["binary"] == 1.0 and m["experts_selected"] == 4.0
+    topk, _ = train_reps("topk_search", {"epochs": 4, "lr": 0.1}, data, [1], shuffle_seed=0)
+    assert topk[0]["experts_selected"] == 4.0
+
+
+def test_synthetic_search_variant_ends_binary_with_k_experts_per_task() -> None:
+    from dselectk.experiments.synthetic.data import generate_data
+    from dselectk.experiments.synthetic.spec import SEARCHES, TUNED_AS, load_tuned, resolve_hparams
+    from dselectk.experiments.synthetic.train import train_reps
+
+    assert set(TUNED_AS) == set(SEARCHES)
+    tuned = load_tuned()
+    hp = resolve_hparams("dselect_k_search", 32, tuned, {"epochs": 3})
+    assert hp == resolve_hparams("dselect_k", 32, tuned, {"epochs": 3})  # the paper gate's
+    data = generate_data(0, 2048, 256, 256)
+    res = train_reps("dselect_k_search", 32, hp, [1, 2], data, shuffle_seed=0)
+    for m in res[3]:
+        assert m["frac_tasks_binary"] == 1.0 and m["frac_tasks_k_experts"] == 1.0

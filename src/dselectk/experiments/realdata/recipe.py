@@ -81,7 +81,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
         type=POS,
         default=None,
         dest="repetitions",
-        help="repetitions per gate and setting (quick 2, full 100)",
+        help="repetitions per gate and setting (quick: MovieLens 3, Multi-MNIST 1; full 100)",
     )
     p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
     p.add_argument(
