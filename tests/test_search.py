@@ -254,3 +254,18 @@ def test_synthetic_search_variant_ends_binary_with_k_experts_per_task() -> None:
     res = train_reps("dselect_k_search", 32, hp, [1, 2], data, shuffle_seed=0)
     for m in res[3]:
         assert m["frac_tasks_binary"] == 1.0 and m["frac_tasks_k_experts"] == 1.0
+
+
+def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
+    from dselectk.experiments.recovery.recipe import _config
+    from dselectk.experiments.synthetic.spec import SEARCHES, record_config
+
+    cfg = record_config("dselect_k_search", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
+    assert cfg["search"] == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in SEARCHES["dselect_k_search"].items()
+    }
+    assert "search" not in record_config("dselect_k", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
+    rec = _config("dselect_k_search", {"lr": 0.1}, 0, 0, 1, 0)
+    assert rec["search"]["binarize"] == 0.5 and "search" not in _config(
+        "topk", {"lr": 0.1}, 0, 0, 1, 0
+    )

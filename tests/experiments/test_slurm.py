@@ -133,19 +133,33 @@ def test_slurm_gives_the_local_records(local_run: dict[str, Any], tmp_path: Path
 
 
 def test_scancel_and_failing_job_then_rerun(
-    local_run: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    local_run: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "faults"
     # topk's only run cannot be written (a directory where its record goes): that job raises
-    topk_rid = next(r for r, rec in local_run["records"].items() if rec["config"]["gate"] == "topk")
+    rids = {rec["config"]["gate"]: r for r, rec in local_run["records"].items()}
+    topk_rid = rids["topk"]
     (out / "runs" / f"{topk_rid}.json").mkdir(parents=True)
+    # The jobs pause inside their record write, before the rename (dselectk._testing), so the
+    # scancel certainly lands before dselect_k's record exists, however fast the job is.
+    barrier = tmp_path / "barrier"
+    monkeypatch.setenv(PAUSE_ENV, f"before-replace/runs@1@{barrier}")
     with pytest.raises(SystemExit) as exc:
         main([*COMMON, "--out", str(out), *SLURM, "--slurm-no-wait"])
     assert exc.value.code == 0
+    monkeypatch.delenv(PAUSE_ENV)
     first = _book(out)
     assert [e["cell"] for e in first] == ["dselect_k", "topk"]
+    end = time.time() + 300  # bounds a broken test only
+    while not list((out / "runs").glob(f".{rids['dselect_k']}.json.*.tmp")):
+        assert time.time() < end, "the dselect_k job never started its record"
+        time.sleep(0.2)
     subprocess.run(["scancel", first[0]["job_id"]], check=True)  # killed before its record
     _wait_gone([first[0]["job_id"]])
+    Path(f"{barrier}.release").touch()  # the topk job goes on (and fails)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main([*COMMON, "--out", str(out), *SLURM])

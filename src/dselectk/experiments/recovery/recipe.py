@@ -18,6 +18,7 @@ from dselectk.experiments.recovery.model import (
     EXPERIMENT,
     GATES,
     LRS,
+    SEARCHES,
     RecoveryData,
     generate_data,
     train_reps,
@@ -30,6 +31,7 @@ from dselectk.experiments.runner import (
     missing,
     run_recipe,
 )
+from dselectk.io import json_safe
 
 __all__ = ["add_arguments", "load_tuned", "run", "run_cell", "sweep"]
 
@@ -110,6 +112,8 @@ def _config(
         "shuffle_seed": seed,
         "batch_size": BATCH_SIZE,
         "data": {"seed": data_seed, "n_train": 10_000, "n_val": 10_000},
+        # the search schedule is part of a search variant's identity (other gates: unchanged)
+        **({"search": json_safe(SEARCHES[gate])} if gate in SEARCHES else {}),
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.runner import grid_points as _product
+from dselectk.io import json_safe
 
 __all__ = [
     "ALL_GATES",
@@ -55,8 +56,8 @@ TUNED_AS = {"dselect_k_search": "dselect_k", "topk_search": "topk"}
 #: of the training steps, scored by each (repetition, task)'s MSE on a fixed probe of the
 #: training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
 SEARCHES: dict[str, dict[str, Any]] = {
-    "dselect_k_search": {"at": (0.25, 0.5, 0.75), "binarize": 0.9},
-    "topk_search": {"at": (0.25, 0.5, 0.75), "binarize": None},
+    "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
+    "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
 }
 SEARCH_PROBE = 2048
 LABELS = {
@@ -197,4 +198,6 @@ def record_config(
         "shuffle_seed": seed,
         "batch_size": BATCH_SIZE,
         "data": dict(data_cfg),
+        # the search schedule is part of a search variant's identity (other gates: unchanged)
+        **({"search": json_safe(SEARCHES[gate])} if gate in SEARCHES else {}),
     }

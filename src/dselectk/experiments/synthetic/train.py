@@ -95,9 +95,7 @@ def _search(
     plan = SEARCHES[gate]
     at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
     final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
-    return SwapSearch(
-        model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4)
-    )
+    return SwapSearch(model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4))
 
 
 def train_reps(
