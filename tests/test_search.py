@@ -269,3 +269,28 @@ def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
     assert rec["search"]["binarize"] == 0.5 and "search" not in _config(
         "topk", {"lr": 0.1}, 0, 0, 1, 0
     )
+
+
+def test_share_groups_settle_a_group_on_shared_experts() -> None:
+    """Four gates, two groups; every expert scores the same except that selector moves are
+    needed (a collapse): with share_groups each group's gates end on the same experts."""
+    torch.manual_seed(9)
+    gate = DSelectK(8, 2, gamma=1.0, num_gates=4)
+    _collapsed(gate, code=0)
+    with torch.no_grad():
+        gate.z[1, 0] = torch.tensor([1.0, 1.0, -1.0])  # gate 1, selector 0 on expert 3
+        gate.z[3, 0] = torch.tensor([-1.0, 1.0, 1.0])  # gate 3, selector 0 on expert 6
+
+    def loss() -> torch.Tensor:  # any two distinct experts are equally good
+        return -gate.num_selected().float()
+
+    groups = torch.tensor([0, 0, 1, 1])
+    swap_search(gate, loss, share_groups=groups, share_tol=0.0)
+    sel = gate.selected_experts()
+    assert gate.num_selected().tolist() == [2, 2, 2, 2]
+    assert torch.equal(sel[0], sel[1]) and torch.equal(sel[2], sel[3])
+    assert sel[1, 3] and sel[3, 6]  # the group's already-used experts win the ties
+    with pytest.raises(ValueError, match="share_groups"):
+        swap_search(gate, loss, share_groups=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="share_tol"):
+        swap_search(gate, loss, share_tol=-1.0)

@@ -50,7 +50,8 @@ class SearchResult:
     loss_before: Tensor
     """(G,) per-gate loss before the search."""
     loss_after: Tensor
-    """(G,) per-gate loss after it (never above ``loss_before``)."""
+    """(G,) per-gate loss after it (never above ``loss_before``, except with ``binarize`` or
+    ``share_tol`` > 0, which may trade loss for binarity or shared experts)."""
     evaluations: int = 0
     """Calls of the loss function."""
     sweeps: int = 0
@@ -102,6 +103,8 @@ def swap_search(
     tol: float = 1e-4,
     scale: float = 1.0,
     binarize: bool = False,
+    share_groups: Tensor | None = None,
+    share_tol: float = 0.0,
 ) -> SearchResult:
     """Best-improvement swap search over a static DSelect-k or Top-k gate (bank).
 
@@ -139,12 +142,30 @@ def swap_search(
     evals = 1
     if binarize and not isinstance(gate, DSelectK):
         raise ValueError("binarize: only DSelectK has non-binary selectors")
+    if share_groups is not None:
+        if not isinstance(gate, DSelectK):
+            raise ValueError("share_groups: only DSelectK searches support it")
+        share_groups = torch.as_tensor(share_groups, dtype=torch.long).reshape(-1)
+        if share_groups.numel() != groups or (share_groups < 0).any():
+            raise ValueError(
+                f"share_groups must give one nonnegative group per gate ({groups}), "
+                f"got shape {tuple(share_groups.shape)}"
+            )
+    if share_tol < 0:
+        raise ValueError(f"share_tol must be >= 0, got {share_tol}")
     done = 0
     for _ in range(sweeps):
         done += 1
         if isinstance(gate, DSelectK):
             moved, n, best = _dselect_k_sweep(
-                gate, view, member_loss, best, tol, scale, binarize and done == 1
+                gate,
+                view,
+                member_loss,
+                best,
+                tol,
+                scale,
+                binarize and done == 1,
+                (share_groups, share_tol),
             )
         else:
             moved, n, best = _topk_sweep(gate, view, member_loss, best, tol)
@@ -163,6 +184,7 @@ def _dselect_k_sweep(
     tol: float,
     scale: float,
     binarize: bool,
+    share: tuple[Tensor | None, float],
 ) -> tuple[Tensor, int, Tensor]:
     k, m, n = gate.k, gate.num_bits, gate.num_experts
     z = view[:, k:].view(-1, k, m)  # (G, K, M), a view
@@ -180,13 +202,20 @@ def _dselect_k_sweep(
             stays &= code[:, i] < n
             best = torch.where(stays.cpu(), best, torch.full_like(best, float("inf")))
         choice = torch.full((z.shape[0],), -1, dtype=torch.long)
+        scores = []
         for c in range(n):
             z[:, i] = signs[c] * (scale * gamma)
             loss = _losses(member_loss, z.shape[0])
             evals += 1
-            better = (loss < _threshold(best, tol)) & ~held[:, c].cpu()
+            free = ~held[:, c].cpu()
+            scores.append(torch.where(free, loss, torch.full_like(loss, float("inf"))))
+            better = (loss < _threshold(best, tol)) & free
             best = torch.where(better, loss, best)
             choice = torch.where(better, torch.tensor(c), choice)
+        if share[0] is not None:
+            choice, best = _prefer_shared(
+                choice, best, torch.stack(scores, -1), share, binary, code, i, n
+            )
         new = z.new_empty(keep.shape)
         for g in range(z.shape[0]):
             c = int(choice[g])
@@ -196,6 +225,37 @@ def _dselect_k_sweep(
             best = torch.where(choice >= 0, best, kept_best)
         moved += (choice >= 0).long()
     return moved, evals, best
+
+
+def _prefer_shared(
+    choice: Tensor,
+    best: Tensor,
+    scores: Tensor,
+    share: tuple[Tensor | None, float],
+    binary: Tensor,
+    code: Tensor,
+    i: int,
+    n: int,
+) -> tuple[Tensor, Tensor]:
+    """Among near-best candidates (within ``share_tol`` of ``best``), the expert most used by
+    the other binary selectors of the gate's group (ties: the lower loss)."""
+    groups, share_tol = share
+    assert groups is not None
+    ok = binary.cpu() & (code.cpu() < n)  # (G, K)
+    onehot = torch.zeros(*code.shape, n)
+    onehot[ok] = torch.nn.functional.one_hot(code.cpu()[ok], n).float()
+    per_gate = onehot.sum(1)  # (G, N)
+    usage = torch.zeros(int(groups.max()) + 1, n).index_add_(0, groups, per_gate)[groups]
+    usage -= onehot[:, i]  # not the moving selector itself
+    limit = torch.where(torch.isfinite(best), best + share_tol * best.abs(), best)
+    near = scores <= limit.unsqueeze(-1)  # (G, N)
+    # lexicographic: most used, then lowest loss (scores are finite where near)
+    rank = torch.where(near, usage * 1e6 - scores.clamp(max=1e5), torch.full_like(usage, -1e18))
+    pick = rank.argmax(-1)
+    moving = choice >= 0
+    choice = torch.where(moving, pick, choice)
+    best = torch.where(moving, scores.gather(1, pick.unsqueeze(-1)).squeeze(-1), best)
+    return choice, best
 
 
 def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -263,6 +323,7 @@ class SwapSearch(Callback):
         sweeps, tol, scale: see :func:`swap_search`.
         binarize_at: steps after which to search with ``binarize=True`` (DSelect-k: S(Z) is
             binary with k distinct experts afterwards); may overlap ``at``.
+        share_groups, share_tol: see :func:`swap_search`.
     """
 
     gate: Gate
@@ -272,6 +333,8 @@ class SwapSearch(Callback):
     tol: float = 1e-4
     scale: float = 1.0
     binarize_at: Sequence[int] = ()
+    share_groups: Tensor | None = None
+    share_tol: float = 0.0
     results: list[SearchResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -297,6 +360,8 @@ class SwapSearch(Callback):
                         tol=self.tol,
                         scale=self.scale,
                         binarize=history.steps in self._binarize_at,
+                        share_groups=self.share_groups,
+                        share_tol=self.share_tol,
                     )
                 )
             finally:

@@ -49,15 +49,23 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
     # swap local search (dselectk.search; ours): the paper's gate, searched during training
     "dselect_k_search": ("dselect_k", {"init": "paper"}),
     "topk_search": ("topk", {}),
+    "dselect_k_search_shared": ("dselect_k", {"init": "paper"}),
 }
 #: search variants use the tuned hyperparameters of the gate they search
-TUNED_AS = {"dselect_k_search": "dselect_k", "topk_search": "topk"}
+TUNED_AS = {
+    "dselect_k_search": "dselect_k",
+    "topk_search": "topk",
+    "dselect_k_search_shared": "dselect_k",
+}
 #: swap local search of the search variants (dselectk.search.SwapSearch): after these fractions
 #: of the training steps, scored by each (repetition, task)'s MSE on a fixed probe of the
 #: training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
 SEARCHES: dict[str, dict[str, Any]] = {
     "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
     "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
+    # as dselect_k_search, and a move takes the expert most used by the model's other tasks
+    # among the candidates within 5 % of the best (dselectk.search share_groups/share_tol)
+    "dselect_k_search_shared": {"at": (0.25, 0.7, 0.85), "binarize": 0.5, "share_tol": 0.05},
 }
 SEARCH_PROBE = 2048
 LABELS = {
@@ -69,6 +77,7 @@ LABELS = {
     "ablation_entropy": "Ablation (Entropy)",
     "dselect_k_search": "DSelect-k + swap local search (ours)",
     "topk_search": "Top-k + swap local search (ours)",
+    "dselect_k_search_shared": "DSelect-k + swap local search, shared experts (ours)",
 }
 DEFAULT_GATES = ["dselect_k", "dselect_k_spread", "topk", "ablation_annealing", "ablation_entropy"]
 ALL_GATES = [
@@ -76,6 +85,7 @@ ALL_GATES = [
     "dselect_k_diverse",
     *DEFAULT_GATES[2:],
     "dselect_k_search",
+    "dselect_k_search_shared",
     "topk_search",
 ]
 
