@@ -58,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gates",
         nargs="+",
-        default=["dselect_k", "dselect_k_spread", "topk"],
+        default=["dselect_k", "dselect_k_search", "topk"],
         choices=sorted(GATES),
+        help="gates (default: the paper's DSelect-k, DSelect-k + swap local search, Top-k)",
     )
     p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 20, full 100)")
     p.add_argument(
