@@ -263,6 +263,31 @@ def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
 
 @_UNVERIFIED
 @pytest.mark.usefixtures("tiny_files")
+def test_movielens_telemetry_logs_every_run(tmp_path: Path) -> None:
+    write_ml100k(tmp_path / "data")
+    out = tmp_path / "res"
+    argv = [
+        "reproduce", "movielens", "--variant", "ml-100k", "--data-dir", str(tmp_path / "data"),
+        "--out", str(out), "--alphas", "0.5", "--gates", "dselect_k_static", "topk_per_example",
+        "--epochs", "1", "--repetitions", "1", "--no-progress", "--telemetry",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    runs = sorted(p.name for p in (out / "telemetry").iterdir())
+    assert runs == ["dselect_k_static-alpha=0.5-rep0", "topk_per_example-alpha=0.5-rep0"]
+    for name in runs:  # TensorBoard event files (the extra is installed) or routing.jsonl
+        files = [p for p in (out / "telemetry" / name).rglob("*") if p.is_file()]
+        assert files and all(p.stat().st_size > 0 for p in files), name
+    # telemetry does not change the runs: the same records without it
+    plain = tmp_path / "plain"
+    assert main([*argv[:7], str(plain), *argv[8:-1]]) == 0
+    for a, b in zip(_runs(out), _runs(plain)):
+        assert a["config"] == b["config"]
+        for k in ("test_loss", "val_loss", "selected_experts"):
+            assert a["metrics"][k] == b["metrics"][k], k
+
+
+@_UNVERIFIED
+@pytest.mark.usefixtures("tiny_files")
 def test_tiny_multi_fashion_sweep_and_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

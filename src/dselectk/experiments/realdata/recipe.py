@@ -107,6 +107,12 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry of every final run about 60 times per run to OUT/telemetry/ "
+        "(binary S(Z), experts per task, load, collisions; TensorBoard or JSON lines)",
+    )
     add_executor_arguments(p)
     p.add_argument(
         "--init",
@@ -215,6 +221,11 @@ def run_cell(
             progress=progress,
             record_trajectory=rep == 0,
             desc=desc,
+            telemetry_dir=(
+                Path(args.out) / "telemetry" / f"{key.replace('/', '-')}-rep{rep}"
+                if getattr(args, "telemetry", False)
+                else None
+            ),
         )
         store.save(cfgs[rep], metrics, **extra)
         if progress:

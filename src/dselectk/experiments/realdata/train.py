@@ -12,6 +12,7 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
 from dselectk.layers.init import init_module_
 from dselectk.optim import make_reference_optimizer
+from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import TrainConfig, evaluate, train
 
 __all__ = ["train_one", "tune"]
@@ -50,8 +52,10 @@ def train_one(
     progress: bool = False,
     record_trajectory: bool = True,
     desc: str = "",
+    telemetry_dir: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Train one model and measure it.
+    """Train one model and measure it (``telemetry_dir``: log routing telemetry there about
+    60 times per run, see :class:`~dselectk.telemetry.RoutingTelemetry`).
 
     Returns:
         (metrics, extra): scalar metrics for the record's ``metrics`` and bulky extras (gate
@@ -89,7 +93,11 @@ def train_one(
         opt = make_reference_optimizer(
             exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
         )
-        hist = train(monitor, data.train, list(exp.losses), cfg, optimizer=opt)
+        callbacks = []
+        if telemetry_dir is not None:
+            every = max(1, steps_total // 60)
+            callbacks.append(RoutingTelemetry(telemetry_dir, every=every, module=model))
+        hist = train(monitor, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
     finally:
         throughput = monitor.close()
     train_seconds = time.perf_counter() - t0
