@@ -216,11 +216,9 @@ def _dselect_k_sweep(
             choice, best = _prefer_shared(
                 choice, best, torch.stack(scores, -1), share, binary, code, i, n
             )
-        new = z.new_empty(keep.shape)
-        for g in range(z.shape[0]):
-            c = int(choice[g])
-            new[g] = keep[g] if c < 0 else signs[c] * (scale * gamma[min(g, gamma.shape[0] - 1)])
-        z[:, i] = new
+        pick = choice.to(z.device)
+        moved_to = signs[pick.clamp(min=0)] * (scale * gamma)  # (G, M); γ is (1 or G, 1)
+        z[:, i] = torch.where((pick >= 0).unsqueeze(-1), moved_to, keep)
         if binarize:
             best = torch.where(choice >= 0, best, kept_best)
         moved += (choice >= 0).long()
