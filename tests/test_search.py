@@ -294,3 +294,19 @@ def test_share_groups_settle_a_group_on_shared_experts() -> None:
         swap_search(gate, loss, share_groups=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="share_tol"):
         swap_search(gate, loss, share_tol=-1.0)
+
+
+def test_synthetic_shared_variant_passes_its_groups_to_the_search() -> None:
+    from dselectk.experiments.synthetic.data import generate_data
+    from dselectk.experiments.synthetic.model import SyntheticMoE
+    from dselectk.experiments.synthetic.spec import load_tuned, resolve_hparams
+    from dselectk.experiments.synthetic.train import _search
+
+    data = generate_data(0, 512, 64, 64)
+    hp = resolve_hparams("dselect_k_search_shared", 16, load_tuned(), {})
+    model = SyntheticMoE("dselect_k_search_shared", 16, hp, [1, 2])
+    cb = _search(model, data, "dselect_k_search_shared", 100, 0)
+    assert cb.share_tol == 0.05
+    assert cb.share_groups is not None and cb.share_groups.tolist() == [0] * 16 + [1] * 16
+    plain = _search(model, data, "dselect_k_search", 100, 0)
+    assert plain.share_groups is None and plain.share_tol == 0.0

@@ -95,7 +95,18 @@ def _search(
     plan = SEARCHES[gate]
     at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
     final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
-    return SwapSearch(model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4))
+    share = None
+    if plan.get("share_tol") is not None:  # a model's tasks form one group
+        share = torch.arange(model.reps).repeat_interleave(model.num_tasks)
+    return SwapSearch(
+        model.gates,
+        member_loss,
+        at=at,
+        binarize_at=final,
+        tol=plan.get("tol", 1e-4),
+        share_groups=share,
+        share_tol=float(plan.get("share_tol") or 0.0),
+    )
 
 
 def train_reps(
