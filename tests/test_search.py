@@ -310,3 +310,14 @@ def test_synthetic_shared_variant_passes_its_groups_to_the_search() -> None:
     assert cb.share_groups is not None and cb.share_groups.tolist() == [0] * 16 + [1] * 16
     plain = _search(model, data, "dselect_k_search", 100, 0)
     assert plain.share_groups is None and plain.share_tol == 0.0
+
+
+def test_at_fractions_turns_a_plan_into_steps() -> None:
+    gate = DSelectK(8, k=2, num_gates=1)
+    s = SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 200, (0.25, 0.7, 0.7), 0.5, tol=0.0)
+    assert sorted(s._at) == [50, 140] and sorted(s._binarize_at) == [100] and s.tol == 0.0
+    assert sorted(SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 3, (0.01,))._at) == [1]
+    with pytest.raises(ValueError, match="fractions"):
+        SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 200, (0.0,))
+    with pytest.raises(ValueError, match="steps_total"):
+        SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 0, (0.5,))

@@ -365,6 +365,33 @@ class SwapSearch(Callback):
             finally:
                 model.train(was)
 
+    @classmethod
+    def at_fractions(
+        cls,
+        gate: Gate,
+        member_loss: MemberLoss,
+        steps_total: int,
+        at: Sequence[float],
+        binarize: float | None = None,
+        **kwargs: Any,
+    ) -> SwapSearch:
+        """A search scheduled by fractions of a run of ``steps_total`` steps.
+
+        ``at`` (and ``binarize``, if given) are fractions in (0, 1]; each becomes the step
+        ``max(1, round(f · steps_total))``. ``kwargs`` are the other fields (``tol``, ...).
+        """
+        if steps_total < 1:
+            raise ValueError(f"steps_total must be >= 1, got {steps_total}")
+        fractions = [*at, *([] if binarize is None else [binarize])]
+        if any(not 0.0 < float(f) <= 1.0 for f in fractions):
+            raise ValueError(f"at/binarize: fractions must lie in (0, 1], got {fractions}")
+
+        def step(f: float) -> int:
+            return max(1, round(float(f) * steps_total))
+
+        final = [] if binarize is None else [step(binarize)]
+        return cls(gate, member_loss, at=sorted({step(f) for f in at}), binarize_at=final, **kwargs)
+
     @property
     def total_moves(self) -> Tensor | None:
         """(G,) moves summed over the searches so far (None before the first)."""

@@ -373,9 +373,14 @@ def _search(
         return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
     plan = SEARCHES[gate]
-    at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
-    final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
-    return SwapSearch(model.gates, member_loss, at=at, binarize_at=final, tol=plan.get("tol", 1e-4))
+    return SwapSearch.at_fractions(
+        model.gates,
+        member_loss,
+        steps_total,
+        plan["at"],
+        plan["binarize"],
+        tol=plan.get("tol", 1e-4),
+    )
 
 
 def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:

@@ -93,16 +93,15 @@ def _search(
         return ((pred - y) ** 2).mean(-1).flatten()
 
     plan = SEARCHES[gate]
-    at = sorted({max(1, round(f * steps_total)) for f in plan["at"]})
-    final = [] if plan["binarize"] is None else [max(1, round(plan["binarize"] * steps_total))]
     share = None
     if plan.get("share_tol") is not None:  # a model's tasks form one group
         share = torch.arange(model.reps).repeat_interleave(model.num_tasks)
-    return SwapSearch(
+    return SwapSearch.at_fractions(
         model.gates,
         member_loss,
-        at=at,
-        binarize_at=final,
+        steps_total,
+        plan["at"],
+        plan["binarize"],
         tol=plan.get("tol", 1e-4),
         share_groups=share,
         share_tol=float(plan.get("share_tol") or 0.0),
