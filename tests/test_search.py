@@ -321,3 +321,29 @@ def test_at_fractions_turns_a_plan_into_steps() -> None:
         SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 200, (0.0,))
     with pytest.raises(ValueError, match="steps_total"):
         SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 0, (0.5,))
+
+
+def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -> None:
+    from dselectk.search import selector_refit_mse
+
+    torch.manual_seed(0)
+    reps, tasks, n, b = 2, 3, 8, 64
+    gate = DSelectK(n, k=2, num_gates=reps * tasks, gamma=1.0)
+    codes = torch.stack([torch.randperm(n)[:2] for _ in range(reps * tasks)])  # distinct
+    with torch.no_grad():  # binary selectors on the codes (LSB-first bits)
+        bits = ((codes.unsqueeze(-1) >> torch.arange(3)) & 1).float() * 2 - 1
+        gate.logits[:, 2:] = bits.reshape(reps * tasks, -1)
+    f = torch.rand(reps, n, b)
+    y = torch.randn(tasks, b)
+    got = selector_refit_mse(gate, f, y, ridge=0.0)
+    for g in range(reps * tasks):
+        r, t = divmod(g, tasks)
+        a = f[r, codes[g]].T  # (B, 2): the two selected experts' outputs
+        coef = torch.linalg.lstsq(a, y[t].unsqueeze(-1)).solution
+        want = ((a @ coef).squeeze(-1) - y[t]).square().mean()
+        torch.testing.assert_close(got[g], want, rtol=1e-4, atol=1e-6)
+    # never above the model's own loss with its shares σ(α) (those are one feasible fit)
+    pred = torch.bmm(gate().weights.view(reps, tasks, n), f)
+    assert bool((got <= ((pred - y) ** 2).mean(-1).flatten() + 1e-6).all())
+    with pytest.raises(ValueError, match="R·T"):
+        selector_refit_mse(gate, f, torch.randn(tasks + 1, b))

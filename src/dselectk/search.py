@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dselectk import functional as DF
 from dselectk.gates.base import Gate
 from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.topk import TopKGate
 from dselectk.training import Callback, History, TaskData
 
-__all__ = ["SearchResult", "SwapSearch", "swap_search"]
+__all__ = ["SearchResult", "SwapSearch", "selector_refit_mse", "swap_search"]
 
 MemberLoss = Callable[[], Tensor]
 
@@ -168,6 +169,7 @@ def swap_search(
                 (share_groups, share_tol),
             )
         else:
+            assert isinstance(gate, TopKGate)
             moved, n, best = _topk_sweep(gate, view, member_loss, best, tol)
         evals += n
         moves += moved
@@ -307,6 +309,55 @@ def _topk_sweep(
         logits.copy_(final)
         moved += (choice >= 0).long()
     return moved, evals, best
+
+
+@torch.no_grad()
+def selector_refit_mse(
+    gate: DSelectK, expert_out: Tensor, y: Tensor, ridge: float = 1e-4
+) -> Tensor:
+    """Per-gate score of a selection that does not depend on the selector shares σ(α).
+
+    For models whose task output is linear in the gate's mixture, ``ŷ_t = Σ_i σ(α_t)_i h_ti``
+    with selector outputs ``h_ti(x) = Σ_e r(S(z_ti))_e f_e(x)``: the mean squared error of the
+    least-squares fit ``y_t ≈ Σ_i c_i h_ti`` (c free; a ridge of ``ridge`` × the mean diagonal
+    of the Gram matrix keeps collided selectors finite). A move changes the expert a selector
+    reads while σ(α) was fitted to the old one; scored with the old shares, a right move can
+    look worse. Use it as :func:`swap_search`'s ``member_loss``; nothing is changed.
+
+    Args:
+        gate: a static :class:`~dselectk.gates.DSelectK` bank of G = R·T gates (model r owns
+            gates ``r·T … (r+1)·T − 1``).
+        expert_out: (R, E, B) the expert outputs of each of the R models on a probe batch (or
+            (E, B) for R = 1).
+        y: (T, B) or (R, T, B) the task targets on the probe.
+
+    Returns:
+        (G,) the refitted MSE of each gate.
+    """
+    _check_gate(gate)
+    if not isinstance(gate, DSelectK):
+        raise TypeError(f"gate: selector_refit_mse needs a DSelectK, got {type(gate).__name__}")
+    f = expert_out if expert_out.dim() == 3 else expert_out.unsqueeze(0)
+    r, e, b = f.shape
+    if e != gate.num_experts:
+        raise ValueError(f"expert_out must have {gate.num_experts} experts in dim -2, got {e}")
+    yt = y if y.dim() == 3 else y.unsqueeze(0)  # (1 or R, T, B)
+    t = yt.shape[1]
+    assert gate.logits is not None
+    g = gate.logits.view(-1, gate.logits.shape[-1]).shape[0]
+    if r * t != g or yt.shape[-1] != b:
+        raise ValueError(
+            f"expert_out (R={r}, B={b}) and y (T={t}, B={yt.shape[-1]}) must give R·T = {g} "
+            "gates and one batch"
+        )
+    k = gate.k
+    sel = DF.selector(gate.bits())[..., :e].reshape(r, t * k, e)
+    h = torch.bmm(sel, f).view(r, t, k, b)  # (R, T, K, B)
+    gram = h @ h.transpose(-1, -2)  # (R, T, K, K)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1e-12)
+    gram = gram + ridge * scale.unsqueeze(-1) * torch.eye(k, dtype=h.dtype, device=h.device)
+    c = torch.linalg.solve(gram, h @ yt.unsqueeze(-1))  # (R, T, K, 1)
+    return (((c * h).sum(-2) - yt) ** 2).mean(-1).flatten()
 
 
 @dataclass

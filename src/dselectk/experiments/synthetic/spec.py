@@ -61,7 +61,8 @@ TUNED_AS = {
 #: of the training steps, scored by each (repetition, task)'s MSE on a fixed probe of the
 #: training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
 SEARCHES: dict[str, dict[str, Any]] = {
-    "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
+    # scored after refitting the selector shares (least squares on the K selector outputs)
+    "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5, "refit": True},
     "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
     # as dselect_k_search, and a move takes the expert most used by the model's other tasks
     # among the candidates within 5 % of the best (dselectk.search share_groups/share_tol)

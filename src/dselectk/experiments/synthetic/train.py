@@ -29,9 +29,10 @@ from dselectk.experiments.synthetic.spec import (
     init_seed,
     record_config,
 )
+from dselectk.gates import DSelectK
 from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
-from dselectk.search import SwapSearch
+from dselectk.search import SwapSearch, selector_refit_mse
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, optimizer_step, train
 
@@ -93,6 +94,12 @@ def _search(
         return ((pred - y) ** 2).mean(-1).flatten()
 
     plan = SEARCHES[gate]
+    if plan.get("refit"):  # scored with the selector shares refitted (least squares)
+
+        def member_loss() -> Tensor:
+            assert isinstance(model.gates, DSelectK)
+            return selector_refit_mse(model.gates, model.expert_outputs(x), y)
+
     share = None
     if plan.get("share_tol") is not None:  # a model's tasks form one group
         share = torch.arange(model.reps).repeat_interleave(model.num_tasks)
