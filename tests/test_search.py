@@ -324,7 +324,7 @@ def test_at_fractions_turns_a_plan_into_steps() -> None:
 
 
 def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -> None:
-    from dselectk.search import selector_refit_mse
+    from dselectk.search import RefitStats, selector_refit_mse
 
     torch.manual_seed(0)
     reps, tasks, n, b = 2, 3, 8, 64
@@ -335,7 +335,7 @@ def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -
         gate.logits[:, 2:] = bits.reshape(reps * tasks, -1)
     f = torch.rand(reps, n, b)
     y = torch.randn(tasks, b)
-    got = selector_refit_mse(gate, f, y, ridge=0.0)
+    got = selector_refit_mse(gate, RefitStats.of(f, y), ridge=0.0)
     for g in range(reps * tasks):
         r, t = divmod(g, tasks)
         a = f[r, codes[g]].T  # (B, 2): the two selected experts' outputs
@@ -345,5 +345,5 @@ def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -
     # never above the model's own loss with its shares σ(α) (those are one feasible fit)
     pred = torch.bmm(gate().weights.view(reps, tasks, n), f)
     assert bool((got <= ((pred - y) ** 2).mean(-1).flatten() + 1e-6).all())
-    with pytest.raises(ValueError, match="R·T"):
-        selector_refit_mse(gate, f, torch.randn(tasks + 1, b))
+    with pytest.raises(ValueError, match="gates"):
+        selector_refit_mse(gate, RefitStats.of(f, torch.randn(tasks + 1, b)))

@@ -37,7 +37,7 @@ from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.topk import TopKGate
 from dselectk.training import Callback, History, TaskData
 
-__all__ = ["SearchResult", "SwapSearch", "selector_refit_mse", "swap_search"]
+__all__ = ["RefitStats", "SearchResult", "SwapSearch", "selector_refit_mse", "swap_search"]
 
 MemberLoss = Callable[[], Tensor]
 
@@ -311,53 +311,75 @@ def _topk_sweep(
     return moved, evals, best
 
 
+@dataclass(frozen=True)
+class RefitStats:
+    """Second moments of R models' expert outputs and task targets on a probe batch: all that
+    :func:`selector_refit_mse` needs (float64). The experts do not change during a search, so
+    one set serves every candidate a search scores: a candidate then costs O(T·K·E²) per model
+    instead of a pass over the probe."""
+
+    gram: Tensor
+    """(R, E, E) ``f fᵀ / B``."""
+    cross: Tensor
+    """(R, E, T) ``f yᵀ / B``."""
+    target: Tensor
+    """(R or 1, T) ``|y_t|² / B``."""
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, expert_out: Tensor, y: Tensor) -> RefitStats:
+        """From (R, E, B) (or (E, B)) expert outputs and (T, B) (or (R, T, B)) targets."""
+        f = (expert_out if expert_out.dim() == 3 else expert_out.unsqueeze(0)).double()
+        yt = (y if y.dim() == 3 else y.unsqueeze(0)).double()
+        if yt.shape[-1] != f.shape[-1] or yt.shape[0] not in (1, f.shape[0]):
+            raise ValueError(
+                f"expert_out {tuple(expert_out.shape)} and y {tuple(y.shape)} must share the "
+                "batch (last dim) and R"
+            )
+        b = f.shape[-1]
+        cross = torch.einsum("reb,rtb->ret", f, yt.expand(f.shape[0], -1, -1)) / b
+        return cls(f @ f.transpose(-1, -2) / b, cross, yt.square().sum(-1) / b)
+
+
 @torch.no_grad()
-def selector_refit_mse(
-    gate: DSelectK, expert_out: Tensor, y: Tensor, ridge: float = 1e-4
-) -> Tensor:
+def selector_refit_mse(gate: DSelectK, stats: RefitStats, ridge: float = 1e-4) -> Tensor:
     """Per-gate score of a selection that does not depend on the selector shares σ(α).
 
     For models whose task output is linear in the gate's mixture, ``ŷ_t = Σ_i σ(α_t)_i h_ti``
     with selector outputs ``h_ti(x) = Σ_e r(S(z_ti))_e f_e(x)``: the mean squared error of the
     least-squares fit ``y_t ≈ Σ_i c_i h_ti`` (c free; a ridge of ``ridge`` × the mean diagonal
-    of the Gram matrix keeps collided selectors finite). A move changes the expert a selector
-    reads while σ(α) was fitted to the old one; scored with the old shares, a right move can
-    look worse. Use it as :func:`swap_search`'s ``member_loss``; nothing is changed.
+    of the Gram matrix keeps collided selectors finite), computed from the probe's second
+    moments (:class:`RefitStats`). A move changes the expert a selector reads while σ(α) was
+    fitted to the old one; scored with the old shares, a right move can look worse. Use it as
+    :func:`swap_search`'s ``member_loss``; nothing is changed.
 
     Args:
         gate: a static :class:`~dselectk.gates.DSelectK` bank of G = R·T gates (model r owns
             gates ``r·T … (r+1)·T − 1``).
-        expert_out: (R, E, B) the expert outputs of each of the R models on a probe batch (or
-            (E, B) for R = 1).
-        y: (T, B) or (R, T, B) the task targets on the probe.
+        stats: :meth:`RefitStats.of` the R models' expert outputs and the T tasks' targets.
 
     Returns:
-        (G,) the refitted MSE of each gate.
+        (G,) the refitted MSE of each gate (float32).
     """
     _check_gate(gate)
     if not isinstance(gate, DSelectK):
         raise TypeError(f"gate: selector_refit_mse needs a DSelectK, got {type(gate).__name__}")
-    f = expert_out if expert_out.dim() == 3 else expert_out.unsqueeze(0)
-    r, e, b = f.shape
+    r, e, t = stats.cross.shape
     if e != gate.num_experts:
-        raise ValueError(f"expert_out must have {gate.num_experts} experts in dim -2, got {e}")
-    yt = y if y.dim() == 3 else y.unsqueeze(0)  # (1 or R, T, B)
-    t = yt.shape[1]
+        raise ValueError(f"stats must have {gate.num_experts} experts, got {e}")
     assert gate.logits is not None
     g = gate.logits.view(-1, gate.logits.shape[-1]).shape[0]
-    if r * t != g or yt.shape[-1] != b:
-        raise ValueError(
-            f"expert_out (R={r}, B={b}) and y (T={t}, B={yt.shape[-1]}) must give R·T = {g} "
-            "gates and one batch"
-        )
+    if r * t != g:
+        raise ValueError(f"stats hold R={r} models × T={t} tasks, the gate bank has {g} gates")
     k = gate.k
-    sel = DF.selector(gate.bits())[..., :e].reshape(r, t * k, e)
-    h = torch.bmm(sel, f).view(r, t, k, b)  # (R, T, K, B)
-    gram = h @ h.transpose(-1, -2)  # (R, T, K, K)
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1e-12)
-    gram = gram + ridge * scale.unsqueeze(-1) * torch.eye(k, dtype=h.dtype, device=h.device)
-    c = torch.linalg.solve(gram, h @ yt.unsqueeze(-1))  # (R, T, K, 1)
-    return (((c * h).sum(-2) - yt) ** 2).mean(-1).flatten()
+    sel = DF.selector(gate.bits())[..., :e].reshape(r, t, k, e).double()
+    gram = sel @ stats.gram.unsqueeze(1) @ sel.transpose(-1, -2)  # (R, T, K, K)
+    b = torch.einsum("rtke,ret->rtk", sel, stats.cross)  # (R, T, K)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)  # (R, T)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    c = torch.linalg.solve(gram + ridge * scale[..., None, None] * eye, b.unsqueeze(-1))
+    fit = (c.transpose(-1, -2) @ gram @ c).squeeze(-1).squeeze(-1) - 2 * (c.squeeze(-1) * b).sum(-1)
+    return (stats.target + fit).clamp_min(0.0).flatten().float()
 
 
 @dataclass

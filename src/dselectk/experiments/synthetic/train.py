@@ -32,7 +32,7 @@ from dselectk.experiments.synthetic.spec import (
 from dselectk.gates import DSelectK
 from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
-from dselectk.search import SwapSearch, selector_refit_mse
+from dselectk.search import RefitStats, SwapSearch, selector_refit_mse
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, optimizer_step, train
 
@@ -95,10 +95,16 @@ def _search(
 
     plan = SEARCHES[gate]
     if plan.get("refit"):  # scored with the selector shares refitted (least squares)
+        cache: dict[tuple[int, ...], RefitStats] = {}
 
         def member_loss() -> Tensor:
             assert isinstance(model.gates, DSelectK)
-            return selector_refit_mse(model.gates, model.expert_outputs(x), y)
+            # the experts' probe moments, recomputed only after an optimizer step changed them
+            key = tuple(p._version for p in model.experts.parameters())
+            if key not in cache:
+                cache.clear()
+                cache[key] = RefitStats.of(model.expert_outputs(x), y)
+            return selector_refit_mse(model.gates, cache[key])
 
     share = None
     if plan.get("share_tol") is not None:  # a model's tasks form one group
