@@ -308,10 +308,11 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
             )
             seen.setdefault(r["label"], set()).add(txt)
     comp = []
-    for g in ("dselect_k", "dselect_k_spread", "dselect_k_diverse"):
+    ours = ("dselect_k_spread", "dselect_k_diverse", "dselect_k_search", "dselect_k_search_shared")
+    for g in ("dselect_k", *ours):
         comp += _comparison(rows, g)
     comp += _ablation_claims(rows)
-    remedies = sorted({r["gate"] for r in rows} & {"dselect_k_spread", "dselect_k_diverse"})
+    remedies = sorted({r["gate"] for r in rows} & set(ours))
     side = (
         f"The paper-faithful DSelect-k (paper init, constant λ and γ from the paper's grid) and "
         f"our remedies ({', '.join(LABELS.get(g, g) for g in remedies)}) are reported side by "
