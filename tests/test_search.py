@@ -347,3 +347,15 @@ def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -
     assert bool((got <= ((pred - y) ** 2).mean(-1).flatten() + 1e-6).all())
     with pytest.raises(ValueError, match="gates"):
         selector_refit_mse(gate, RefitStats.of(f, torch.randn(tasks + 1, b)))
+
+
+def test_from_plan_reads_a_study_plan_and_rejects_unknown_keys() -> None:
+    gate = DSelectK(8, k=2, num_gates=1)
+    plan = {"at": (0.25, 0.7), "binarize": 0.5, "tol": 0.0, "share_tol": 0.05}
+    s = SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, plan)
+    assert sorted(s._at) == [25, 70] and sorted(s._binarize_at) == [50]
+    assert (s.tol, s.share_tol) == (0.0, 0.05)
+    with pytest.raises(ValueError, match="plan"):
+        SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"at": (0.5,), "refit": True})
+    with pytest.raises(ValueError, match="plan"):
+        SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"binarize": 0.5})

@@ -24,7 +24,7 @@ selection is a function of the input, not a parameter one can move).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -464,6 +464,33 @@ class SwapSearch(Callback):
 
         final = [] if binarize is None else [step(binarize)]
         return cls(gate, member_loss, at=sorted({step(f) for f in at}), binarize_at=final, **kwargs)
+
+    @classmethod
+    def from_plan(
+        cls,
+        gate: Gate,
+        member_loss: MemberLoss,
+        steps_total: int,
+        plan: Mapping[str, Any],
+        share_groups: Tensor | None = None,
+    ) -> SwapSearch:
+        """:meth:`at_fractions` from a plan mapping: ``at`` (fractions, required), ``binarize``
+        (a fraction or None), ``tol`` and ``share_tol`` (optional); other keys are an error."""
+        unknown = set(plan) - {"at", "binarize", "tol", "share_tol"}
+        if unknown or "at" not in plan:
+            raise ValueError(
+                f"plan needs 'at' and may hold binarize, tol, share_tol; got {sorted(plan)}"
+            )
+        return cls.at_fractions(
+            gate,
+            member_loss,
+            steps_total,
+            plan["at"],
+            plan.get("binarize"),
+            tol=float(plan.get("tol", 1e-4)),
+            share_groups=share_groups,
+            share_tol=float(plan.get("share_tol") or 0.0),
+        )
 
     @property
     def total_moves(self) -> Tensor | None:

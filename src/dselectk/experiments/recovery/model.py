@@ -372,15 +372,7 @@ def _search(
         w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
         return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
-    plan = SEARCHES[gate]
-    return SwapSearch.at_fractions(
-        model.gates,
-        member_loss,
-        steps_total,
-        plan["at"],
-        plan["binarize"],
-        tol=plan.get("tol", 1e-4),
-    )
+    return SwapSearch.from_plan(model.gates, member_loss, steps_total, SEARCHES[gate])
 
 
 def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:

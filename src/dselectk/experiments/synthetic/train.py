@@ -109,16 +109,8 @@ def _search(
     share = None
     if plan.get("share_tol") is not None:  # a model's tasks form one group
         share = torch.arange(model.reps).repeat_interleave(model.num_tasks)
-    return SwapSearch.at_fractions(
-        model.gates,
-        member_loss,
-        steps_total,
-        plan["at"],
-        plan["binarize"],
-        tol=plan.get("tol", 1e-4),
-        share_groups=share,
-        share_tol=float(plan.get("share_tol") or 0.0),
-    )
+    steps = {k: v for k, v in plan.items() if k != "refit"}  # refit: which member_loss
+    return SwapSearch.from_plan(model.gates, member_loss, steps_total, steps, share)
 
 
 def train_reps(
