@@ -37,94 +37,61 @@ FEATURES = 10
 K = 4
 BATCH_SIZE = 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
-GATES: dict[str, tuple[str, dict[str, Any]]] = {
-    "dselect_k": ("dselect_k", {"init": "paper"}),
-    "dselect_k_spread": ("dselect_k", {"init": "spread"}),
-    # collapse remedies (issue 14, docs/collapse.md); γ, λ, epochs as dselect_k's
-    "dselect_k_distinct": ("dselect_k", {"init": "distinct"}),
-    "dselect_k_diverse": ("dselect_k", {"init": "paper", "diversity": 1.0}),
-    "dselect_k_exclusive": ("dselect_k", {"init": "paper", "exclusive": True}),
-    "dselect_k_remedy": ("dselect_k", {"init": "distinct", "exclusive": True, "diversity": 1.0}),
-    "dselect_k_excl_diverse": ("dselect_k", {"init": "paper", "exclusive": True, "diversity": 1.0}),
-    "dselect_k_warm": ("dselect_k", {"init": "paper"}),
-    "dselect_k_warm_remedy": ("dselect_k", {"init": "paper", "exclusive": True, "diversity": 1.0}),
-    "dselect_k_anneal": ("dselect_k", {"init": "paper"}),
-    "dselect_k_warm_anneal": ("dselect_k", {"init": "paper"}),
-    "dselect_k_warm_anneal_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0},
-    ),
-    "dselect_k_warm_late_anneal": ("dselect_k", {"init": "paper"}),
-    "dselect_k_warm_late_anneal_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0},
-    ),
-    "dselect_k_warm_late_anneal_excl": ("dselect_k", {"init": "paper", "exclusive": True}),
-    "dselect_k_warm_late_anneal_diverse": ("dselect_k", {"init": "paper", "diversity": 1.0}),
-    "dselect_k_floor_warm_late_anneal": ("dselect_k", {"init": "paper", "alpha_floor": 0.5}),
-    "dselect_k_floor_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
-    ),
-    "dselect_k_floor_excl_diverse": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
-    ),
-    "dselect_k_floor_anneal_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
-    ),
-    "dselect_k_floor_slow_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 0.5},
-    ),
-    "dselect_k_uniform_remedy": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 1.0},
-    ),
-    "topk": ("topk", {}),
+# Gate options and schedules the variants combine (issue 14, docs/collapse.md; γ, λ, epochs
+# as dselect_k's).
+_PAPER: dict[str, Any] = {"init": "paper"}
+_EXCL_DIV: dict[str, Any] = {**_PAPER, "exclusive": True, "diversity": 1.0}
+_FLOOR: dict[str, Any] = {**_EXCL_DIV, "alpha_floor": 0.5}
+_UNIFORM: dict[str, Any] = {**_EXCL_DIV, "alpha_floor": 1.0}
+# λ warm-up, as fractions of the training steps: λ = 0 for the first ``delay``, then linear
+# from 0 to the tuned λ over ``ramp``, then the tuned λ
+_WARM = {"delay": 0.4, "ramp": 0.2}
+# γ anneal: the tuned γ for the first ``delay`` of the steps, then geometric down to
+# γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the side of 0 its z is
+# on, unless |z| < γ·factor/2)
+_ANNEAL = {"delay": 0.6, "steps": 0.3, "factor": 1e-3}
+_LATE = {"delay": 0.8, "steps": 0.15, "factor": 1e-3}
+_SLOW = {"delay": 0.4, "steps": 0.5, "factor": 1e-3}
+_Variant = tuple[str, dict[str, Any], dict[str, float] | None, dict[str, float] | None]
+#: experiment gate name → (registry name, constructor kwargs, λ warm-up, γ anneal)
+_VARIANTS: dict[str, _Variant] = {
+    "dselect_k": ("dselect_k", _PAPER, None, None),
+    "dselect_k_spread": ("dselect_k", {"init": "spread"}, None, None),
+    # collapse remedies
+    "dselect_k_distinct": ("dselect_k", {"init": "distinct"}, None, None),
+    "dselect_k_diverse": ("dselect_k", {**_PAPER, "diversity": 1.0}, None, None),
+    "dselect_k_exclusive": ("dselect_k", {**_PAPER, "exclusive": True}, None, None),
+    "dselect_k_remedy": ("dselect_k", {**_EXCL_DIV, "init": "distinct"}, None, None),
+    "dselect_k_excl_diverse": ("dselect_k", _EXCL_DIV, None, None),
+    "dselect_k_warm": ("dselect_k", _PAPER, _WARM, None),
+    "dselect_k_warm_remedy": ("dselect_k", _EXCL_DIV, _WARM, None),
+    "dselect_k_anneal": ("dselect_k", _PAPER, None, _ANNEAL),
+    "dselect_k_warm_anneal": ("dselect_k", _PAPER, _WARM, _ANNEAL),
+    "dselect_k_warm_anneal_remedy": ("dselect_k", _EXCL_DIV, _WARM, _ANNEAL),
+    "dselect_k_warm_late_anneal": ("dselect_k", _PAPER, _WARM, _LATE),
+    "dselect_k_warm_late_anneal_remedy": ("dselect_k", _EXCL_DIV, _WARM, _LATE),
+    "dselect_k_warm_late_anneal_excl": ("dselect_k", {**_PAPER, "exclusive": True}, _WARM, _LATE),
+    "dselect_k_warm_late_anneal_diverse": ("dselect_k", {**_PAPER, "diversity": 1.0}, _WARM, _LATE),
+    "dselect_k_floor_warm_late_anneal": ("dselect_k", {**_PAPER, "alpha_floor": 0.5}, _WARM, _LATE),
+    "dselect_k_floor_remedy": ("dselect_k", _FLOOR, _WARM, _LATE),
+    "dselect_k_floor_excl_diverse": ("dselect_k", _FLOOR, None, None),
+    "dselect_k_floor_anneal_remedy": ("dselect_k", _FLOOR, None, _LATE),
+    "dselect_k_floor_slow_remedy": ("dselect_k", _FLOOR, _WARM, _SLOW),
+    "dselect_k_uniform_remedy": ("dselect_k", _UNIFORM, _WARM, _LATE),
+    "topk": ("topk", {}, None, None),
     # swap local search (dselectk.search; ours): the gate as above, searched during training
-    "dselect_k_search": ("dselect_k", {"init": "paper"}),
-    "dselect_k_uniform_search": (
-        "dselect_k",
-        {"init": "paper", "exclusive": True, "diversity": 1.0, "alpha_floor": 1.0},
-    ),
-    "topk_search": ("topk", {}),
+    "dselect_k_search": ("dselect_k", _PAPER, None, None),
+    "dselect_k_uniform_search": ("dselect_k", _UNIFORM, _WARM, _LATE),
+    "topk_search": ("topk", {}, None, None),
 }
-# λ warm-up of some variants, as fractions of the training steps: λ = 0 for the first
-# ``delay``, then linear from 0 to the tuned λ over ``ramp``, then the tuned λ
+GATES: dict[str, tuple[str, dict[str, Any]]] = {
+    name: (reg, dict(kw)) for name, (reg, kw, _, _) in _VARIANTS.items()
+}
 WARMUPS: dict[str, dict[str, float]] = {
-    "dselect_k_warm": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_anneal": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_anneal_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_late_anneal": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_late_anneal_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_late_anneal_excl": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_warm_late_anneal_diverse": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_floor_warm_late_anneal": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_floor_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_floor_slow_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_uniform_remedy": {"delay": 0.4, "ramp": 0.2},
-    "dselect_k_uniform_search": {"delay": 0.4, "ramp": 0.2},
+    name: dict(w) for name, (_, _, w, _) in _VARIANTS.items() if w is not None
 }
-# γ anneal of some variants: the tuned γ for the first ``delay`` of the steps, then
-# geometric down to γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the
-# side of 0 its z is on, unless |z| < γ·factor/2)
 ANNEALS: dict[str, dict[str, float]] = {
-    "dselect_k_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
-    "dselect_k_warm_anneal": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
-    "dselect_k_warm_anneal_remedy": {"delay": 0.6, "steps": 0.3, "factor": 1e-3},
-    "dselect_k_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_warm_late_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_warm_late_anneal_excl": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_warm_late_anneal_diverse": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_floor_warm_late_anneal": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_floor_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_floor_anneal_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_floor_slow_remedy": {"delay": 0.4, "steps": 0.5, "factor": 1e-3},
-    "dselect_k_uniform_remedy": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
-    "dselect_k_uniform_search": {"delay": 0.8, "steps": 0.15, "factor": 1e-3},
+    name: dict(a) for name, (_, _, _, a) in _VARIANTS.items() if a is not None
 }
 # swap local search of some variants (dselectk.search.SwapSearch): after the fractions ``at``
 # of the training steps, scored by each repetition's data loss on a fixed probe of the
