@@ -390,6 +390,10 @@ def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
         side_inputs=side,
         bottom_features=m["bottom_features"],
         epochs=args.epochs or QUICK_HPARAMS["softmax"]["epochs"],
+        lr_note=f"lr {args.lr:g}, set by --lr"
+        if getattr(args, "lr", None)
+        else f"lr {QUICK_LR:g}: the grid's value with the lowest validation loss of static "
+        "DSelect-k after one epoch, seed 0",
         repetitions=args.repetitions if args.repetitions is not None else QUICK_REPS,
     )
 

@@ -291,6 +291,7 @@ def run_recipe(
     write_report: Callable[..., None],
     print_table: Callable[[Mapping[str, Any]], None],
     report_jobs: bool = False,
+    prepare: Callable[[Path, int], bool] | None = None,
 ) -> int:
     """The ``run`` of a recipe: check ``--out`` up front, resolve ``--jobs``, run (or resume)
     the sweep, rebuild the report and print its table. Returns the exit code (0).
@@ -302,10 +303,15 @@ def run_recipe(
         write_report: ``(out, wall_seconds=, command=[, jobs=, threads=])``.
         print_table: prints the one-screen table of ``summary.json``.
         report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
+        prepare: called with (out, jobs) once both are resolved, before the sweep (load and
+            check data, print a plan); returning False stops there with exit code 0 (a dry
+            run).
     """
     out = check_out_dir(args.out)
     jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sweep.cells))
     args.jobs = jobs
+    if prepare is not None and not prepare(out, jobs):
+        return 0
     command = " ".join(["dselectk", *sys.argv[1:]])
     t0 = time.perf_counter()
     progress = not args.no_progress

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsIndex, cast
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +61,7 @@ def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
     """Return ``value`` if it is an int >= minimum, else raise a TypeError/ValueError naming it."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    as_int = operator.index(value)  # also NumPy and 0-d integer tensors
+    as_int = operator.index(cast(SupportsIndex, value))  # also NumPy and 0-d integer tensors
     if as_int < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
     return as_int

@@ -67,7 +67,9 @@ class GateRouter(nn.Module):
         self.gate_module = gate
         self.top_k = int(top_k)
         self.num_experts = gate.num_experts
-        self.hidden_dim = gate.in_features
+        if gate.in_features is None:
+            raise ValueError("the router must be a per-example gate (in_features set)")
+        self.hidden_dim: int = gate.in_features
         self.renormalize = bool(renormalize)
         self.aux_loss = None
 
@@ -87,7 +89,7 @@ class GateRouter(nn.Module):
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
 
 
-def _router_class(base: type) -> type:
+def _router_class(base: type) -> type[GateRouter]:
     """``GateRouter`` subclassing the original router class (for transformers' recorders)."""
     if base not in _CLASSES:
         _CLASSES[base] = type(f"Gate{base.__name__}", (GateRouter, base), {})
@@ -156,7 +158,7 @@ def replace_routers(
         raise ValueError("model has no Mixtral-style MoE block (a module with .gate and .experts)")
     routers: list[GateRouter] = []
     for _, block in blocks:
-        old = block.gate
+        old: Any = block.gate
         n, d, top_k = int(old.num_experts), int(old.hidden_dim), int(old.top_k)
         if isinstance(router, str):
             kw = dict(gate_kwargs)
@@ -175,7 +177,8 @@ def replace_routers(
         if p is not None:
             gate = gate.to(device=p.device, dtype=p.dtype)
         base = type(old)
-        new = _router_class(base).__new__(_router_class(base))
+        cls = _router_class(base)
+        new = cls.__new__(cls)
         new._setup(gate, top_k, renormalize)
         block.gate = new
         routers.append(new)

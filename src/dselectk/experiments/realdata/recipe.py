@@ -15,15 +15,13 @@ import dataclasses
 import functools
 import itertools
 import json
-import sys
-import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dselectk.experiments.args import check_out_dir, int_at_least, positive_float
+from dselectk.experiments.args import int_at_least, positive_float
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
 from dselectk.experiments.realdata.spec import (
@@ -41,8 +39,7 @@ from dselectk.experiments.runner import (
     Sweep,
     add_executor_arguments,
     missing,
-    resolve_jobs,
-    run_sweep,
+    run_recipe,
 )
 from dselectk.io import write_json
 from dselectk.layers.init import INITS
@@ -280,7 +277,9 @@ def _previous_wall(path: Path) -> float:
 
 
 def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) -> int:
-    """Run (or resume) the sweep settings × gates × repetitions, then write the report.
+    """Run (or resume) the sweep settings × gates × repetitions, then write the report
+    (:func:`~dselectk.experiments.runner.run_recipe`, with the data loaded and the plan printed
+    before the sweep).
 
     Args:
         exp: the experiment.
@@ -288,51 +287,47 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
     """
     exp = with_training_defaults(exp, args)
-    out = check_out_dir(args.out)
     sw = sweep(exp, args, settings)
     threads = int(getattr(args, "threads", 0) or 0)
-    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sw.cells))
-    args.jobs = jobs
-    set_threads(args)
-    progress = not args.no_progress
-    try:
+    facts: dict[str, Any] = {}
+
+    def prepare(out: Path, jobs: int) -> bool:
+        set_threads(args)
         data = load(exp, args)  # fails before any worker starts when the data is missing
-        notes = exp.notes(args, data)
-        data_cfg = dict(data.config)
-        meta = {k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))}
+        facts["notes"] = list(exp.notes(args, data))
+        facts["data"] = dict(data.config)
+        facts["meta"] = {k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))}
         if args.full or getattr(args, "dry_run", False):
             print_plan(exp, args, settings, data, jobs)
             if getattr(args, "dry_run", False):
-                return 0
+                return False
         if exp.reference is not None:
             exp.reference(args, data, out)
-        del data
         if jobs > 1:
             _DATA.clear()  # the workers load their own copies
-        t0 = time.perf_counter()
-        run_sweep(
+        return True
+
+    def write_report(out: Path, *, wall_seconds: float, command: str) -> None:
+        run_info = {
+            "command": command,
+            "wall_seconds": _previous_wall(out / "run_info.json") + wall_seconds,
+            "mode": "full" if args.full else "quick",
+            "training": {"init": exp.init, "optimizer_defaults": exp.optimizer_defaults},
+            "repetitions": _repetitions(exp, args),
+            **facts,
+        }
+        write_json(out / "run_info.json", run_info)
+        exp.write_report(out)
+        print((out / "report.md").read_text(encoding="utf-8"))
+
+    try:
+        return run_recipe(
             sw,
             args,
-            out,
-            jobs=jobs,
             threads=threads,
-            progress=progress,
-            command=" ".join(["dselectk", *sys.argv[1:]]),
+            write_report=write_report,
+            print_table=lambda summary: None,  # the whole report was printed
+            prepare=prepare,
         )
-        wall = time.perf_counter() - t0
     finally:
         _DATA.clear()
-    run_info = {
-        "command": " ".join(["dselectk", *sys.argv[1:]]),
-        "wall_seconds": _previous_wall(out / "run_info.json") + wall,
-        "mode": "full" if args.full else "quick",
-        "training": {"init": exp.init, "optimizer_defaults": exp.optimizer_defaults},
-        "repetitions": _repetitions(exp, args),
-        "notes": list(notes),
-        "data": data_cfg,
-        "meta": meta,
-    }
-    write_json(out / "run_info.json", run_info)
-    exp.write_report(out)
-    print((out / "report.md").read_text(encoding="utf-8"))
-    return 0
