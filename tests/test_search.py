@@ -359,3 +359,17 @@ def test_from_plan_reads_a_study_plan_and_rejects_unknown_keys() -> None:
         SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"at": (0.5,), "refit": True})
     with pytest.raises(ValueError, match="plan"):
         SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"binarize": 0.5})
+
+
+def test_selector_refit_mse_of_a_topk_bank_fits_its_selected_experts() -> None:
+    from dselectk.search import RefitStats, selector_refit_mse
+
+    torch.manual_seed(1)
+    gates, n, b = 4, 6, 50
+    gate = TopKGate(n, k=3, num_gates=gates)
+    f, y = torch.rand(1, n, b), torch.randn(gates, b)
+    got = selector_refit_mse(gate, RefitStats.of(f, y), ridge=0.0)
+    for t in range(gates):
+        a = f[0, gate.logits[t].topk(3).indices].T  # (B, 3)
+        want = (a @ torch.linalg.lstsq(a, y[t].unsqueeze(-1)).solution).squeeze(-1) - y[t]
+        torch.testing.assert_close(got[t], want.square().mean(), rtol=1e-4, atol=1e-6)

@@ -342,7 +342,7 @@ class RefitStats:
 
 
 @torch.no_grad()
-def selector_refit_mse(gate: DSelectK, stats: RefitStats, ridge: float = 1e-4) -> Tensor:
+def selector_refit_mse(gate: Gate, stats: RefitStats, ridge: float = 1e-4) -> Tensor:
     """Per-gate score of a selection that does not depend on the selector shares σ(α).
 
     For models whose task output is linear in the gate's mixture, ``ŷ_t = Σ_i σ(α_t)_i h_ti``
@@ -354,16 +354,15 @@ def selector_refit_mse(gate: DSelectK, stats: RefitStats, ridge: float = 1e-4) -
     :func:`swap_search`'s ``member_loss``; nothing is changed.
 
     Args:
-        gate: a static :class:`~dselectk.gates.DSelectK` bank of G = R·T gates (model r owns
-            gates ``r·T … (r+1)·T − 1``).
+        gate: a static :class:`~dselectk.gates.DSelectK` or :class:`~dselectk.gates.TopKGate`
+            bank of G = R·T gates (model r owns gates ``r·T … (r+1)·T − 1``); a Top-k gate's
+            selector outputs are its k selected experts' outputs.
         stats: :meth:`RefitStats.of` the R models' expert outputs and the T tasks' targets.
 
     Returns:
         (G,) the refitted MSE of each gate (float32).
     """
     _check_gate(gate)
-    if not isinstance(gate, DSelectK):
-        raise TypeError(f"gate: selector_refit_mse needs a DSelectK, got {type(gate).__name__}")
     r, e, t = stats.cross.shape
     if e != gate.num_experts:
         raise ValueError(f"stats must have {gate.num_experts} experts, got {e}")
@@ -371,8 +370,14 @@ def selector_refit_mse(gate: DSelectK, stats: RefitStats, ridge: float = 1e-4) -
     g = gate.logits.view(-1, gate.logits.shape[-1]).shape[0]
     if r * t != g:
         raise ValueError(f"stats hold R={r} models × T={t} tasks, the gate bank has {g} gates")
-    k = gate.k
-    sel = DF.selector(gate.bits())[..., :e].reshape(r, t, k, e).double()
+    assert isinstance(gate, (DSelectK, TopKGate))
+    k = int(gate.k)
+    if isinstance(gate, DSelectK):
+        sel = DF.selector(gate.bits())[..., :e]  # (G, K, E): each selector's expert weights
+    else:  # Top-k: one selector per selected expert
+        top = gate.logits.view(g, -1)[:, :e].topk(k, dim=-1).indices
+        sel = torch.nn.functional.one_hot(top, e)
+    sel = sel.reshape(r, t, k, e).double()
     gram = sel @ stats.gram.unsqueeze(1) @ sel.transpose(-1, -2)  # (R, T, K, K)
     b = torch.einsum("rtke,ret->rtk", sel, stats.cross)  # (R, T, K)
     scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)  # (R, T)

@@ -50,12 +50,14 @@ GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "dselect_k_search": ("dselect_k", {"init": "paper"}),
     "topk_search": ("topk", {}),
     "dselect_k_search_shared": ("dselect_k", {"init": "paper"}),
+    "topk_search_refit": ("topk", {}),
 }
 #: search variants use the tuned hyperparameters of the gate they search
 TUNED_AS = {
     "dselect_k_search": "dselect_k",
     "topk_search": "topk",
     "dselect_k_search_shared": "dselect_k",
+    "topk_search_refit": "topk",
 }
 #: swap local search of the search variants (dselectk.search.SwapSearch): after these fractions
 #: of the training steps, scored by each (repetition, task)'s MSE on a fixed probe of the
@@ -67,6 +69,8 @@ SEARCHES: dict[str, dict[str, Any]] = {
     # as dselect_k_search, and a move takes the expert most used by the model's other tasks
     # among the candidates within 5 % of the best (dselectk.search share_groups/share_tol)
     "dselect_k_search_shared": {"at": (0.25, 0.7, 0.85), "binarize": 0.5, "share_tol": 0.05},
+    # Top-k + search scored as dselect_k_search is (least squares on the k selected experts)
+    "topk_search_refit": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None, "refit": True},
 }
 SEARCH_PROBE = 2048
 LABELS = {
@@ -79,6 +83,7 @@ LABELS = {
     "dselect_k_search": "DSelect-k + swap local search (ours)",
     "topk_search": "Top-k + swap local search (ours)",
     "dselect_k_search_shared": "DSelect-k + swap local search, shared experts (ours)",
+    "topk_search_refit": "Top-k + swap local search, refit scoring (ours)",
 }
 #: the quick default: the paper's gates, our spread init, and DSelect-k + swap search (the
 #: variant that is binary with exactly k experts and beats Top-k, docs/collapse.md §7)
@@ -96,6 +101,7 @@ ALL_GATES = [
     *DEFAULT_GATES[2:],
     "dselect_k_search_shared",
     "topk_search",
+    "topk_search_refit",
 ]
 
 #: the paper's tuning grid (Appendix D, "Synthetic Data")
