@@ -503,3 +503,37 @@ def test_telemetry_flag_logs_each_epoch_without_changing_records(tmp_path: Path)
     assert [p.name for p in plain] == [p.name for p in tel]
     for a, b in zip(plain, tel, strict=True):
         assert json.loads(a.read_text())["metrics"] == json.loads(b.read_text())["metrics"]
+
+
+def test_grid_search_of_a_search_variant_batches_one_epoch_count_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap-search schedule is a fraction of the batch's run, so a 1-epoch member must not
+    be read off the first epoch of a 2-epoch batch (it would not have been binarized)."""
+    from dselectk.experiments.records import RunStore
+    from dselectk.experiments.synthetic import train as st
+
+    data = S.generate_data(0, n_train=512, n_val=128, n_test=128)
+    grid = {**S.PAPER_GRID, "lr": [0.01], "epochs": [1, 2], "gamma": [10.0]}
+    grid["entropy_reg_dselect_k"] = [0.1]
+    seen: list[list[int]] = []
+    real = st.train_reps
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(sorted({int(m["epochs"]) for m in kw["member_hparams"]}))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(st, "train_reps", spy)
+    cfg = {"seed": 0, "n_train": 512, "n_eval": 128}
+    choice = st.tune(
+        "dselect_k_search",
+        16,
+        data,
+        RunStore(tmp_path),
+        grid=grid,
+        trials=2,
+        data_cfg=cfg,
+        progress=False,
+    )
+    assert sorted(seen) == [[1], [2]]
+    assert choice["binary"]  # every configuration ends binary (the search binarizes it)

@@ -249,8 +249,9 @@ def tune(
     points = grid_points(gate, grid)
     epochs_axis = [int(e) for e in grid["epochs"]]
     reg, _ = GATES[gate]
-    epoch_dependent = reg == "ablation_annealing"
-    if epoch_dependent:  # the annealing schedule spans the run: epochs is a grid axis
+    # the annealing schedule and a search variant's schedule span the run: epochs is a grid axis
+    epoch_dependent = reg == "ablation_annealing" or gate in SEARCHES
+    if epoch_dependent:
         points = [{**p, "epochs": e} for p in points for e in epochs_axis]
     points = sample_points(points, max_points, f"{seed}-{gate}-{num_tasks}")
     seeds = [init_seed(seed, gate, num_tasks, 10_000 + i) for i in range(trials)]
@@ -279,7 +280,16 @@ def tune(
             planned.update(run_id(c) for c in cfgs)
             if not all(store.done(c) for c in cfgs):
                 members.append((p, i, eps))
-    chunks = [members[i : i + max_members] for i in range(0, len(members), max_members)]
+    # one search schedule per batch (fractions of the batch's steps): a search variant's
+    # members are batched by epoch count; the others share batches freely
+    by_epochs: dict[int, list[tuple[dict[str, Any], int, list[int]]]] = {}
+    for m in members:
+        by_epochs.setdefault(max(m[2]) if gate in SEARCHES else 0, []).append(m)
+    chunks = [
+        group[i : i + max_members]
+        for group in by_epochs.values()
+        for i in range(0, len(group), max_members)
+    ]
     in_worker = progress_position() is not None  # one bar line per worker: epochs only
     bar = tqdm(
         chunks,
