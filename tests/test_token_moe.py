@@ -15,7 +15,9 @@ D = 6
 
 def _gate(name: str, **kw: object) -> torch.nn.Module:
     extra = (
-        {"k": 2} if name in ("dselect_k", "topk", "ablation_entropy", "ablation_annealing") else {}
+        {"k": 2}
+        if name in ("dselect_k", "topk", "ablation_entropy", "ablation_annealing", "comet")
+        else {}
     )
     return make_gate(name, 5, in_features=D, **extra, **kw)
 

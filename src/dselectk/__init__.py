@@ -9,6 +9,7 @@ from typing import Any
 
 from dselectk import functional
 from dselectk.gates import (
+    COMETGate,
     DSelectK,
     Gate,
     GateOutput,
@@ -25,6 +26,7 @@ from dselectk.models import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput, Share
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMETGate",
     "DSelectK",
     "ExpertList",
     "Gate",

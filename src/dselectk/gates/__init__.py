@@ -1,7 +1,9 @@
-"""Gates: DSelect-k and the competing gates of the paper, behind one interface."""
+"""Gates: DSelect-k and the competing gates of the paper, behind one interface (plus COMET's
+tree gate, a later gate by the same group)."""
 
 from dselectk.gates.ablation import SoftmaxSelectorGate
 from dselectk.gates.base import Gate, GateOutput
+from dselectk.gates.comet import COMETGate
 from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.gumbel import GumbelSoftmaxGate
 from dselectk.gates.registry import GATES, gate_names, make_gate, register_gate
@@ -10,6 +12,7 @@ from dselectk.gates.topk import TopKGate
 
 __all__ = [
     "GATES",
+    "COMETGate",
     "DSelectK",
     "Gate",
     "GateOutput",

@@ -9,6 +9,7 @@ import torch
 
 from dselectk.gates.ablation import SoftmaxSelectorGate
 from dselectk.gates.base import Gate
+from dselectk.gates.comet import COMETGate
 from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.gumbel import GumbelSoftmaxGate
 from dselectk.gates.softmax import SoftmaxGate
@@ -61,3 +62,4 @@ register_gate("softmax", SoftmaxGate)
 register_gate("gumbel_softmax", GumbelSoftmaxGate)
 register_gate("ablation_entropy", _ablation_entropy)
 register_gate("ablation_annealing", _ablation_annealing)
+register_gate("comet", COMETGate)

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 
 from dselectk.experiments.metrics import recovered_experts
 from dselectk.experiments.runner import progress_position
-from dselectk.gates import DSelectK, make_gate
+from dselectk.gates import COMETGate, DSelectK, make_gate
 from dselectk.gates.base import Gate
+from dselectk.gates.comet import tree_leaf_probabilities
 from dselectk.optim import RowwiseAdam
 from dselectk.schedules import (
     AttributeScheduler,
@@ -79,6 +80,8 @@ _VARIANTS: dict[str, _Variant] = {
     "dselect_k_floor_slow_remedy": ("dselect_k", _FLOOR, _WARM, _SLOW),
     "dselect_k_uniform_remedy": ("dselect_k", _UNIFORM, _WARM, _LATE),
     "topk": ("topk", {}, None, None),
+    # COMET's tree gate (Ibrahim et al., KDD 2023): k smooth-step trees, DSelect-k's γ and λ
+    "comet": ("comet", {}, None, None),
     # swap local search (dselectk.search; ours): the gate as above, searched during training
     "dselect_k_search": ("dselect_k", _PAPER, None, None),
     "dselect_k_uniform_search": ("dselect_k", _UNIFORM, _WARM, _LATE),
@@ -148,6 +151,7 @@ LABELS = {
         "DSelect-k (uniform shares + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
     ),
     "topk": "Top-k",
+    "comet": "COMET tree gate (Ibrahim et al. 2023)",
     "dselect_k_search": "DSelect-k (paper) + swap local search (ours)",
     "dselect_k_uniform_search": "DSelect-k (uniform remedy) + swap local search (ours)",
     "topk_search": "Top-k + swap local search (ours)",
@@ -217,7 +221,7 @@ class RecoveryMoE(nn.Module):
         super().__init__()
         reg, fixed = GATES[gate]
         kw: dict[str, Any] = {"k": K, **fixed}
-        if reg == "dselect_k":
+        if reg in ("dselect_k", "comet"):
             kw["gamma"] = float(hparams["gamma"])
             kw["entropy_reg"] = float(hparams.get("entropy_reg") or 0.0)
         self.reps = len(init_seeds)
@@ -275,6 +279,9 @@ def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, fl
     if isinstance(model.gates, DSelectK):
         p = model.gates.bits()
         binary = ((p == 0) | (p == 1)).flatten(1).all(-1)
+    elif isinstance(model.gates, COMETGate):  # binary: every tree reaches exactly one leaf
+        leaves, _ = tree_leaf_probabilities(model.gates.splits(), NUM_EXPERTS)
+        binary = ((leaves == 0) | (leaves == 1)).flatten(1).all(-1)
     out = []
     for r in range(model.reps):
         m = {
