@@ -17,7 +17,6 @@ from dselectk.gates.base import (
     GateOutput,
     HyperParameter,
     check_nonnegative,
-    check_positive_int,
     format_hyperparameter,
 )
 
@@ -75,9 +74,7 @@ class SoftmaxSelectorGate(Gate):
             bias=bias,
             check_finite=check_finite,
         )
-        self.k = check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        self._set_k(k)
         self.temperature = temperature
         self.entropy_reg = entropy_reg
         self._build_logits()

@@ -306,6 +306,13 @@ class Gate(nn.Module):
         self.check_finite = bool(check_finite)
         self._bias = bool(bias)
 
+    def _set_k(self, k: object) -> int:
+        """Validate and store ``k``, the number of experts a sparse gate selects (1 <= k <= n)."""
+        self.k = check_positive_int("k", k)
+        if self.k > self.num_experts:
+            raise ValueError(f"k must be <= num_experts ({self.num_experts}), got {k}")
+        return self.k
+
     # -- layout ---------------------------------------------------------------------------
     @property
     def static(self) -> bool:

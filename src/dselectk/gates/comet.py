@@ -40,7 +40,6 @@ from dselectk.gates.base import (
     Gate,
     GateOutput,
     HyperParameter,
-    check_positive_int,
     format_hyperparameter,
 )
 
@@ -122,9 +121,7 @@ class COMETGate(Gate):
             bias=bias,
             check_finite=check_finite,
         )
-        self.k = check_positive_int("k", k)
-        if self.k > self.num_experts:
-            raise ValueError(f"k must be <= num_experts ({self.num_experts}), got {k}")
+        self._set_k(k)
         self.max_nonzeros = self.k  # once the splits are binary
         self.gamma = gamma
         self.entropy_reg = entropy_reg

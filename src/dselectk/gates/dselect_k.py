@@ -15,7 +15,6 @@ from dselectk.gates.base import (
     GateOutput,
     HyperParameter,
     check_nonnegative,
-    check_positive_int,
     format_hyperparameter,
 )
 
@@ -159,9 +158,7 @@ class DSelectK(Gate):
             bias=bias,
             check_finite=check_finite,
         )
-        self.k = check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        self._set_k(k)
         if init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}, got {init!r}")
         self.max_nonzeros = self.k  # once S(Z) is binary

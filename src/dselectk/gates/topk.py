@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk.gates.base import Gate, GateOutput, check_nonnegative, check_positive_int
+from dselectk.gates.base import Gate, GateOutput, check_nonnegative
 
 __all__ = ["TopKGate", "cv_squared"]
 
@@ -60,9 +60,7 @@ class TopKGate(Gate):
             bias=bias,
             check_finite=check_finite,
         )
-        self.k = check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        self._set_k(k)
         self.max_nonzeros = self.k
         self.balance_weight = check_nonnegative("balance_weight", balance_weight)
         self.noisy = bool(noisy)
