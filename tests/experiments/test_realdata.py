@@ -219,6 +219,17 @@ def tiny_files(monkeypatch: pytest.MonkeyPatch) -> None:
 _UNVERIFIED = pytest.mark.filterwarnings("ignore:checksum verification:UserWarning")
 
 
+def _tiny_movielens_argv(
+    data: Path, out: Path, gates: list[str], reps: int, *extra: str
+) -> list[str]:
+    """``dselectk reproduce movielens`` on the tiny ML-100K files: α = 0.5, one epoch."""
+    return [
+        "reproduce", "movielens", "--variant", "ml-100k", "--data-dir", str(data),
+        "--out", str(out), "--alphas", "0.5", "--gates", *gates, "--epochs", "1",
+        "--repetitions", str(reps), "--no-progress", *extra,
+    ]  # fmt: skip
+
+
 def _runs(out: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
 
@@ -228,13 +239,8 @@ def _runs(out: Path) -> list[dict[str, Any]]:
 def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
     write_ml100k(tmp_path / "data")
     out = tmp_path / "res"
-    argv = [
-        "reproduce", "movielens", "--variant", "ml-100k", "--data-dir", str(tmp_path / "data"),
-        "--out", str(out), "--alphas", "0.5",
-        "--gates", "dselect_k_static", "topk_static", "shared_bottom", "--epochs", "1",
-        "--repetitions", "2", "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
+    gates = ["dselect_k_static", "topk_static", "shared_bottom"]
+    assert main(_tiny_movielens_argv(tmp_path / "data", out, gates, reps=2)) == 0
     recs = _runs(out)
     assert len(recs) == 6
     assert {r["config"]["experiment"] for r in recs} == {"movielens"}
@@ -266,12 +272,8 @@ def test_tiny_movielens_sweep_end_to_end(tmp_path: Path) -> None:
 def test_movielens_telemetry_logs_every_run(tmp_path: Path) -> None:
     write_ml100k(tmp_path / "data")
     out = tmp_path / "res"
-    argv = [
-        "reproduce", "movielens", "--variant", "ml-100k", "--data-dir", str(tmp_path / "data"),
-        "--out", str(out), "--alphas", "0.5", "--gates", "dselect_k_static", "topk_per_example",
-        "--epochs", "1", "--repetitions", "1", "--no-progress", "--telemetry",
-    ]  # fmt: skip
-    assert main(argv) == 0
+    gates = ["dselect_k_static", "topk_per_example"]
+    assert main(_tiny_movielens_argv(tmp_path / "data", out, gates, 1, "--telemetry")) == 0
     runs = sorted(p.name for p in (out / "telemetry").iterdir())
     assert runs == ["dselect_k_static-alpha=0.5-rep0", "topk_per_example-alpha=0.5-rep0"]
     for name in runs:  # TensorBoard event files (the extra is installed) or routing.jsonl
@@ -279,7 +281,7 @@ def test_movielens_telemetry_logs_every_run(tmp_path: Path) -> None:
         assert files and all(p.stat().st_size > 0 for p in files), name
     # telemetry does not change the runs: the same records without it
     plain = tmp_path / "plain"
-    assert main([*argv[:7], str(plain), *argv[8:-1]]) == 0
+    assert main(_tiny_movielens_argv(tmp_path / "data", plain, gates, 1)) == 0
     for a, b in zip(_runs(out), _runs(plain)):
         assert a["config"] == b["config"]
         for k in ("test_loss", "val_loss", "selected_experts"):
