@@ -279,39 +279,6 @@ def test_distinct_init_per_gate_gamma() -> None:
     assert "init='distinct', init_margin=0.3" in repr(gate)
 
 
-def test_recovery_variants_build_and_run() -> None:
-    from dselectk.experiments.recovery.model import GATES, RecoveryMoE, generate_data
-
-    data = generate_data(0, n_train=64, n_val=64)
-    for name in ("dselect_k_distinct", "dselect_k_diverse", "dselect_k_exclusive"):
-        assert name in GATES
-        model = RecoveryMoE(name, {"gamma": 10.0, "entropy_reg": 0.1}, data, [1, 2])
-        logits, aux = model(model.features(data.x_train))
-        assert logits.shape == (2, 64) and torch.isfinite(aux)
-        assert isinstance(model.gates, DSelectK)
-    assert RecoveryMoE("dselect_k_remedy", {"gamma": 10.0}, data, [1]).gates.exclusive
-
-
-def test_recovery_schedules() -> None:
-    from dselectk.experiments.recovery.model import (
-        ANNEALS,
-        GATES,
-        WARMUPS,
-        _Held,
-        generate_data,
-        train_reps,
-    )
-    from dselectk.schedules import ConstantSchedule
-
-    held = _Held(ConstantSchedule(2.0), 3, 7.0)
-    assert [held(s) for s in range(5)] == [7.0, 7.0, 7.0, 2.0, 2.0]
-    assert set(WARMUPS) | set(ANNEALS) <= set(GATES)
-    data = generate_data(0, n_train=512, n_val=64)
-    hp = {"gamma": 10.0, "entropy_reg": 0.1, "epochs": 2, "lr": 0.1}
-    metrics, _ = train_reps("dselect_k_warm_anneal_remedy", hp, data, [1], shuffle_seed=0)
-    assert metrics[0]["binary"] in (0.0, 1.0)
-
-
 @pytest.mark.parametrize("exclusive", [False, True])
 def test_alpha_floor(exclusive: bool) -> None:
     torch.manual_seed(0)

@@ -231,7 +231,7 @@ def _lbfgs_bce(h: torch.Tensor, y: torch.Tensor) -> float:
 def test_recovery_search_variant_ends_binary_with_k_distinct_experts() -> None:
     from dselectk.experiments.recovery.model import SEARCHES, generate_data, train_reps
 
-    assert {"dselect_k_search", "topk_search", "dselect_k_uniform_search"} <= set(SEARCHES)
+    assert {"dselect_k_search", "topk_search"} <= set(SEARCHES)
     data = generate_data(0, n_train=1024, n_val=256)
     hp = {"gamma": 10.0, "entropy_reg": 0.1, "epochs": 4, "lr": 0.1}
     metrics, _ = train_reps("dselect_k_search", hp, data, [1, 2], shuffle_seed=0)
@@ -294,22 +294,6 @@ def test_share_groups_settle_a_group_on_shared_experts() -> None:
         swap_search(gate, loss, share_groups=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="share_tol"):
         swap_search(gate, loss, share_tol=-1.0)
-
-
-def test_synthetic_shared_variant_passes_its_groups_to_the_search() -> None:
-    from dselectk.experiments.synthetic.data import generate_data
-    from dselectk.experiments.synthetic.model import SyntheticMoE
-    from dselectk.experiments.synthetic.spec import load_tuned, resolve_hparams
-    from dselectk.experiments.synthetic.train import _search
-
-    data = generate_data(0, 512, 64, 64)
-    hp = resolve_hparams("dselect_k_search_shared", 16, load_tuned(), {})
-    model = SyntheticMoE("dselect_k_search_shared", 16, hp, [1, 2])
-    cb = _search(model, data, "dselect_k_search_shared", 100, 0)
-    assert cb.share_tol == 0.05
-    assert cb.share_groups is not None and cb.share_groups.tolist() == [0] * 16 + [1] * 16
-    plain = _search(model, data, "dselect_k_search", 100, 0)
-    assert plain.share_groups is None and plain.share_tol == 0.0
 
 
 def test_at_fractions_turns_a_plan_into_steps() -> None:

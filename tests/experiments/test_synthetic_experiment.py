@@ -68,7 +68,7 @@ def test_task_weights_correlated_within_group() -> None:
 
 
 @pytest.mark.parametrize(
-    "gate", ["dselect_k", "dselect_k_diverse", "topk", "ablation_annealing", "ablation_entropy"]
+    "gate", ["dselect_k", "topk", "ablation_annealing", "ablation_entropy"]
 )
 def test_batched_equals_sequential(gate: str) -> None:
     data = S.generate_data(0, n_train=768, n_val=128, n_test=128)

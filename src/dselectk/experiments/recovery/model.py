@@ -38,53 +38,18 @@ FEATURES = 10
 K = 4
 BATCH_SIZE = 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
-# Gate options and schedules the variants combine (issue 14, docs/collapse.md; γ, λ, epochs
-# as dselect_k's).
+# The variants kept after the collapse study (docs/collapse.md; the retired remedies are at the
+# git tag pre-remedy-deletion): the paper's gates, COMET, and swap local search.
 _PAPER: dict[str, Any] = {"init": "paper"}
-_EXCL_DIV: dict[str, Any] = {**_PAPER, "exclusive": True, "diversity": 1.0}
-_FLOOR: dict[str, Any] = {**_EXCL_DIV, "alpha_floor": 0.5}
-_UNIFORM: dict[str, Any] = {**_EXCL_DIV, "alpha_floor": 1.0}
-# λ warm-up, as fractions of the training steps: λ = 0 for the first ``delay``, then linear
-# from 0 to the tuned λ over ``ramp``, then the tuned λ
-_WARM = {"delay": 0.4, "ramp": 0.2}
-# γ anneal: the tuned γ for the first ``delay`` of the steps, then geometric down to
-# γ·``factor`` over ``steps``, then constant (rounds each bit of S(Z) to the side of 0 its z is
-# on, unless |z| < γ·factor/2)
-_ANNEAL = {"delay": 0.6, "steps": 0.3, "factor": 1e-3}
-_LATE = {"delay": 0.8, "steps": 0.15, "factor": 1e-3}
-_SLOW = {"delay": 0.4, "steps": 0.5, "factor": 1e-3}
 _Variant = tuple[str, dict[str, Any], dict[str, float] | None, dict[str, float] | None]
 #: experiment gate name → (registry name, constructor kwargs, λ warm-up, γ anneal)
 _VARIANTS: dict[str, _Variant] = {
     "dselect_k": ("dselect_k", _PAPER, None, None),
-    "dselect_k_spread": ("dselect_k", {"init": "spread"}, None, None),
-    # collapse remedies
-    "dselect_k_distinct": ("dselect_k", {"init": "distinct"}, None, None),
-    "dselect_k_diverse": ("dselect_k", {**_PAPER, "diversity": 1.0}, None, None),
-    "dselect_k_exclusive": ("dselect_k", {**_PAPER, "exclusive": True}, None, None),
-    "dselect_k_remedy": ("dselect_k", {**_EXCL_DIV, "init": "distinct"}, None, None),
-    "dselect_k_excl_diverse": ("dselect_k", _EXCL_DIV, None, None),
-    "dselect_k_warm": ("dselect_k", _PAPER, _WARM, None),
-    "dselect_k_warm_remedy": ("dselect_k", _EXCL_DIV, _WARM, None),
-    "dselect_k_anneal": ("dselect_k", _PAPER, None, _ANNEAL),
-    "dselect_k_warm_anneal": ("dselect_k", _PAPER, _WARM, _ANNEAL),
-    "dselect_k_warm_anneal_remedy": ("dselect_k", _EXCL_DIV, _WARM, _ANNEAL),
-    "dselect_k_warm_late_anneal": ("dselect_k", _PAPER, _WARM, _LATE),
-    "dselect_k_warm_late_anneal_remedy": ("dselect_k", _EXCL_DIV, _WARM, _LATE),
-    "dselect_k_warm_late_anneal_excl": ("dselect_k", {**_PAPER, "exclusive": True}, _WARM, _LATE),
-    "dselect_k_warm_late_anneal_diverse": ("dselect_k", {**_PAPER, "diversity": 1.0}, _WARM, _LATE),
-    "dselect_k_floor_warm_late_anneal": ("dselect_k", {**_PAPER, "alpha_floor": 0.5}, _WARM, _LATE),
-    "dselect_k_floor_remedy": ("dselect_k", _FLOOR, _WARM, _LATE),
-    "dselect_k_floor_excl_diverse": ("dselect_k", _FLOOR, None, None),
-    "dselect_k_floor_anneal_remedy": ("dselect_k", _FLOOR, None, _LATE),
-    "dselect_k_floor_slow_remedy": ("dselect_k", _FLOOR, _WARM, _SLOW),
-    "dselect_k_uniform_remedy": ("dselect_k", _UNIFORM, _WARM, _LATE),
     "topk": ("topk", {}, None, None),
     # COMET's tree gate (Ibrahim et al., KDD 2023): k smooth-step trees, DSelect-k's γ and λ
     "comet": ("comet", {}, None, None),
     # swap local search (dselectk.search; ours): the gate as above, searched during training
     "dselect_k_search": ("dselect_k", _PAPER, None, None),
-    "dselect_k_uniform_search": ("dselect_k", _UNIFORM, _WARM, _LATE),
     "topk_search": ("topk", {}, None, None),
 }
 GATES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -101,7 +66,6 @@ ANNEALS: dict[str, dict[str, float]] = {
 # training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
 SEARCHES: dict[str, dict[str, Any]] = {
     "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
-    "dselect_k_uniform_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
     "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
 }
 SEARCH_PROBE = 2048
@@ -119,41 +83,9 @@ class _Held(Schedule):
 
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
-    "dselect_k_spread": "DSelect-k (spread init, ours)",
-    "dselect_k_distinct": "DSelect-k (distinct init, ours)",
-    "dselect_k_diverse": "DSelect-k (diversity μ=1, ours)",
-    "dselect_k_exclusive": "DSelect-k (exclusive selectors, ours)",
-    "dselect_k_remedy": "DSelect-k (distinct + exclusive + μ=1, ours)",
-    "dselect_k_excl_diverse": "DSelect-k (exclusive + μ=1, ours)",
-    "dselect_k_warm": "DSelect-k (λ warm-up, ours)",
-    "dselect_k_warm_remedy": "DSelect-k (λ warm-up + exclusive + μ=1, ours)",
-    "dselect_k_anneal": "DSelect-k (γ anneal, ours)",
-    "dselect_k_warm_anneal": "DSelect-k (λ warm-up + γ anneal, ours)",
-    "dselect_k_warm_anneal_remedy": "DSelect-k (λ warm-up + γ anneal + exclusive + μ=1, ours)",
-    "dselect_k_warm_late_anneal": "DSelect-k (λ warm-up + late γ anneal, ours)",
-    "dselect_k_warm_late_anneal_remedy": (
-        "DSelect-k (λ warm-up + late γ anneal + exclusive + μ=1, ours)"
-    ),
-    "dselect_k_warm_late_anneal_excl": "DSelect-k (λ warm-up + late γ anneal + exclusive, ours)",
-    "dselect_k_warm_late_anneal_diverse": "DSelect-k (λ warm-up + late γ anneal + μ=1, ours)",
-    "dselect_k_floor_warm_late_anneal": "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal, ours)",
-    "dselect_k_floor_remedy": (
-        "DSelect-k (α floor 0.5 + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
-    ),
-    "dselect_k_floor_excl_diverse": "DSelect-k (α floor 0.5 + exclusive + μ=1, ours)",
-    "dselect_k_floor_anneal_remedy": (
-        "DSelect-k (α floor 0.5 + late γ anneal + exclusive + μ=1, ours)"
-    ),
-    "dselect_k_floor_slow_remedy": (
-        "DSelect-k (α floor 0.5 + λ warm-up + slow γ anneal + exclusive + μ=1, ours)"
-    ),
-    "dselect_k_uniform_remedy": (
-        "DSelect-k (uniform shares + λ warm-up + late γ anneal + exclusive + μ=1, ours)"
-    ),
     "topk": "Top-k",
     "comet": "COMET tree gate (Ibrahim et al. 2023)",
     "dselect_k_search": "DSelect-k (paper) + swap local search (ours)",
-    "dselect_k_uniform_search": "DSelect-k (uniform remedy) + swap local search (ours)",
     "topk_search": "Top-k + swap local search (ours)",
 }
 PAPER = {"dselect_k": 4, "topk": 1}

@@ -53,8 +53,6 @@ def gate_kwargs(
     if reg == "dselect_k":
         kw["gamma"] = value("gamma", None)
         kw["entropy_reg"] = value("entropy_reg", 0.0)
-        if gate == "dselect_k_diverse":
-            kw["diversity"] = value("diversity", 0.0)
     elif reg == "ablation_entropy":
         kw["entropy_reg"] = value("entropy_reg", 0.0)
     elif reg == "ablation_annealing":

@@ -308,7 +308,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
             )
             seen.setdefault(r["label"], set()).add(txt)
     comp = []
-    ours = ("dselect_k_spread", "dselect_k_diverse", "dselect_k_search", "dselect_k_search_shared")
+    ours = ("dselect_k_spread", "dselect_k_search", "topk_search_refit")
     for g in ("dselect_k", *ours):
         comp += _comparison(rows, g)
     comp += _ablation_claims(rows)

@@ -42,21 +42,16 @@ BATCH_SIZE = 256
 GATES: dict[str, tuple[str, dict[str, Any]]] = {
     "dselect_k": ("dselect_k", {"init": "paper"}),
     "dselect_k_spread": ("dselect_k", {"init": "spread"}),
-    "dselect_k_diverse": ("dselect_k", {"init": "paper"}),
     "topk": ("topk", {}),
     "ablation_annealing": ("ablation_annealing", {}),
     "ablation_entropy": ("ablation_entropy", {}),
     # swap local search (dselectk.search; ours): the paper's gate, searched during training
     "dselect_k_search": ("dselect_k", {"init": "paper"}),
-    "topk_search": ("topk", {}),
-    "dselect_k_search_shared": ("dselect_k", {"init": "paper"}),
     "topk_search_refit": ("topk", {}),
 }
 #: search variants use the tuned hyperparameters of the gate they search
 TUNED_AS = {
     "dselect_k_search": "dselect_k",
-    "topk_search": "topk",
-    "dselect_k_search_shared": "dselect_k",
     "topk_search_refit": "topk",
 }
 #: swap local search of the search variants (dselectk.search.SwapSearch): after these fractions
@@ -65,10 +60,6 @@ TUNED_AS = {
 SEARCHES: dict[str, dict[str, Any]] = {
     # scored after refitting the selector shares (least squares on the K selector outputs)
     "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5, "refit": True},
-    "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
-    # as dselect_k_search, and a move takes the expert most used by the model's other tasks
-    # among the candidates within 5 % of the best (dselectk.search share_groups/share_tol)
-    "dselect_k_search_shared": {"at": (0.25, 0.7, 0.85), "binarize": 0.5, "share_tol": 0.05},
     # Top-k + search scored as dselect_k_search is (least squares on the k selected experts)
     "topk_search_refit": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None, "refit": True},
 }
@@ -76,13 +67,10 @@ SEARCH_PROBE = 2048
 LABELS = {
     "dselect_k": "DSelect-k (paper init)",
     "dselect_k_spread": "DSelect-k (spread init, ours)",
-    "dselect_k_diverse": "DSelect-k + diversity (ours)",
     "topk": "Top-k",
     "ablation_annealing": "Ablation (Annealing)",
     "ablation_entropy": "Ablation (Entropy)",
     "dselect_k_search": "DSelect-k + swap local search (ours)",
-    "topk_search": "Top-k + swap local search (ours)",
-    "dselect_k_search_shared": "DSelect-k + swap local search, shared experts (ours)",
     "topk_search_refit": "Top-k + swap local search, refit scoring (ours)",
 }
 #: the quick default: the paper's gates, our spread init, and DSelect-k + swap search (the
@@ -96,11 +84,7 @@ DEFAULT_GATES = [
     "ablation_entropy",
 ]
 ALL_GATES = [
-    *DEFAULT_GATES[:2],
-    "dselect_k_diverse",
-    *DEFAULT_GATES[2:],
-    "dselect_k_search_shared",
-    "topk_search",
+    *DEFAULT_GATES,
     "topk_search_refit",
 ]
 

@@ -104,11 +104,8 @@ def _search(
                 cache[key] = RefitStats.of(model.expert_outputs(x), y)
             return selector_refit_mse(model.gates, cache[key])
 
-    share = None
-    if plan.get("share_tol") is not None:  # a model's tasks form one group
-        share = torch.arange(model.reps).repeat_interleave(model.num_tasks)
     steps = {k: v for k, v in plan.items() if k != "refit"}  # refit: which member_loss
-    return SwapSearch.from_plan(model.gates, member_loss, steps_total, steps, share)
+    return SwapSearch.from_plan(model.gates, member_loss, steps_total, steps)
 
 
 def train_reps(
