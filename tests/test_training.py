@@ -18,7 +18,7 @@ from dselectk.schedules import (
     LinearSchedule,
     WarmupSchedule,
 )
-from dselectk.training import History, TaskData, TrainConfig, evaluate, train
+from dselectk.training import GateRecorder, History, TaskData, TrainConfig, evaluate, train
 
 
 def make_problem(num_tasks: int = 2, n: int = 400) -> tuple[MultiGateMoE, TaskData]:
@@ -82,6 +82,33 @@ def test_early_stopping_restores_best_and_records_trajectories() -> None:
         assert math.isclose(now, best, rel_tol=1e-5)
     assert hist.recorded_steps[:2] == [4, 8]
     assert hist.recorded_weights[0].shape == (2, 4)
+
+
+def test_record_every_is_a_gate_recorder_after_the_callbacks() -> None:
+    seen: list[int] = []
+
+    def run(**kw: object) -> tuple[History, list[torch.Tensor]]:
+        seen.clear()
+        torch.manual_seed(0)
+        model, data = make_problem(n=200)
+        cfg = TrainConfig(lr=0.05, epochs=2, batch_size=40, progress=False, **kw)  # type: ignore[arg-type]
+        cbs = [lambda _m, h: seen.append(len(h.recorded_steps))]
+        if not kw:
+            cbs.append(GateRecorder(data.x[:1024], 3))
+        hist = train(model, data, "mse", cfg, callbacks=cbs)
+        return hist, [p.detach().clone() for p in model.parameters()]
+
+    by_config, params_a = run(record_every=3)
+    steps_a = list(seen)
+    by_callback, params_b = run()
+    assert seen == steps_a  # the recorder runs after the other callbacks in both
+    assert by_config.recorded_steps == by_callback.recorded_steps == [3, 6, 9]
+    for a, b in zip(by_config.recorded_weights, by_callback.recorded_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="every"):
+        GateRecorder(torch.zeros(1, 4), 0)
 
 
 def test_schedulers_are_stepped_by_the_loop() -> None:

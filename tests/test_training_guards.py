@@ -138,6 +138,19 @@ def test_nonfinite_gradients_raise_by_the_next_step_or_the_epoch_end() -> None:
         train(model, data, None, cfg(), loss_fn=loss_fn)
 
 
+def test_warnings_point_at_the_caller_of_train(tmp_path: Path) -> None:
+    model, data = make_problem()
+    data.ys[0][3] = math.nan
+    with pytest.warns(RuntimeWarning, match="skipping") as caught:
+        train(model, data, "mse", cfg(nonfinite="skip"))
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+    ckpt = tmp_path / "run.pt"
+    train(*make_problem(), "mse", cfg(checkpoint=ckpt, seed=3))
+    with pytest.warns(RuntimeWarning, match="resume='force'") as caught:
+        train(*make_problem(), "mse", cfg(checkpoint=ckpt, seed=4, epochs=3, resume="force"))
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+
+
 def test_warn_mode_trains_on_like_before() -> None:
     model, data = make_problem()
     data.ys[1][37] = math.nan

@@ -1,19 +1,44 @@
-"""The guards of the training loop (:mod:`dselectk.training`): target checks, the divergence
-guard's diagnosis, and the configuration a checkpoint carries. Kept apart from the loop so the
-loop reads as a loop."""
+"""The guards of the training loop (:mod:`dselectk.training`): the checks of its settings and
+arguments, target checks, the divergence guard's diagnosis, and the checkpoints (the state and
+configuration they carry, the check of it on resuming). Kept apart from the loop so the loop
+reads as a loop.
+
+Nothing goes silently wrong:
+
+* **Divergence guard.** A non-finite loss (or gradient) stops training with a
+  :class:`TrainingDivergedError` (a ``FloatingPointError``) naming the step, the epoch and the task
+  whose loss went non-finite, and what in the batch or the model caused it, e.g. ``training diverged
+  at step 12 (epoch 1): the loss of task 1 (ys[1]) is nan; the targets ys[1] of this batch hold
+  NaN/inf``. ``TrainConfig(nonfinite="skip")`` skips such steps instead, ``"warn"`` trains on
+  (see :class:`TrainConfig`). The loss check reuses the loss value the loop reads every step anyway
+  (no extra host sync); gradients are checked every step only in ``"skip"`` mode, otherwise when a
+  loss goes non-finite (the previous step's gradients and the parameters are inspected to name the
+  cause) and, with the parameters, once at the end of every epoch.
+* **Targets are checked** once, at the first step, against the model's outputs for the named
+  losses ("mse", "bce", "ce"): shapes, class indices and value ranges, with a ``ValueError`` naming
+  the task and what was expected.
+* **Checkpoints carry their configuration** (everything that changes the trajectory and the
+  model's parameter shapes); resuming with another one is a :class:`CheckpointMismatchError`
+  listing the differing fields unless ``TrainConfig(resume="force")``.
+"""
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.tasks import _resolve_losses
+
 if TYPE_CHECKING:
-    from dselectk.tasks import TaskData
-    from dselectk.training import TrainConfig
+    from dselectk.tasks import LossFn, TaskData
+    from dselectk.training import TrainConfig, _Run
 
 __all__ = ["CheckpointMismatchError", "TrainingDivergedError"]
 
@@ -38,6 +63,58 @@ class TrainingDivergedError(FloatingPointError):
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint was written with another training configuration than the one resuming it."""
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    """Check the settings of a :class:`~dselectk.training.TrainConfig`."""
+    if cfg.optimizer not in ("adam", "adagrad", "sgd"):
+        raise ValueError(f"optimizer must be adam, adagrad or sgd, got {cfg.optimizer!r}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ValueError(f"lr must be a finite number > 0, got {cfg.lr}")
+    if cfg.progress_unit not in ("step", "epoch"):
+        raise ValueError(f"progress_unit must be step or epoch, got {cfg.progress_unit!r}")
+    check_positive_int("batch_size", cfg.batch_size)
+    check_positive_int("epochs", cfg.epochs, 0)
+    check_positive_int("record_every", cfg.record_every, 0)
+    if cfg.early_stopping_patience is not None:
+        check_positive_int("early_stopping_patience", cfg.early_stopping_patience)
+    check_nonnegative("weight_decay", cfg.weight_decay)
+    if cfg.nonfinite not in ("raise", "skip", "warn"):
+        raise ValueError(f"nonfinite must be raise, skip or warn, got {cfg.nonfinite!r}")
+    if cfg.resume not in ("strict", "force"):
+        raise ValueError(f"resume must be strict or force, got {cfg.resume!r}")
+    if cfg.task_weights is not None:
+        for w in cfg.task_weights:
+            check_nonnegative("task_weights[i]", w)
+
+
+def _task_losses(
+    losses: str | LossFn | Sequence[str | LossFn] | None,
+    loss_fn: Any,
+    val_data: TaskData | None,
+    cfg: TrainConfig,
+    num_tasks: int,
+) -> tuple[list[LossFn], list[float]]:
+    """Check the losses, task weights and validation data of a run; the per-task loss functions
+    and weights."""
+    if losses is None and (loss_fn is None or val_data is not None):
+        raise ValueError("losses is needed unless loss_fn is given and there is no val_data")
+    fns = _resolve_losses(losses, num_tasks) if losses is not None else []
+    weights = list(cfg.task_weights) if cfg.task_weights is not None else [1.0] * len(fns)
+    if fns and len(weights) != len(fns):
+        raise ValueError(
+            f"task_weights must have one weight per task ({len(fns)}), got {len(weights)}"
+        )
+    if cfg.early_stopping_patience is not None and val_data is None:
+        raise ValueError("early_stopping_patience needs val_data")
+    return fns, weights
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (0 and 1 without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _shape(shape: Sequence[int], lead: str = "N") -> str:
@@ -206,6 +283,31 @@ def _diverged(
     )
 
 
+def _gradients_diverged(
+    model: nn.Module, step: int, epoch: int, value: float
+) -> TrainingDivergedError:
+    """The error of non-finite gradients under a finite loss ``value``."""
+    names = _nonfinite_names([(n, p.grad) for n, p in model.named_parameters()])
+    return TrainingDivergedError(
+        f"training diverged at step {step} (epoch {epoch}): the loss is finite ({value:.6g}) "
+        f"but the gradients of {names} are not; lower the learning rate",
+        step=step,
+        epoch=epoch,
+    )
+
+
+def _parameters_diverged(model: nn.Module, epoch: int, step: int) -> TrainingDivergedError:
+    """The error of parameters found non-finite at the end of ``epoch`` (by ``step``)."""
+    names = _nonfinite_names([(n, p.detach()) for n, p in model.named_parameters()])
+    return TrainingDivergedError(
+        f"training diverged in epoch {epoch} (by step {step}): the parameters {names} are "
+        f"non-finite although every loss was finite (non-finite gradients or an overflowing "
+        f"update); lower the learning rate",
+        step=step,
+        epoch=epoch,
+    )
+
+
 def _plain(v: Any) -> Any:
     """A picklable, comparable form of a configuration value (tensors as lists)."""
     if isinstance(v, Tensor):
@@ -297,6 +399,58 @@ def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         elif a != b:
             diffs.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
     return diffs
+
+
+def _check_resumable(
+    path: str | Path, saved: dict[str, Any] | None, now: dict[str, Any], resume: str
+) -> None:
+    """Refuse a checkpoint written with another configuration (with ``resume="force"``: warn)."""
+    if saved is None:
+        diffs = ["the checkpoint carries no configuration (written by an older dselectk)"]
+    else:
+        diffs = _config_diff(saved, now)
+    if not diffs:
+        return
+    listing = "; ".join(diffs)
+    if resume != "force":
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by a run with another configuration: {listing}. "
+            f"Delete it to start over, or pass TrainConfig(resume='force') to resume it anyway"
+        )
+    warnings.warn(
+        f"resuming checkpoint {path} despite another configuration (resume='force'): {listing}",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of train: train -> _Run.resume -> here
+    )
+
+
+def _checkpoint_state(run: _Run, epoch: int) -> dict[str, Any]:
+    """The full training state of ``run`` after 1-based ``epoch``: what a checkpoint holds."""
+    return {
+        "epoch": epoch,
+        "config": run.config,
+        "model": run.model.state_dict(),
+        "optimizer": run.opt.state_dict(),
+        "schedulers": [s.state_dict() for s in run.schedulers],
+        "generator": run.gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "history": run.hist,
+        "best": run.best,
+        "bad_epochs": run.bad_epochs,
+        "best_state": run.best_state,
+    }
+
+
+def _restore_state(run: _Run, state: dict[str, Any]) -> None:
+    """Put a checkpoint's training state (see :func:`_checkpoint_state`) back into ``run``."""
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    for s, st in zip(run.schedulers, state["schedulers"]):
+        s.load_state_dict(st)
+    run.gen.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    run.hist, run.best = state["history"], state["best"]
+    run.bad_epochs, run.best_state = state["bad_epochs"], state["best_state"]
 
 
 def _first_bad_rank(bad: bool, rank: int, device: torch.device) -> int | None:

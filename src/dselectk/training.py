@@ -16,23 +16,12 @@ initialised, every epoch's shuffled order is the same on all ranks and each rank
 equal-sized shard, so ``batch_size`` is per process and DDP averages the gradients of a global
 batch of ``world_size * batch_size``. Only rank 0 shows a progress bar.
 
-Nothing goes silently wrong:
-
-* **Divergence guard.** A non-finite loss (or gradient) stops training with a
-  :class:`TrainingDivergedError` (a ``FloatingPointError``) naming the step, the epoch and the task
-  whose loss went non-finite, and what in the batch or the model caused it, e.g. ``training diverged
-  at step 12 (epoch 1): the loss of task 1 (ys[1]) is nan; the targets ys[1] of this batch hold
-  NaN/inf``. ``TrainConfig(nonfinite="skip")`` skips such steps instead, ``"warn"`` trains on
-  (see :class:`TrainConfig`). The loss check reuses the loss value the loop reads every step anyway
-  (no extra host sync); gradients are checked every step only in ``"skip"`` mode, otherwise when a
-  loss goes non-finite (the previous step's gradients and the parameters are inspected to name the
-  cause) and, with the parameters, once at the end of every epoch.
-* **Targets are checked** once, at the first step, against the model's outputs for the named
-  losses ("mse", "bce", "ce"): shapes, class indices and value ranges, with a ``ValueError`` naming
-  the task and what was expected.
-* **Checkpoints carry their configuration** (everything that changes the trajectory and the
-  model's parameter shapes); resuming with another one is a :class:`CheckpointMismatchError`
-  listing the differing fields unless ``TrainConfig(resume="force")``.
+Nothing goes silently wrong: a non-finite loss, gradient or parameter stops training with a
+:class:`TrainingDivergedError` naming the step, the epoch, the task and the cause (or is skipped or
+trained through, see ``TrainConfig.nonfinite``); the targets of the named losses are checked at the
+first step; a checkpoint carries its run's configuration, and resuming it with another one is a
+:class:`CheckpointMismatchError` (see ``TrainConfig.checkpoint``). The guards live in
+:mod:`dselectk._train_checks`.
 """
 
 from __future__ import annotations
@@ -54,14 +43,20 @@ from dselectk._train_checks import (
     CheckpointMismatchError,
     TrainingDivergedError,
     _all_finite,
+    _check_config,
+    _check_resumable,
     _check_targets,
-    _config_diff,
+    _checkpoint_state,
+    _dist_rank_world,
     _diverged,
     _first_bad_rank,
-    _nonfinite_names,
+    _gradients_diverged,
+    _parameters_diverged,
+    _restore_state,
     _run_config,
+    _task_losses,
 )
-from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.gates.base import Gate, check_positive_int
 from dselectk.io import save_torch
 from dselectk.progress import tqdm
 from dselectk.tasks import (
@@ -69,7 +64,6 @@ from dselectk.tasks import (
     LossFn,
     TaskData,
     _loss_names,
-    _resolve_losses,
     evaluate,
 )
 
@@ -78,13 +72,13 @@ __all__ = [
     "BatchLossFn",
     "Callback",
     "CheckpointMismatchError",
+    "GateRecorder",
     "History",
     "TaskData",
     "TrainConfig",
     "TrainingDivergedError",
     "evaluate",
     "make_optimizer",
-    "optimizer_step",
     "seed_everything",
     "train",
 ]
@@ -107,7 +101,8 @@ class TrainConfig:
         shuffle_seed: seed of the mini-batch order (default: ``seed``, else 0). Set it with
             ``seed=None`` to shuffle reproducibly without touching the global RNGs (a
             vectorized model initialised by its own seeds).
-        record_every: record the gate weights every N steps (0: never).
+        record_every: record the gate weights every N steps (0: never); short for a
+            :class:`GateRecorder` (``train_data.x[:1024]``, N) after the other callbacks.
         early_stopping_patience: stop after this many epochs without a lower validation loss
             and restore the best weights (None: no early stopping).
         progress: show a progress bar.
@@ -192,25 +187,7 @@ class TrainConfig:
         )
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "adagrad", "sgd"):
-            raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        if self.progress_unit not in ("step", "epoch"):
-            raise ValueError(f"progress_unit must be step or epoch, got {self.progress_unit!r}")
-        check_positive_int("batch_size", self.batch_size)
-        check_positive_int("epochs", self.epochs, 0)
-        check_positive_int("record_every", self.record_every, 0)
-        if self.early_stopping_patience is not None:
-            check_positive_int("early_stopping_patience", self.early_stopping_patience)
-        check_nonnegative("weight_decay", self.weight_decay)
-        if self.nonfinite not in ("raise", "skip", "warn"):
-            raise ValueError(f"nonfinite must be raise, skip or warn, got {self.nonfinite!r}")
-        if self.resume not in ("strict", "force"):
-            raise ValueError(f"resume must be strict or force, got {self.resume!r}")
-        if self.task_weights is not None:
-            for w in self.task_weights:
-                check_nonnegative("task_weights[i]", w)
+        _check_config(self)
 
 
 @dataclass
@@ -252,36 +229,16 @@ def make_optimizer(
     raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _gate_snapshot(model: nn.Module, x: Tensor) -> Tensor | None:
-    out = model(x)
-    w = getattr(out, "gate_weights", None)
-    if w is None:
-        w = getattr(out, "weights", None)
-    if w is None:
-        return None
-    w = w.detach()
-    if w.dim() == 3 or (w.dim() == 2 and w.shape[0] == x.shape[0] and not _is_static(model)):
-        w = w.mean(dim=0)
-    return w.cpu().clone()
-
-
-def _is_static(model: nn.Module) -> bool:
-    from dselectk.gates.base import Gate
-
-    return all(m.static for m in model.modules() if isinstance(m, Gate))
-
-
 def optimizer_step(
     optimizer: torch.optim.Optimizer, loss: Tensor, schedulers: Sequence[Any] = ()
 ) -> None:
-    """The body of one training step: gradients of ``loss``, the optimizer step, then every
-    scheduler's step."""
+    """The body of one plain training step: gradients of ``loss``, the optimizer step, then every
+    scheduler's step.
+
+    Not used by :func:`train` (whose step has the divergence guards in between); kept importable
+    for the step-by-step reference path of the synthetic benchmarks
+    (``dselectk.experiments.synthetic.train_step``) until that moves to ``benchmarks/``.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -305,6 +262,35 @@ class Callback:
 
     def on_train_end(self, model: nn.Module, history: History) -> None:
         """Once when training ends, normally or by an exception (release files, writers)."""
+
+
+class GateRecorder(Callback):
+    """Records the gate weights on a fixed ``probe`` batch every ``every`` steps into
+    :attr:`History.recorded_steps` and :attr:`History.recorded_weights` (kept by checkpoints).
+    The probe goes through the model as it is: in training mode, dropout draws from the RNG."""
+
+    def __init__(self, probe: Tensor, every: int) -> None:
+        check_positive_int("every", every)
+        self.probe = probe
+        self.every = every
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        """Record the gate weights of the probe when ``history.steps`` is a multiple of every."""
+        if history.steps % self.every:
+            return
+        with torch.no_grad():
+            out = model(self.probe)
+        w = getattr(out, "gate_weights", None)
+        if w is None:
+            w = getattr(out, "weights", None)
+        if w is None:
+            return
+        w = w.detach()
+        static = all(m.static for m in model.modules() if isinstance(m, Gate))
+        if w.dim() == 3 or (w.dim() == 2 and w.shape[0] == self.probe.shape[0] and not static):
+            w = w.mean(dim=0)  # per-example weights: the mean over the probe
+        history.recorded_steps.append(history.steps)
+        history.recorded_weights.append(w.cpu().clone())
 
 
 def _step_hooks(callbacks: Sequence[Any]) -> list[Callable[..., None]]:
@@ -360,228 +346,240 @@ def train(
     cfg = config or TrainConfig()
     if cfg.seed is not None:
         seed_everything(cfg.seed)
-    if losses is None and (loss_fn is None or val_data is not None):
-        raise ValueError("losses is needed unless loss_fn is given and there is no val_data")
-    fns = _resolve_losses(losses, len(train_data.ys)) if losses is not None else []
-    weights = list(cfg.task_weights) if cfg.task_weights is not None else [1.0] * len(fns)
-    if fns and len(weights) != len(fns):
-        raise ValueError(
-            f"task_weights must have one weight per task ({len(fns)}), got {len(weights)}"
-        )
-    if cfg.early_stopping_patience is not None and val_data is None:
-        raise ValueError("early_stopping_patience needs val_data")
-    opt = optimizer or make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
-    shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else cfg.seed
-    gen = torch.Generator().manual_seed(shuffle_seed if shuffle_seed is not None else 0)
-    step_hooks = _step_hooks(callbacks)
-    epoch_hooks = [cb.on_epoch for cb in callbacks if isinstance(cb, Callback)]
-    hist = History()
-    best = math.inf
-    best_state: dict[str, Tensor] | None = None
-    bad_epochs = 0
-    rank, world = _dist_rank_world()
-    n = len(train_data)
-    shard = n // world  # equal shards: every rank runs the same number of steps
-    if shard == 0:
-        raise ValueError(f"train_data has {n} examples, fewer than the {world} processes")
-    steps_per_epoch = math.ceil(shard / cfg.batch_size)
-    per_step = cfg.progress_unit == "step"
-    bar = tqdm(
-        total=cfg.epochs * (steps_per_epoch if per_step else 1),
-        disable=not cfg.progress or rank != 0,
-        unit="step" if per_step else "ep",
-        desc=cfg.desc or None,
-        position=cfg.position,
-        leave=cfg.position is None,
-    )
-    probe = train_data.x[: min(n, 1024)]
-    kinds = _loss_names(losses, len(fns)) if losses is not None else []
-    check_targets = loss_fn is None and any(k is not None for k in kinds)
-    params = [p for p in model.parameters() if p.requires_grad]
-    run_config = _run_config(cfg, model, opt, losses, loss_fn, schedulers, n, world)
-    start_epoch = 0
-    if cfg.checkpoint is not None and Path(cfg.checkpoint).is_file():
-        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
-        saved = state.get("config")
-        if saved is None:
-            diffs = ["the checkpoint carries no configuration (written by an older dselectk)"]
-        else:
-            diffs = _config_diff(saved, run_config)
-        if diffs:
-            listing = "; ".join(diffs)
-            if cfg.resume != "force":
-                raise CheckpointMismatchError(
-                    f"checkpoint {cfg.checkpoint} was written by a run with another "
-                    f"configuration: {listing}. Delete it to start over, or pass "
-                    f"TrainConfig(resume='force') to resume it anyway"
-                )
-            warnings.warn(
-                f"resuming checkpoint {cfg.checkpoint} despite another configuration "
-                f"(resume='force'): {listing}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        for s, st in zip(schedulers, state["schedulers"]):
-            s.load_state_dict(st)
-        gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        hist, best, bad_epochs, best_state = (
-            state["history"],
-            state["best"],
-            state["bad_epochs"],
-            state["best_state"],
-        )
-        start_epoch = cfg.epochs if hist.stopped_early else state["epoch"]
-        bar.update(min(start_epoch, cfg.epochs) * (steps_per_epoch if per_step else 1))
-    warned = False
+    run = _Run(model, train_data, losses, cfg, val_data, schedulers, optimizer, callbacks, loss_fn)
+    start_epoch = run.resume()
     model.train()
     try:
         for epoch in range(start_epoch, cfg.epochs):
-            perm = torch.randperm(n, generator=gen)  # the same order on every rank
-            if world > 1:
-                perm = perm[: shard * world].view(shard, world)[:, rank]
-            total = 0.0
-            counted = 0
-            for i, start in enumerate(range(0, shard, cfg.batch_size)):
-                batch = train_data.batch(perm[start : start + cfg.batch_size])
-                task_losses: list[Tensor] | None = None
-                aux: Any = None
-                if loss_fn is None:
-                    out = model(batch.x)
-                    if len(out.outputs) != len(fns):
-                        raise ValueError(
-                            f"model has {len(out.outputs)} task outputs but {len(fns)} losses"
-                        )
-                    if check_targets:
-                        _check_targets(kinds, out.outputs, train_data.ys)
-                        check_targets = False
-                    task_losses = [fn(p, y) for fn, p, y in zip(fns, out.outputs, batch.ys)]
-                    aux = out.aux_loss
-                    loss = sum(w * lt for w, lt in zip(weights, task_losses)) + aux
-                else:
-                    loss, out = loss_fn(model, batch)
-                value = float(loss.detach())  # the loop's one host sync per step
-                bad = not math.isfinite(value)
-                other = _first_bad_rank(bad, rank, loss.device) if world > 1 else None
-                step_no = epoch * steps_per_epoch + i + 1
-                error: TrainingDivergedError | None = None
-                if bad or other is not None:
-                    error = _diverged(
-                        step=step_no,
-                        epoch=epoch + 1,
-                        model=model,
-                        batch=batch,
-                        value=value,
-                        task_losses=task_losses,
-                        weights=weights,
-                        aux=aux,
-                        other_rank=None if bad else other,
-                    )
-                    if cfg.nonfinite == "raise":
-                        raise error
-                opt.zero_grad(set_to_none=True)
-                if error is None or cfg.nonfinite == "warn":
-                    loss.backward()
-                    if cfg.nonfinite == "skip" and not _all_finite(
-                        [p.grad for p in params if p.grad is not None]
-                    ):
-                        names = _nonfinite_names([(n, p.grad) for n, p in model.named_parameters()])
-                        error = TrainingDivergedError(
-                            f"training diverged at step {step_no} (epoch {epoch + 1}): the loss "
-                            f"is finite ({value:.6g}) but the gradients of {names} are not; "
-                            f"lower the learning rate",
-                            step=step_no,
-                            epoch=epoch + 1,
-                        )
-                if error is not None:
-                    hist.nonfinite_steps += 1
-                    if not warned:
-                        warned = True
-                        action = "skipping" if cfg.nonfinite == "skip" else "training on through"
-                        warnings.warn(
-                            f"{error}. nonfinite={cfg.nonfinite!r}: {action} such steps "
-                            f"(counted in History.nonfinite_steps)",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                    if cfg.nonfinite == "skip":
-                        opt.zero_grad(set_to_none=True)
-                        if per_step:
-                            bar.update(1)
-                        continue
-                opt.step()
-                for sched in schedulers:
-                    sched.step()
-                hist.steps += 1
-                for hook in step_hooks:
-                    hook(model, batch, out, hist)
-                total += value
-                counted += 1
-                if cfg.record_every and hist.steps % cfg.record_every == 0:
-                    with torch.no_grad():
-                        snap = _gate_snapshot(model, probe)
-                    if snap is not None:
-                        hist.recorded_steps.append(hist.steps)
-                        hist.recorded_weights.append(snap)
-                if per_step:
-                    bar.update(1)
-            if cfg.nonfinite != "warn" and not _all_finite([p.detach() for p in params]):
-                names = _nonfinite_names([(n, p.detach()) for n, p in model.named_parameters()])
-                raise TrainingDivergedError(
-                    f"training diverged in epoch {epoch + 1} (by step "
-                    f"{(epoch + 1) * steps_per_epoch}): the parameters {names} are non-finite "
-                    f"although every loss was finite (non-finite gradients or an overflowing "
-                    f"update); lower the learning rate",
-                    step=(epoch + 1) * steps_per_epoch,
-                    epoch=epoch + 1,
-                )
-            hist.train_loss.append(total / counted if counted else math.nan)
-            postfix = {"epoch": epoch + 1, "loss": f"{hist.train_loss[-1]:.4g}"}
-            if val_data is not None:
-                assert losses is not None  # checked above
-                val = evaluate(model, val_data, losses)["loss"]
-                hist.val_losses.append(val)
-                val_total = sum(w * v for w, v in zip(weights, val))
-                postfix["val"] = f"{val_total:.4g}"
-                if val_total < best:
-                    best, bad_epochs, hist.best_epoch = val_total, 0, epoch
-                    if cfg.early_stopping_patience is not None:
-                        best_state = copy.deepcopy(model.state_dict())
-                else:
-                    bad_epochs += 1
-                    patience = cfg.early_stopping_patience
-                    if patience is not None and bad_epochs >= patience:
-                        hist.stopped_early = True
-                        break
-            for epoch_hook in epoch_hooks:
-                epoch_hook(model, epoch + 1, hist)
-            if not per_step:
-                bar.update(1)
-            bar.set_postfix(postfix)
-            if cfg.checkpoint is not None and rank == 0:
-                save_torch(
-                    cfg.checkpoint,
-                    {
-                        "epoch": epoch + 1,
-                        "config": run_config,
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "schedulers": [s.state_dict() for s in schedulers],
-                        "generator": gen.get_state(),
-                        "torch_rng": torch.get_rng_state(),
-                        "history": hist,
-                        "best": best,
-                        "bad_epochs": bad_epochs,
-                        "best_state": best_state,
-                    },
-                )
+            if not run.epoch(epoch):
+                break
     finally:
-        bar.close()
-        for cb in callbacks:
-            if isinstance(cb, Callback):
-                cb.on_train_end(model, hist)
-    if best_state is not None and hist.stopped_early:
-        model.load_state_dict(best_state)
-    return hist
+        run.end()
+    return run.restore_best()
+
+
+class _Run:
+    """The state of one :func:`train` call; each method is one named step of it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: TaskData,
+        losses: str | LossFn | Sequence[str | LossFn] | None,
+        cfg: TrainConfig,
+        val_data: TaskData | None,
+        schedulers: Sequence[Any],
+        optimizer: torch.optim.Optimizer | None,
+        callbacks: Sequence[Callback | Callable[[nn.Module, History], None]],
+        loss_fn: BatchLossFn | None,
+    ) -> None:
+        """Check the arguments; set up the optimizer, the shuffling, the shards and the bar."""
+        self.fns, self.weights = _task_losses(losses, loss_fn, val_data, cfg, len(data.ys))
+        self.model, self.data, self.val_data, self.cfg = model, data, val_data, cfg
+        self.losses, self.loss_fn, self.schedulers = losses, loss_fn, schedulers
+        self.opt = optimizer or make_optimizer(
+            cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay
+        )
+        shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else cfg.seed
+        self.gen = torch.Generator().manual_seed(shuffle_seed if shuffle_seed is not None else 0)
+        self.callbacks = [cb for cb in callbacks if isinstance(cb, Callback)]
+        self.step_hooks = _step_hooks(callbacks)
+        if cfg.record_every:  # TrainConfig's shorthand for a GateRecorder after the callbacks
+            self.step_hooks.append(GateRecorder(data.x[:1024], cfg.record_every).on_step)
+        self.hist = History()
+        self.best, self.bad_epochs = math.inf, 0
+        self.best_state: dict[str, Tensor] | None = None
+        self.rank, self.world = _dist_rank_world()
+        self.shard = len(data) // self.world  # equal shards: every rank runs the same steps
+        if self.shard == 0:
+            raise ValueError(
+                f"train_data has {len(data)} examples, fewer than the {self.world} processes"
+            )
+        self.steps_per_epoch = math.ceil(self.shard / cfg.batch_size)
+        self.per_step = cfg.progress_unit == "step"
+        self.bar = tqdm(
+            total=cfg.epochs * (self.steps_per_epoch if self.per_step else 1),
+            disable=not cfg.progress or self.rank != 0,
+            unit="step" if self.per_step else "ep",
+            desc=cfg.desc or None,
+            position=cfg.position,
+            leave=cfg.position is None,
+        )
+        self.kinds = _loss_names(losses, len(self.fns)) if losses is not None else []
+        self.check_targets = loss_fn is None and any(k is not None for k in self.kinds)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        n, world = len(data), self.world
+        self.config = _run_config(cfg, model, self.opt, losses, loss_fn, schedulers, n, world)
+        self.warned = False
+
+    def resume(self) -> int:
+        """Restore the checkpoint, if there is one, after checking its configuration; the epoch
+        to start from."""
+        cfg = self.cfg
+        if cfg.checkpoint is None or not Path(cfg.checkpoint).is_file():
+            return 0
+        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+        _check_resumable(cfg.checkpoint, state.get("config"), self.config, cfg.resume)
+        _restore_state(self, state)
+        start_epoch = cfg.epochs if self.hist.stopped_early else state["epoch"]
+        self.bar.update(
+            min(start_epoch, cfg.epochs) * (self.steps_per_epoch if self.per_step else 1)
+        )
+        return int(start_epoch)
+
+    def epoch(self, epoch: int) -> bool:
+        """Train 0-based ``epoch`` on this rank's shard, then guard the parameters, validate and
+        save a checkpoint; False when early stopping ends the run."""
+        perm, size = self.shard_order(), self.cfg.batch_size
+        total, counted = 0.0, 0
+        for i, start in enumerate(range(0, self.shard, size)):
+            step_no = epoch * self.steps_per_epoch + i + 1
+            value = self.step(step_no, epoch + 1, perm[start : start + size])
+            if value is not None:
+                total, counted = total + value, counted + 1
+            if self.per_step:
+                self.bar.update(1)
+        self.guard_parameters(epoch + 1)
+        self.hist.train_loss.append(total / counted if counted else math.nan)
+        postfix = {"epoch": epoch + 1, "loss": f"{self.hist.train_loss[-1]:.4g}"}
+        if self.val_data is not None:
+            val_total = self.validate()
+            postfix["val"] = f"{val_total:.4g}"
+            if self.early_stop(epoch, val_total):
+                return False
+        for cb in self.callbacks:
+            cb.on_epoch(self.model, epoch + 1, self.hist)
+        if not self.per_step:
+            self.bar.update(1)
+        self.bar.set_postfix(postfix)
+        if self.cfg.checkpoint is not None and self.rank == 0:
+            save_torch(self.cfg.checkpoint, _checkpoint_state(self, epoch + 1))
+        return True
+
+    def shard_order(self) -> Tensor:
+        """This epoch's shuffled order (the same on every rank), cut to this rank's shard."""
+        perm = torch.randperm(len(self.data), generator=self.gen)
+        if self.world > 1:
+            perm = perm[: self.shard * self.world].view(self.shard, self.world)[:, self.rank]
+        return perm
+
+    def step(self, step_no: int, epoch: int, idx: Tensor) -> float | None:
+        """One optimizer step on the examples ``idx``, guarded; the loss, or None if skipped."""
+        batch = self.data.batch(idx)
+        loss, value, out, error = self.loss(step_no, epoch, batch)
+        self.opt.zero_grad(set_to_none=True)
+        if error is None or self.cfg.nonfinite == "warn":
+            loss.backward()
+            if self.cfg.nonfinite == "skip":
+                error = self.guard_gradients(step_no, epoch, value)
+        if error is not None:
+            self.count_nonfinite(error)
+            if self.cfg.nonfinite == "skip":
+                self.opt.zero_grad(set_to_none=True)
+                return None
+        self.opt.step()
+        for sched in self.schedulers:
+            sched.step()
+        self.hist.steps += 1
+        for hook in self.step_hooks:
+            hook(self.model, batch, out, self.hist)
+        return value
+
+    def loss(
+        self, step_no: int, epoch: int, batch: TaskData
+    ) -> tuple[Tensor, float, Any, TrainingDivergedError | None]:
+        """The batch's training loss, its value and the model's output, with the loss guard: the
+        error of a non-finite loss (on any rank), raised unless ``nonfinite`` is skip or warn."""
+        task_losses: list[Tensor] | None = None
+        aux: Any = None
+        if self.loss_fn is not None:
+            loss, out = self.loss_fn(self.model, batch)
+        else:
+            out = self.model(batch.x)
+            if len(out.outputs) != len(self.fns):
+                raise ValueError(
+                    f"model has {len(out.outputs)} task outputs but {len(self.fns)} losses"
+                )
+            if self.check_targets:
+                _check_targets(self.kinds, out.outputs, self.data.ys)
+                self.check_targets = False
+            task_losses = [fn(p, y) for fn, p, y in zip(self.fns, out.outputs, batch.ys)]
+            aux = out.aux_loss
+            loss = sum(w * lt for w, lt in zip(self.weights, task_losses)) + aux
+        value = float(loss.detach())  # the loop's one host sync per step
+        bad = not math.isfinite(value)
+        other = _first_bad_rank(bad, self.rank, loss.device) if self.world > 1 else None
+        if not bad and other is None:
+            return loss, value, out, None
+        error = _diverged(
+            step=step_no,
+            epoch=epoch,
+            model=self.model,
+            batch=batch,
+            value=value,
+            task_losses=task_losses,
+            weights=self.weights,
+            aux=aux,
+            other_rank=None if bad else other,
+        )
+        if self.cfg.nonfinite == "raise":
+            raise error
+        return loss, value, out, error
+
+    def guard_gradients(self, step: int, epoch: int, value: float) -> TrainingDivergedError | None:
+        """The error of non-finite gradients under a finite loss (checked in "skip" mode)."""
+        if _all_finite([p.grad for p in self.params if p.grad is not None]):
+            return None
+        return _gradients_diverged(self.model, step, epoch, value)
+
+    def count_nonfinite(self, error: TrainingDivergedError) -> None:
+        """Count a non-finite step that is skipped or trained through; warn about the first."""
+        self.hist.nonfinite_steps += 1
+        if self.warned:
+            return
+        self.warned = True
+        action = "skipping" if self.cfg.nonfinite == "skip" else "training on through"
+        warnings.warn(
+            f"{error}. nonfinite={self.cfg.nonfinite!r}: {action} such steps "
+            f"(counted in History.nonfinite_steps)",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of train: train -> epoch -> step -> count_nonfinite
+        )
+
+    def guard_parameters(self, epoch: int) -> None:
+        """At the end of 1-based ``epoch``: non-finite parameters stop the run (but with "warn")."""
+        if self.cfg.nonfinite != "warn" and not _all_finite([p.detach() for p in self.params]):
+            raise _parameters_diverged(self.model, epoch, epoch * self.steps_per_epoch)
+
+    def validate(self) -> float:
+        """Evaluate the validation data, record its task losses; their weighted sum."""
+        assert self.losses is not None and self.val_data is not None  # checked by _task_losses
+        val = evaluate(self.model, self.val_data, self.losses)["loss"]
+        self.hist.val_losses.append(val)
+        return sum(w * v for w, v in zip(self.weights, val))
+
+    def early_stop(self, epoch: int, val_total: float) -> bool:
+        """Track the best validation loss (and weights); whether patience has run out."""
+        if val_total < self.best:
+            self.best, self.bad_epochs, self.hist.best_epoch = val_total, 0, epoch
+            if self.cfg.early_stopping_patience is not None:
+                self.best_state = copy.deepcopy(self.model.state_dict())
+            return False
+        self.bad_epochs += 1
+        patience = self.cfg.early_stopping_patience
+        if patience is not None and self.bad_epochs >= patience:
+            self.hist.stopped_early = True
+            return True
+        return False
+
+    def end(self) -> None:
+        """Close the progress bar and tell the callbacks (also after an error)."""
+        self.bar.close()
+        for cb in self.callbacks:
+            cb.on_train_end(self.model, self.hist)
+
+    def restore_best(self) -> History:
+        """After early stopping, load the best weights; the history."""
+        if self.best_state is not None and self.hist.stopped_early:
+            self.model.load_state_dict(self.best_state)
+        return self.hist
