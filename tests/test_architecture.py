@@ -83,6 +83,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "export": "training",
     "telemetry": "training",
     "search": "training",
+    "variants": "training",
     "data": "data",
     "plots": "plots",
     "integrations": "integrations",

@@ -6,7 +6,15 @@ from dselectk.gates.base import Gate, GateOutput
 from dselectk.gates.comet import COMETGate
 from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.gumbel import GumbelSoftmaxGate
-from dselectk.gates.registry import GATES, gate_names, make_gate, register_gate
+from dselectk.gates.registry import (
+    GATES,
+    GateSpec,
+    HParam,
+    gate_names,
+    gate_spec,
+    make_gate,
+    register_gate,
+)
 from dselectk.gates.softmax import SoftmaxGate
 from dselectk.gates.topk import TopKGate
 
@@ -16,11 +24,14 @@ __all__ = [
     "DSelectK",
     "Gate",
     "GateOutput",
+    "GateSpec",
     "GumbelSoftmaxGate",
+    "HParam",
     "SoftmaxGate",
     "SoftmaxSelectorGate",
     "TopKGate",
     "gate_names",
+    "gate_spec",
     "make_gate",
     "register_gate",
 ]

@@ -162,7 +162,7 @@ def replace_routers(
         n, d, top_k = int(old.num_experts), int(old.hidden_dim), int(old.top_k)
         if isinstance(router, str):
             kw = dict(gate_kwargs)
-            if router in GATES and router not in ("softmax", "gumbel_softmax"):
+            if router in GATES and GATES[router].takes_k:
                 kw.setdefault("k", top_k)
             gate = make_gate(router, n, in_features=d, **kw)
         else:

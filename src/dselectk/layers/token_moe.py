@@ -38,7 +38,6 @@ tokens) plus ``balance_loss_weight · balance``.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -96,14 +95,6 @@ def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
     return n * (f * p).sum()
 
 
-def _accepts(factory: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 class SparseMoEFeedForward(nn.Module):
     """Sparse MoE feed-forward block with a pluggable per-token router (module docstring).
 
@@ -157,7 +148,7 @@ class SparseMoEFeedForward(nn.Module):
         self.renormalize = bool(renormalize)
         if isinstance(router, str):
             kw = dict(router_kwargs or {})
-            if router in GATES and _accepts(GATES[router], "k"):
+            if router in GATES and GATES[router].takes_k:
                 kw.setdefault("k", k)
             router = make_gate(router, num_experts, in_features=d_model, **kw)
         elif router_kwargs:

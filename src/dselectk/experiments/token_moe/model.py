@@ -131,7 +131,7 @@ class _Block(nn.Module):
             d,
             int(hp["d_ff"]),
             int(hp["num_experts"]),
-            GATES[router],
+            router,
             k=int(hp["k"]),
             balance_loss_weight=float(hp["balance_loss_weight"]),
             router_kwargs=kw,

@@ -1,0 +1,266 @@
+"""A gate variant is data: which gate, its fixed options, how its hyperparameters move during
+training, whether the swap search runs, and what a report calls it.
+
+Every study builds its models from :class:`Variant` values, so a new variant is a new value, not
+new code::
+
+    from dselectk.variants import Ramp, SearchPlan, Variant
+
+    annealed = Variant(
+        "dselect_k_anneal", "dselect_k", "DSelect-k, γ annealed",
+        schedules=(Ramp("gamma", end_factor=1e-3, delay=0.6, span=0.3, shape="geometric"),),
+    )
+    gate = annealed.build(16, k=4, num_gates=8, hparams={"gamma": 10.0, "entropy_reg": 0.1})
+    scheds = annealed.schedulers(gate, {"gamma": 10.0}, total_steps=2000)
+
+One vocabulary describes every schedule (:class:`Ramp`): a value held for a fraction of the
+steps, then moved linearly or geometrically to another over a fraction of the steps. The
+hyperparameters a variant may take, their types and ranges come from the gate registry
+(:func:`dselectk.gates.registry.gate_spec`); :meth:`Variant.check_hparams` validates a tuned file
+or the command line against them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from torch import Tensor
+
+from dselectk.gates.base import Gate
+from dselectk.gates.registry import GateSpec, gate_spec
+from dselectk.schedules import (
+    AttributeScheduler,
+    GeometricSchedule,
+    LinearSchedule,
+    Schedule,
+)
+from dselectk.search import SwapSearch
+
+__all__ = ["Held", "Ramp", "SearchPlan", "Variant", "variant_table"]
+
+#: hyperparameters of a run that are not the gate's (trainer settings every variant accepts)
+TRAINER_HPARAMS = ("lr", "epochs")
+
+
+class Held(Schedule):
+    """``before`` for the first ``delay`` steps, then ``inner`` shifted by ``delay``."""
+
+    def __init__(self, inner: Schedule, delay: int, before: Any) -> None:
+        self.inner, self.delay, self.before = inner, int(delay), before
+
+    def __call__(self, step: int) -> Any:
+        return self.before if step < self.delay else self.inner(step - self.delay)
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """How one schedulable hyperparameter moves during training.
+
+    The value is ``before`` for the first ``delay`` of the steps, then moves from ``start`` to
+    ``end`` over ``span`` of the steps (linearly, or evenly on a log scale), then stays at
+    ``end``. Fractions are of the run's total optimizer steps.
+
+    Attributes:
+        param: the gate's hyperparameter (``gamma``, ``entropy_reg``, ``temperature``, ...).
+        start: the first value; None: the run's own (tuned) value.
+        end: the last value; None: the run's own value.
+        end_factor: the last value as a multiple of ``start`` (instead of ``end``).
+        delay: the fraction of the steps before the move.
+        span: the fraction of the steps the move takes; None: the rest of the run.
+        shape: ``"linear"`` or ``"geometric"``.
+        before: the value during the delay; None: ``start``.
+    """
+
+    param: str
+    start: float | None = None
+    end: float | None = None
+    end_factor: float | None = None
+    delay: float = 0.0
+    span: float | None = None
+    shape: Literal["linear", "geometric"] = "linear"
+    before: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("linear", "geometric"):
+            raise ValueError(f"Ramp.shape must be 'linear' or 'geometric', got {self.shape!r}")
+        if self.end is not None and self.end_factor is not None:
+            raise ValueError("Ramp: give end or end_factor, not both")
+        if not 0.0 <= self.delay < 1.0:
+            raise ValueError(f"Ramp.delay must be in [0, 1), got {self.delay}")
+        if self.span is not None and not 0.0 < self.span <= 1.0:
+            raise ValueError(f"Ramp.span must be in (0, 1], got {self.span}")
+
+    def schedule(self, value: float | Tensor, total_steps: int) -> Schedule:
+        """The schedule for a run whose own value is ``value`` and that takes ``total_steps``."""
+        start = value if self.start is None else self.start
+        if self.end_factor is not None:
+            end: Any = start * self.end_factor
+        else:
+            end = value if self.end is None else self.end
+        delay = int(self.delay * total_steps)
+        steps = total_steps - delay if self.span is None else int(self.span * total_steps)
+        steps = max(1, steps)
+        inner: Schedule
+        if self.shape == "geometric":
+            inner = GeometricSchedule(start, float(end), steps)
+        else:
+            inner = LinearSchedule(start, end, steps)
+        if delay == 0:
+            return inner
+        return Held(inner, delay, start if self.before is None else self.before)
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """When the swap local search (:mod:`dselectk.search`) runs during training.
+
+    Attributes:
+        at: fractions of the training steps after which the search runs.
+        binarize: the fraction after which fractional or colliding selectors are forced onto
+            their best free code (DSelect-k); None: never.
+        refit: score a move after refitting the read-out of the selection (the study supplies
+            the refitted loss); False: with the model as it is.
+        probe: examples of the training set the moves are scored on.
+    """
+
+    at: tuple[float, ...]
+    binarize: float | None = None
+    refit: bool = False
+    probe: int = 2048
+
+    def callback(
+        self, gate: Gate, member_loss: Callable[[], Tensor], total_steps: int
+    ) -> SwapSearch:
+        """The :class:`~dselectk.search.SwapSearch` callback of this plan."""
+        return SwapSearch.at_fractions(gate, member_loss, total_steps, self.at, self.binarize)
+
+    def identity(self) -> dict[str, Any]:
+        """The plan as a run record stores it."""
+        out: dict[str, Any] = {"at": list(self.at), "binarize": self.binarize}
+        if self.refit:
+            out["refit"] = True
+        return out
+
+
+def _freeze(options: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    items = options.items() if isinstance(options, Mapping) else options
+    return tuple(sorted(items))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One gate variant of a study.
+
+    Attributes:
+        name: the study's name for it (``--gates`` choices, record keys).
+        gate: the registry name of the gate.
+        label: what reports call it.
+        options: fixed constructor options (a mapping, stored sorted and frozen).
+        schedules: how schedulable hyperparameters move during training.
+        search: the swap-search plan, or None.
+        tuned_as: read tuned hyperparameters under this variant's name (None: its own).
+    """
+
+    name: str
+    gate: str
+    label: str
+    options: Any = ()
+    schedules: tuple[Ramp, ...] = ()
+    search: SearchPlan | None = None
+    tuned_as: str | None = None
+
+    def __post_init__(self) -> None:
+        spec = gate_spec(self.gate)
+        opts = _freeze(self.options)
+        spec.check(dict(opts), where=f"variant {self.name!r} options")
+        object.__setattr__(self, "options", opts)
+        for ramp in self.schedules:
+            if ramp.param not in spec.schedulable():
+                raise ValueError(
+                    f"variant {self.name!r}: {self.gate} cannot schedule {ramp.param!r}; "
+                    f"schedulable: {spec.schedulable()}"
+                )
+
+    @property
+    def spec(self) -> GateSpec:
+        """The gate's registry entry."""
+        return gate_spec(self.gate)
+
+    @property
+    def tuned_name(self) -> str:
+        """The name tuned hyperparameters are looked up under."""
+        return self.tuned_as or self.name
+
+    def gate_hparams(self, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of ``hparams`` the gate declares (None values left out: the default)."""
+        declared = self.spec.hparams
+        return {k: v for k, v in hparams.items() if k in declared and v is not None}
+
+    def check_hparams(self, hparams: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+        """``hparams`` checked: trainer settings (``lr``, ``epochs``) and the gate's declared
+        hyperparameters; anything else is a ValueError naming ``where`` and the allowed keys."""
+        out = dict(hparams)
+        gate_part = {k: v for k, v in hparams.items() if k not in TRAINER_HPARAMS and v is not None}
+        out.update(self.spec.check(gate_part, where or f"hyperparameters of {self.name!r}"))
+        return out
+
+    def build(
+        self,
+        num_experts: int,
+        *,
+        hparams: Mapping[str, Any] | None = None,
+        **structure: Any,
+    ) -> Gate:
+        """The gate: fixed options, then the declared hyperparameters found in ``hparams``
+        (other keys such as ``lr`` are ignored), then ``structure`` (``k``, ``in_features``,
+        ``num_gates``, ...)."""
+        kw: dict[str, Any] = dict(self.options)
+        kw.update(self.gate_hparams(hparams or {}))
+        if self.spec.takes_k is False:
+            structure.pop("k", None)
+        kw.update(structure)
+        return self.spec.build(num_experts, **kw)
+
+    def schedulers(
+        self, gate: Gate, hparams: Mapping[str, Any], total_steps: int
+    ) -> list[AttributeScheduler]:
+        """One :class:`~dselectk.schedules.AttributeScheduler` per ramp of this variant; a
+        ramp's own value is ``hparams[param]`` (else the gate's current value)."""
+        out = []
+        for ramp in self.schedules:
+            value = hparams.get(ramp.param)
+            if value is None:
+                value = getattr(gate, ramp.param)
+            out.append(AttributeScheduler(gate, ramp.param, ramp.schedule(value, total_steps)))
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """The variant as a run record stores it (what makes two runs the same)."""
+        out: dict[str, Any] = {"gate": self.gate}
+        if self.options:
+            out["options"] = dict(self.options)
+        if self.schedules:
+            out["schedules"] = [
+                {k: v for k, v in asdict(r).items() if v is not None} for r in self.schedules
+            ]
+        if self.search is not None:
+            out["search"] = self.search.identity()
+        return out
+
+
+def variant_table(*variants: Variant) -> dict[str, Variant]:
+    """Variants by name (a ValueError on a repeated name)."""
+    table: dict[str, Variant] = {}
+    for v in variants:
+        if v.name in table:
+            raise ValueError(f"two variants named {v.name!r}")
+        table[v.name] = v
+    return table
+
+
+def total_steps(epochs: int, examples: int, batch_size: int) -> int:
+    """Optimizer steps of a run (the ramps' and the search plan's fractions are of these)."""
+    return epochs * math.ceil(examples / batch_size)

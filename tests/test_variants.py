@@ -1,0 +1,127 @@
+"""The typed variant vocabulary and the registry's hyperparameter declarations."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from dselectk.gates import GATES, DSelectK, gate_names, gate_spec, make_gate
+from dselectk.schedules import GeometricSchedule, LinearSchedule, WarmupSchedule
+from dselectk.variants import Held, Ramp, SearchPlan, Variant, variant_table
+
+
+@pytest.mark.parametrize("name", gate_names())
+def test_declared_hyperparameters_are_constructor_arguments_with_their_defaults(name: str) -> None:
+    spec = gate_spec(name)
+    cls = {"ablation_annealing": "SoftmaxSelectorGate"}.get(name)
+    factory = spec.factory if cls is None else type(make_gate(name, 8, k=2))
+    params = inspect.signature(factory).parameters
+    assert ("k" in params) == spec.takes_k
+    for h in spec.hparams.values():
+        assert h.name in params, (name, h.name)
+        assert params[h.name].default == h.default, (name, h.name)
+        assert h.check(h.default) == h.default
+    for h in spec.hparams.values():  # schedulable ones are buffers a schedule can set
+        if h.schedulable:
+            gate = make_gate(name, 8, **({"k": 2} if spec.takes_k else {}))
+            setattr(gate, h.name, 0.5)
+            assert float(getattr(gate, h.name)) == 0.5
+
+
+def test_checks_name_the_argument_and_the_range() -> None:
+    spec = gate_spec("dselect_k")
+    with pytest.raises(ValueError, match=r"--gamma: expected a number > 0, got -1"):
+        spec.hparams["gamma"].check(-1.0, "--gamma")
+    with pytest.raises(ValueError, match=r"init: expected one of 'paper', 'spread'"):
+        spec.check({"init": "distinct"})
+    with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['diversity'"):
+        spec.check({"lr": 0.1})
+    with pytest.raises(ValueError, match="entropy_reg"):
+        make_gate("dselect_k", 8, k=2, entropy_reg=float("nan"))
+    assert spec.hparams["gamma"].check([1, 2.5]) == [1.0, 2.5]  # one value per gate of a bank
+    assert spec.hparams["gamma"].check(torch.tensor([1.0])).tolist() == [1.0]
+    with pytest.raises(ValueError, match="noisy: expected true or false"):
+        gate_spec("topk").check({"noisy": 1})
+
+
+def test_ramp_reproduces_the_study_schedules_it_replaces() -> None:
+    steps = 1000
+    # recovery's λ warm-up: 0 for 40 %, linear 0 -> λ over 20 %
+    warm = Ramp("entropy_reg", start=0.0, delay=0.4, span=0.2).schedule(0.1, steps)
+    old = WarmupSchedule(LinearSchedule(0.0, 0.1, 200), 400)
+    assert [warm(s) for s in range(0, steps, 7)] == [old(s) for s in range(0, steps, 7)]
+    # recovery's γ anneal: γ for 60 %, geometric to γ·1e-3 over 30 %
+    ann = Ramp("gamma", end_factor=1e-3, delay=0.6, span=0.3, shape="geometric")
+    sched = ann.schedule(10.0, steps)
+    held = Held(GeometricSchedule(10.0, 10.0 * 1e-3, 300), 600, 10.0)
+    assert [sched(s) for s in range(0, steps, 7)] == [held(s) for s in range(0, steps, 7)]
+    # synthetic's λ ramp after a warm-up with λ = 0: λ -> λ_end over the rest
+    ramp = Ramp("entropy_reg", end=1.0, delay=0.25, before=0.0).schedule(0.1, steps)
+    old = WarmupSchedule(LinearSchedule(0.1, 1.0, 750), 250)
+    assert [ramp(s) for s in range(steps + 5)] == [old(s) for s in range(steps + 5)]
+    # the annealing ablation's temperature, one start per member
+    starts = torch.tensor([1e-2, 1e-4], dtype=torch.float64)
+    t = Ramp("temperature", end=1e-16, shape="geometric").schedule(starts, steps)
+    torch.testing.assert_close(t(500), GeometricSchedule(starts, 1e-16, steps)(500))
+    for bad in ({"shape": "cubic"}, {"delay": 1.0}, {"span": 0.0}, {"end": 1.0, "end_factor": 2}):
+        with pytest.raises(ValueError, match="Ramp"):
+            Ramp("gamma", **bad)  # type: ignore[arg-type]
+
+
+def test_variant_builds_schedules_and_states_its_identity() -> None:
+    v = Variant(
+        "dk_anneal",
+        "dselect_k",
+        "DSelect-k, γ annealed",
+        options={"init": "spread"},
+        schedules=(Ramp("gamma", end_factor=1e-3, delay=0.5, shape="geometric"),),
+        search=SearchPlan(at=(0.25, 0.75), binarize=0.5, refit=True),
+    )
+    torch.manual_seed(0)
+    gate = v.build(16, k=4, num_gates=3, hparams={"gamma": 10.0, "entropy_reg": 0.1, "lr": 1.0})
+    torch.manual_seed(0)
+    ref = DSelectK(16, 4, num_gates=3, gamma=10.0, entropy_reg=0.1, init="spread")
+    torch.testing.assert_close(gate.logits, ref.logits, rtol=0, atol=0)
+    (sched,) = v.schedulers(gate, {"gamma": 10.0}, 100)
+    for _ in range(100):
+        sched.step()
+    assert float(gate.gamma) == pytest.approx(1e-2)
+    assert v.identity() == {
+        "gate": "dselect_k",
+        "options": {"init": "spread"},
+        "schedules": [
+            {
+                "param": "gamma",
+                "end_factor": 1e-3,
+                "delay": 0.5,
+                "shape": "geometric",
+            }
+        ],
+        "search": {"at": [0.25, 0.75], "binarize": 0.5, "refit": True},
+    }
+    assert Variant("t", "topk", "Top-k").identity() == {"gate": "topk"}
+    cb = v.search.callback(gate, lambda: torch.zeros(3), 100)  # type: ignore[union-attr]
+    assert cb.at == [25, 75] and cb.binarize_at == [50]
+
+
+def test_variant_refuses_what_its_gate_does_not_declare() -> None:
+    with pytest.raises(ValueError, match=r"variant 'x' options.*no hyperparameter 'exclusive'"):
+        Variant("x", "dselect_k", "x", options={"exclusive": True})
+    with pytest.raises(ValueError, match="topk cannot schedule 'gamma'"):
+        Variant("y", "topk", "y", schedules=(Ramp("gamma", end=1.0),))
+    with pytest.raises(ValueError, match="unknown gate 'dselectk'"):
+        Variant("z", "dselectk", "z")
+    v = Variant("s", "softmax", "s")
+    assert v.build(8, k=3).num_experts == 8  # k is dropped for a gate without k
+    with pytest.raises(ValueError, match=r"tuned\.json: gate 'topk' has no hyperparameter 'gamma'"):
+        Variant("t", "topk", "t").check_hparams({"lr": 0.1, "gamma": 1.0}, "tuned.json")
+    with pytest.raises(ValueError, match="two variants named 'a'"):
+        variant_table(Variant("a", "topk", "a"), Variant("a", "softmax", "b"))
+
+
+def test_every_registered_gate_is_a_spec() -> None:
+    assert set(GATES) == set(gate_names())
+    for spec in GATES.values():
+        assert spec.summary
