@@ -34,9 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
-from dselectk.gates.dselect_k import DSelectK
 from dselectk.gates.fixed import FixedGate
-from dselectk.gates.gumbel import GumbelSoftmaxGate
 from dselectk.layers.experts import ExpertList, StackedMLP
 from dselectk.models.moe import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput
 
@@ -391,23 +389,6 @@ def _select_experts(bank: nn.Module, keep: Tensor) -> nn.Module:
     return SelectedExperts(bank, keep)
 
 
-def _not_converged(gate: Gate, weights: Tensor) -> str | None:
-    """Why freezing ``gate`` would not give a sparse model, or None when it is converged."""
-    if isinstance(gate, FixedGate | GumbelSoftmaxGate):
-        return None  # fixed; Gumbel: eval weights use the hard mask 1[ℓ > 0]
-    if isinstance(gate, DSelectK):
-        if bool(gate.is_binary().all()):
-            return None
-        return f"S(Z) is not binary yet ({gate.binary_fraction():.1%} of its bits are)"
-    k = gate.max_nonzeros or getattr(gate, "k", None)
-    if k is None:
-        return "it is a dense gate (every expert gets a weight)"
-    nnz = int((weights != 0).sum(-1).max())
-    if nnz > k:
-        return f"{nnz} experts have a nonzero weight, more than k={k}"
-    return None
-
-
 def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
     """An inference copy of ``model`` with its static gates fixed and unused experts removed.
 
@@ -423,10 +404,11 @@ def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
     experts only. The frozen model's selection is part of its structure, so it exports as a
     static gather (:func:`to_onnx`, :func:`export_program`). ``model`` is not modified.
 
-    A static gate must have converged: DSelect-k once S(Z) is binary (at most k experts); Top-k
-    and Gumbel-softmax always (their eval-mode weights are a hard selection); other gates with
-    k selectors (the softmax-selector ablations) when at most k weights are nonzero; dense
-    gates (softmax) never.
+    A static gate must have converged, as its :meth:`~dselectk.gates.base.Gate.freeze_blocker`
+    says: DSelect-k once S(Z) is binary (at most k experts); Top-k and Gumbel-softmax always
+    (their eval-mode weights are a hard selection); other gates with k selectors (the
+    softmax-selector ablations, COMET) when at most k weights are nonzero; dense gates (softmax)
+    never.
 
     Args:
         model: a :class:`~dselectk.models.MoE` or :class:`~dselectk.models.MultiGateMoE`.
@@ -455,7 +437,7 @@ def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
             if not gate.static:
                 continue
             w = gate(None).weights.detach()
-            reason = _not_converged(gate, w)
+            reason = gate.freeze_blocker(w)
             if reason is not None and not force:
                 raise ValueError(
                     f"cannot freeze gate {name!r} ({type(gate).__name__}): {reason}; train "

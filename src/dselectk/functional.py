@@ -24,6 +24,7 @@ from dselectk._kernels import _DSelectFused
 
 __all__ = [
     "binary_entropy",
+    "code_collisions",
     "code_table",
     "dselect_k_fused",
     "dselect_k_weights",
@@ -274,6 +275,25 @@ def unused_code_penalty(p: Tensor, num_experts: int, xi: float) -> Tensor:
         pj = p[..., j]
         less = (1.0 - pj) + pj * less if (num_experts >> j) & 1 else (1.0 - pj) * less
     return xi / less.clamp_min(torch.finfo(p.dtype).eps)
+
+
+def code_collisions(codes: Tensor, num_experts: int) -> Tensor:
+    """Pairs i < j of selectors of one gate that pick the same expert, mean over examples.
+
+    Args:
+        codes: (N, T, K) long, the expert (code) of each of K selectors of T gates, for N
+            examples (N = 1 for a static gate). Codes >= ``num_experts`` select no expert and
+            never collide.
+        num_experts: n.
+
+    Returns:
+        (T,) float: the number of colliding pairs of each gate, averaged over the N examples.
+    """
+    k = codes.shape[-1]
+    same = codes.unsqueeze(-1) == codes.unsqueeze(-2)  # (N, T, K, K)
+    valid = (codes < num_experts).unsqueeze(-1)
+    upper = torch.ones(k, k, dtype=torch.bool, device=codes.device).triu(1)
+    return (same & valid & upper).sum((-1, -2)).float().mean(0)
 
 
 def keep_topk(logits: Tensor, k: int) -> Tensor:

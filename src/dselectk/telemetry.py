@@ -19,7 +19,8 @@ restored after), with forward pre-hooks on the gates recording what they see. To
 count as examples, so "per example" below reads "per token" for a transformer MoE layer.
 
 What one record holds, per gate (``weights`` w, n experts; per-example values are means over
-the probe's examples/tokens):
+the probe's examples/tokens); the gate-specific rows (``binary_fraction`` … ``expected_nonzeros``)
+are what the gate's :meth:`~dselectk.gates.base.Gate.diagnostics` returns:
 
 =====================  ======================================================================
 ``experts``            experts with a nonzero weight: per task (static), mean per example/token
@@ -29,14 +30,15 @@ the probe's examples/tokens):
 ``routed`` (n,)        fraction of the examples routed to each expert (weight > 0); static: 0/1
 ``weight_entropy``     entropy (nats) of w / Σw, mean over examples
 ``binary_fraction``    DSelect-k: fraction of the entries of S(Z) (per-example: S(Wx)) that are
-                       exactly 0 or 1
+                       exactly 0 or 1; COMET: of the trees' leaf probabilities
 ``binary``             DSelect-k: whether all of S(Z) is binary (1/0); per-example: the fraction
-                       of examples whose S(Wx) is
+                       of examples whose S(Wx) is; COMET: whether every tree reaches one leaf
 ``selector_entropy``   DSelect-k: Σ_m h(S(z_m)) per selector (binary entropies, nats), mean over
                        selectors (and examples); softmax-selector ablation: entropy of σ(β/τ)
 ``collisions``         DSelect-k and the ablation: pairs i < j of selectors of one gate whose
                        argmax codes (S(z) > 1/2 bitwise; argmax of σ(β/τ)) pick the same expert
                        (codes >= n select none and never collide); per example: the mean
+``expected_nonzeros``  Gumbel-softmax: Σ_i ψ_i, the expected number of kept experts
 ``<hyperparameter>``   every :class:`~dselectk.gates.base.HyperParameter` of the gate by name
                        (``gamma``, ``entropy_reg``, ``diversity``, ``temperature``,
                        ``sparsity_reg``): this gate's value when the bank holds one per gate
@@ -69,9 +71,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates.ablation import SoftmaxSelectorGate
 from dselectk.gates.base import Gate, check_positive_int, hyperparameters
-from dselectk.gates.dselect_k import DSelectK
 from dselectk.io import json_safe
 from dselectk.training import Callback, History
 
@@ -125,15 +125,6 @@ def _entropy(p: Tensor, dim: int = -1) -> Tensor:
     return -torch.special.xlogy(p, p).sum(dim)
 
 
-def _collisions(codes: Tensor, num_experts: int) -> Tensor:
-    """Pairs i < j of equal codes < n: (N, T, K) codes -> (T,) mean count over N."""
-    k = codes.shape[-1]
-    same = codes.unsqueeze(-1) == codes.unsqueeze(-2)  # (N, T, K, K)
-    valid = (codes < num_experts).unsqueeze(-1)
-    upper = torch.ones(k, k, dtype=torch.bool, device=codes.device).triu(1)
-    return (same & valid & upper).sum((-1, -2)).float().mean(0)
-
-
 @torch.no_grad()
 def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
     """The telemetry of ``gate``: one dict per gate (T for a bank), metrics as in the module doc.
@@ -160,22 +151,7 @@ def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
         "routed": nz.float().mean(0),
         "weight_entropy": _entropy(w / w.sum(-1, keepdim=True).clamp_min(1e-30)).mean(0),
     }
-    if isinstance(gate, DSelectK):
-        p = gate.bits(x).float()
-        p = p.reshape(-1, t_count, *p.shape[-2:])  # (N, T, K, M)
-        binary = (p == 0) | (p == 1)
-        metrics["binary_fraction"] = binary.float().mean((0, 2, 3))
-        metrics["binary"] = binary.flatten(2).all(-1).float().mean(0)
-        bit_ent = _entropy(torch.stack((p, 1 - p)), dim=0).sum(-1)  # (N, T, K)
-        metrics["selector_entropy"] = bit_ent.mean((0, 2))
-        place = 2 ** torch.arange(p.shape[-1], device=p.device)
-        codes = ((p > 0.5).long() * place).sum(-1)  # bit m is worth 2**m (functional.selector)
-        metrics["collisions"] = _collisions(codes, n)
-    elif isinstance(gate, SoftmaxSelectorGate):
-        _, s = gate.selectors(gate.compute_logits(x))
-        s = s.float().reshape(-1, t_count, *s.shape[-2:])  # (N, T, K, n)
-        metrics["selector_entropy"] = _entropy(s).mean((0, 2))
-        metrics["collisions"] = _collisions(s.argmax(-1), n)
+    metrics.update(gate.diagnostics(x))  # the gate-specific numbers (Gate.diagnostics)
     hps: dict[str, float | Tensor] = {}
     for name in hyperparameters(gate):
         try:

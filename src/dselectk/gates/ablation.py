@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dselectk import functional as DF
+
 # The autograd node lives in dselectk._kernels; these names are re-exported for code that
 # imports them from this module.
 from dselectk._kernels import _FLUSH_TEMPERATURE as _FLUSH_TEMPERATURE
@@ -114,6 +116,28 @@ class SoftmaxSelectorGate(Gate):
         a, s = self.selectors(self.compute_logits(x))
         onehot = torch.zeros_like(s).scatter(-1, s.argmax(dim=-1, keepdim=True), 1.0)
         return (a.unsqueeze(-1) * onehot).sum(dim=-2)
+
+    @torch.no_grad()
+    def inference_weights(self, x: Tensor | None = None) -> Tensor:
+        """:meth:`hard_weights`: the paper evaluates the ablation after its argmax heuristic."""
+        return self.hard_weights(x)
+
+    # is_binary: Gate's default, always False: a softmax selector σ(β/τ) is one-hot only in
+    # the limit τ → 0 (annealing) or λ → ∞, never exactly; the argmax heuristic of
+    # hard_weights makes it final at evaluation, which inference_weights reports.
+
+    @torch.no_grad()
+    def diagnostics(self, x: Tensor | None = None) -> dict[str, Tensor]:
+        """``selector_entropy`` (entropy of σ(β⁽ⁱ⁾/τ), nats, mean over the selectors) and
+        ``collisions`` (pairs i < j of selectors whose argmax is the same expert), each (G,);
+        per-example, means over the examples (tokens) of ``x``."""
+        t_count = self.num_gates or 1
+        _, s = self.selectors(self.compute_logits(None if self.static else x))
+        s = s.float().reshape(-1, t_count, *s.shape[-2:])  # (N, T, K, n)
+        return {
+            "selector_entropy": (-torch.special.xlogy(s, s).sum(-1)).mean((0, 2)),
+            "collisions": DF.code_collisions(s.argmax(-1), self.num_experts),
+        }
 
     def extra_repr(self) -> str:
         return (

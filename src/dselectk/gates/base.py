@@ -30,12 +30,18 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Sequence
-from typing import Any, NamedTuple, SupportsIndex, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from dselectk.gates.hyperparameter import (
+    HyperParameter,
+    check_nonnegative,
+    check_positive_int,
+    format_hyperparameter,
+    hyperparameters,
+)
 
 __all__ = [
     "Gate",
@@ -57,217 +63,6 @@ class GateOutput(NamedTuple):
     """Scalar to add to the training loss (already multiplied by its weights λ, ξ, ...)."""
 
 
-def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int >= minimum, else raise a TypeError/ValueError naming it."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    as_int = operator.index(cast(SupportsIndex, value))  # also NumPy and 0-d integer tensors
-    if as_int < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
-    return as_int
-
-
-def check_nonnegative(name: str, value: float) -> float:
-    """Return ``float(value)`` if it is a finite number >= 0, else raise a ValueError naming it."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
-    if not (v >= 0.0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return v
-
-
-class HyperParameter:
-    """A schedulable hyperparameter of a module (γ, λ, a temperature), kept in a buffer.
-
-    The value lives in the buffer ``_<name>``, so it follows ``.to()``, is saved in the
-    ``state_dict`` (a resumed anneal continues where it was), and a schedule changing it does
-    not make ``torch.compile`` recompile (it is written in place). The module's math reads the
-    buffer directly.
-
-    Two forms:
-
-    * **scalar** (one value for the module): a 0-d buffer. Assign a number (or a 0-d tensor);
-      reading returns a ``float``.
-    * **per gate** (a bank, ``num_gates=T``: one value per gate): a ``(T,)`` buffer. Assign a 1-d
-      tensor or a sequence of T numbers; reading returns a *new* ``(T,)`` tensor (a detached
-      clone of the buffer: editing it does not change the module; assign to change the value).
-      The module broadcasts the buffer over the trailing gate axis of its logits, so it works
-      for static banks ``(T, ...)`` and per-example banks ``(B, T, ...)`` alike.
-
-    Assigning a number to a per-gate hyperparameter fills every gate with it (the buffer stays
-    ``(T,)``: a schedule such as :class:`~dselectk.schedules.AttributeScheduler` can drive a bank
-    whose values started per gate). A tensor sets the form by its shape: a 0-d tensor makes the
-    hyperparameter scalar again, a ``(T,)`` tensor per gate. Values are written in place
-    (``fill_``/``copy_``, keeping the buffer's dtype and device) while the shape is unchanged; a
-    change between ``()`` and ``(T,)`` registers a new buffer of the same dtype and device. A
-    :class:`Gate` also accepts a ``state_dict`` whose value has the other form (it re-registers
-    the buffer before loading).
-
-    Every value is validated (finite, > 0 or >= 0); errors name the hyperparameter.
-
-    Args:
-        positive: require values > 0 (γ, temperatures) instead of >= 0 (λ, ξ).
-        optional: a :class:`Gate` loads a ``state_dict`` that lacks this hyperparameter (saved
-            before it existed), keeping its own value.
-    """
-
-    def __init__(self, *, positive: bool, optional: bool = False) -> None:
-        self.positive = positive
-        self.optional = optional
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @property
-    def buffer_name(self) -> str:
-        """Name of the buffer holding the value."""
-        return f"_{self.name}"
-
-    def __get__(self, obj: nn.Module | None, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        buf = getattr(obj, self.buffer_name)
-        if buf.dim() == 0:
-            return float(buf)
-        return buf.detach().clone()
-
-    def __set__(self, obj: nn.Module, value: float | Tensor | Sequence[float]) -> None:
-        buf_name = self.buffer_name
-        old: Tensor | None = obj._buffers.get(buf_name)
-        if isinstance(value, Tensor) and value.dim() == 0:  # shape (): one value for the module
-            v = self._check_number(value.item())
-            if old is None:
-                obj.register_buffer(buf_name, torch.tensor(v))
-            elif old.dim() == 0:
-                old.fill_(v)
-            else:
-                obj.register_buffer(buf_name, torch.tensor(v, dtype=old.dtype, device=old.device))
-            nonzero = v != 0.0
-        elif isinstance(value, Tensor) or _is_sequence(value):  # one value per gate
-            t = self._per_gate_values(obj, value)
-            if old is None:
-                obj.register_buffer(buf_name, t.to(torch.get_default_dtype()))
-            elif old.shape == t.shape:
-                old.copy_(t)
-            else:
-                new = torch.empty(t.shape, dtype=old.dtype, device=old.device)
-                obj.register_buffer(buf_name, new.copy_(t))
-            nonzero = bool((t != 0).any())
-        else:  # a number: today's scalar, or broadcast to every gate of a per-gate value
-            v = self._check_number(value)
-            if old is None:
-                obj.register_buffer(buf_name, torch.tensor(v))
-            else:
-                old.fill_(v)
-            nonzero = v != 0.0
-        _set_nonzero(obj, self.name, nonzero)
-
-    def _check_number(self, value: object) -> float:
-        try:
-            v = float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{self.name} must be a number or one number per gate, got {type(value).__name__}"
-            ) from None
-        ok = v > 0.0 if self.positive else v >= 0.0
-        if not (ok and math.isfinite(v)):
-            bound = "> 0" if self.positive else ">= 0"
-            raise ValueError(f"{self.name} must be a finite number {bound}, got {value}")
-        return v
-
-    def _per_gate_values(self, obj: nn.Module, value: Any) -> Tensor:
-        """Validate one value per gate and return them as a (T,) float64 CPU tensor."""
-        name, bound = self.name, "> 0" if self.positive else ">= 0"
-        num_gates = getattr(obj, "num_gates", None)
-        if isinstance(value, Tensor):
-            if not (value.is_floating_point() or value.dtype in _INT_DTYPES):
-                raise TypeError(f"{name} must hold real numbers, got a {value.dtype} tensor")
-            t = value.detach().to("cpu", torch.float64, copy=True)  # never aliases value
-        else:
-            try:
-                t = torch.tensor([float(x) for x in value], dtype=torch.float64)
-            except (TypeError, ValueError):
-                raise TypeError(f"{name} must be a number or a sequence of numbers") from None
-        if t.dim() != 1:
-            raise ValueError(
-                f"{name} must be a number or a 1-d tensor with one value per gate, "
-                f"got shape {tuple(t.shape)}"
-            )
-        if num_gates is None:
-            raise ValueError(
-                f"{name} has {t.shape[0]} values but {type(obj).__name__} is a single gate: "
-                "one value per gate needs num_gates"
-            )
-        if t.shape[0] != num_gates:
-            raise ValueError(
-                f"{name} must have one value per gate (T={num_gates}), got {t.shape[0]}"
-            )
-        ok = (t > 0) if self.positive else (t >= 0)
-        bad = (~(ok & torch.isfinite(t))).nonzero().flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(
-                f"{name} must be a finite number {bound} for every gate, got {t[i].item()} "
-                f"(gate {i})"
-            )
-        return t
-
-    def is_per_gate(self, obj: nn.Module) -> bool:
-        """Whether ``obj`` holds one value per gate (a (T,) buffer) rather than one scalar."""
-        return getattr(obj, self.buffer_name).dim() > 0
-
-    def is_nonzero(self, obj: nn.Module) -> bool:
-        """Whether some value is nonzero, as of the last assignment or ``load_state_dict``.
-
-        A Python-side flag (no device sync, a constant under ``torch.compile``), for modules
-        that skip a term entirely when its weight is 0. Writing into the buffer directly
-        bypasses it.
-        """
-        return bool(obj.__dict__.get(_NONZERO, {}).get(self.name, True))
-
-    def refresh(self, obj: nn.Module) -> None:
-        """Recompute the flags of :meth:`is_nonzero` from the buffer (after an in-place load)."""
-        _set_nonzero(obj, self.name, bool((getattr(obj, self.buffer_name) != 0).any()))
-
-
-_NONZERO = "_hyperparameter_nonzero"
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
-def _set_nonzero(obj: nn.Module, name: str, flag: bool) -> None:
-    obj.__dict__.setdefault(_NONZERO, {})[name] = flag
-
-
-def _is_sequence(value: object) -> bool:
-    """A list/tuple of numbers, or an array with at least one dimension (e.g. numpy)."""
-    if isinstance(value, (str, bytes)):
-        return False
-    return isinstance(value, Sequence) or getattr(value, "ndim", 0) >= 1
-
-
-def hyperparameters(module: nn.Module) -> dict[str, HyperParameter]:
-    """The :class:`HyperParameter` descriptors of ``module``'s class, by name."""
-    out: dict[str, HyperParameter] = {}
-    for cls in reversed(type(module).__mro__):
-        for key, attr in vars(cls).items():
-            if isinstance(attr, HyperParameter):
-                out[key] = attr
-    return out
-
-
-def format_hyperparameter(value: float | Tensor) -> str:
-    """``value`` as ``extra_repr`` shows it: ``0.5``, or ``[0.5, 1, 2]`` for one value per gate."""
-    if not isinstance(value, Tensor):
-        return f"{value:g}"
-    vals = [f"{v:g}" for v in value.tolist()]
-    if len(vals) > 6:
-        return f"[{', '.join(vals[:3])}, ..., {vals[-1]}] ({len(vals)} gates)"
-    return f"[{', '.join(vals)}]"
-
-
 class Gate(nn.Module):
     """Base class: parameter layout (static or per-example, single or bank) and input checks.
 
@@ -287,6 +82,15 @@ class Gate(nn.Module):
     on_simplex: bool = True
     #: at most this many nonzeros per output (None: no promise); set by sparse gates
     max_nonzeros: int | None = None
+    #: whether :meth:`selection` / :meth:`set_selection` work (static gates only): the swap
+    #: search of :mod:`dselectk.search` can move this gate's selection
+    searchable: bool = False
+    #: whether the selection starts smooth and becomes final (binary) only as training
+    #: converges (DSelect-k's S(Z), COMET's trees): :meth:`binary_entries` is then defined and
+    #: :meth:`is_binary` measures it; False for gates whose selection is final by construction
+    #: (Top-k, Gumbel-softmax in eval mode, a frozen gate) or never final (softmax, the
+    #: softmax-selector ablations)
+    binarizes: bool = False
 
     def __init__(
         self,
@@ -459,6 +263,213 @@ class Gate(nn.Module):
     def num_selected(self, x: Tensor | None = None) -> Tensor:
         """Number of experts with a nonzero weight: per gate (static) or per example."""
         return self.selected_experts(x).sum(dim=-1)
+
+    @torch.no_grad()
+    def inference_weights(self, x: Tensor | None = None) -> Tensor:
+        """The weights the gate uses at evaluation, without gradients.
+
+        The default is :meth:`expert_weights` (call it in eval mode for gates whose training
+        weights are random); gates that apply a post-hoc rule at evaluation override it (the
+        softmax-selector ablations: each selector replaced by its argmax).
+
+        Args:
+            x: the input of a per-example gate, ``(B, p)`` or tokens ``(..., p)``; None for a
+                static gate.
+
+        Returns:
+            Weights shaped as :meth:`forward`'s: ``(n,)``, ``(T, n)``, ``(B, [T,] n)``.
+        """
+        return self.expert_weights(x)
+
+    # -- the gate's own answers: binarity, selection, diagnostics, freezing ------------------
+    def _gate_lead(self) -> tuple[int, ...]:
+        return () if self.num_gates is None else (self.num_gates,)
+
+    def _param_device(self) -> torch.device:
+        for t in (*self.parameters(), *self.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+    def _constant_binary(self, value: bool, x: Tensor | None) -> Tensor:
+        """:meth:`is_binary` of a gate whose answer does not depend on its state."""
+        device = self._param_device()
+        if self.static:
+            return torch.full(self._gate_lead(), value, dtype=torch.bool, device=device)
+        self._check_input(x)
+        return torch.full(self._gate_lead(), float(value), device=device)
+
+    @torch.no_grad()
+    def binary_entries(self, x: Tensor | None = None) -> Tensor:
+        """Which of the smooth quantities the gate drives to 0/1 are exactly 0 or 1.
+
+        Defined for the gates with :attr:`binarizes` (DSelect-k: the bits S(Z), K·M per gate;
+        COMET: each tree's leaf probabilities, k·n per gate).
+
+        Args:
+            x: the input of a per-example gate (``(B, p)`` or tokens); None for a static gate.
+
+        Returns:
+            bool ``(*lead, E)``, E entries per gate; ``lead`` is (), (T,), (B,) or (B, T).
+
+        Raises:
+            NotImplementedError: the gate has no such quantities (``binarizes`` is False).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no smooth selection that becomes binary "
+            "(binarizes is False); see is_binary"
+        )
+
+    @torch.no_grad()
+    def is_binary(self, x: Tensor | None = None) -> Tensor:
+        """Whether the gate's selection is final, per gate of the bank.
+
+        Gates with :attr:`binarizes` answer from :meth:`binary_entries` (every entry 0 or 1);
+        gates whose selection is final by construction (Top-k, Gumbel-softmax's eval-mode hard
+        mask, a frozen :class:`~dselectk.gates.fixed.FixedGate`) always answer True; the others
+        (softmax, whose weights are dense, and the softmax-selector ablations, whose selectors
+        are softmaxes that reach a one-hot vector only in the limit) always answer False.
+
+        Args:
+            x: the input of a per-example gate (``(B, p)`` or tokens ``(..., p)``); None for a
+                static gate.
+
+        Returns:
+            Static: bool, shape () or (T,). Per-example: the fraction of the examples (tokens)
+            of ``x`` whose selection is final, float, shape () or (T,).
+        """
+        if not self.binarizes:
+            return self._constant_binary(False, x)
+        binary = self.binary_entries(x).all(dim=-1)  # (*lead,)
+        if self.static:
+            return binary
+        return binary.reshape(-1, *self._gate_lead()).float().mean(dim=0)
+
+    def _require_searchable(self, what: str) -> None:
+        if not self.searchable:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no discrete selection to {what} (searchable is False)"
+            )
+        if not self.static:
+            raise ValueError(
+                f"{type(self).__name__} is per-example: its selection is a function of the "
+                "input, not a parameter"
+            )
+
+    @torch.no_grad()
+    def selection(self) -> Tensor:
+        """The current discrete selection of a static searchable gate: one expert per selector.
+
+        Returns:
+            long ``(K,)`` or ``(T, K)``: the expert index of each selector. DSelect-k: the code
+            of the rounded S(Z) row (bit m worth 2**m, as :func:`dselectk.functional.selector`;
+            a code >= n is an unused code that selects no expert). Top-k: its k selected
+            experts, by decreasing logit.
+
+        Raises:
+            NotImplementedError: the gate is not :attr:`searchable`.
+            ValueError: the gate is per-example.
+        """
+        self._require_searchable("read")
+        raise NotImplementedError(f"{type(self).__name__} must implement selection")
+
+    @torch.no_grad()
+    def selection_is_final(self) -> Tensor:
+        """Whether each selector's entry of :meth:`selection` is final (not fractional).
+
+        Returns:
+            bool, shaped like :meth:`selection`: DSelect-k: whether the selector's S(Z) row is
+            binary; Top-k: always True.
+
+        Raises:
+            NotImplementedError: the gate is not :attr:`searchable`.
+            ValueError: the gate is per-example.
+        """
+        self._require_searchable("read")
+        raise NotImplementedError(f"{type(self).__name__} must implement selection_is_final")
+
+    @torch.no_grad()
+    def set_selection(self, experts: Tensor, *, scale: float = 1.0) -> None:
+        """Move the selection of a static searchable gate in place (what the swap search does).
+
+        Args:
+            experts: long ``(K,)`` or ``(T, K)``, shaped like :meth:`selection`: the new expert
+                of each selector, or -1 to leave that selector as it is. DSelect-k: selector i's
+                Z row is written to ``±scale·γ`` per bit towards the code (binary, saturated); α
+                is not touched. Top-k: the logits are swapped so that the requested experts hold
+                the requested slots (the values of the logits are kept); the selected experts
+                must then be distinct.
+            scale: DSelect-k's write magnitude in units of γ, >= 0.5 (0.5 is just binary);
+                ignored by gates that have none.
+
+        Raises:
+            NotImplementedError: the gate is not :attr:`searchable`.
+            ValueError: the gate is per-example, or ``experts`` has the wrong shape or values.
+            TypeError: ``experts`` is not an integer tensor.
+        """
+        self._require_searchable("write")
+        raise NotImplementedError(f"{type(self).__name__} must implement set_selection")
+
+    def _check_experts(self, experts: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """Validate :meth:`set_selection`'s ``experts`` against ``shape``; (G, K) long."""
+        if not isinstance(experts, Tensor):
+            experts = torch.as_tensor(experts)
+        if experts.is_floating_point() or experts.is_complex() or experts.dtype == torch.bool:
+            raise TypeError(f"experts must be an integer tensor, got {experts.dtype}")
+        if tuple(experts.shape) != shape:
+            raise ValueError(f"experts must have shape {shape}, got {tuple(experts.shape)}")
+        bad = (experts < -1) | (experts >= self.num_experts)
+        if bool(bad.any()):
+            raise ValueError(
+                f"experts must hold expert indices in [0, {self.num_experts}) or -1 (keep), "
+                f"got {int(experts[bad][0])}"
+            )
+        return experts.to(torch.long).reshape(-1, shape[-1])
+
+    @torch.no_grad()
+    def selector_weights(self) -> Tensor:
+        """Each selector's weights over the experts, of a static searchable gate.
+
+        Returns:
+            ``(K, n)`` or ``(T, K, n)``: DSelect-k: r(S(z⁽ⁱ⁾)) restricted to the n experts;
+            Top-k: one-hot rows of its k selected experts.
+        """
+        self._require_searchable("read")
+        raise NotImplementedError(f"{type(self).__name__} must implement selector_weights")
+
+    @torch.no_grad()
+    def diagnostics(self, x: Tensor | None = None) -> dict[str, Tensor]:
+        """Gate-specific numbers for telemetry (see :mod:`dselectk.telemetry`).
+
+        Args:
+            x: the input of a per-example gate, ``(B, p)`` or tokens ``(..., p)``; ignored by
+                static gates. Per-example values are means over its examples (tokens).
+
+        Returns:
+            name → tensor with one row per gate, ``(G,)`` or ``(G, ...)``, G = ``num_gates``
+            (1 for a single gate). The default has none.
+        """
+        return {}
+
+    def freeze_blocker(self, weights: Tensor) -> str | None:
+        """Why freezing this static gate to ``weights`` would not give a sparse model yet.
+
+        The default: a gate with k selectors (or a ``max_nonzeros`` promise) is converged once
+        at most k weights are nonzero; a dense gate never is. Gates whose eval-mode selection is
+        hard (frozen, Gumbel-softmax) or whose convergence is binarity (DSelect-k) override it.
+
+        Args:
+            weights: the gate's eval-mode weights, ``(n,)`` or ``(T, n)``.
+
+        Returns:
+            A reason (a phrase, for an error message), or None when the gate may be frozen.
+        """
+        k = self.max_nonzeros or getattr(self, "k", None)
+        if k is None:
+            return "it is a dense gate (every expert gets a weight)"
+        nnz = int((weights != 0).sum(-1).max())
+        if nnz > k:
+            return f"{nnz} experts have a nonzero weight, more than k={k}"
+        return None
 
     def extra_repr(self) -> str:
         kind = "static" if self.static else f"in_features={self.in_features}"

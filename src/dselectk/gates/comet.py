@@ -95,7 +95,12 @@ class COMETGate(Gate):
 
     Initialisation (the reference's): split logits U(±γ/100) (every split starts strictly
     inside (0, 1)), leaf scores U(±0.05); per-example, the layer's weights and biases.
+
+    Binarity: the gate's selection is final once every tree reaches exactly one leaf (its leaf
+    probabilities are all 0 or 1; :meth:`binary_entries`, :meth:`is_binary`).
     """
+
+    binarizes = True
 
     _gamma: Tensor
     gamma = HyperParameter(positive=True)
@@ -178,6 +183,24 @@ class COMETGate(Gate):
             dim=(-2, -1)
         )
         return GateOutput(weights, self._reduce_aux(per_gate))
+
+    @torch.no_grad()
+    def binary_entries(self, x: Tensor | None = None) -> Tensor:
+        """Which leaf probabilities of the k trees are exactly 0 or 1: bool (*lead, k·n)."""
+        leaves, _ = tree_leaf_probabilities(self.splits(x), self.num_experts)
+        return ((leaves == 0) | (leaves == 1)).flatten(-2)
+
+    @torch.no_grad()
+    def diagnostics(self, x: Tensor | None = None) -> dict[str, Tensor]:
+        """``binary_fraction`` (of the leaf probabilities that are exactly 0 or 1) and
+        ``binary`` (every tree reaches one leaf: 1/0; per-example the fraction of the
+        examples), each (G,); per-example, means over the examples (tokens) of ``x``."""
+        entries = self.binary_entries(None if self.static else x)
+        entries = entries.reshape(-1, self.num_gates or 1, entries.shape[-1])  # (N, T, k·n)
+        return {
+            "binary_fraction": entries.float().mean((0, 2)),
+            "binary": entries.all(-1).float().mean(0),
+        }
 
     def extra_repr(self) -> str:
         kind = "static" if self.static else f"in_features={self.in_features}"

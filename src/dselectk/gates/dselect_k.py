@@ -126,6 +126,8 @@ class DSelectK(Gate):
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
+    searchable = True
+    binarizes = True
     _gamma: Tensor
     gamma = HyperParameter(positive=True)
     _entropy_reg: Tensor
@@ -365,15 +367,85 @@ class DSelectK(Gate):
         return float(((p == 0) | (p == 1)).float().mean())
 
     @torch.no_grad()
-    def is_binary(self, x: Tensor | None = None) -> Tensor:
-        """Static: whether S(Z) is binary, per gate (bool, () or (T,)).
-
-        Per-example: the fraction of the examples of ``x`` whose S(Wx) is binary, per gate
-        (float, () or (T,)).
-        """
+    def binary_entries(self, x: Tensor | None = None) -> Tensor:
+        """Which bits of S(Z) (per-example: S(Wx)) are exactly 0 or 1: bool (*lead, K·M)."""
         p = self.bits(x)
-        binary = ((p == 0) | (p == 1)).flatten(-2).all(dim=-1)  # (*lead,)
-        return binary if self.static else binary.float().mean(dim=0)
+        return ((p == 0) | (p == 1)).flatten(-2)
+
+    # is_binary (Gate's, from binary_entries): static, whether S(Z) is binary per gate (bool,
+    # () or (T,)); per-example, the fraction of the examples of x whose S(Wx) is (float).
+
+    @torch.no_grad()
+    def selection(self) -> Tensor:
+        """The code of each selector's rounded S(Z) row (bit m worth 2**m), (K,) or (T, K)."""
+        self._require_searchable("read")
+        p = self.bits()
+        place = torch.arange(self.num_bits, device=p.device)
+        return (p.round().long() << place).sum(-1)
+
+    @torch.no_grad()
+    def selection_is_final(self) -> Tensor:
+        """Whether each selector's S(Z) row is binary, bool (K,) or (T, K)."""
+        self._require_searchable("read")
+        p = self.bits()
+        return ((p == 0) | (p == 1)).all(-1)
+
+    @torch.no_grad()
+    def set_selection(self, experts: Tensor, *, scale: float = 1.0) -> None:
+        """Write selector i's Z row to ±``scale``·γ per bit towards the code ``experts[..., i]``.
+
+        Args:
+            experts: long (K,) or (T, K): the new expert of each selector, -1 to keep it.
+            scale: >= 0.5 (binary); 1.0 (the swap search's default) saturates past γ/2.
+        """
+        self._require_searchable("write")
+        if not float(scale) >= 0.5:
+            raise ValueError(f"scale must be >= 0.5 (a move must be binary), got {scale}")
+        k, m = self.k, self.num_bits
+        e = self._check_experts(experts, (*self._gate_lead(), k))  # (G, K)
+        z = self.logits.view(-1, self.logits.shape[-1])[:, k:].view(-1, k, m)  # (G, K, M) view
+        gamma = self._gamma.reshape(-1, 1, 1).to(z)  # (1 or G, 1, 1)
+        place = torch.arange(m, device=z.device)
+        signs = ((e.to(z.device).clamp(min=0).unsqueeze(-1) >> place) & 1).float() * 2 - 1
+        moved = signs * (scale * gamma)  # (G, K, M)
+        z.copy_(torch.where((e >= 0).to(z.device).unsqueeze(-1), moved, z))
+
+    @torch.no_grad()
+    def selector_weights(self) -> Tensor:
+        """r(S(z⁽ⁱ⁾)) of each selector over the n experts, (K, n) or (T, K, n)."""
+        self._require_searchable("read")
+        return DF.selector(self.bits())[..., : self.num_experts]
+
+    @torch.no_grad()
+    def diagnostics(self, x: Tensor | None = None) -> dict[str, Tensor]:
+        """``binary_fraction``, ``binary``, ``selector_entropy``, ``collisions``, each (G,).
+
+        ``binary_fraction``: the fraction of the entries of S(Z) (per-example: S(Wx)) that are
+        exactly 0 or 1; ``binary``: whether all of them are (1/0; per-example: the fraction of
+        the examples); ``selector_entropy``: Σ_m h(S(z_m)) per selector (nats), mean over the
+        selectors; ``collisions``: pairs i < j of selectors whose codes (S(z) > 1/2 bitwise)
+        pick the same expert (codes >= n select none). Per-example values are means over ``x``.
+        """
+        t_count, n = self.num_gates or 1, self.num_experts
+        p = self.bits(None if self.static else x).float()
+        p = p.reshape(-1, t_count, *p.shape[-2:])  # (N, T, K, M)
+        binary = (p == 0) | (p == 1)
+        both = torch.stack((p, 1 - p))
+        bit_ent = -torch.special.xlogy(both, both).sum(0).sum(-1)  # (N, T, K)
+        place = 2 ** torch.arange(p.shape[-1], device=p.device)
+        codes = ((p > 0.5).long() * place).sum(-1)  # bit m is worth 2**m (functional.selector)
+        return {
+            "binary_fraction": binary.float().mean((0, 2, 3)),
+            "binary": binary.flatten(2).all(-1).float().mean(0),
+            "selector_entropy": bit_ent.mean((0, 2)),
+            "collisions": DF.code_collisions(codes, n),
+        }
+
+    def freeze_blocker(self, weights: Tensor) -> str | None:
+        """None once S(Z) is binary (at most k experts), else how much of it is."""
+        if bool(self.is_binary().all()):
+            return None
+        return f"S(Z) is not binary yet ({self.binary_fraction():.1%} of its bits are)"
 
     def extra_repr(self) -> str:
         extra = ""  # today's repr when the diversity penalty is off

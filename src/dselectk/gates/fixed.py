@@ -3,6 +3,7 @@ converged static gate."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from dselectk.gates.base import Gate, GateOutput
@@ -31,3 +32,12 @@ class FixedGate(Gate):
 
     def forward(self, x: Tensor | None = None) -> GateOutput:
         return GateOutput(self.fixed_weights, self.fixed_weights.new_zeros(()))
+
+    @torch.no_grad()
+    def is_binary(self, x: Tensor | None = None) -> Tensor:
+        """Always True, () or (T,): a frozen selection is final."""
+        return self._constant_binary(True, x)
+
+    def freeze_blocker(self, weights: Tensor) -> str | None:
+        """None: already frozen."""
+        return None

@@ -99,6 +99,27 @@ class GumbelSoftmaxGate(Gate):
         return GateOutput(weights, self._reduce_aux(penalty))
 
     @torch.no_grad()
+    def is_binary(self, x: Tensor | None = None) -> Tensor:
+        """Always True (1.0 per-example): the eval-mode selection, the mask 1[ℓ > 0], is hard.
+
+        In training mode the mask is a (relaxed) random sample; this answers for evaluation.
+        """
+        return self._constant_binary(True, x)
+
+    @torch.no_grad()
+    def diagnostics(self, x: Tensor | None = None) -> dict[str, Tensor]:
+        """``expected_nonzeros``: Σ_i ψ_i, the expected number of kept experts, (G,).
+
+        Per-example: the mean over the examples (tokens) of ``x``.
+        """
+        e = self.expected_nonzeros(None if self.static else x)
+        return {"expected_nonzeros": e.reshape(-1, self.num_gates or 1).mean(0)}
+
+    def freeze_blocker(self, weights: Tensor) -> str | None:
+        """None: the eval-mode weights use the hard mask 1[ℓ > 0]."""
+        return None
+
+    @torch.no_grad()
     def keep_probability(self, x: Tensor | None = None) -> Tensor:
         """ψ = σ(ℓ): probability that each expert is kept, shaped like the weights."""
         return torch.sigmoid(self.compute_logits(x)[..., self.num_experts :])

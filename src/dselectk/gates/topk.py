@@ -40,6 +40,8 @@ class TopKGate(Gate):
         init_std: standard deviation of the initial static logits.
     """
 
+    searchable = True
+
     def __init__(
         self,
         num_experts: int,
@@ -114,6 +116,59 @@ class TopKGate(Gate):
         prob_in = normal.cdf((clean - threshold_in) / std)
         prob_out = normal.cdf((clean - threshold_out) / std)
         return torch.where(is_in, prob_in, prob_out)
+
+    @torch.no_grad()
+    def is_binary(self, x: Tensor | None = None) -> Tensor:
+        """Always True (1.0 per-example): the k selected experts are a hard selection."""
+        return self._constant_binary(True, x)
+
+    @torch.no_grad()
+    def selection(self) -> Tensor:
+        """The k selected experts by decreasing logit, long (K,) or (T, K)."""
+        self._require_searchable("read")
+        return self.logits.topk(self.k, dim=-1).indices
+
+    @torch.no_grad()
+    def selection_is_final(self) -> Tensor:
+        """All True, (K,) or (T, K): the top k is a hard selection."""
+        return torch.ones_like(self.selection(), dtype=torch.bool)
+
+    @torch.no_grad()
+    def set_selection(self, experts: Tensor, *, scale: float = 1.0) -> None:
+        """Swap logits so that ``experts[..., i]`` holds slot i of the top k (-1: keep it).
+
+        Slot by slot, the expert holding slot i and the requested one exchange their logits,
+        so the logits keep their values (the weights, as a set, are unchanged) and the other
+        experts keep theirs. ``scale`` is ignored. The experts selected afterwards must be
+        distinct.
+        """
+        self._require_searchable("write")
+        n, k = self.num_experts, self.k
+        e = self._check_experts(experts, (*self._gate_lead(), k)).to(self.logits.device)
+        logits = self.logits.view(-1, n)  # (G, n), a view of the parameter
+        current = logits.topk(k, dim=-1).indices
+        final = torch.where(e >= 0, e, current)
+        ranked = final.sort(-1).values
+        if bool((ranked[:, 1:] == ranked[:, :-1]).any()):
+            raise ValueError(
+                "experts: a Top-k gate selects k distinct experts; the requested selection "
+                "repeats one (with the kept slots)"
+            )
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        for slot in range(k):
+            out = logits.topk(k, dim=-1).indices[:, slot]
+            new = e[:, slot]
+            move = (new >= 0) & (new != out)
+            if not bool(move.any()):
+                continue
+            r, o, t = rows[move], out[move], new[move]
+            held, wanted = logits[r, o].clone(), logits[r, t].clone()
+            logits[r, o], logits[r, t] = wanted, held
+
+    @torch.no_grad()
+    def selector_weights(self) -> Tensor:
+        """One-hot rows of the k selected experts, (K, n) or (T, K, n) (long)."""
+        return F.one_hot(self.selection(), self.num_experts)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}, noisy={self.noisy}"
