@@ -271,31 +271,6 @@ def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
     )
 
 
-def test_share_groups_settle_a_group_on_shared_experts() -> None:
-    """Four gates, two groups; every expert scores the same except that selector moves are
-    needed (a collapse): with share_groups each group's gates end on the same experts."""
-    torch.manual_seed(9)
-    gate = DSelectK(8, 2, gamma=1.0, num_gates=4)
-    _collapsed(gate, code=0)
-    with torch.no_grad():
-        gate.z[1, 0] = torch.tensor([1.0, 1.0, -1.0])  # gate 1, selector 0 on expert 3
-        gate.z[3, 0] = torch.tensor([-1.0, 1.0, 1.0])  # gate 3, selector 0 on expert 6
-
-    def loss() -> torch.Tensor:  # any two distinct experts are equally good
-        return -gate.num_selected().float()
-
-    groups = torch.tensor([0, 0, 1, 1])
-    swap_search(gate, loss, share_groups=groups, share_tol=0.0)
-    sel = gate.selected_experts()
-    assert gate.num_selected().tolist() == [2, 2, 2, 2]
-    assert torch.equal(sel[0], sel[1]) and torch.equal(sel[2], sel[3])
-    assert sel[1, 3] and sel[3, 6]  # the group's already-used experts win the ties
-    with pytest.raises(ValueError, match="share_groups"):
-        swap_search(gate, loss, share_groups=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="share_tol"):
-        swap_search(gate, loss, share_tol=-1.0)
-
-
 def test_at_fractions_turns_a_plan_into_steps() -> None:
     gate = DSelectK(8, k=2, num_gates=1)
     s = SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 200, (0.25, 0.7, 0.7), 0.5, tol=0.0)
@@ -335,12 +310,14 @@ def test_selector_refit_mse_is_the_least_squares_fit_on_the_selected_experts() -
 
 def test_from_plan_reads_a_study_plan_and_rejects_unknown_keys() -> None:
     gate = DSelectK(8, k=2, num_gates=1)
-    plan = {"at": (0.25, 0.7), "binarize": 0.5, "tol": 0.0, "share_tol": 0.05}
+    plan = {"at": (0.25, 0.7), "binarize": 0.5, "tol": 0.0}
     s = SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, plan)
     assert sorted(s._at) == [25, 70] and sorted(s._binarize_at) == [50]
-    assert (s.tol, s.share_tol) == (0.0, 0.05)
+    assert s.tol == 0.0
     with pytest.raises(ValueError, match="plan"):
         SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"at": (0.5,), "refit": True})
+    with pytest.raises(ValueError, match="plan"):  # share_* went with issue 21
+        SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"at": (0.5,), "share_tol": 0.1})
     with pytest.raises(ValueError, match="plan"):
         SwapSearch.from_plan(gate, lambda: torch.zeros(1), 100, {"binarize": 0.5})
 

@@ -14,12 +14,16 @@ caller's per-gate loss, and moves the gates for which some expert beats the curr
 :class:`SwapSearch` is the :class:`~dselectk.training.Callback` that runs it at chosen steps of
 :func:`~dselectk.training.train`.
 
-A DSelect-k move writes selector i's Z row to ``±scale·γ`` per bit (the code of the new expert,
+The search is written against the gate contract only (:attr:`~dselectk.gates.base.Gate.searchable`,
+:meth:`~dselectk.gates.base.Gate.selection`, :meth:`~dselectk.gates.base.Gate.selection_is_final`,
+:meth:`~dselectk.gates.base.Gate.set_selection`); each gate decides what a move writes. A
+DSelect-k move writes selector i's Z row to ``±scale·γ`` per bit (the code of the new expert,
 exactly binary, saturated, so leftover optimizer momentum cannot pull it back inside); α is not
 touched, so the selector keeps its share. A Top-k move exchanges two experts' logits (the
-selected set changes by one expert, the weights keep their values). Candidates that would put
-two DSelect-k selectors on one expert are skipped. Per-example gates are not supported (their
-selection is a function of the input, not a parameter one can move).
+selected set changes by one expert, the weights keep their values). Candidates already held by
+another selector whose selection is final are skipped (no move creates a collision).
+Per-example gates are not supported (their selection is a function of the input, not a
+parameter one can move).
 """
 
 from __future__ import annotations
@@ -31,10 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk import functional as DF
 from dselectk.gates.base import Gate
-from dselectk.gates.dselect_k import DSelectK
-from dselectk.gates.topk import TopKGate
 from dselectk.training import Callback, History, TaskData
 
 __all__ = ["RefitStats", "SearchResult", "SwapSearch", "selector_refit_mse", "swap_search"]
@@ -51,8 +52,8 @@ class SearchResult:
     loss_before: Tensor
     """(G,) per-gate loss before the search."""
     loss_after: Tensor
-    """(G,) per-gate loss after it (never above ``loss_before``, except with ``binarize`` or
-    ``share_tol`` > 0, which may trade loss for binarity or shared experts)."""
+    """(G,) per-gate loss after it (never above ``loss_before``, except with ``binarize``, which
+    may trade loss for binarity)."""
     evaluations: int = 0
     """Calls of the loss function."""
     sweeps: int = 0
@@ -60,14 +61,24 @@ class SearchResult:
 
 
 def _check_gate(gate: Gate) -> None:
-    if not isinstance(gate, (DSelectK, TopKGate)):
+    if not isinstance(gate, Gate) or not gate.searchable:
         raise TypeError(
-            f"gate: swap_search supports DSelectK and TopKGate, got {type(gate).__name__}"
+            "gate: swap_search supports the searchable gates (Gate.searchable: DSelectK and "
+            f"TopKGate), got {type(gate).__name__}"
         )
     if not gate.static:
         raise ValueError(
             "gate: swap_search needs a static gate (in_features=None); a per-example gate's "
             "selection is a function of the input, not a parameter"
+        )
+
+
+def _check_binarize(gate: Gate, what: str) -> None:
+    if not gate.binarizes:
+        raise ValueError(
+            f"{what}: {type(gate).__name__}'s selection is final by construction (only gates "
+            "whose selection becomes binary in training, such as DSelectK, have non-binary "
+            "selectors)"
         )
 
 
@@ -88,13 +99,6 @@ def _threshold(best: Tensor, tol: float) -> Tensor:
     return torch.where(torch.isfinite(best), best - tol * best.abs(), best)
 
 
-def _code_bits(num_bits: int, device: torch.device) -> Tensor:
-    """(2**M, M) {-1, +1}: bit j of code c is (c >> j) & 1 (LSB first, as DSelectK)."""
-    codes = torch.arange(2**num_bits, device=device)
-    bits = (codes.unsqueeze(-1) >> torch.arange(num_bits, device=device)) & 1
-    return bits.float() * 2 - 1
-
-
 @torch.no_grad()
 def swap_search(
     gate: Gate,
@@ -104,24 +108,23 @@ def swap_search(
     tol: float = 1e-4,
     scale: float = 1.0,
     binarize: bool = False,
-    share_groups: Tensor | None = None,
-    share_tol: float = 0.0,
 ) -> SearchResult:
-    """Best-improvement swap search over a static DSelect-k or Top-k gate (bank).
+    """Best-improvement swap search over a static searchable gate (bank).
 
     Args:
-        gate: a static :class:`~dselectk.gates.DSelectK` or :class:`~dselectk.gates.TopKGate`
-            (one gate or a bank of G gates); its logits are changed in place.
+        gate: a static gate with :attr:`~dselectk.gates.base.Gate.searchable` (DSelect-k,
+            Top-k), one gate or a bank of G gates; its selection is changed in place.
         member_loss: called with no arguments under ``torch.no_grad()``; returns the data loss
-            of each gate's model at the gate's current logits, shape (G,) (or a scalar for a
-            single gate). Use a fixed batch so that scores are comparable.
+            of each gate's model at the gate's current parameters, shape (G,) (or a scalar for
+            a single gate). Use a fixed batch so that scores are comparable.
         sweeps: at most this many passes over the selectors (a pass with no move stops).
         tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss|.
         scale: DSelect-k moves write ``±scale·γ`` per bit (binary needs ≥ 0.5).
-        binarize: DSelect-k only: in the first sweep a selector whose S(Z) row is not binary,
-            or is binary on an expert another binary selector holds, must move to its best free
-            code even when that raises the loss, so that S(Z) is binary afterwards with k
-            distinct experts. ``loss_after`` may then exceed ``loss_before``.
+        binarize: gates whose selection becomes binary in training (DSelect-k): in the first
+            sweep a selector whose selection is not final, or is final on an expert another
+            final selector holds, must move to its best free expert even when that raises the
+            loss, so that the selection is final afterwards with k distinct experts.
+            ``loss_after`` may then exceed ``loss_before``.
 
     Returns:
         A :class:`SearchResult`.
@@ -133,44 +136,17 @@ def swap_search(
         raise ValueError(f"tol must be >= 0, got {tol}")
     if scale < 0.5:
         raise ValueError(f"scale must be >= 0.5 (a move must be binary), got {scale}")
-    logits = gate.logits
-    assert logits is not None
-    view = logits.view(-1, logits.shape[-1])  # (G, L), shares storage with the parameter
-    groups = view.shape[0]
+    groups = gate.num_gates or 1
     before = _losses(member_loss, groups)
     best = before.clone()
     moves = torch.zeros(groups, dtype=torch.long)
     evals = 1
-    if binarize and not isinstance(gate, DSelectK):
-        raise ValueError("binarize: only DSelectK has non-binary selectors")
-    if share_groups is not None:
-        if not isinstance(gate, DSelectK):
-            raise ValueError("share_groups: only DSelectK searches support it")
-        share_groups = torch.as_tensor(share_groups, dtype=torch.long).reshape(-1)
-        if share_groups.numel() != groups or (share_groups < 0).any():
-            raise ValueError(
-                f"share_groups must give one nonnegative group per gate ({groups}), "
-                f"got shape {tuple(share_groups.shape)}"
-            )
-    if share_tol < 0:
-        raise ValueError(f"share_tol must be >= 0, got {share_tol}")
+    if binarize:
+        _check_binarize(gate, "binarize")
     done = 0
     for _ in range(sweeps):
         done += 1
-        if isinstance(gate, DSelectK):
-            moved, n, best = _dselect_k_sweep(
-                gate,
-                view,
-                member_loss,
-                best,
-                tol,
-                scale,
-                binarize and done == 1,
-                (share_groups, share_tol),
-            )
-        else:
-            assert isinstance(gate, TopKGate)
-            moved, n, best = _topk_sweep(gate, view, member_loss, best, tol)
+        moved, n, best = _sweep(gate, member_loss, best, tol, scale, binarize and done == 1)
         evals += n
         moves += moved
         if not bool(moved.any()):
@@ -178,137 +154,65 @@ def swap_search(
     return SearchResult(moves, before, best, evals, done)
 
 
-def _dselect_k_sweep(
-    gate: DSelectK,
-    view: Tensor,
+def _sweep(
+    gate: Gate,
     member_loss: MemberLoss,
     best: Tensor,
     tol: float,
     scale: float,
     binarize: bool,
-    share: tuple[Tensor | None, float],
 ) -> tuple[Tensor, int, Tensor]:
-    k, m, n = gate.k, gate.num_bits, gate.num_experts
-    z = view[:, k:].view(-1, k, m)  # (G, K, M), a view
-    gamma = gate._gamma.reshape(-1, 1).to(z)  # (1 or G, 1)
-    signs = _code_bits(m, z.device)[:n]  # (N, M) reachable codes
-    moved = torch.zeros(z.shape[0], dtype=torch.long)
+    """One pass over the selectors: each tries every expert, the gates that improve move."""
+    logits = gate.logits
+    assert logits is not None  # a static gate
+    k, n = int(gate.k), gate.num_experts
+    groups = best.shape[0]
+    shape = (k,) if gate.num_gates is None else (groups, k)  # that of gate.selection()
+    moved = torch.zeros(groups, dtype=torch.long)
     evals = 0
     for i in range(k):
-        keep = z[:, i].clone()
-        held, binary, code = _held_codes(gate, z, skip=i)  # held by the other selectors
+        keep = logits.detach().clone()
+        held, final, code = _held(gate, skip=i)  # held by the other final selectors
         if binarize:  # a fractional or colliding selector must move: its loss does not count
             kept_best = best
-            rows = torch.arange(z.shape[0], device=z.device)
-            stays = binary[:, i] & ~held[rows, code[:, i].clamp(max=n - 1)]
+            rows = torch.arange(groups, device=code.device)
+            stays = final[:, i] & ~held[rows, code[:, i].clamp(max=n - 1)]
             stays &= code[:, i] < n
             best = torch.where(stays.cpu(), best, torch.full_like(best, float("inf")))
-        choice = torch.full((z.shape[0],), -1, dtype=torch.long)
-        scores = []
+        choice = torch.full((groups,), -1, dtype=torch.long)
+        trial = torch.full((groups, k), -1, dtype=torch.long, device=code.device)
         for c in range(n):
-            z[:, i] = signs[c] * (scale * gamma)
-            loss = _losses(member_loss, z.shape[0])
+            free = ~held[:, c]
+            trial[:, i] = torch.where(free, c, -1)
+            logits.copy_(keep)
+            gate.set_selection(trial.view(shape), scale=scale)
+            loss = _losses(member_loss, groups)
             evals += 1
-            free = ~held[:, c].cpu()
-            scores.append(torch.where(free, loss, torch.full_like(loss, float("inf"))))
-            better = (loss < _threshold(best, tol)) & free
+            better = (loss < _threshold(best, tol)) & free.cpu()
             best = torch.where(better, loss, best)
             choice = torch.where(better, torch.tensor(c), choice)
-        if share[0] is not None:
-            choice, best = _prefer_shared(
-                choice, best, torch.stack(scores, -1), share, binary, code, i, n
-            )
-        pick = choice.to(z.device)
-        moved_to = signs[pick.clamp(min=0)] * (scale * gamma)  # (G, M); γ is (1 or G, 1)
-        z[:, i] = torch.where((pick >= 0).unsqueeze(-1), moved_to, keep)
+        logits.copy_(keep)
+        trial[:, i] = choice.to(trial.device)
+        gate.set_selection(trial.view(shape), scale=scale)
         if binarize:
             best = torch.where(choice >= 0, best, kept_best)
         moved += (choice >= 0).long()
     return moved, evals, best
 
 
-def _prefer_shared(
-    choice: Tensor,
-    best: Tensor,
-    scores: Tensor,
-    share: tuple[Tensor | None, float],
-    binary: Tensor,
-    code: Tensor,
-    i: int,
-    n: int,
-) -> tuple[Tensor, Tensor]:
-    """Among near-best candidates (within ``share_tol`` of ``best``), the expert most used by
-    the other binary selectors of the gate's group (ties: the lower loss)."""
-    groups, share_tol = share
-    assert groups is not None
-    ok = binary.cpu() & (code.cpu() < n)  # (G, K)
-    onehot = torch.zeros(*code.shape, n)
-    onehot[ok] = torch.nn.functional.one_hot(code.cpu()[ok], n).float()
-    per_gate = onehot.sum(1)  # (G, N)
-    usage = torch.zeros(int(groups.max()) + 1, n).index_add_(0, groups, per_gate)[groups]
-    usage -= onehot[:, i]  # not the moving selector itself
-    limit = torch.where(torch.isfinite(best), best + share_tol * best.abs(), best)
-    near = scores <= limit.unsqueeze(-1)  # (G, N)
-    # lexicographic: most used, then lowest loss (scores are finite where near)
-    rank = torch.where(near, usage * 1e6 - scores.clamp(max=1e5), torch.full_like(usage, -1e18))
-    pick = rank.argmax(-1)
-    moving = choice >= 0
-    choice = torch.where(moving, pick, choice)
-    best = torch.where(moving, scores.gather(1, pick.unsqueeze(-1)).squeeze(-1), best)
-    return choice, best
-
-
-def _held_codes(gate: DSelectK, z: Tensor, skip: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(G, N) bool: expert c is the code of some binary selector other than ``skip``;
-    (G, K) bool: selector j is binary; (G, K) the code of each selector's rounded S(Z) row."""
-    p = gate.bits()
-    p = p.reshape(z.shape)  # (G, K, M)
-    binary = ((p == 0) | (p == 1)).all(-1)  # (G, K)
-    code = (p.round().long() << torch.arange(z.shape[-1], device=z.device)).sum(-1)  # (G, K)
-    held = torch.zeros(z.shape[0], gate.num_experts, dtype=torch.bool, device=z.device)
-    for j in range(gate.k):
+def _held(gate: Gate, skip: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(G, N) bool: expert c is the selection of some final selector other than ``skip``;
+    (G, K) bool: selector j's selection is final; (G, K) the selection of each selector."""
+    k = int(gate.k)
+    code = gate.selection().reshape(-1, k)  # (G, K)
+    final = gate.selection_is_final().reshape(-1, k)  # (G, K)
+    held = torch.zeros(code.shape[0], gate.num_experts, dtype=torch.bool, device=code.device)
+    for j in range(k):
         if j == skip:
             continue
-        ok = binary[:, j] & (code[:, j] < gate.num_experts)
+        ok = final[:, j] & (code[:, j] < gate.num_experts)
         held[ok, code[ok, j]] = True
-    return held, binary, code
-
-
-def _topk_sweep(
-    gate: TopKGate, view: Tensor, member_loss: MemberLoss, best: Tensor, tol: float
-) -> tuple[Tensor, int, Tensor]:
-    k, n = gate.k, gate.num_experts
-    logits = view[:, :n]  # (G, N), a view
-    groups = logits.shape[0]
-    rows = torch.arange(groups, device=logits.device)
-    moved = torch.zeros(groups, dtype=torch.long)
-    evals = 0
-    for slot in range(k):
-        keep = logits.clone()
-        selected = keep.topk(k, dim=-1).indices  # (G, K)
-        out = selected[:, slot]  # the expert this slot holds, per gate
-        choice = torch.full((groups,), -1, dtype=torch.long)
-        for e in range(n):
-            target = torch.full((groups,), e, device=logits.device)
-            skip = (selected == target.unsqueeze(-1)).any(-1)  # already selected: no move
-            swapped = keep.clone()
-            swapped[rows, out] = keep[rows, target]
-            swapped[rows, target] = keep[rows, out]
-            logits.copy_(torch.where(skip.unsqueeze(-1), keep, swapped))
-            loss = _losses(member_loss, groups)
-            evals += 1
-            better = (loss < _threshold(best, tol)) & ~skip.cpu()
-            best = torch.where(better, loss, best)
-            choice = torch.where(better, torch.tensor(e), choice)
-        final = keep.clone()
-        for g in range(groups):
-            e = int(choice[g])
-            if e >= 0:
-                o = int(out[g])
-                final[g, o], final[g, e] = keep[g, e], keep[g, o]
-        logits.copy_(final)
-        moved += (choice >= 0).long()
-    return moved, evals, best
+    return held, final, code
 
 
 @dataclass(frozen=True)
@@ -354,9 +258,10 @@ def selector_refit_mse(gate: Gate, stats: RefitStats, ridge: float = 1e-4) -> Te
     :func:`swap_search`'s ``member_loss``; nothing is changed.
 
     Args:
-        gate: a static :class:`~dselectk.gates.DSelectK` or :class:`~dselectk.gates.TopKGate`
-            bank of G = R·T gates (model r owns gates ``r·T … (r+1)·T − 1``); a Top-k gate's
-            selector outputs are its k selected experts' outputs.
+        gate: a static searchable gate (DSelect-k, Top-k) bank of G = R·T gates (model r owns
+            gates ``r·T … (r+1)·T − 1``); its selector outputs are given by
+            :meth:`~dselectk.gates.base.Gate.selector_weights` (Top-k: its k selected experts'
+            outputs).
         stats: :meth:`RefitStats.of` the R models' expert outputs and the T tasks' targets.
 
     Returns:
@@ -366,17 +271,11 @@ def selector_refit_mse(gate: Gate, stats: RefitStats, ridge: float = 1e-4) -> Te
     r, e, t = stats.cross.shape
     if e != gate.num_experts:
         raise ValueError(f"stats must have {gate.num_experts} experts, got {e}")
-    assert gate.logits is not None
-    g = gate.logits.view(-1, gate.logits.shape[-1]).shape[0]
+    g = gate.num_gates or 1
     if r * t != g:
         raise ValueError(f"stats hold R={r} models × T={t} tasks, the gate bank has {g} gates")
-    assert isinstance(gate, (DSelectK, TopKGate))
     k = int(gate.k)
-    if isinstance(gate, DSelectK):
-        sel = DF.selector(gate.bits())[..., :e]  # (G, K, E): each selector's expert weights
-    else:  # Top-k: one selector per selected expert
-        top = gate.logits.view(g, -1)[:, :e].topk(k, dim=-1).indices
-        sel = torch.nn.functional.one_hot(top, e)
+    sel = gate.selector_weights()  # (G, K, E): each selector's expert weights
     sel = sel.reshape(r, t, k, e).double()
     gram = sel @ stats.gram.unsqueeze(1) @ sel.transpose(-1, -2)  # (R, T, K, K)
     b = torch.einsum("rtke,ret->rtk", sel, stats.cross)  # (R, T, K)
@@ -399,7 +298,6 @@ class SwapSearch(Callback):
         sweeps, tol, scale: see :func:`swap_search`.
         binarize_at: steps after which to search with ``binarize=True`` (DSelect-k: S(Z) is
             binary with k distinct experts afterwards); may overlap ``at``.
-        share_groups, share_tol: see :func:`swap_search`.
     """
 
     gate: Gate
@@ -409,8 +307,6 @@ class SwapSearch(Callback):
     tol: float = 1e-4
     scale: float = 1.0
     binarize_at: Sequence[int] = ()
-    share_groups: Tensor | None = None
-    share_tol: float = 0.0
     results: list[SearchResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -420,8 +316,8 @@ class SwapSearch(Callback):
         for name, steps in (("at", self._at), ("binarize_at", self._binarize_at)):
             if any(s < 1 for s in steps):
                 raise ValueError(f"{name}: steps must be >= 1, got {sorted(steps)}")
-        if self._binarize_at and not isinstance(self.gate, DSelectK):
-            raise ValueError("binarize_at: only DSelectK has non-binary selectors")
+        if self._binarize_at:
+            _check_binarize(self.gate, "binarize_at")
 
     def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
         if history.steps in self._at or history.steps in self._binarize_at:
@@ -436,8 +332,6 @@ class SwapSearch(Callback):
                         tol=self.tol,
                         scale=self.scale,
                         binarize=history.steps in self._binarize_at,
-                        share_groups=self.share_groups,
-                        share_tol=self.share_tol,
                     )
                 )
             finally:
@@ -472,20 +366,13 @@ class SwapSearch(Callback):
 
     @classmethod
     def from_plan(
-        cls,
-        gate: Gate,
-        member_loss: MemberLoss,
-        steps_total: int,
-        plan: Mapping[str, Any],
-        share_groups: Tensor | None = None,
+        cls, gate: Gate, member_loss: MemberLoss, steps_total: int, plan: Mapping[str, Any]
     ) -> SwapSearch:
         """:meth:`at_fractions` from a plan mapping: ``at`` (fractions, required), ``binarize``
-        (a fraction or None), ``tol`` and ``share_tol`` (optional); other keys are an error."""
-        unknown = set(plan) - {"at", "binarize", "tol", "share_tol"}
+        (a fraction or None) and ``tol`` (optional); other keys are an error."""
+        unknown = set(plan) - {"at", "binarize", "tol"}
         if unknown or "at" not in plan:
-            raise ValueError(
-                f"plan needs 'at' and may hold binarize, tol, share_tol; got {sorted(plan)}"
-            )
+            raise ValueError(f"plan needs 'at' and may hold binarize, tol; got {sorted(plan)}")
         return cls.at_fractions(
             gate,
             member_loss,
@@ -493,8 +380,6 @@ class SwapSearch(Callback):
             plan["at"],
             plan.get("binarize"),
             tol=float(plan.get("tol", 1e-4)),
-            share_groups=share_groups,
-            share_tol=float(plan.get("share_tol") or 0.0),
         )
 
     @property
