@@ -201,6 +201,7 @@ class History:
     steps: int = 0
     best_epoch: int | None = None
     recorded_steps: list[int] = field(default_factory=list)
+    """Steps at which a :class:`GateRecorder` (or ``TrainConfig.record_every``) recorded."""
     recorded_weights: list[Tensor] = field(default_factory=list)
     """Gate weights at ``recorded_steps`` (static gates; per-example: mean over the batch)."""
     stopped_early: bool = False
