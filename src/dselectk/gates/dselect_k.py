@@ -18,39 +18,9 @@ from dselectk.gates.base import (
     format_hyperparameter,
 )
 
-__all__ = ["DSelectK", "exclusive_selectors"]
+__all__ = ["DSelectK"]
 
-_INITS = ("paper", "spread", "distinct")
-EXCLUSIVE_EPS = 1e-6
-
-
-def exclusive_selectors(r: Tensor, eps: float = EXCLUSIVE_EPS) -> Tensor:
-    """Selector laws in which later selectors cannot take mass on codes earlier ones hold.
-
-    r̃_1 = r_1 and, for i > 1, with the mask m_i = Π_{j<i} (1 - r̃_j) (elementwise over codes),
-    r̃_i = (r_i ⊙ m_i + ε r_i) / (⟨r_i, m_i⟩ + ε). Each r̃_i is a probability vector, smooth in r
-    (the denominator is >= ε > 0, so the 0/0 of a selector whose mass is entirely on held codes
-    cannot occur: it then falls back to r_i itself). Once every r_i is one-hot, r̃_i = r_i exactly
-    (distinct codes: numerator and denominator are the same float; a collision: ε r_i / ε), so
-    the output is exactly as sparse as r; zeros of r stay zeros for any r.
-
-    Args:
-        r: (..., K, C) selector laws (each row sums to 1).
-        eps: ε > 0.
-
-    Returns:
-        (..., K, C) the exclusive laws r̃.
-    """
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    rows = [r[..., 0, :]]
-    keep = 1.0 - rows[0]
-    for i in range(1, r.shape[-2]):
-        ri = r[..., i, :]
-        num = ri * keep
-        rows.append((num + eps * ri) / (num.sum(-1, keepdim=True) + eps))
-        keep = keep * (1.0 - rows[-1])
-    return torch.stack(rows, dim=-2)
+_INITS = ("paper", "spread")
 
 
 _STATIC_ONLY = "{name} is a parameter of static gates only (this gate is per-example); use bits(x)"
@@ -79,22 +49,12 @@ class DSelectK(Gate):
     selectors collapsing onto the same expert (fewer than k distinct). With μ = 0 (the default)
     the term is not computed at all.
 
-    Exclusive selectors (ours, ``exclusive=True``, off by default): the mixture uses
-    :func:`exclusive_selectors` of the k selector laws, so selector i's law is multiplied by
-    Π_{j<i}(1 - r̃_j) and renormalised: a later selector cannot put mass on a code an earlier one
-    holds, and once S(Z) is binary on k distinct codes the weights equal the paper's exactly.
-    The entropy, unused-code and diversity terms stay on the raw S(Z). This path expands the
-    (*lead, K, 2**M) code laws (no fused kernel).
-
-    α floor (ours, ``alpha_floor=ε``, default 0): the selector shares σ(α) are replaced by
-    (1 - ε) σ(α) + ε/k, so every selector keeps a share >= ε/k and its data gradient never
-    vanishes (with ε = 0 the softmax of α can starve selectors, which then sit on arbitrary
-    codes). Composed path, like ``exclusive``; sparsity once binary is unchanged.
-
     Differences from the paper: optional biases in the per-example gate (on by default); an
     optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
     distinct random expert, to keep selectors from collapsing onto the same expert; the
-    diversity penalty above (off by default); ``init="distinct"`` and ``exclusive`` (below).
+    diversity penalty above (off by default). (The other collapse remedies of
+    ``docs/collapse.md``, exclusive selectors, an α floor and a "distinct" init, were retired
+    by issue 21; they live at the git tag ``pre-remedy-deletion``.)
 
     Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma``, ``entropy_reg`` and
     ``diversity`` may each be one number (all gates) or T numbers (a sequence or a (T,) tensor,
@@ -116,13 +76,7 @@ class DSelectK(Gate):
         init: "paper": Z (static) or the Z rows of the layer (per-example) ~ U(-γ/100, γ/100),
             (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every S(Z_ij) starts
             strictly inside (0, 1); "spread": as "paper" plus an offset of ±γ/4 per bit towards
-            a distinct random code per selector (S = 0.84 or 0.16); "distinct": as "paper" plus
-            an offset of ±``init_margin``·γ per bit towards k distinct reachable codes per gate
-            chosen greedily (random order) to maximise their smallest pairwise Hamming distance.
-        init_margin: strength of ``init="distinct"``, in (0, 0.5) (0.5 would start binary;
-            0.25 gives S = 0.84 or 0.16 as "spread"). Ignored by the other inits.
-        exclusive: use exclusive selectors (see above). Default False.
-        alpha_floor: ε in [0, 1] of the α floor (see above). Default 0 (off).
+            a distinct random code per selector (S = 0.84 or 0.16).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -146,9 +100,6 @@ class DSelectK(Gate):
         xi: float = 1.0,
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
-        init_margin: float = 0.25,
-        exclusive: bool = False,
-        alpha_floor: float = 0.0,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -171,13 +122,6 @@ class DSelectK(Gate):
         self.entropy_reg = entropy_reg
         self.diversity = diversity
         self.init = init
-        if not 0.0 < float(init_margin) < 0.5:
-            raise ValueError(f"init_margin must be in (0, 0.5), got {init_margin}")
-        self.init_margin = float(init_margin)
-        self.exclusive = bool(exclusive)
-        if not 0.0 <= float(alpha_floor) <= 1.0:
-            raise ValueError(f"alpha_floor must be in [0, 1], got {alpha_floor}")
-        self.alpha_floor = float(alpha_floor)
         self._build_logits()
         self.reset_parameters()
 
@@ -239,36 +183,17 @@ class DSelectK(Gate):
                 bias[:, k:] += offset.flatten(-2)
 
     def _spread_offset(self, lead: tuple[int, ...]) -> Tensor | None:
-        """(*lead, K, M) offsets ±γ/4 ("spread") or ±margin·γ ("distinct") towards k distinct
-        codes per gate, or None ("paper")."""
+        """(*lead, K, M) offsets ±γ/4 towards a distinct random code per selector ("spread"),
+        or None ("paper")."""
         if self.init == "paper":
             return None
-        n_gates = math.prod(lead)
-        if self.init == "spread":
-            picks = [torch.randperm(self.num_experts)[: self.k] for _ in range(n_gates)]
-            scale = 0.25
-        else:
-            picks = [self._distinct_codes() for _ in range(n_gates)]
-            scale = self.init_margin
+        picks = [torch.randperm(self.num_experts)[: self.k] for _ in range(math.prod(lead))]
         codes = torch.stack(picks)
         bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
         gamma = self.gamma
         if isinstance(gamma, Tensor):  # one γ per gate; lead is (T,)
             gamma = gamma.to(torch.float32).view(-1, 1, 1)
-        if scale == 0.25:  # "spread" as before (γ/4), bit for bit
-            return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
-        return ((bits.float() * 2 - 1) * (gamma * scale)).view(*lead, self.k, self.num_bits)
-
-    def _distinct_codes(self) -> Tensor:
-        """k distinct reachable codes: in a random order, greedily the code farthest (smallest
-        Hamming distance to those chosen) from the codes chosen so far (ties: first)."""
-        order = torch.randperm(self.num_experts)
-        chosen = [int(order[0])]
-        rest = [int(c) for c in order[1:]]
-        while len(chosen) < self.k:
-            dist = [min((c ^ d).bit_count() for d in chosen) for c in rest]
-            chosen.append(rest.pop(dist.index(max(dist))))
-        return torch.tensor(chosen)
+        return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
 
     def split_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Split flat logits (..., K(1+M)) into α (..., K) and Z (..., K, M)."""
@@ -303,8 +228,6 @@ class DSelectK(Gate):
     # -- math -----------------------------------------------------------------------------
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
-        if self.exclusive or self.alpha_floor > 0:
-            return self._gate_composed(alpha, z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
@@ -316,26 +239,6 @@ class DSelectK(Gate):
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         aux = self._reduce_aux(per_gate)
         if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
-            aux = aux + self._reduce_aux(self.diversity_penalty(z))
-        return GateOutput(weights, aux)
-
-    def _gate_composed(self, alpha: Tensor, z: Tensor) -> GateOutput:
-        """:meth:`gate` with :func:`exclusive_selectors` and/or the α floor (composed, over all
-        2**M codes)."""
-        p = DF.smooth_step(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
-        r = DF.selector(p)  # (*lead, K, 2**M)
-        if self.exclusive:
-            r = exclusive_selectors(r)
-        share = torch.softmax(alpha, dim=-1)
-        if self.alpha_floor > 0:
-            share = (1.0 - self.alpha_floor) * share + self.alpha_floor / self.k
-        w = (share.unsqueeze(-1) * r).sum(dim=-2)
-        weights = w[..., : self.num_experts]
-        per_gate = self._entropy_reg * DF.selector_entropy(p).sum(dim=-1)
-        if self.num_experts < 2**self.num_bits and self.xi > 0:
-            per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
-        aux = self._reduce_aux(per_gate)
-        if type(self).diversity.is_nonzero(self):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(weights, aux)
 
@@ -454,7 +357,4 @@ class DSelectK(Gate):
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"
-            + (f", init_margin={self.init_margin}" if self.init == "distinct" else "")
-            + (", exclusive=True" if self.exclusive else "")
-            + (f", alpha_floor={self.alpha_floor}" if self.alpha_floor > 0 else "")
         )
