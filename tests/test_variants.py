@@ -125,3 +125,23 @@ def test_every_registered_gate_is_a_spec() -> None:
     assert set(GATES) == set(gate_names())
     for spec in GATES.values():
         assert spec.summary
+
+
+def test_stack_members_equals_members_built_alone() -> None:
+    from dselectk.layers import StackedMLP
+    from dselectk.variants import stack_members
+
+    singles = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        singles.append((StackedMLP(4, 5, [3]), DSelectK(4, 2, num_gates=3, gamma=2.0)))
+    experts = stack_members(StackedMLP(8, 5, [3]), [e for e, _ in singles])
+    gates = stack_members(DSelectK(4, 2, num_gates=6, gamma=2.0), [g for _, g in singles])
+    x = torch.randn(7, 5)
+    for r, (e, g) in enumerate(singles):
+        torch.testing.assert_close(gates().weights[3 * r : 3 * r + 3], g().weights)
+        torch.testing.assert_close(experts(x)[4 * r : 4 * r + 4], e(x))
+    single = stack_members(DSelectK(4, 2, num_gates=2), [DSelectK(4, 2), DSelectK(4, 2)])
+    assert single.logits.shape == (2, 6)
+    with pytest.raises(ValueError, match="'logits' of the bank has 2 rows"):
+        stack_members(DSelectK(4, 2, num_gates=2), [DSelectK(4, 2)])

@@ -23,11 +23,12 @@ or the command line against them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
 from dselectk.gates.registry import GateSpec, gate_spec
@@ -39,7 +40,15 @@ from dselectk.schedules import (
 )
 from dselectk.search import SwapSearch
 
-__all__ = ["Held", "Ramp", "SearchPlan", "Variant", "variant_table"]
+__all__ = [
+    "Held",
+    "Ramp",
+    "SearchPlan",
+    "Variant",
+    "stack_members",
+    "total_steps",
+    "variant_table",
+]
 
 #: hyperparameters of a run that are not the gate's (trainer settings every variant accepts)
 TRAINER_HPARAMS = ("lr", "epochs")
@@ -264,3 +273,31 @@ def variant_table(*variants: Variant) -> dict[str, Variant]:
 def total_steps(epochs: int, examples: int, batch_size: int) -> int:
     """Optimizer steps of a run (the ramps' and the search plan's fractions are of these)."""
     return epochs * math.ceil(examples / batch_size)
+
+
+@torch.no_grad()
+def stack_members(bank: nn.Module, members: Sequence[nn.Module]) -> nn.Module:
+    """Load independent members into one vectorized ``bank``: each parameter of the bank is
+    the members' parameters of the same name, concatenated member after member along the
+    first axis (a single gate's (L,) logits become row r of the bank's (R, L); a bank of T gates
+    rows r·T ... r·T + T − 1; E experts of a :class:`~dselectk.layers.StackedMLP` experts
+    r·E ...). R repetitions then train as one model, each from the initialisation it gets
+    alone. Returns ``bank``.
+
+    Raises:
+        ValueError: a member lacks a parameter of the bank, or the sizes do not add up.
+    """
+    if not members:
+        raise ValueError("stack_members needs at least one member")
+    params = [dict(m.named_parameters()) for m in members]
+    for name, p in bank.named_parameters():
+        if any(name not in mp for mp in params):
+            raise ValueError(f"stack_members: a member has no parameter {name!r}")
+        parts = [mp[name].reshape(-1, *p.shape[1:]) for mp in params]
+        if sum(q.shape[0] for q in parts) != p.shape[0]:
+            raise ValueError(
+                f"stack_members: {name!r} of the bank has {p.shape[0]} rows, the members "
+                f"{[q.shape[0] for q in parts]}"
+            )
+        p.copy_(torch.cat(parts))
+    return bank

@@ -12,14 +12,22 @@ import json
 import pickle
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dselectk.experiments import executors as E
+from dselectk.experiments import slurm as E
+from dselectk.experiments.args import config_from_args
+from dselectk.experiments.executors import LocalExecutor, SlurmExecutor
 from dselectk.experiments.records import RunStore
-from dselectk.experiments.runner import Sweep, add_executor_arguments, run_sweep
+from dselectk.experiments.runner import (
+    Recipe,
+    add_executor_arguments,
+    executor_from_args,
+    run_sweep,
+)
 
 _FAIL_CELL = -1  #: the cell whose runs raise (a bug that a later code change fixes)
 
@@ -41,8 +49,18 @@ def _load(args: Any) -> int:
     return 1
 
 
-def _sweep() -> Sweep:
-    return Sweep(
+@dataclass(frozen=True)
+class _Config:
+    out: Path
+    reps: int
+
+
+def _cfg(args: argparse.Namespace) -> _Config:
+    return config_from_args(_Config, args)
+
+
+def _sweep() -> Recipe:
+    return Recipe(
         cells=[0, 1, 2],
         run_cell=_run_cell,
         load_data=_load,
@@ -112,7 +130,7 @@ def _args(out: Path, *extra: str) -> argparse.Namespace:
 def _drive(
     cluster: FakeCluster, args: argparse.Namespace, **kw: Any
 ) -> tuple[dict[str, Any], set[str]]:
-    opts = E.executor_from_args(args)
+    opts = E.slurm_options(args)
     assert opts is not None
     opts = E.SlurmOptions(**{**opts.__dict__, "poll_s": 0.0})
     selected: dict[str, Any] = {}
@@ -124,7 +142,7 @@ def _drive(
 
     E.run_slurm(
         _sweep(),
-        args,
+        _cfg(args),
         args.out,
         opts,
         progress=False,
@@ -155,18 +173,22 @@ def test_flags() -> None:
         "--slurm-opt",
         "qos=low",
     )
-    opts = E.executor_from_args(args)
+    opts = E.slurm_options(args)
     assert opts == E.SlurmOptions(
         partition="gpu", time_min=30, gpus=1, extra={"account": "abc", "qos": "low"}
     )
-    assert E.executor_from_args(argparse.Namespace(executor="local")) is None
+    assert E.slurm_options(argparse.Namespace(executor="local")) is None
+    assert executor_from_args(args) == SlurmExecutor(opts)
+    local = executor_from_args(argparse.Namespace(executor="local", jobs=0), threads=1)
+    assert local == LocalExecutor(jobs=0, threads=1) and local.sized(3).jobs >= 1
     with pytest.raises(SystemExit):
         _args(Path("x"), "--slurm-opt", "novalue")
     with pytest.raises(SystemExit):
         _args(Path("x"), "--slurm-time", "0")
     # where the cells run does not change which jobs count as this sweep's
-    assert E.sweep_key(args) == E.sweep_key(_args(Path("x"), "--slurm-cpus", "4"))
-    assert E.sweep_key(args) != E.sweep_key(_args(Path("x"), "--reps", "3"))
+    key = E.sweep_key(_cfg(args))
+    assert key == E.sweep_key(_cfg(_args(Path("x"), "--slurm-cpus", "4")))
+    assert key != E.sweep_key(_cfg(_args(Path("x"), "--reps", "3")))
 
 
 def test_detach_kill_and_resubmit_exactly_the_missing_cells(tmp_path: Path) -> None:
@@ -239,11 +261,13 @@ def test_run_sweep_slurm_writes_selections_and_plan(
     monkeypatch.setattr(E, "squeue_states", cluster.states)
     args = _args(tmp_path)
     args.no_progress = True
-    sel = run_sweep(_sweep(), args, tmp_path, progress=False, command="x")
+    sel = run_sweep(_sweep(), _cfg(args), tmp_path, executor_from_args(args), command="x")
     local_out = tmp_path / "local"
     local_args = _args(local_out)
     local_args.executor = "local"
-    assert run_sweep(_sweep(), local_args, local_out, progress=False, command="x") == sel
+    local_args.no_progress = True
+    local = executor_from_args(local_args)
+    assert run_sweep(_sweep(), _cfg(local_args), local_out, local, command="x") == sel
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["runs"] == json.loads((local_out / "plan.json").read_text())["runs"]
     assert json.loads((tmp_path / "selected_hparams.json").read_text()) == sel

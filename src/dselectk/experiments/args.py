@@ -8,14 +8,19 @@ of empty results or a crash after a gate has trained.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "check_out_dir",
+    "config_from_args",
     "finite_float",
     "int_at_least",
     "nonnegative_float",
@@ -96,3 +101,24 @@ def check_out_dir(path: str | Path) -> Path:
     except OSError as e:
         raise ValueError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     return path
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
+    """A recipe's frozen run config from the parsed flags: each field of the dataclass ``cls``
+    takes the flag of its name (lists become tuples, so the config is hashable), or ``values``.
+
+    Raises:
+        TypeError: a field without a default has no flag and no value (a recipe bug).
+    """
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in values:
+            value = values[f.name]
+        elif hasattr(args, f.name):
+            value = getattr(args, f.name)
+        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no flag --{f.name.replace('_', '-')}")
+        kw[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kw)

@@ -1,440 +1,251 @@
-"""Where a sweep's cells run: ``--executor local`` (this process or the ``--jobs`` pool, see
-:mod:`dselectk.experiments.runner`) or ``--executor slurm`` (one Slurm job per cell, through
-submitit).
+"""Where a recipe's cells run: one protocol (:class:`Executor`), two implementations.
 
-Slurm mode, in the runner's terms (a cell = its tuning + final runs, one record per run):
+* :class:`LocalExecutor` (``--executor local``): the cells in this process, or with
+  ``--jobs`` > 1 in spawned worker processes, largest first, each with its share of the cores
+  and its own progress-bar line; workers exit with the sweep's main process (``kill -9`` of the
+  sweep stops it whole);
+* :class:`SlurmExecutor` (``--executor slurm``): one Slurm job per cell, through submitit.
 
-* **submit** — the cells go out as one submitit job array (``map_array``;
-  ``--slurm-array-parallelism`` caps how many run at once); each job loads the data, runs its
-  cell (records are written by the job into the results folder, atomically, as in local mode)
-  and returns the cell's selection and run ids (the submitit result,
-  ``<out>/slurm/<job>_0_result.pkl``; logs beside it);
-* **bookkeeping** — ``<out>/slurm_jobs.json`` lists every submitted job: its id, its cell, the
-  sweep's settings key (:func:`sweep_key`) and, once collected, its result or error;
-* **resume** — the same command again submits only the cells that are neither complete (a
-  successful result whose records all exist) nor queued/running (``squeue``); a job killed or
-  preempted mid-way loses only its unfinished runs (the resubmitted cell skips existing records);
-* **wait / detach** — the driver polls the jobs with a progress bar over cells (and records in
-  the folder); Ctrl-C (or ``--slurm-no-wait``) detaches: the jobs keep running, and running the
-  same command again re-attaches. ``dselectk report DIR`` reads records only, so it works while
-  jobs run.
+The Slurm driver lives in :mod:`dselectk.experiments.slurm`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import pickle
-import shutil
-import subprocess
-import sys
+import dataclasses
+import os
+import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from dselectk.experiments.args import int_at_least
-from dselectk.experiments.records import RunStore, tracking
-from dselectk.io import write_json
+from dselectk.experiments.records import tracking
+from dselectk.experiments.slurm import (
+    JOBS_FILE,
+    OnCell,
+    SlurmOptions,
+    SweepDetached,
+    SweepFailed,
+    add_executor_arguments,
+    cell_job,
+    run_slurm,
+    slurm_options,
+    squeue_states,
+    sweep_key,
+)
 from dselectk.progress import tqdm
 
 __all__ = [
     "JOBS_FILE",
+    "Executor",
+    "LocalExecutor",
+    "OnCell",
+    "SlurmExecutor",
     "SlurmOptions",
     "SweepDetached",
     "SweepFailed",
     "add_executor_arguments",
     "cell_job",
     "executor_from_args",
+    "progress_position",
+    "resolve_jobs",
     "run_slurm",
+    "slurm_options",
     "squeue_states",
     "sweep_key",
 ]
 
-JOBS_FILE = "slurm_jobs.json"
-LOG_DIR = "slurm"
-#: flags that choose where/how runs execute, not what they compute (left out of :func:`sweep_key`)
-_EXECUTION_FLAGS = {"executor", "jobs", "threads", "no_progress", "debug", "command", "func"}
-#: squeue states of a job that is still going to produce a result
-_ACTIVE = {
-    "PENDING",
-    "RUNNING",
-    "CONFIGURING",
-    "COMPLETING",
-    "SUSPENDED",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-}
+#: state of a pool worker process (its data, progress-bar line); empty in the main process
+_WORKER: dict[str, Any] = {}
 
 
-_LOST = "job ended without a result (cancelled, killed, preempted or out of time)"
+class Executor(Protocol):
+    """Where a recipe's cells run.
 
+    Attributes:
+        jobs: worker processes (1: this process; the Slurm executor: 1).
+        threads: torch threads per process (0: torch's default, or an equal share in a pool).
+        progress: show progress bars.
+    """
 
-class SweepDetached(SystemExit):
-    """The driver stopped waiting (Ctrl-C or ``--slurm-no-wait``); the jobs keep running."""
+    @property
+    def jobs(self) -> int: ...
 
+    @property
+    def threads(self) -> int: ...
 
-class SweepFailed(SystemExit):
-    """Some cells' jobs failed (the message, printed, names them and why); exit status 1."""
+    @property
+    def progress(self) -> bool: ...
+
+    def sized(self, cells: int) -> Executor:
+        """This executor with its worker count resolved for ``cells`` cells."""
+        ...
+
+    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
+        """Run (or resume) every cell of ``recipe``; call ``on_cell`` once per finished cell."""
+        ...
 
 
 @dataclass(frozen=True)
-class SlurmOptions:
-    """The ``--slurm-*`` flags."""
+class LocalExecutor:
+    """The cells on this machine: in this process (``jobs`` 1) or a spawned pool.
 
-    partition: str | None = None
-    time_min: int = 60
-    cpus: int = 1
-    gpus: int = 0
-    array_parallelism: int = 256
-    extra: dict[str, str] = field(default_factory=dict)
-    wait: bool = True
-    poll_s: float = 2.0
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value.strip()
-
-
-def add_executor_arguments(p: argparse.ArgumentParser) -> None:
-    """The executor flags shared by every recipe (``--executor`` and ``--slurm-*``)."""
-    g = p.add_argument_group("executor")
-    g.add_argument(
-        "--executor",
-        choices=["local", "slurm"],
-        default="local",
-        help="local: this machine (--jobs workers); slurm: one Slurm job per cell "
-        "(needs dselectk[cluster]); rerun the same command to resume or re-attach",
-    )
-    g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the default)")
-    g.add_argument(
-        "--slurm-time", type=int_at_least(1), default=60, help="time limit per job, in minutes"
-    )
-    g.add_argument("--slurm-cpus", type=int_at_least(1), default=1, help="CPUs (threads) per job")
-    g.add_argument("--slurm-gpus", type=int_at_least(0), default=0, help="GPUs per job")
-    g.add_argument(
-        "--slurm-array-parallelism",
-        type=int_at_least(1),
-        default=256,
-        help="jobs of the array running at once",
-    )
-    g.add_argument(
-        "--slurm-opt",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="K=V",
-        help="extra sbatch option (repeatable), e.g. --slurm-opt account=abc --slurm-opt qos=low",
-    )
-    g.add_argument(
-        "--slurm-no-wait",
-        action="store_true",
-        help="submit and return (the same command again re-attaches)",
-    )
-
-
-def executor_from_args(args: Any) -> SlurmOptions | None:
-    """The Slurm options of ``--executor slurm``; None for the local executor."""
-    if getattr(args, "executor", "local") != "slurm":
-        return None
-    return SlurmOptions(
-        partition=getattr(args, "slurm_partition", None),
-        time_min=int(getattr(args, "slurm_time", 60)),
-        cpus=int(getattr(args, "slurm_cpus", 1)),
-        gpus=int(getattr(args, "slurm_gpus", 0)),
-        array_parallelism=int(getattr(args, "slurm_array_parallelism", 256)),
-        extra=dict(getattr(args, "slurm_opt", None) or []),
-        wait=not getattr(args, "slurm_no_wait", False),
-    )
-
-
-def sweep_key(args: Any) -> str:
-    """A hash of the flags that decide what the cells compute (not where they run): jobs of
-    another command in the same folder never count for this one."""
-    items = {
-        k: v
-        for k, v in sorted(vars(args).items())
-        if k not in _EXECUTION_FLAGS and not k.startswith("slurm_")
-    }
-    text = json.dumps(items, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# -- the job ------------------------------------------------------------------------------------
-def cell_job(sweep: Any, args: Any, cell: Any, threads: int) -> dict[str, Any]:
-    """One cell in a Slurm job: load the data, run the cell (records land in the results
-    folder), return its selection and run ids (the submitit result)."""
-    t0 = time.perf_counter()
-    if threads:
-        torch.set_num_threads(threads)
-    data = sweep.load_data(args)
-    with tracking() as runs:
-        selection = sweep.run_cell(args, cell, data, False)
-    return {
-        "cell": sweep.cell_name(cell),
-        "selection": selection,
-        "runs": sorted(runs),
-        "seconds": time.perf_counter() - t0,
-    }
-
-
-# -- job states ---------------------------------------------------------------------------------
-def squeue_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """The squeue state of each of ``job_ids`` still known to Slurm (array tasks one by one)."""
-    wanted = set(job_ids)
-    if not wanted:
-        return {}
-    out = subprocess.run(
-        ["squeue", "-h", "-r", "-o", "%i %T"], capture_output=True, text=True, check=True
-    ).stdout
-    states: dict[str, str] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] in wanted:
-            states[parts[0]] = parts[1]
-    return states
-
-
-def _make_slurm_executor(folder: Path, opts: SlurmOptions) -> Any:
-    try:
-        import submitit
-    except ImportError:
-        raise ValueError(
-            "--executor slurm needs submitit: pip install 'dselectk[cluster]'"
-        ) from None
-    if shutil.which("sbatch") is None:
-        raise ValueError("--executor slurm: sbatch not found (is this a Slurm login node?)")
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    params: dict[str, Any] = {
-        "timeout_min": opts.time_min,
-        "cpus_per_task": opts.cpus,
-        "tasks_per_node": 1,
-        "nodes": 1,
-        "slurm_array_parallelism": opts.array_parallelism,
-        "name": "dselectk",
-    }
-    if opts.gpus:
-        params["gpus_per_node"] = opts.gpus
-    if opts.partition:
-        params["slurm_partition"] = opts.partition
-    if opts.extra:
-        params["slurm_additional_parameters"] = dict(opts.extra)
-    ex.update_parameters(**params)
-    return ex
-
-
-# -- bookkeeping --------------------------------------------------------------------------------
-def _result_path(folder: Path, job_id: str) -> Path:
-    return folder / f"{job_id}_0_result.pkl"
-
-
-def _log_path(folder: Path, job_id: str) -> Path:
-    return folder / f"{job_id}_0_log.err"
-
-
-def _load_book(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    try:
-        return list(json.loads(path.read_text(encoding="utf-8"))["jobs"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a valid Slurm job list ({e})") from None
-
-
-def _collect(entry: dict[str, Any], folder: Path) -> bool:
-    """Read a finished job's submitit result into its entry; False while there is none."""
-    path = _result_path(folder, entry["job_id"])
-    if not path.is_file():
-        return False
-    try:
-        with path.open("rb") as f:
-            status, value = pickle.load(f)
-    except Exception as e:  # a torn or foreign pickle: report it, do not crash
-        status, value = "error", f"unreadable result {path}: {e}"
-    if status == "success":
-        entry["result"] = value
-    else:
-        entry["error"] = str(value)
-    return True
-
-
-def _complete(entry: dict[str, Any] | None, store: RunStore) -> bool:
-    """A successful job whose records are all still there."""
-    if entry is None or "result" not in entry:
-        return False
-    return all(store.runs.joinpath(f"{rid}.json").is_file() for rid in entry["result"]["runs"])
-
-
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "unknown error"
-
-
-# -- the driver ---------------------------------------------------------------------------------
-def run_slurm(
-    sweep: Any,
-    args: Any,
-    out: Path,
-    opts: SlurmOptions,
-    *,
-    progress: bool,
-    on_cell: Callable[[str, dict[str, Any], list[str]], None],
-    make_executor: Callable[[Path, SlurmOptions], Any] | None = None,
-    states: Callable[[Iterable[str]], Mapping[str, str]] | None = None,
-    log: Callable[[str], None] = print,
-) -> None:
-    """Run (or resume / re-attach to) the sweep's cells as Slurm jobs.
-
-    ``on_cell(name, selection, run_ids)`` is called once per complete cell (earlier invocations'
-    included). Raises :class:`SweepDetached` when the driver stops waiting, :class:`SweepFailed`
-    (after printing which cells failed and why) when jobs failed; the others' records land.
-    ``make_executor`` (a submitit executor) and ``states`` (job id → squeue state of the jobs
-    still queued/running) default to Slurm's; tests pass their own.
+    Attributes:
+        jobs: worker processes; 0: one per ``threads`` cores, at most one per cell
+            (:meth:`sized` resolves it).
+        threads: torch threads per process (0: torch's default in one process, an equal share
+            of the cores in a pool).
+        progress: show progress bars.
     """
-    make_executor = make_executor or _make_slurm_executor
-    states = states or squeue_states
-    out = Path(out)
-    folder = out / LOG_DIR
-    book_path = out / JOBS_FILE
-    book = _load_book(book_path)
-    key = sweep_key(args)
-    store = RunStore(out)
-    cells = {sweep.cell_name(c): c for c in sweep.cells}
 
-    def save_book() -> None:
-        write_json(book_path, {"jobs": book})
+    jobs: int = 1
+    threads: int = 0
+    progress: bool = True
 
-    latest: dict[str, dict[str, Any]] = {}
-    for entry in book:
-        if entry.get("key") == key and entry.get("cell") in cells:
-            latest[entry["cell"]] = entry
-    pending = [e for e in latest.values() if "result" not in e and "error" not in e]
-    live = states(e["job_id"] for e in pending) if pending else {}
-    for e in pending:
-        if live.get(e["job_id"], "") not in _ACTIVE and not _collect(e, folder):
-            e["error"] = _LOST
-    save_book()
+    def __post_init__(self) -> None:
+        resolve_jobs(self.jobs, self.threads, 1)  # the range checks
 
-    waiting: dict[str, dict[str, Any]] = {}
-    to_submit: list[str] = []
-    done = 0
-    for name in cells:
-        prev = latest.get(name)
-        if prev is not None and _complete(prev, store):
-            on_cell(name, prev["result"]["selection"], prev["result"]["runs"])
-            done += 1
-        elif prev is not None and live.get(prev["job_id"], "") in _ACTIVE:
-            waiting[name] = prev
-        else:
-            to_submit.append(name)
-    if waiting:
-        log(f"re-attached to {len(waiting)} queued/running Slurm job(s) of this sweep")
-    if to_submit:
-        executor = make_executor(folder, opts)
-        threads = opts.cpus
-        jobs = executor.map_array(
-            cell_job,
-            [sweep] * len(to_submit),
-            [args] * len(to_submit),
-            [cells[n] for n in to_submit],
-            [threads] * len(to_submit),
-        )
-        now = time.time()
-        for name, job in zip(to_submit, jobs):
-            entry = {"job_id": str(job.job_id), "cell": name, "key": key, "submitted": now}
-            book.append(entry)
-            waiting[name] = entry
-        save_book()
-        log(f"submitted {len(to_submit)} Slurm job(s): {', '.join(str(j.job_id) for j in jobs)}")
-    if not waiting:
-        return
-    ids = " ".join(e["job_id"] for e in waiting.values())
-    detach_msg = (
-        f"detached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
-        f"again to re-attach (it submits only missing cells); `dselectk report {out}` "
-        f"works meanwhile; scancel {ids} to stop them"
-    )
-    if not opts.wait:
-        log(detach_msg)
-        raise SweepDetached(0)
-    failed = _wait(
-        waiting, folder, store, opts, progress, done, len(cells), states, on_cell, save_book
-    )
-    if failed:
-        lines = "\n".join(f"  {name}: {why}" for name, why in failed.items())
-        msg = (
-            f"{len(failed)} of {len(cells)} cells failed (the others' records are in {out}; "
-            f"rerun to resubmit the failed cells):\n{lines}"
-        )
-        print(f"dselectk: error: {msg}", file=sys.stderr)
-        raise SweepFailed(1)
+    def sized(self, cells: int) -> LocalExecutor:
+        return dataclasses.replace(self, jobs=resolve_jobs(self.jobs, self.threads, cells))
+
+    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
+        if self.jobs > 1 and len(recipe.cells) > 1:
+            _run_pool(recipe, config, self.jobs, self.threads, self.progress, on_cell)
+            return
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        data = recipe.load_data(config)
+        for cell in recipe.cells:
+            with tracking() as cell_runs:
+                selection = recipe.run_cell(config, cell, data, self.progress)
+            on_cell(recipe.cell_name(cell), selection, cell_runs)
 
 
-def _wait(
-    waiting: dict[str, dict[str, Any]],
-    folder: Path,
-    store: RunStore,
-    opts: SlurmOptions,
-    progress: bool,
-    done: int,
-    total: int,
-    states: Callable[[Iterable[str]], Mapping[str, str]],
-    on_cell: Callable[[str, dict[str, Any], list[str]], None],
-    save_book: Callable[[], None],
-) -> dict[str, str]:
-    """Poll the jobs until each has a result or is gone; returns the failures by cell."""
-    failed: dict[str, str] = {}
-    bar = tqdm(total=total, initial=done, disable=not progress, desc="cells (slurm)")
+@dataclass(frozen=True)
+class SlurmExecutor:
+    """One Slurm job per cell (module docstring); ``threads`` is the jobs' CPUs."""
+
+    options: SlurmOptions
+    progress: bool = True
+    jobs: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.options.cpus
+
+    def sized(self, cells: int) -> SlurmExecutor:
+        return self
+
+    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
+        run_slurm(recipe, config, out, self.options, progress=self.progress, on_cell=on_cell)
+
+
+def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executor:
+    """The executor the flags choose (``--executor``, ``--jobs``, ``--no-progress``, the
+    ``--slurm-*`` flags); ``threads`` is the recipe's torch threads per process."""
+    progress = not getattr(args, "no_progress", False)
+    opts = slurm_options(args)
+    if opts is not None:
+        return SlurmExecutor(opts, progress)
+    return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
+
+
+# -- the local pool ---------------------------------------------------------------------------
+def progress_position() -> int | None:
+    """The progress-bar line of this worker process (None in the main process)."""
+    return _WORKER.get("position")
+
+
+def resolve_jobs(jobs: int, threads: int, cells: int) -> int:
+    """Worker processes: ``jobs``, or with 0 one per ``threads`` cores, at most one per cell."""
+    if jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0: one per core), got {jobs}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    if jobs == 0:
+        jobs = max(1, min(cells, torch.get_num_threads() // max(1, threads)))
+    return jobs
+
+
+class _SweepKilled(BaseException):
+    """Raised in a pool worker by SIGTERM (its parent died): unwinds so that a record being
+    written removes its temp file (see :mod:`dselectk.io`), then the worker exits."""
+
+
+def _raise_sweep_killed(signum: int, frame: Any) -> None:
+    raise _SweepKilled
+
+
+def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
+    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
+    when the sweep's main process dies, and its own progress-bar line (tqdm's lock)."""
+    from dselectk.runtime import exit_with_parent, tune_allocator
+
+    signal.signal(signal.SIGTERM, _raise_sweep_killed)
+    exit_with_parent(parent_pid)
+    torch.set_num_threads(threads)
+    tune_allocator()
+    with counter.get_lock():
+        _WORKER["position"] = int(counter.value) + 1
+        counter.value += 1
+    _WORKER["progress"] = progress
+    tqdm.set_lock(lock)
+
+
+def _load(recipe: Any, config: Any) -> Any:
+    key = recipe.data_key(config)
+    if _WORKER.get("key") != key or "data" not in _WORKER:
+        _WORKER["data"] = recipe.load_data(config)
+        _WORKER["key"] = key
+    return _WORKER["data"]
+
+
+def _worker_cell(
+    recipe: Any, config: Any, cell: Any
+) -> tuple[str, dict[str, Any], float, set[str]]:
+    """One cell in a pool worker (the data is loaded once per worker)."""
+    t0 = time.perf_counter()
     try:
-        while waiting:
-            live = states(e["job_id"] for e in waiting.values())
-            for name, entry in list(waiting.items()):
-                jid = entry["job_id"]
-                if not _collect(entry, folder):
-                    if jid in live and live[jid] in _ACTIVE:
-                        continue
-                    if _collect(entry, folder):  # finished between squeue and the first look
-                        pass
-                    else:
-                        entry["error"] = f"{_LOST} (state {live.get(jid, 'gone')})"
-                del waiting[name]
-                if "result" in entry:
-                    res = entry["result"]
-                    on_cell(name, res["selection"], res["runs"])
-                    bar.set_postfix_str(f"{name} {res.get('seconds', 0):.0f}s")
-                else:
-                    why = _last_line(entry["error"])
-                    failed[name] = f"job {jid}: {why} (log: {_log_path(folder, jid)})"
-                    print(f"cell {name} failed: {failed[name]}", file=sys.stderr)
+        with tracking() as runs:
+            selection = recipe.run_cell(config, cell, _load(recipe, config), _WORKER["progress"])
+    except _SweepKilled:
+        os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
+    return recipe.cell_name(cell), selection, time.perf_counter() - t0, runs
+
+
+def _run_pool(
+    recipe: Any,
+    config: Any,
+    jobs: int,
+    threads: int,
+    progress: bool,
+    on_cell: OnCell,
+) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = threads or max(1, torch.get_num_threads() // jobs)
+    cost = recipe.cost
+    order = list(recipe.cells) if cost is None else sorted(recipe.cells, key=lambda c: -cost(c))
+    ctx = mp.get_context("spawn")
+    lock = ctx.RLock()
+    tqdm.set_lock(lock)
+    init = (threads, os.getpid(), ctx.Value("i", 0), lock, progress)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init) as pool:
+        futures = [pool.submit(_worker_cell, recipe, config, c) for c in order]
+        bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
+        try:
+            for fut in as_completed(futures):
+                key, selection, seconds, cell_runs = fut.result()
+                on_cell(key, selection, cell_runs)
+                bar.set_postfix_str(f"{key} {seconds:.0f}s")
                 bar.update(1)
-                save_book()
-            if waiting:
-                n_rec = sum(1 for _ in store.runs.glob("*.json")) if store.runs.is_dir() else 0
-                running = sum(1 for e in waiting.values() if live.get(e["job_id"]) == "RUNNING")
-                bar.set_description_str(
-                    f"cells (slurm: {running} running, {len(waiting) - running} queued, "
-                    f"{n_rec} records)"
-                )
-                time.sleep(opts.poll_s)
-    except KeyboardInterrupt:
-        bar.close()
-        ids = " ".join(e["job_id"] for e in waiting.values())
-        print(
-            f"\ndetached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
-            "again to re-attach (it submits only missing cells); scancel them to stop",
-            file=sys.stderr,
-        )
-        raise SweepDetached(130) from None
-    bar.close()
-    return failed
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+        finally:
+            bar.close()

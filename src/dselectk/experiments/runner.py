@@ -1,31 +1,30 @@
-"""The one runner of every experiment: cells of a sweep, resumed from their records, in a pool.
+"""The one runner of every experiment: a recipe's cells, resumed from their records, run by an
+executor.
 
-An experiment (a *recipe*) describes its sweep as a :class:`Sweep`: a list of cells (e.g. one
-(gate, T) pair of the synthetic study), a function that loads the data once per process, and a
+An experiment (a *recipe*) describes itself as a :class:`Recipe`: a list of cells (e.g. one
+(gate, T) pair of the synthetic study), a function that loads the data once per process, a
 function that runs one cell — select its hyperparameters (the shipped selection, or a random
 grid search whose trials are records too), then train the missing repetitions and save one
-record per run. The runner owns everything else:
+record per run — and its report. Every function receives the recipe's **run config**: a frozen
+dataclass of the settings that decide what is computed (never the argparse ``Namespace``); where
+and how the cells run is the executor's business (:mod:`dselectk.experiments.executors`):
 
 * **resume** — a record is written atomically when its run finishes, and a cell skips the runs
   whose records exist (:func:`missing`), so a sweep killed by Ctrl-C or ``kill -9`` continues
   where it stopped when the same command runs again;
-* **worker pool** — with ``jobs > 1`` the cells run in spawned processes, largest first, each
-  with its share of the cores and its own progress-bar line; workers exit with the sweep's main
-  process (``kill -9`` of the sweep stops it whole);
-* **executors** — ``--executor local`` (the above) or ``--executor slurm`` (one Slurm job per
-  cell through submitit, resumable and re-attachable; see :mod:`dselectk.experiments.executors`),
-  flags added by :func:`add_executor_arguments`;
+* **executors** — :class:`~dselectk.experiments.executors.LocalExecutor` (this process or a
+  ``--jobs`` pool) and :class:`~dselectk.experiments.executors.SlurmExecutor` (one Slurm job per
+  cell through submitit), two implementations of one protocol;
 * **selections** — ``selected_hparams.json`` is rewritten as cells finish (cell order);
 * **grid search** helpers — :func:`grid_points`, :func:`sample_points`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
-import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -33,55 +32,63 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dselectk.experiments.args import check_out_dir
 from dselectk.experiments.executors import (
+    Executor,
+    LocalExecutor,
+    SlurmExecutor,
     SweepDetached,
     add_executor_arguments,
     executor_from_args,
-    run_slurm,
+    progress_position,
 )
-from dselectk.experiments.records import RunStore, tracking
+from dselectk.experiments.records import RunStore
 from dselectk.io import write_json
-from dselectk.progress import tqdm
 
 __all__ = [
-    "Sweep",
+    "Executor",
+    "LocalExecutor",
+    "Recipe",
+    "SlurmExecutor",
     "SweepDetached",
     "add_executor_arguments",
     "cell_str",
+    "check_config",
     "executor_from_args",
     "grid_points",
     "missing",
     "progress_position",
-    "resolve_jobs",
     "run_recipe",
     "run_sweep",
     "sample_points",
 ]
 
-#: state of a pool worker process (its data, progress-bar line); empty in the main process
-_WORKER: dict[str, Any] = {}
-
 
 @dataclass(frozen=True)
-class Sweep:
-    """A recipe's sweep, as the runner needs it.
+class Recipe:
+    """An experiment, as the runner and the executors need it.
 
-    The functions must be module-level (they are sent to spawned worker processes).
+    The functions must be module-level (they are sent to spawned worker processes and Slurm
+    jobs). ``config`` below is the recipe's run config (a frozen dataclass with an ``out``
+    field, the results folder).
 
     Attributes:
         cells: the cells, in report order.
-        run_cell: ``(args, cell, data, progress) -> selection``; trains the cell's missing runs
+        run_cell: ``(config, cell, data, progress) -> selection``; trains the cell's missing runs
             (one record each) and returns the hyperparameter selection of the cell (a JSON
             object for ``selected_hparams.json``).
-        load_data: ``args -> data``, called once per process (and again only when
-            ``data_key(args)`` changes).
-        data_key: ``args -> key`` identifying the data.
+        load_data: ``config -> data``, called once per process (and again only when
+            ``data_key(config)`` changes).
+        data_key: ``config -> key`` identifying the data.
         cell_name: ``cell -> "gate/T"``-like key of ``selected_hparams.json``.
-        cost: ``cell -> number``; the pool starts the most expensive cells first (None: in
+        cost: ``cell -> number``; a pool starts the most expensive cells first (None: in
             cell order).
+        write_report: ``(out, wall_seconds=, command=[, jobs=, threads=])``: rebuilds the
+            report from the records.
+        print_table: prints the one-screen table of ``summary.json``.
+        report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
+        prepare: ``(out, executor) -> bool``, called before the sweep (load and check data,
+            print a plan); False stops there with exit code 0 (a dry run).
     """
 
     cells: Sequence[Hashable]
@@ -90,11 +97,26 @@ class Sweep:
     data_key: Callable[[Any], Hashable]
     cell_name: Callable[[Any], str]
     cost: Callable[[Any], float] | None = None
+    write_report: Callable[..., None] | None = None
+    print_table: Callable[[Mapping[str, Any]], None] | None = None
+    report_jobs: bool = False
+    prepare: Callable[[Path, Executor], bool] | None = None
 
 
 def cell_str(cell: Any) -> str:
     """The cell's name when the cell is a plain name (a gate, a router)."""
     return str(cell)
+
+
+def check_config(config: Any) -> None:
+    """A run config must be a frozen dataclass with an ``out`` field (TypeError otherwise)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"a run config must be a dataclass instance, got {type(config).__name__}")
+    params = getattr(type(config), "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        raise TypeError(f"{type(config).__name__} must be a frozen dataclass")
+    if not hasattr(config, "out"):
+        raise TypeError(f"{type(config).__name__} has no 'out' field (the results folder)")
 
 
 # -- grid search --------------------------------------------------------------------------------
@@ -117,115 +139,13 @@ def missing(store: RunStore, configs: Iterable[Mapping[str, Any]]) -> list[int]:
     return [i for i, c in enumerate(configs) if not store.done(c)]
 
 
-# -- the pool -------------------------------------------------------------------------------------
-def progress_position() -> int | None:
-    """The progress-bar line of this worker process (None in the main process)."""
-    return _WORKER.get("position")
-
-
-def resolve_jobs(jobs: int, threads: int, cells: int) -> int:
-    """Worker processes: ``jobs``, or with 0 one per ``threads`` cores, at most one per cell."""
-    if jobs < 0:
-        raise ValueError(f"--jobs must be >= 0 (0: one per core), got {jobs}")
-    if threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
-    if jobs == 0:
-        jobs = max(1, min(cells, torch.get_num_threads() // max(1, threads)))
-    return jobs
-
-
-class _SweepKilled(BaseException):
-    """Raised in a pool worker by SIGTERM (its parent died): unwinds so that a record being
-    written removes its temp file (see :mod:`dselectk.io`), then the worker exits."""
-
-
-def _raise_sweep_killed(signum: int, frame: Any) -> None:
-    raise _SweepKilled
-
-
-def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progress: bool) -> None:
-    """Pool worker set-up: its share of the cores, the allocator settings of the CLI, exit
-    when the sweep's main process dies, and its own progress-bar line (tqdm's lock)."""
-    from dselectk.runtime import exit_with_parent, tune_allocator
-
-    signal.signal(signal.SIGTERM, _raise_sweep_killed)
-    exit_with_parent(parent_pid)
-    torch.set_num_threads(threads)
-    tune_allocator()
-    with counter.get_lock():
-        _WORKER["position"] = int(counter.value) + 1
-        counter.value += 1
-    _WORKER["progress"] = progress
-    tqdm.set_lock(lock)
-
-
-def _load(sweep: Sweep, args: Any) -> Any:
-    key = sweep.data_key(args)
-    if _WORKER.get("key") != key or "data" not in _WORKER:
-        _WORKER["data"] = sweep.load_data(args)
-        _WORKER["key"] = key
-    return _WORKER["data"]
-
-
-def _worker_cell(sweep: Sweep, args: Any, cell: Any) -> tuple[str, dict[str, Any], float, set[str]]:
-    """One cell in a pool worker (the data is loaded once per worker)."""
-    t0 = time.perf_counter()
-    try:
-        with tracking() as runs:
-            selection = sweep.run_cell(args, cell, _load(sweep, args), _WORKER["progress"])
-    except _SweepKilled:
-        os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
-    return sweep.cell_name(cell), selection, time.perf_counter() - t0, runs
-
-
-def _run_pool(
-    sweep: Sweep,
-    args: Any,
-    jobs: int,
-    threads: int,
-    progress: bool,
-    save: Callable[[], None],
-    runs: set[str],
-) -> dict[str, Any]:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    threads = threads or max(1, torch.get_num_threads() // jobs)
-    cost = sweep.cost
-    order = list(sweep.cells) if cost is None else sorted(sweep.cells, key=lambda c: -cost(c))
-    selected: dict[str, Any] = {}
-    ctx = mp.get_context("spawn")
-    lock = ctx.RLock()
-    tqdm.set_lock(lock)
-    init = (threads, os.getpid(), ctx.Value("i", 0), lock, progress)
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init) as pool:
-        futures = [pool.submit(_worker_cell, sweep, args, c) for c in order]
-        bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
-        try:
-            for fut in as_completed(futures):
-                key, selection, seconds, cell_runs = fut.result()
-                selected[key] = selection
-                runs.update(cell_runs)
-                save()
-                bar.set_postfix_str(f"{key} {seconds:.0f}s")
-                bar.update(1)
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
-        finally:
-            bar.close()
-    return selected
-
-
+# -- running ------------------------------------------------------------------------------------
 def run_sweep(
-    sweep: Sweep,
-    args: Any,
+    recipe: Recipe,
+    config: Any,
     out: str | Path,
+    executor: Executor,
     *,
-    jobs: int = 1,
-    threads: int = 0,
-    progress: bool = True,
     command: str = "",
 ) -> dict[str, Any]:
     """Run (or resume) every cell; return the selections by cell name, in cell order.
@@ -235,90 +155,58 @@ def run_sweep(
     commands with other settings (see :meth:`RunStore.load_planned`).
 
     Args:
-        sweep: the recipe's sweep.
-        args: the parsed command line, passed to the sweep's functions (picklable).
+        recipe: the recipe.
+        config: its run config (a frozen dataclass), passed to the recipe's functions.
         out: results folder; ``selected_hparams.json`` is (re)written there as cells finish.
-        jobs: worker processes (see :func:`resolve_jobs`); 1 runs the cells in this process.
-        threads: torch threads of each process (0: torch's default in one process, an equal
-            share of the cores in a pool).
-        progress: show progress bars.
+        executor: where the cells run. A Slurm executor raises :class:`SweepDetached` when the
+            driver stops waiting (the jobs keep running; the same command again re-attaches).
         command: the command line, recorded in ``plan.json``.
-
-    ``args.executor == "slurm"`` (see :func:`add_executor_arguments`) runs the cells as Slurm
-    jobs instead (``jobs`` is then unused); it raises :class:`SweepDetached` when the driver
-    stops waiting (the jobs keep running; the same command again re-attaches).
     """
+    check_config(config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "selected_hparams.json"
-    names = [sweep.cell_name(c) for c in sweep.cells]
+    names = [recipe.cell_name(c) for c in recipe.cells]
     selected: dict[str, Any] = {}
+    runs: set[str] = set()
 
     def save() -> None:
         write_json(path, {n: selected[n] for n in names if n in selected})
 
-    runs: set[str] = set()
-    slurm = executor_from_args(args)
-    if slurm is not None:
+    def on_cell(name: str, selection: dict[str, Any], cell_runs: Iterable[str]) -> None:
+        selected[name] = selection
+        runs.update(cell_runs)
+        save()
 
-        def on_cell(name: str, selection: dict[str, Any], cell_runs: list[str]) -> None:
-            selected[name] = selection
-            runs.update(cell_runs)
-            save()
-
-        run_slurm(sweep, args, out, slurm, progress=progress, on_cell=on_cell)
-    elif jobs > 1 and len(sweep.cells) > 1:
-        selected.update(_run_pool(sweep, args, jobs, threads, progress, save, runs))
-    else:
-        if threads:
-            torch.set_num_threads(threads)
-        data = sweep.load_data(args)
-        for cell, name in zip(sweep.cells, names):
-            with tracking() as cell_runs:
-                selected[name] = sweep.run_cell(args, cell, data, progress)
-            runs.update(cell_runs)
-            save()
+    executor.run(recipe, config, out, on_cell)
     save()
     RunStore(out).write_plan(runs, command)
     return {n: selected[n] for n in names}
 
 
-def run_recipe(
-    sweep: Sweep,
-    args: Any,
-    *,
-    threads: int,
-    write_report: Callable[..., None],
-    print_table: Callable[[Mapping[str, Any]], None],
-    report_jobs: bool = False,
-    prepare: Callable[[Path, int], bool] | None = None,
-) -> int:
-    """The ``run`` of a recipe: check ``--out`` up front, resolve ``--jobs``, run (or resume)
-    the sweep, rebuild the report and print its table. Returns the exit code (0).
+def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
+    """The ``run`` of a recipe: check the results folder up front, size the executor to the
+    cells, run (or resume) the sweep, rebuild the report and print its table. Returns the exit
+    code (0).
 
     Args:
-        sweep: the recipe's sweep for ``args``.
-        args: the parsed command line (``out``, ``jobs``, ``no_progress``, executor flags).
-        threads: torch threads of each process (0: torch's default / an equal share).
-        write_report: ``(out, wall_seconds=, command=[, jobs=, threads=])``.
-        print_table: prints the one-screen table of ``summary.json``.
-        report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
-        prepare: called with (out, jobs) once both are resolved, before the sweep (load and
-            check data, print a plan); returning False stops there with exit code 0 (a dry
-            run).
+        recipe: the recipe (with its ``write_report`` and ``print_table``).
+        config: its run config (a frozen dataclass with ``out``).
+        executor: where the cells run (:func:`executor_from_args`).
     """
-    out = check_out_dir(args.out)
-    jobs = resolve_jobs(int(getattr(args, "jobs", 1)), threads, len(sweep.cells))
-    args.jobs = jobs
-    if prepare is not None and not prepare(out, jobs):
+    check_config(config)
+    if recipe.write_report is None or recipe.print_table is None:
+        raise TypeError("run_recipe needs a recipe with write_report and print_table")
+    out = check_out_dir(config.out)
+    executor = executor.sized(len(recipe.cells))
+    if recipe.prepare is not None and not recipe.prepare(out, executor):
         return 0
     command = " ".join(["dselectk", *sys.argv[1:]])
     t0 = time.perf_counter()
-    progress = not args.no_progress
-    run_sweep(sweep, args, out, jobs=jobs, threads=threads, progress=progress, command=command)
+    run_sweep(recipe, config, out, executor, command=command)
     wall = time.perf_counter() - t0
-    extra = {"jobs": jobs, "threads": threads} if report_jobs else {}
-    write_report(out, wall_seconds=wall, command=command, **extra)
-    print_table(json.loads((out / "summary.json").read_text(encoding="utf-8")))
+    extra = {"jobs": executor.jobs, "threads": executor.threads} if recipe.report_jobs else {}
+    recipe.write_report(out, wall_seconds=wall, command=command, **extra)
+    recipe.print_table(json.loads((out / "summary.json").read_text(encoding="utf-8")))
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
     return 0

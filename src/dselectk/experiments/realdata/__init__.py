@@ -27,11 +27,10 @@ from dselectk.experiments.realdata.monitor import (
 )
 from dselectk.experiments.realdata.recipe import (
     add_common_arguments,
+    build_recipe,
     load,
     run_cell,
     run_experiment,
-    set_threads,
-    sweep,
 )
 from dselectk.experiments.realdata.report import (
     ReportSpec,
@@ -65,6 +64,7 @@ __all__ = [
     "TaskData",
     "TrainingMonitor",
     "add_common_arguments",
+    "build_recipe",
     "cell_key",
     "current_records",
     "flops_ratio",
@@ -75,8 +75,6 @@ __all__ = [
     "record_config",
     "run_cell",
     "run_experiment",
-    "set_threads",
-    "sweep",
     "table_c2",
     "template_notes",
     "train_one",

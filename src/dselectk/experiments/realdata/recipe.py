@@ -28,6 +28,7 @@ from dselectk.experiments.realdata.spec import (
     DEFAULT_GATES,
     LABELS,
     Experiment,
+    RealDataConfig,
     Splits,
     cell_key,
     init_seed,
@@ -36,8 +37,10 @@ from dselectk.experiments.realdata.spec import (
 from dselectk.experiments.realdata.train import train_one, tune
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
-    Sweep,
+    Executor,
+    Recipe,
     add_executor_arguments,
+    executor_from_args,
     missing,
     run_recipe,
 )
@@ -48,11 +51,10 @@ from dselectk.progress import tqdm
 
 __all__ = [
     "add_common_arguments",
+    "build_recipe",
     "load",
     "run_cell",
     "run_experiment",
-    "set_threads",
-    "sweep",
     "with_training_defaults",
 ]
 
@@ -149,13 +151,6 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
 
 
-def set_threads(args: argparse.Namespace) -> None:
-    """Apply ``--threads``."""
-    n = getattr(args, "threads", None)
-    if n:
-        torch.set_num_threads(int(n))
-
-
 def load(exp: Experiment, args: argparse.Namespace) -> Splits:
     """The experiment's data for these flags, loaded once per process and command (the sweep's
     ``load_data``: in one process the cells reuse what :func:`run_experiment` loaded)."""
@@ -243,15 +238,18 @@ def _cell_name(exp: Experiment, cell: tuple[Any, str]) -> str:
     return cell_key(exp, cell[1], cell[0])
 
 
-def sweep(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) -> Sweep:
+def build_recipe(
+    exp: Experiment, config: RealDataConfig, settings: Sequence[Any], **kw: Any
+) -> Recipe:
     """The (setting, gate) cells of the command line (settings outer, gates inner), for the
-    shared runner."""
-    return Sweep(
-        cells=list(itertools.product(settings, args.gates)),
+    shared runner; ``kw``: the recipe's report and preparation."""
+    return Recipe(
+        cells=list(itertools.product(settings, config.gates)),
         run_cell=functools.partial(run_cell, exp),
         load_data=functools.partial(load, exp),
         data_key=exp.data_key,
         cell_name=functools.partial(_cell_name, exp),
+        **kw,
     )
 
 
@@ -265,6 +263,10 @@ def with_training_defaults(exp: Experiment, args: argparse.Namespace) -> Experim
         init=getattr(args, "init", None) or exp.init,
         optimizer_defaults=getattr(args, "optimizer_defaults", None) or exp.optimizer_defaults,
     )
+
+
+def _printed(summary: Any) -> None:
+    """The report was printed whole by its writer."""
 
 
 def _previous_wall(path: Path) -> float:
@@ -287,12 +289,14 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
     """
     exp = with_training_defaults(exp, args)
-    sw = sweep(exp, args, settings)
-    threads = int(getattr(args, "threads", 0) or 0)
+    executor = executor_from_args(args, threads=int(getattr(args, "threads", 0) or 0))
+    args = RealDataConfig.from_args(args)  # type: ignore[assignment]
     facts: dict[str, Any] = {}
 
-    def prepare(out: Path, jobs: int) -> bool:
-        set_threads(args)
+    def prepare(out: Path, executor: Executor) -> bool:
+        jobs = executor.jobs
+        if executor.threads:
+            torch.set_num_threads(executor.threads)
         data = load(exp, args)  # fails before any worker starts when the data is missing
         facts["notes"] = list(exp.notes(args, data))
         facts["data"] = dict(data.config)
@@ -320,14 +324,15 @@ def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence
         exp.write_report(out)
         print((out / "report.md").read_text(encoding="utf-8"))
 
+    rec = build_recipe(
+        exp,
+        args,  # type: ignore[arg-type]
+        settings,
+        write_report=write_report,
+        print_table=_printed,  # the whole report was printed
+        prepare=prepare,
+    )
     try:
-        return run_recipe(
-            sw,
-            args,
-            threads=threads,
-            write_report=write_report,
-            print_table=lambda summary: None,  # the whole report was printed
-            prepare=prepare,
-        )
+        return run_recipe(rec, args, executor)
     finally:
         _DATA.clear()

@@ -24,6 +24,7 @@ __all__ = [
     "GATE_KINDS",
     "LABELS",
     "Experiment",
+    "RealDataConfig",
     "Splits",
     "TaskData",
     "cell_key",
@@ -127,6 +128,58 @@ class Experiment:
     reference: Callable[[argparse.Namespace, Splits, Path], None] | None = None
     init: str = "keras"
     optimizer_defaults: str = "tf"
+
+
+#: flags that choose where and how the cells run, not what they compute
+_EXECUTION_FLAGS = {"executor", "jobs", "threads", "no_progress", "debug", "command", "func"}
+
+
+@dataclass(frozen=True)
+class RealDataConfig:
+    """What a real-data command computes (its run config): the flags every real-data
+    experiment shares, typed, and the experiment's own flags in ``options`` (read as
+    attributes too: ``config.variant``).
+    """
+
+    out: Path
+    gates: tuple[str, ...]
+    data_dir: Path | None = None
+    repetitions: int | None = None
+    seed: int = 0
+    full: bool = False
+    epochs: int | None = None
+    lr: float | None = None
+    grid_points: int | None = None
+    trials: int = 5
+    telemetry: bool = False
+    init: str | None = None
+    optimizer_defaults: str | None = None
+    dry_run: bool = False
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        for key, value in object.__getattribute__(self, "options"):
+            if key == name:
+                return value
+        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RealDataConfig:
+        """The run config of parsed (and resolved) flags."""
+        import dataclasses
+
+        common = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        options = []
+        for key, value in sorted(vars(args).items()):
+            if key in _EXECUTION_FLAGS or key.startswith("slurm_"):
+                continue
+            value = tuple(value) if isinstance(value, list) else value
+            if key in common:
+                kw[key] = value
+            else:
+                options.append((key, value))
+        return cls(**kw, options=tuple(options))
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import int_at_least, positive_float
+from dselectk.experiments.args import config_from_args, int_at_least, positive_float
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -25,15 +26,16 @@ from dselectk.experiments.recovery.model import (
 )
 from dselectk.experiments.recovery.report import print_table, write_report
 from dselectk.experiments.runner import (
-    Sweep,
+    Recipe,
     add_executor_arguments,
     cell_str,
+    executor_from_args,
     missing,
     run_recipe,
 )
 from dselectk.io import json_safe
 
-__all__ = ["add_arguments", "load_tuned", "run", "run_cell", "sweep"]
+__all__ = ["RecoveryConfig", "add_arguments", "load_tuned", "recipe", "run", "run_cell"]
 
 
 def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
@@ -99,6 +101,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_executor_arguments(p)
 
 
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """What a ``reproduce recovery`` command computes (its run config; the flags of the same
+    names)."""
+
+    out: Path
+    gates: tuple[str, ...]
+    reps: int | None = None
+    lrs: tuple[float, ...] | None = None
+    epochs: int | None = None
+    seed: int = 0
+    data_seed: int = 0
+    full: bool = False
+    tuned: Path | None = None
+    record_every: int = 10
+    telemetry: bool = False
+
+
 def _config(
     gate: str, hp: Mapping[str, Any], rep: int, seed: int, init_seed: int, data_seed: int
 ) -> dict[str, Any]:
@@ -119,23 +139,24 @@ def _config(
 
 
 def run_cell(
-    args: argparse.Namespace, gate: str, data: RecoveryData, progress: bool
+    config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool
 ) -> dict[str, Any]:
     """One gate: every (learning rate, repetition) not recorded yet, trained in one vectorized
     model (per-row Adam learning rates); repetition 0's trajectory is kept for each lr."""
-    store = RunStore(args.out)
-    reps = args.reps if args.reps is not None else (100 if args.full else 20)
-    tuned = load_tuned(args.tuned)
-    lrs = args.lrs or (LRS if args.full else LRS[:3])
+    store = RunStore(config.out)
+    reps = config.reps if config.reps is not None else (100 if config.full else 20)
+    tuned = load_tuned(config.tuned)
+    lrs = config.lrs or (LRS if config.full else LRS[:3])
     hp = dict(BASE_HPARAMS)
     hp.update(tuned.get("hparams", {}).get(gate, {}))
-    if args.epochs is not None:
-        hp["epochs"] = args.epochs
+    if config.epochs is not None:
+        hp["epochs"] = config.epochs
     selection = {"hparams": hp, "lrs": [float(v) for v in lrs], "source": "tuned_recovery.json"}
-    seeds = [_init_seed(args.seed, r) for r in range(reps)]
+    seeds = [_init_seed(config.seed, r) for r in range(reps)]
     jobs = [(lr, r, s) for lr in lrs for r, s in enumerate(seeds)]
     cfgs = [
-        _config(gate, {**hp, "lr": float(lr)}, r, args.seed, s, args.data_seed) for lr, r, s in jobs
+        _config(gate, {**hp, "lr": float(lr)}, r, config.seed, s, config.data_seed)
+        for lr, r, s in jobs
     ]
     todo = missing(store, cfgs)
     if not todo:
@@ -146,13 +167,13 @@ def run_cell(
         {**hp, "lr": float(jobs[todo[0]][0])},
         data,
         [jobs[i][2] for i in todo],
-        shuffle_seed=args.seed,
+        shuffle_seed=config.seed,
         lrs=[jobs[i][0] for i in todo],
-        record_every=args.record_every,
+        record_every=config.record_every,
         record_reps=[todo.index(i) for i in first],
         progress=progress,
         desc=f"{gate} ({len(todo)} runs)",
-        telemetry_dir=Path(args.out) / "telemetry" / gate if args.telemetry else None,
+        telemetry_dir=Path(config.out) / "telemetry" / gate if config.telemetry else None,
     )
     for j, i in enumerate(todo):
         extra = {"trajectory": trajs[j]} if j in trajs else {}
@@ -160,31 +181,29 @@ def run_cell(
     return selection
 
 
-def _load_data(args: argparse.Namespace) -> RecoveryData:
-    return generate_data(args.data_seed)
+def _load_data(config: RecoveryConfig) -> RecoveryData:
+    return generate_data(config.data_seed)
 
 
-def _data_key(args: argparse.Namespace) -> int:
-    return int(args.data_seed)
+def _data_key(config: RecoveryConfig) -> int:
+    return int(config.data_seed)
 
 
-def sweep(args: argparse.Namespace) -> Sweep:
+def recipe(config: RecoveryConfig) -> Recipe:
     """One cell per gate, for the shared runner."""
-    return Sweep(
-        cells=list(args.gates),
+    return Recipe(
+        cells=list(config.gates),
         run_cell=run_cell,
         load_data=_load_data,
         data_key=_data_key,
         cell_name=cell_str,
+        write_report=write_report,
+        print_table=print_table,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every gate × learning rate × repetition, then write the report."""
-    return run_recipe(
-        sweep(args),
-        args,
-        threads=max(1, int(getattr(args, "threads", 1) or 1)),
-        write_report=write_report,
-        print_table=print_table,
-    )
+    config = config_from_args(RecoveryConfig, args)
+    threads = max(1, int(getattr(args, "threads", 1) or 1))
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))

@@ -11,18 +11,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.args import (
+    config_from_args,
     int_at_least,
     nonnegative_float,
     positive_float,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
-    Sweep,
+    Recipe,
     add_executor_arguments,
+    executor_from_args,
     missing,
     run_recipe,
 )
@@ -39,7 +42,7 @@ from dselectk.experiments.synthetic.spec import (
 )
 from dselectk.experiments.synthetic.train import train_reps, tune
 
-__all__ = ["add_arguments", "run", "run_cell", "sweep"]
+__all__ = ["SyntheticConfig", "add_arguments", "recipe", "run", "run_cell"]
 
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
@@ -121,7 +124,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_executor_arguments(p)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """What a ``reproduce synthetic`` command computes (its run config; the flags of the same
+    names)."""
+
+    out: Path
+    gates: tuple[str, ...]
+    tasks: tuple[int, ...]
+    reps: int | None = None
+    batch_reps: int | None = None
+    seed: int = 0
+    data_seed: int = 0
+    full: bool = False
+    epochs: int | None = None
+    lr: float | None = None
+    gamma: float | None = None
+    gamma_end: float | None = None
+    entropy_reg: float | None = None
+    entropy_reg_end: float | None = None
+    diversity: float | None = None
+    temperature_start: float | None = None
+    n_train: int = 100_000
+    n_eval: int = 20_000
+    tuned: Path | None = None
+    trials: int = 5
+    max_points: int | None = None
+    sequential: bool = False
+    telemetry: bool = False
+
+
+def _overrides(args: SyntheticConfig) -> dict[str, Any]:
     return {
         "epochs": args.epochs,
         "lr": args.lr,
@@ -135,7 +168,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_cell(
-    args: argparse.Namespace, cell: tuple[str, int], data: SyntheticData, progress: bool
+    args: SyntheticConfig, cell: tuple[str, int], data: SyntheticData, progress: bool
 ) -> dict[str, Any]:
     """One (gate, T) cell of the sweep: select its hyperparameters (the grid search under
     ``--full``, else the tuning record), then train the missing final repetitions. Every
@@ -201,11 +234,11 @@ def run_cell(
     return selection
 
 
-def _generate(args: argparse.Namespace) -> SyntheticData:
+def _generate(args: SyntheticConfig) -> SyntheticData:
     return generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
 
 
-def _data_key(args: argparse.Namespace) -> tuple[int, int, int]:
+def _data_key(args: SyntheticConfig) -> tuple[int, int, int]:
     return (args.data_seed, args.n_train, args.n_eval)
 
 
@@ -217,24 +250,22 @@ def _cell_cost(cell: tuple[str, int]) -> float:
     return float(cell[1])  # the largest T first: long cells should not end up last
 
 
-def sweep(args: argparse.Namespace) -> Sweep:
+def recipe(config: SyntheticConfig) -> Recipe:
     """The (gate, T) cells of the command line, for the shared runner."""
-    return Sweep(
-        cells=list(itertools.product(args.gates, sorted(args.tasks))),
+    return Recipe(
+        cells=list(itertools.product(config.gates, sorted(config.tasks))),
         run_cell=run_cell,
         load_data=_generate,
         data_key=_data_key,
         cell_name=_cell_name,
         cost=_cell_cost,
+        write_report=write_report,
+        print_table=print_table,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    return run_recipe(
-        sweep(args),
-        args,
-        threads=int(getattr(args, "threads", 0) or 0),
-        write_report=write_report,
-        print_table=print_table,
-    )
+    config = config_from_args(SyntheticConfig, args)
+    threads = int(getattr(args, "threads", 0) or 0)
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))

@@ -4,14 +4,17 @@ shared runner; one record per (router, seed)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dselectk.experiments.args import config_from_args
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
-    Sweep,
+    Recipe,
     add_executor_arguments,
     cell_str,
+    executor_from_args,
     missing,
     run_recipe,
 )
@@ -25,7 +28,7 @@ from dselectk.experiments.token_moe.model import (
 )
 from dselectk.experiments.token_moe.report import print_table, write_report
 
-__all__ = ["add_arguments", "hparams", "run", "run_cell", "sweep"]
+__all__ = ["TokenMoEConfig", "add_arguments", "config", "hparams", "recipe", "run", "run_cell"]
 
 _FLAGS = (
     "steps",
@@ -72,14 +75,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_executor_arguments(p)
 
 
-def hparams(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TokenMoEConfig:
+    """What a ``reproduce token-moe`` command computes (its run config).
+
+    Attributes:
+        settings: the study settings given on the command line (over :data:`DEFAULTS`).
+    """
+
+    out: Path
+    gates: tuple[str, ...]
+    seeds: int = 3
+    telemetry: bool = False
+    settings: tuple[tuple[str, Any], ...] = ()
+
+
+def config(args: argparse.Namespace) -> TokenMoEConfig:
+    """The run config of the parsed flags."""
+    given = tuple((n, getattr(args, n)) for n in _FLAGS if getattr(args, n, None) is not None)
+    return config_from_args(TokenMoEConfig, args, settings=given)
+
+
+def hparams(config: TokenMoEConfig) -> dict[str, Any]:
     """The study's settings: the defaults overridden by the flags given."""
-    hp = dict(DEFAULTS)
-    for name in _FLAGS:
-        v = getattr(args, name, None)
-        if v is not None:
-            hp[name] = v
-    return hp
+    return {**DEFAULTS, **dict(config.settings)}
 
 
 def _config(router: str, hp: dict[str, Any], seed: int, corpus: Corpus) -> dict[str, Any]:
@@ -97,13 +116,13 @@ def _config(router: str, hp: dict[str, Any], seed: int, corpus: Corpus) -> dict[
     }
 
 
-def run_cell(args: argparse.Namespace, router: str, corpus: Corpus, progress: bool) -> dict:
+def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
-    store = RunStore(args.out)
-    hp = hparams(args)
-    cfgs = [_config(router, hp, s, corpus) for s in range(args.seeds)]
+    store = RunStore(config.out)
+    hp = hparams(config)
+    cfgs = [_config(router, hp, s, corpus) for s in range(config.seeds)]
     for i in missing(store, cfgs):
-        tel = Path(args.out) / "telemetry" / f"{router}-seed{i}" if args.telemetry else None
+        tel = Path(config.out) / "telemetry" / f"{router}-seed{i}" if config.telemetry else None
         metrics = train_run(
             router, hp, corpus, i, progress=progress, desc=f"{router} seed {i}", telemetry_dir=tel
         )
@@ -117,32 +136,30 @@ def run_cell(args: argparse.Namespace, router: str, corpus: Corpus, progress: bo
     return {"hparams": hp}
 
 
-def _load_data(args: argparse.Namespace) -> Corpus:
-    return load_corpus(hparams(args)["corpus_bytes"], DEFAULTS["val_fraction"])
+def _load_data(config: TokenMoEConfig) -> Corpus:
+    return load_corpus(hparams(config)["corpus_bytes"], DEFAULTS["val_fraction"])
 
 
-def _data_key(args: argparse.Namespace) -> int:
-    return int(hparams(args)["corpus_bytes"])
+def _data_key(config: TokenMoEConfig) -> int:
+    return int(hparams(config)["corpus_bytes"])
 
 
-def sweep(args: argparse.Namespace) -> Sweep:
+def recipe(config: TokenMoEConfig) -> Recipe:
     """One cell per router, for the shared runner."""
-    return Sweep(
-        cells=list(args.gates),
+    return Recipe(
+        cells=list(config.gates),
         run_cell=run_cell,
         load_data=_load_data,
         data_key=_data_key,
         cell_name=cell_str,
+        write_report=write_report,
+        print_table=print_table,
+        report_jobs=True,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
-    return run_recipe(
-        sweep(args),
-        args,
-        threads=max(1, int(getattr(args, "threads", 1) or 1)),
-        write_report=write_report,
-        print_table=print_table,
-        report_jobs=True,
-    )
+    cfg = config(args)
+    threads = max(1, int(getattr(args, "threads", 1) or 1))
+    return run_recipe(recipe(cfg), cfg, executor_from_args(args, threads=threads))
