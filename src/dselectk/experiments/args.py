@@ -24,6 +24,7 @@ __all__ = [
     "finite_float",
     "int_at_least",
     "nonnegative_float",
+    "out_dir",
     "positive_float",
     "probability",
 ]
@@ -88,8 +89,10 @@ def check_out_dir(path: str | Path) -> Path:
     """Create the results folder if needed and check that it can be written, up front.
 
     Raises:
-        ValueError: ``path`` is a file, or the folder cannot be created or written.
+        ValueError: ``path`` is empty or a file, or the folder cannot be created or written.
     """
+    if not str(path).strip():
+        raise ValueError("--out: expected a results folder, got an empty path")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {path}: is a file, expected a folder")
@@ -122,3 +125,11 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T
             raise TypeError(f"{cls.__name__}.{f.name}: no flag --{f.name.replace('_', '-')}")
         kw[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kw)
+
+
+def out_dir(text: str) -> Path:
+    """An argparse type: a results folder (an empty ``--out ""`` is refused: it would write
+    into the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a results folder, got an empty path")
+    return Path(text)

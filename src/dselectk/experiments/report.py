@@ -70,6 +70,11 @@ def experiment_module(name: str) -> str:
 def rebuild(results_dir: Path) -> str:
     """Call the experiment's ``write_report(results_dir)``; returns the experiment name."""
     results_dir = Path(results_dir)
+    if not RunStore(results_dir).load():
+        raise ValueError(
+            f"{results_dir}: no run records in {results_dir / 'runs'}; the report is rebuilt "
+            "from them, so the existing summary.json and report.md are left as they are"
+        )
     name = experiment_name(results_dir)
     module = importlib.import_module(experiment_module(name))
     write = getattr(module, "write_report", None)

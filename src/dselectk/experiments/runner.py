@@ -21,13 +21,16 @@ and how the cells run is the executor's business (:mod:`dselectk.experiments.exe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
+import os
 import random
 import sys
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,7 @@ __all__ = [
     "cell_str",
     "check_config",
     "executor_from_args",
+    "folder_lock",
     "grid_points",
     "missing",
     "progress_position",
@@ -184,6 +188,33 @@ def run_sweep(
     return {n: selected[n] for n in names}
 
 
+LOCK_FILE = ".dselectk.lock"
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock for one command: a second command started into the same folder
+    stops at once with a ValueError (it would save and print the other's results), instead of
+    two writers sharing one ``plan.json``, report and summary. The lock is the kernel's
+    (``flock``): it is released when the process ends, however it ends."""
+    path = Path(out) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise ValueError(
+                f"--out {out}: another dselectk command is running there (pid {other}); wait "
+                "for it to finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
     """The ``run`` of a recipe: check the results folder up front, size the executor to the
     cells, run (or resume) the sweep, rebuild the report and print its table. Returns the exit
@@ -199,14 +230,18 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
         raise TypeError("run_recipe needs a recipe with write_report and print_table")
     out = check_out_dir(config.out)
     executor = executor.sized(len(recipe.cells))
-    if recipe.prepare is not None and not recipe.prepare(out, executor):
-        return 0
-    command = " ".join(["dselectk", *sys.argv[1:]])
-    t0 = time.perf_counter()
-    run_sweep(recipe, config, out, executor, command=command)
-    wall = time.perf_counter() - t0
-    extra = {"jobs": executor.jobs, "threads": executor.threads} if recipe.report_jobs else {}
-    recipe.write_report(out, wall_seconds=wall, command=command, **extra)
-    recipe.print_table(json.loads((out / "summary.json").read_text(encoding="utf-8")))
+    with folder_lock(out):
+        if recipe.prepare is not None and not recipe.prepare(out, executor):
+            return 0
+        command = " ".join(["dselectk", *sys.argv[1:]])
+        t0 = time.perf_counter()
+        run_sweep(recipe, config, out, executor, command=command)
+        wall = time.perf_counter() - t0
+        jobs = {"jobs": executor.jobs, "threads": executor.threads}
+        recipe.write_report(
+            out, wall_seconds=wall, command=command, **(jobs if recipe.report_jobs else {})
+        )
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    recipe.print_table(summary)
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
     return 0

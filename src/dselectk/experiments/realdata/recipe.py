@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.args import int_at_least, positive_float
+from dselectk.experiments.args import int_at_least, out_dir, positive_float
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
 from dselectk.experiments.realdata.spec import (
@@ -73,7 +73,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
         default=None,
         help="data folder (default: $DSELECTK_DATA or ~/.cache/dselectk)",
     )
-    p.add_argument("--out", type=Path, default=Path(default_out), help="results folder")
+    p.add_argument("--out", type=out_dir, default=Path(default_out), help="results folder")
     p.add_argument(
         "--repetitions",
         "--reps",

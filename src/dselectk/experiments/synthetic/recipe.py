@@ -19,6 +19,7 @@ from dselectk.experiments.args import (
     config_from_args,
     int_at_least,
     nonnegative_float,
+    out_dir,
     positive_float,
 )
 from dselectk.experiments.records import RunStore
@@ -58,7 +59,7 @@ def task_count(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
-    p.add_argument("--out", type=Path, default=Path("results/synthetic"), help="results folder")
+    p.add_argument("--out", type=out_dir, default=Path("results/synthetic"), help="results folder")
     p.add_argument(
         "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
     )

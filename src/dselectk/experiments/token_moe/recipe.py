@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import config_from_args
+from dselectk.experiments.args import config_from_args, out_dir
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
@@ -50,7 +50,7 @@ _FLAGS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
-    p.add_argument("--out", type=Path, default=Path("results/token_moe"), help="results folder")
+    p.add_argument("--out", type=out_dir, default=Path("results/token_moe"), help="results folder")
     p.add_argument("--gates", nargs="+", default=list(GATES), choices=sorted(GATES))
     p.add_argument("--seeds", type=int, default=3, help="seeds per router (paired across routers)")
     for name in _FLAGS:

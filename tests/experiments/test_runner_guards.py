@@ -1,0 +1,74 @@
+"""The shared runner keeps good results: a folder in use is refused, an empty --out is refused,
+and a report is never rebuilt from nothing."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from dselectk.cli import main
+from dselectk.experiments.runner import LOCK_FILE, folder_lock
+
+REC = ["reproduce", "recovery", "--no-progress", "--reps", "1", "--lrs", "0.1", "--epochs", "1"]
+
+
+def _hold_lock(out: str, ready: mp.synchronize.Event, release: mp.synchronize.Event) -> None:
+    with folder_lock(Path(out)):
+        ready.set()
+        release.wait(30)
+
+
+def test_a_second_command_in_a_folder_in_use_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        assert main([*REC, "--gates", "topk", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another dselectk command is running there" in err[0]
+        assert f"pid {holder.pid}" in err[0]
+        assert not (tmp_path / "runs").exists()  # nothing was trained or written
+    finally:
+        release.set()
+        holder.join(30)
+    # the lock dies with its holder: the same command now runs
+    assert main([*REC, "--gates", "topk", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / LOCK_FILE).is_file()
+
+
+@pytest.mark.parametrize(
+    "study", ["synthetic", "recovery", "token-moe", "movielens", "multi-mnist"]
+)
+def test_empty_out_is_refused(
+    study: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["reproduce", study, "--out", ""])
+    assert e.value.code == 2
+    assert "--out: expected a results folder, got an empty path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_without_records_keeps_the_last_summary_and_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rec"
+    assert main([*REC, "--gates", "topk", "--out", str(out)]) == 0
+    summary, report = (out / "summary.json").read_text(), (out / "report.md").read_text()
+    assert json.loads(summary)["rows"]
+    for p in (out / "runs").glob("*.json"):
+        p.unlink()
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no run records" in err[0] and "left as they are" in err[0]
+    assert (out / "summary.json").read_text() == summary
+    assert (out / "report.md").read_text() == report
