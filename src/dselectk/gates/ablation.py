@@ -51,6 +51,7 @@ class SoftmaxSelectorGate(Gate):
         in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
+    posthoc_inference = True
     _temperature: Tensor
     temperature = HyperParameter(positive=True)
     _entropy_reg: Tensor

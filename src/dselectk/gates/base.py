@@ -91,6 +91,9 @@ class Gate(nn.Module):
     #: (Top-k, Gumbel-softmax in eval mode, a frozen gate) or never final (softmax, the
     #: softmax-selector ablations)
     binarizes: bool = False
+    #: whether :meth:`inference_weights` applies a post-hoc rule to the gate's own weights (the
+    #: softmax-selector ablations' argmax), so that the own, soft weights are a second model
+    posthoc_inference: bool = False
 
     def __init__(
         self,

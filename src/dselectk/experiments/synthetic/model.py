@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dselectk.experiments.metrics import distinct_experts, pairwise_jaccard
 from dselectk.experiments.synthetic.data import FEATURES, UNITS, SyntheticData
 from dselectk.experiments.synthetic.spec import ANNEAL_END, GATES, K
-from dselectk.gates import DSelectK, SoftmaxSelectorGate, make_gate
+from dselectk.gates import make_gate
 from dselectk.gates.base import Gate
 from dselectk.layers import StackedMLP
 from dselectk.schedules import (
@@ -139,11 +139,9 @@ class SyntheticMoE(nn.Module):
 
     @torch.no_grad()
     def eval_weights(self) -> Tensor:
-        """Weights used at evaluation, (R, T, E): the ablation gates' argmax heuristic applied."""
-        if isinstance(self.gates, SoftmaxSelectorGate):
-            w = self.gates.hard_weights()
-        else:
-            w = self.gates.expert_weights()
+        """Weights used at evaluation, (R, T, E): the ablation gates' argmax heuristic applied
+        (``Gate.inference_weights``)."""
+        w = self.gates.inference_weights()
         return w.view(self.reps, self.num_tasks, self.num_experts)
 
     @torch.no_grad()
@@ -224,12 +222,11 @@ def evaluate_model(model: SyntheticMoE, data: SyntheticData) -> list[dict[str, f
     nsel = distinct_experts(sel).double()  # (R, T)
     out: list[dict[str, float]] = []
     soft_test = None
-    if isinstance(model.gates, SoftmaxSelectorGate):
+    if model.gates.posthoc_inference:  # the ablations: their own soft weights, too
         soft_test = _mse(model, data.x_test, yt, model.soft_weights())
     binary = None
-    if isinstance(model.gates, DSelectK):
-        p = model.gates.bits().view(model.reps, t, K, -1)
-        is_bin = (p == 0) | (p == 1)
+    if model.gates.binarizes:  # DSelect-k: which bits of S(Z) are exactly 0 or 1
+        is_bin = model.gates.binary_entries().view(model.reps, t, -1)
         binary = (is_bin.flatten(2).float().mean(-1), is_bin.flatten(1).float().mean(-1))
     for r in range(model.reps):
         m = {
