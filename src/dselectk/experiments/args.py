@@ -12,16 +12,20 @@ import dataclasses
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from dselectk.gates.registry import HParam, gate_spec
 
 T = TypeVar("T")
 
 __all__ = [
+    "add_hparam_arguments",
     "check_out_dir",
     "config_from_args",
     "finite_float",
+    "hparam_type",
     "int_at_least",
     "nonnegative_float",
     "out_dir",
@@ -133,3 +137,44 @@ def out_dir(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a results folder, got an empty path")
     return Path(text)
+
+
+def hparam_type(h: HParam) -> Callable[[str], Any]:
+    """An argparse type for one declared gate hyperparameter: its type and range, from the
+    registry (:class:`~dselectk.gates.registry.HParam`), never restated by a recipe."""
+
+    def parse(text: str) -> Any:
+        value: Any = text
+        if h.type is bool:
+            if text.lower() not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            value = text.lower() == "true"
+        elif h.type in (int, float):
+            value = _float(text)
+        try:
+            return h.check(value, "")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+    parse.__name__ = h.range_text()
+    return parse
+
+
+def add_hparam_arguments(p: argparse.ArgumentParser, gates: Iterable[str]) -> list[str]:
+    """One ``--NAME`` flag per hyperparameter the registry declares for ``gates`` (registry
+    names), typed and range-checked from the declaration, default None (the tuned value).
+    Returns the flags' destinations, so the recipe can collect the overrides."""
+    seen: dict[str, HParam] = {}
+    for name in gates:
+        for h in gate_spec(name).hparams.values():
+            seen.setdefault(h.name, h)
+    group = p.add_argument_group("gate hyperparameters (override the tuned values)")
+    for name, h in sorted(seen.items()):
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=hparam_type(h),
+            default=None,
+            metavar="X" if h.choices is None else "{" + ",".join(h.choices) + "}",
+            help=f"{h.doc} ({h.range_text()})",
+        )
+    return sorted(seen)
