@@ -20,6 +20,13 @@ batch of sequences) is flattened to ``(N, p)`` with N the product of the leading
 examples, and the weights are reshaped to ``(..., n)`` or ``(..., T, n)``; auxiliary losses are
 averaged over the N tokens. A ``(B, p)`` input takes exactly the path it always took.
 
+The gate answers for itself: callers ask it instead of switching on its class.
+:meth:`Gate.is_binary` (is the selection final, per gate), :meth:`Gate.binary_entries` (for the
+gates with ``binarizes``), :meth:`Gate.selection` / :meth:`Gate.set_selection` (the discrete
+selection a swap search moves, for the gates with ``searchable``), :meth:`Gate.diagnostics`
+(what telemetry logs), :meth:`Gate.inference_weights` (what evaluation uses) and
+:meth:`Gate.freeze_blocker` (why :func:`dselectk.export.freeze` must wait).
+
 ``forward`` is pure: it returns the weights and the auxiliary loss (entropy terms, penalties,
 balancing losses) in a :class:`GateOutput`; nothing is stored on the module and nothing calls
 ``backward``. Per-example auxiliary losses are averaged over the batch, so their weight does not
