@@ -26,6 +26,7 @@ from dselectk.layers.cnn import (
     load_from_reference,
     make_reference_cnn,
 )
+from dselectk.training import History
 
 # --------------------------------------------------------------------------------------------
 # tiny on-disk fixtures in the upstream formats
@@ -114,7 +115,7 @@ def test_single_cnn_and_mnist_models_shapes() -> None:
     torch.manual_seed(0)
     assert SingleCNN()(torch.rand(3, 1296)).shape == (3, 50)
     hp = {**mm.QUICK_HPARAMS["dselect_k_static"]}
-    for gate in rd.GATE_KINDS:
+    for gate in rd.VARIANTS:
         model = mm.build_model(gate, {**mm.QUICK_HPARAMS[gate], **hp}, {})
         out = model(torch.rand(4, 1296))
         assert [o.shape for o in out.outputs] == [(4, 10), (4, 10)]
@@ -139,7 +140,7 @@ def test_movielens_model_shapes_and_loss_combination() -> None:
         ],
         dim=1,
     )
-    for gate in rd.GATE_KINDS:
+    for gate in rd.VARIANTS:
         model = ml.build_model(gate, ml.QUICK_HPARAMS[gate], _ml_meta())
         out = model(x)
         assert [o.shape for o in out.outputs] == [(b, 1), (b, 1)]
@@ -175,7 +176,7 @@ def test_table_c2_flops_hand_checked() -> None:
     assert rd.flops_ratio([2.0, 4.0], [3.0, 3.0]) == pytest.approx(1.0)
     assert math.isnan(rd.flops_ratio([], [1.0]))
     # experts needed per example from the gate weights of a step
-    mon = rd.TrainingMonitor(torch.nn.Identity())
+    mon = rd.GateMonitor(torch.nn.Identity())
     static = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])  # union {0, 1}
     per_example = torch.tensor(
         [
@@ -184,24 +185,25 @@ def test_table_c2_flops_hand_checked() -> None:
         ]
     )
     x = torch.zeros(2, 3)
-    mon._record(x, SimpleNamespace(gate_weights=static))
-    mon._record(x, SimpleNamespace(gate_weights=per_example))
+    batch = rd.TaskData(x, [torch.zeros(2)])
+    mon.on_step(torch.nn.Identity(), batch, SimpleNamespace(gate_weights=static), History(steps=1))
+    mon.on_step(
+        torch.nn.Identity(), batch, SimpleNamespace(gate_weights=per_example), History(steps=2)
+    )
     assert mon.needed_per_step == [2.0, 2.5]
     assert mon.needed_sum == pytest.approx(2 * 2.0 + 2 * 2.5)
-    mon.close()
 
 
 def test_monitor_detects_binary_dselect_k() -> None:
     torch.manual_seed(0)
     model = ml.build_model("dselect_k_static", ml.QUICK_HPARAMS["dselect_k_static"], _ml_meta())
-    mon = rd.TrainingMonitor(model, check_every=1)
+    mon = rd.GateMonitor(model, check_every=1)
     x = torch.zeros(2, 24, dtype=torch.int64)
     assert mon.binary_fraction(x) == 0.0
-    gate = mon.dselect_gates[0]
+    gate = mon.gates[0]
     with torch.no_grad():
         gate.logits[..., gate.k :] = 5.0  # |z| >= γ/2: S(z) = 1 exactly
     assert mon.binary_fraction(x) == 1.0
-    mon.close()
 
 
 # --------------------------------------------------------------------------------------------

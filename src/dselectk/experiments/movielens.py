@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import int_at_least, probability
 from dselectk.experiments.realdata import nonneural
-from dselectk.gates import make_gate
+from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import make_towers
 from dselectk.layers.experts import StackedMLP
 from dselectk.models.moe import MultiGateMoE, SharedBottom
@@ -53,6 +54,7 @@ __all__ = [
     "EXPERIMENT",
     "PAPER_TABLE1",
     "PAPER_TABLE_C3",
+    "MovieLensConfig",
     "MovieLensEmbedding",
     "add_arguments",
     "build_model",
@@ -246,7 +248,7 @@ LOSSES = ["bce", masked_mse]
 
 
 def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn.Module:
-    """The Appendix D.1 model for ``gate`` (an experiment gate name of ``realdata.GATE_KINDS``)."""
+    """The Appendix D.1 model for ``gate`` (a name of ``realdata.VARIANTS``)."""
     side = meta.get("side")
     bottom = MovieLensEmbedding(meta["num_users"], meta["num_items"], side)
     d = bottom.out_features
@@ -255,19 +257,8 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
         shared = nn.Sequential(nn.Linear(d, int(hp["units"])), nn.ReLU(), nn.Dropout(0.5))
         return SharedBottom(shared, towers, bottom=bottom)
     experts = StackedMLP(NUM_EXPERTS, d, [256], dropout=0.5)
-    return MultiGateMoE(experts, _gates(gate, hp, d), towers, bottom=bottom)
-
-
-def _gates(gate: str, hp: Mapping[str, Any], in_features: int) -> Any:
-    name, per_example = rd.GATE_KINDS[gate]
-    kw: dict[str, Any] = {"num_gates": 2, "in_features": in_features if per_example else None}
-    if name in ("dselect_k", "topk"):
-        kw["k"] = int(hp["k"])
-    if name == "dselect_k":
-        kw.update(gamma=float(hp["gamma"]), entropy_reg=float(hp["entropy_reg"]))
-    if name == "gumbel_softmax":
-        kw["sparsity_reg"] = float(hp["sparsity_reg"])
-    return make_gate(name, NUM_EXPERTS, **kw)
+    gates = rd.VARIANTS[gate].build(NUM_EXPERTS, hp, num_gates=2, in_features=d)
+    return MultiGateMoE(experts, gates, towers, bottom=bottom)
 
 
 def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
@@ -329,7 +320,23 @@ def _task_weights(alpha: Any) -> list[float]:
     return [float(alpha), 1.0 - float(alpha)]
 
 
-def _data_key(args: argparse.Namespace) -> tuple[Any, ...]:
+@dataclass(frozen=True)
+class MovieLensConfig(rd.RealDataConfig):
+    """What a ``reproduce movielens`` command computes (the flags of the same names)."""
+
+    variant: str = "ml-1m"
+    alphas: tuple[float, ...] = QUICK_ALPHAS
+    neg_ratio: int = 1
+    max_train: int | None = None
+    no_side_features: bool = False
+
+    @property
+    def settings(self) -> tuple[Any, ...]:
+        """The α values."""
+        return self.alphas
+
+
+def _data_key(args: MovieLensConfig) -> tuple[Any, ...]:
     return (
         str(args.data_dir),
         args.variant,
@@ -340,8 +347,8 @@ def _data_key(args: argparse.Namespace) -> tuple[Any, ...]:
     )
 
 
-def load_data(args: argparse.Namespace) -> rd.Splits:
-    """The splits of the (resolved, see :func:`run`) flags, with their data config."""
+def load_data(args: MovieLensConfig) -> rd.Splits:
+    """The splits of the run config, with their data config."""
     side = not args.no_side_features
     data = load_splits(
         args.data_dir,
@@ -364,7 +371,7 @@ def load_data(args: argparse.Namespace) -> rd.Splits:
     return data
 
 
-def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
+def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
     """The report's "Setup and choices" (prose in ``templates/movielens.md``)."""
     m = data.meta
     side = (
@@ -391,14 +398,14 @@ def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
         bottom_features=m["bottom_features"],
         epochs=args.epochs or QUICK_HPARAMS["softmax"]["epochs"],
         lr_note=f"lr {args.lr:g}, set by --lr"
-        if getattr(args, "lr", None)
+        if args.lr
         else f"lr {QUICK_LR:g}: the grid's value with the lowest validation loss of static "
         "DSelect-k after one epoch, seed 0",
         repetitions=args.repetitions if args.repetitions is not None else QUICK_REPS,
     )
 
 
-def reference(args: argparse.Namespace, data: rd.Splits, out: Path) -> None:
+def reference(args: MovieLensConfig, data: rd.Splits, out: Path) -> None:
     """Compute (once per data configuration) and cache the non-neural reference in ``out``."""
     m = data.meta
     nonneural.cached_reference(
@@ -426,7 +433,6 @@ def experiment() -> rd.Experiment:
         notes=notes,
         write_report=write_report,
         quick_reps=QUICK_REPS,
-        quick_gates=QUICK_GATES,
         reference=reference,
     )
 
@@ -458,9 +464,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
-    args.variant = args.variant or "ml-1m"
     alphas = args.alphas if args.alphas is not None else (ALPHAS if args.full else QUICK_ALPHAS)
-    return rd.run_experiment(experiment(), args, [float(a) for a in alphas])
+    config = rd.config_of(
+        MovieLensConfig, args, QUICK_GATES, alphas=tuple(float(a) for a in alphas)
+    )
+    return rd.run_experiment(experiment(), config, executor_from_args(args, threads=args.threads))
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,7 +503,7 @@ def _tables(
     settings: Sequence[Any],
     ref: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    gates = [g for g in rd.GATE_KINDS if any((s, g) in rows for s in settings)]
+    gates = [g for g in rd.VARIANTS if any((s, g) in rows for s in settings)]
     md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
     for a in settings:
         md += [
@@ -512,7 +520,7 @@ def _tables(
             pl = f"{p[0]:.0f} ± {p[1]:.0f}" if p else "-"
             pe = "-" if not p or p[2] is None else f"{p[2]:.1f}"
             md.append(
-                f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_loss'), 1e4, 0)} | {pl} | "
+                f"| {rd.label(g)} | {rd.fmt(m.get('test_loss'), 1e4, 0)} | {pl} | "
                 f"{rd.fmt(m.get('selected_experts'), 1, 2)} | {pe} |"
             )
         md += _reference_rows(ref, a, c3=False)
@@ -531,7 +539,7 @@ def _tables(
             m = rows[(a, g)]["metrics"]
             c = PAPER_TABLE_C3.get(float(a), {}).get(g)
             md.append(
-                f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_loss_task2'), 1e4, 0)} | "
+                f"| {rd.label(g)} | {rd.fmt(m.get('test_loss_task2'), 1e4, 0)} | "
                 + (f"{c[0]:.0f} ± {c[1]:.0f}" if c else "-")
                 + f" | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
                 + (f"{c[2]:.2f} ± {c[3]:.2f}" if c else "-")

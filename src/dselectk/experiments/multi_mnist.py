@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,14 @@ from torch import nn
 
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import int_at_least
-from dselectk.gates import make_gate
+from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 
 __all__ = [
     "PAPER_TABLE2",
+    "MultiMNISTConfig",
     "add_arguments",
     "build_model",
     "expert_flops",
@@ -113,17 +115,9 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
     if gate == "shared_bottom":
         return SharedBottom(SingleCNN(image_shape=IMAGE_SHAPE, dense_layers=layers), towers)
     experts = BatchedCNNExperts(NUM_EXPERTS, IMAGE_SHAPE, dense_layers=layers)
-    name, per_example = rd.GATE_KINDS[gate]
-    kw: dict[str, Any] = {"num_gates": 2}
-    if per_example:
-        kw["in_features"] = IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * IMAGE_SHAPE[2]
-    if name in ("dselect_k", "topk"):
-        kw["k"] = int(hp["k"])
-    if name == "dselect_k":
-        kw.update(gamma=float(hp["gamma"]), entropy_reg=float(hp["entropy_reg"]))
-    if name == "gumbel_softmax":
-        kw["sparsity_reg"] = float(hp["sparsity_reg"])
-    return MultiGateMoE(experts, make_gate(name, NUM_EXPERTS, **kw), towers)
+    pixels = IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * IMAGE_SHAPE[2]
+    gates = rd.VARIANTS[gate].build(NUM_EXPERTS, hp, num_gates=2, in_features=pixels)
+    return MultiGateMoE(experts, gates, towers)
 
 
 def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> float:
@@ -166,17 +160,29 @@ def _equal_weights(_setting: Any) -> list[float]:
     return [1.0, 1.0]
 
 
-def _name(args: argparse.Namespace) -> str:
-    return str(getattr(args, "experiment_name", "multi-mnist"))
+#: (train, val, test) images of the quick default and of ``--full``
+QUICK_SIZES, FULL_SIZES = (QUICK_N_TRAIN, 1000, 2000), (100_000, 20_000, 20_000)
 
 
-def _data_key(args: argparse.Namespace) -> tuple[Any, ...]:
-    return (str(args.data_dir), _name(args), args.seed, args.n_train, args.n_val, args.n_test)
+@dataclass(frozen=True)
+class MultiMNISTConfig(rd.RealDataConfig):
+    """What a ``reproduce multi-mnist|multi-fashion`` command computes (the flags of the same
+    names; ``experiment_name`` is the command's)."""
+
+    experiment_name: str = "multi-mnist"
+    n_train: int = QUICK_SIZES[0]
+    n_val: int = QUICK_SIZES[1]
+    n_test: int = QUICK_SIZES[2]
 
 
-def load_data(args: argparse.Namespace) -> rd.Splits:
-    """The splits of the (resolved, see :func:`run`) flags, with their data config."""
-    name = _name(args)
+def _data_key(args: MultiMNISTConfig) -> tuple[Any, ...]:
+    name = args.experiment_name
+    return (str(args.data_dir), name, args.seed, args.n_train, args.n_val, args.n_test)
+
+
+def load_data(args: MultiMNISTConfig) -> rd.Splits:
+    """The splits of the run config, with their data config."""
+    name = args.experiment_name
     data = load_splits(args.data_dir, name, args.seed, args.n_train, args.n_val, args.n_test)
     data.config = {
         "kind": KINDS[name],
@@ -190,12 +196,12 @@ def load_data(args: argparse.Namespace) -> rd.Splits:
     return data
 
 
-def notes(args: argparse.Namespace, data: rd.Splits) -> list[str]:
+def notes(args: MultiMNISTConfig, data: rd.Splits) -> list[str]:
     """The report's "Setup and choices" (prose in ``templates/multi_mnist.md``)."""
     return rd.template_notes(
         "multi_mnist",
         quick=not args.full,
-        title=TITLES[_name(args)],
+        title=TITLES[args.experiment_name],
         init_note=rd.training_note(args),
         n_train=f"{args.n_train:,}",
         n_val=f"{args.n_val:,}",
@@ -250,14 +256,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
-    name = _name(args)
-    if args.out == Path("results/multi-mnist") and name != "multi-mnist":
-        args.out = Path(f"results/{name}")
-    full = bool(args.full)
-    args.n_train = args.n_train or (100_000 if full else QUICK_N_TRAIN)
-    args.n_val = args.n_val or (20_000 if full else 1000)
-    args.n_test = args.n_test or (20_000 if full else 2000)
-    return rd.run_experiment(experiment(name), args, [None])
+    name = str(getattr(args, "experiment_name", "multi-mnist"))
+    out = args.out
+    if out == Path("results/multi-mnist") and name != "multi-mnist":
+        out = Path(f"results/{name}")
+    sizes = FULL_SIZES if args.full else QUICK_SIZES
+    given = (args.n_train, args.n_val, args.n_test)
+    n_train, n_val, n_test = (g or d for g, d in zip(given, sizes))
+    config = rd.config_of(
+        MultiMNISTConfig,
+        args,
+        out=out,
+        experiment_name=name,
+        n_train=n_train,
+        n_val=n_val,
+        n_test=n_test,
+    )
+    executor = executor_from_args(args, threads=args.threads)
+    return rd.run_experiment(experiment(name), config, executor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,13 +290,13 @@ def _tables_for(name: str) -> Any:
             "| paper |",
             "|---|---|---|---|---|---|---|",
         ]
-        for g in rd.GATE_KINDS:
+        for g in rd.VARIANTS:
             if (None, g) not in rows:
                 continue
             m = rows[(None, g)]["metrics"]
             p = PAPER_TABLE2[name].get(g)
             md.append(
-                f"| {rd.LABELS[g]} | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
+                f"| {rd.label(g)} | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
                 + (f"{p[0]:.2f} ± {p[1]:.2f}" if p else "-")
                 + f" | {rd.fmt(m.get('test_accuracy_task2'), 100, 2)} | "
                 + (f"{p[2]:.2f} ± {p[3]:.2f}" if p else "-")
@@ -289,10 +305,10 @@ def _tables_for(name: str) -> Any:
                 + " |"
             )
         md += ["", "Training throughput (examples/s, mean over runs):", ""]
-        for g in rd.GATE_KINDS:
+        for g in rd.VARIANTS:
             if (None, g) in rows:
                 m = rows[(None, g)]["metrics"]
-                md.append(f"- {rd.LABELS[g]}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
+                md.append(f"- {rd.label(g)}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
         return md
 
     return tables

@@ -5,7 +5,7 @@ describes its experiment as an :class:`Experiment`: how to load the data, build 
 gate, which losses, hyperparameters and report apply. This package runs it:
 
 * ``spec`` — the gates, :class:`Splits`, :class:`Experiment`, record identity (configs, seeds);
-* ``monitor`` — Table C.2's measurements during training (:class:`TrainingMonitor`, FLOPs);
+* ``monitor`` — Table C.2's measurements during training (the :class:`GateMonitor` callback, FLOPs);
 * ``train`` — one run (:func:`train_one`) and the ``--full`` random grid search (:func:`tune`);
 * ``recipe`` — the flags, one (setting, gate) cell, and :func:`run_experiment`, which runs (or
   resumes) the sweep settings × gates × repetitions on the shared runner
@@ -20,7 +20,7 @@ the recipes: each recipe's :class:`Experiment` carries its own ``write_report``.
 """
 
 from dselectk.experiments.realdata.monitor import (
-    TrainingMonitor,
+    GateMonitor,
     flops_ratio,
     gate_summary,
     training_expert_flops,
@@ -28,6 +28,7 @@ from dselectk.experiments.realdata.monitor import (
 from dselectk.experiments.realdata.recipe import (
     add_common_arguments,
     build_recipe,
+    config_of,
     load,
     run_cell,
     run_experiment,
@@ -42,35 +43,40 @@ from dselectk.experiments.realdata.report import (
     write_report,
 )
 from dselectk.experiments.realdata.spec import (
-    DEFAULT_GATES,
-    GATE_KINDS,
-    LABELS,
+    MODEL_HPARAMS,
+    VARIANTS,
     Experiment,
+    GateChoice,
+    RealDataConfig,
     Splits,
     TaskData,
     cell_key,
     init_seed,
+    label,
     record_config,
 )
 from dselectk.experiments.realdata.train import train_one, tune
 
 __all__ = [
-    "DEFAULT_GATES",
-    "GATE_KINDS",
-    "LABELS",
+    "MODEL_HPARAMS",
+    "VARIANTS",
     "Experiment",
+    "GateChoice",
+    "GateMonitor",
+    "RealDataConfig",
     "ReportSpec",
     "Splits",
     "TaskData",
-    "TrainingMonitor",
     "add_common_arguments",
     "build_recipe",
     "cell_key",
+    "config_of",
     "current_records",
     "flops_ratio",
     "fmt",
     "gate_summary",
     "init_seed",
+    "label",
     "load",
     "record_config",
     "run_cell",

@@ -1,108 +1,99 @@
 """Measurements during and after training: Table C.2's gate convergence and expert FLOPs.
 
-Table C.2 (gate convergence and FLOPs) is measured during training by :class:`TrainingMonitor`:
+Table C.2 (gate convergence and FLOPs) is measured during training by the :class:`GateMonitor`
+callback of :func:`~dselectk.training.train`:
 
-* **steps until S(Z) is binary**: every ``check_every`` steps the DSelect-k gates' smooth-step
-  outputs are checked (static: S(Z) of every task's gate; per-example: S(Wx) of every example
-  of the current batch). The first checked step at which all are exactly 0 or 1 is reported as
-  a percentage of the run's training steps (an upper bound, by at most ``check_every`` steps).
+* **steps until S(Z) is binary**: every ``check_every`` steps the binarizing gates' smooth-step
+  outputs (DSelect-k's S(Z); per-example: S(Wx) of every example of the step's batch) are
+  checked *as they were when the step started* (the monitor keeps a copy of the gates, and of
+  the model's ``bottom`` for per-example gates, from the end of the previous step). The first
+  checked step at which all are exactly 0 or 1 is reported as a percentage of the run's
+  training steps (an upper bound, by at most ``check_every`` steps).
 * **expert FLOPs during training**: at every training step, the number of experts each example
-  actually needs is counted from the gate weights of that step: an expert is needed for an
-  example if some task's gate gives it a nonzero weight (static gates: the union over tasks,
-  the same for every example; per-example gates: per example). All experts have the same cost,
-  so a forward+backward pass of one expert on one example costs ``3 × F`` with ``F`` the
+  actually needs is counted from the gate weights of that step's output: an expert is needed
+  for an example if some task's gate gives it a nonzero weight (static gates: the union over
+  tasks, the same for every example; per-example gates: per example). All experts have the same
+  cost, so a forward+backward pass of one expert on one example costs ``3 × F`` with ``F`` the
   expert's forward FLOPs (backward ≈ 2 × forward) and the training expert FLOPs of a run are
   ``3 F Σ_steps Σ_examples needed(step, example)``. The FLOPs ratio DSelect-k / Top-k divides
-  these totals (mean over repetitions) for the same setting and gating kind (static vs. static,
-  per-example vs. per-example). Gates, towers and the embedding bottom are not counted (they
-  are the same for both gates, and small). Our MoE's conditional computation
-  (:class:`~dselectk.models.MultiGateMoE`) skips exactly the experts no weight uses, batch-wide.
+  these totals (mean over repetitions) for the same setting and gating kind. Gates, towers and
+  the embedding bottom are not counted (they are the same for both gates, and small). Our MoE's
+  conditional computation (:class:`~dselectk.models.MultiGateMoE`) skips exactly the experts
+  no weight uses, batch-wide.
 
 :func:`gate_summary` measures the trained gates (mean weights, selected experts).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates import DSelectK, GumbelSoftmaxGate
-from dselectk.progress import tqdm
+from dselectk.gates import Gate
+from dselectk.training import Callback, History, TaskData
 
-__all__ = ["TrainingMonitor", "flops_ratio", "gate_summary", "training_expert_flops"]
+__all__ = ["GateMonitor", "flops_ratio", "gate_summary", "training_expert_flops"]
 
 
-class TrainingMonitor(nn.Module):
-    """Wraps a multi-task model to measure, during training, what Table C.2 needs.
+def _subsample(steps: Sequence[int], values: Sequence[Any], limit: int) -> tuple[list, list]:
+    if len(steps) <= limit:
+        return list(steps), list(values)
+    idx = np.unique(np.linspace(0, len(steps) - 1, limit).round().astype(int))
+    return [steps[i] for i in idx], [values[i] for i in idx]
 
-    Transparent for the training loop (returns the model's output). On every training forward
-    pass (grad enabled, train mode) it records the mean number of experts needed per example
-    (see the module docstring), and every ``check_every`` steps whether the DSelect-k gates'
-    S(Z) is binary. It also drives a progress bar in examples with the throughput
-    (examples/s).
+
+class GateMonitor(Callback):
+    """Measures, from the training steps, what Table C.2 needs (see the module docstring).
+
+    After every step it counts the experts needed per example from the step's gate weights;
+    every ``check_every`` steps (and at step 1) it checks whether the binarizing gates' S(Z) was
+    binary when the step started; every ``record_every`` steps (0: never) it records the step's
+    gate weights (per-example: mean over the batch), a trajectory without an extra forward pass.
 
     Args:
         model: a :class:`~dselectk.models.MultiGateMoE` or
-            :class:`~dselectk.models.SharedBottom`.
+            :class:`~dselectk.models.SharedBottom`, before training.
         check_every: steps between two binary checks.
-        progress: show a progress bar.
-        total_examples: examples of the whole run (for the bar).
-        desc: bar label.
-        position: bar line (a sweep worker's own line; None: tqdm's default).
+        record_every: steps between two recorded gate weights (0: none).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        check_every: int = 10,
-        progress: bool = False,
-        total_examples: int | None = None,
-        desc: str = "",
-        position: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.model = model
+    def __init__(self, model: nn.Module, *, check_every: int = 10, record_every: int = 0) -> None:
         self.check_every = max(1, int(check_every))
-        self.steps = 0
+        self.record_every = int(record_every)
         self.examples = 0
         self.needed_sum = 0.0
         """Σ_steps Σ_examples experts needed."""
         self.needed_per_step: list[float] = []
+        self.batch_sizes: list[int] = []
         self.binary_checks: list[tuple[int, float]] = []
         self.first_binary_step: int | None = None
         self.first_binary_step_task: dict[int, int] = {}
         """Per task gate: first checked step at which its S(Z) (all examples) was binary."""
-        self.record_every = 0
-        """Record the gate weights of the training batch every N steps (0: never)."""
         self.recorded_steps: list[int] = []
         self.recorded_weights: list[Tensor] = []
-        self.dselect_gates = [m for m in model.modules() if isinstance(m, DSelectK)]
-        self.bar = tqdm(
-            total=total_examples,
-            disable=not progress,
-            unit="ex",
-            unit_scale=True,
-            desc=desc,
-            position=position,
-        )
-        self.t0 = time.perf_counter()
+        self.gates = [m for m in model.modules() if isinstance(m, Gate) and m.binarizes]
+        per_example = any(not g.static for g in self.gates)
+        self.bottom: nn.Module | None = getattr(model, "bottom", None) if per_example else None
+        self._before = self._snapshot()  # the gates as step 1 starts
 
-    def forward(self, x: Tensor) -> Any:
-        out = self.model(x)
-        if self.training and torch.is_grad_enabled():
-            self._record(x, out)
-        return out
+    def _snapshot(self) -> tuple[list[Gate], nn.Module | None] | None:
+        if not self.gates:
+            return None
+        return copy.deepcopy((self.gates, self.bottom))
+
+    def _checked(self, step: int) -> bool:
+        return step == 1 or step % self.check_every == 0
 
     @torch.no_grad()
-    def _record(self, x: Tensor, out: Any) -> None:
-        b = int(x.shape[0])
-        self.steps += 1
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        """Count the step's needed experts, record its weights, check the gates' binarity."""
+        step, b = history.steps, len(batch)
         self.examples += b
         w = getattr(out, "gate_weights", None)
         if w is not None:
@@ -112,46 +103,80 @@ class TrainingMonitor(nn.Module):
             else:  # (B, T, n)
                 per_example = float(nz.any(dim=1).sum(dim=-1).float().mean())
             self.needed_per_step.append(per_example)
+            self.batch_sizes.append(b)
             self.needed_sum += per_example * b
-            if self.record_every and (self.steps == 1 or self.steps % self.record_every == 0):
+            if self.record_every and (step == 1 or step % self.record_every == 0):
                 mean_w = w.detach() if w.dim() == 2 else w.detach().mean(dim=0)
-                self.recorded_steps.append(self.steps)
+                self.recorded_steps.append(step)
                 self.recorded_weights.append(mean_w.float().cpu().clone())
-        if self.dselect_gates and (self.steps == 1 or self.steps % self.check_every == 0):
-            per_task = self.task_binary_fractions(x)
+        if self._before is not None and self._checked(step):
+            per_task = binary_fractions(*self._before, batch.x)
             frac = min(per_task)
-            self.binary_checks.append((self.steps, frac))
+            self.binary_checks.append((step, frac))
             if frac >= 1.0 and self.first_binary_step is None:
-                self.first_binary_step = self.steps
+                self.first_binary_step = step
             for t, f in enumerate(per_task):
                 if f >= 1.0 and t not in self.first_binary_step_task:
-                    self.first_binary_step_task[t] = self.steps
-        self.bar.update(b)
-        if self.steps % 20 == 0:
-            rate = self.examples / max(1e-9, time.perf_counter() - self.t0)
-            self.bar.set_postfix({"ex/s": f"{rate:.0f}"}, refresh=False)
+                    self.first_binary_step_task[t] = step
+        if self._before is not None and self._checked(step + 1):
+            self._before = self._snapshot()
 
-    @torch.no_grad()
-    def task_binary_fractions(self, x: Tensor) -> list[float]:
-        """Per task gate (of every DSelect-k gate module): binary S(Z) (1/0), or per-example
-        the fraction of the examples of ``x`` whose S(Wx) is binary."""
-        bottom = getattr(self.model, "bottom", None)
-        h = x if bottom is None else bottom(x)
-        fracs: list[float] = []
-        for g in self.dselect_gates:
-            r = g.is_binary(None if g.static else h)
-            fracs.extend(float(v) for v in r.float().reshape(-1))
-        return fracs
-
-    @torch.no_grad()
     def binary_fraction(self, x: Tensor) -> float:
-        """Smallest fraction, over the DSelect-k gates and tasks, of binary S(Z) (or S(Wx))."""
-        return min(self.task_binary_fractions(x))
+        """Smallest fraction, over the binarizing gates and tasks, of binary S(Z) (or S(Wx) on
+        the examples of ``x``), as the gates are now."""
+        return min(binary_fractions(self.gates, self.bottom, x))
 
-    def close(self) -> float:
-        """Close the bar; returns the measured training throughput (examples/s)."""
-        self.bar.close()
-        return self.examples / max(1e-9, time.perf_counter() - self.t0)
+    def results(
+        self, steps: int, n_tasks: int, expert_flops: float, trajectory: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(metrics, extras) of a run of ``steps`` steps: experts needed and training FLOPs
+        (``expert_flops``: F), binarity (overall and per task), the binary checks and, with
+        ``trajectory``, the recorded gate weights."""
+        metrics: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if self.needed_per_step:
+            metrics["train_expert_flops"] = training_expert_flops(
+                self.needed_per_step, self.batch_sizes, expert_flops
+            )
+            metrics["mean_experts_needed"] = self.needed_sum / max(1, self.examples)
+            metrics["expert_forward_flops"] = expert_flops
+        if self.gates:
+            b = self.first_binary_step
+            metrics["binary_reached"] = 0.0 if b is None else 1.0
+            if b is not None:
+                metrics["steps_until_binary"] = b
+                metrics["pct_steps_until_binary"] = 100.0 * b / max(1, steps)
+            metrics["final_binary_fraction"] = self.binary_checks[-1][1]
+            for t in range(n_tasks):
+                bt = self.first_binary_step_task.get(t)
+                metrics[f"binary_reached_task{t + 1}"] = 0.0 if bt is None else 1.0
+                if bt is not None:
+                    metrics[f"pct_steps_until_binary_task{t + 1}"] = 100.0 * bt / max(1, steps)
+            checks = self.binary_checks
+            cs, cv = _subsample([c[0] for c in checks], [c[1] for c in checks], 200)
+            extra["binary_checks"] = {"steps": cs, "fraction": [round(v, 4) for v in cv]}
+        if trajectory and self.recorded_steps:
+            ss, ws = _subsample(self.recorded_steps, self.recorded_weights, 120)
+            extra["trajectory"] = {
+                "steps": ss,
+                "weights": [
+                    [[round(float(v), 4) for v in row] for row in w.reshape(-1, w.shape[-1])]
+                    for w in ws
+                ],
+            }
+        return metrics, extra
+
+
+@torch.no_grad()
+def binary_fractions(gates: Sequence[Gate], bottom: nn.Module | None, x: Tensor) -> list[float]:
+    """Per task gate (of every gate in ``gates``): binary S(Z) (1/0), or per-example the
+    fraction of the examples of ``x`` (through ``bottom``, if any) whose S(Wx) is binary."""
+    h = x if bottom is None else bottom(x)
+    fracs: list[float] = []
+    for g in gates:
+        r = g.is_binary(None if g.static else h)
+        fracs.extend(float(v) for v in r.float().reshape(-1))
+    return fracs
 
 
 def training_expert_flops(
@@ -178,10 +203,6 @@ def flops_ratio(flops_a: Sequence[float], flops_b: Sequence[float]) -> float:
     return (sum(a) / len(a)) / (sum(b) / len(b))
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    return model.model if isinstance(model, TrainingMonitor) else model
-
-
 @torch.no_grad()
 def gate_summary(model: nn.Module, x: Tensor, chunk: int = 4096) -> dict[str, Any]:
     """Mean expert weights per task and the number of selected experts (eval mode).
@@ -191,16 +212,14 @@ def gate_summary(model: nn.Module, x: Tensor, chunk: int = 4096) -> dict[str, An
         nonzero weights, per-example: mean over ``x``), and for Gumbel-softmax gates
         ``expected_nonzeros_per_task`` (Σ ψ_i). Empty for models without gates.
     """
-    m = _inner(model)
-    was = m.training
-    m.eval()
+    was = model.training
+    model.eval()
     ws, counts, n = None, None, 0
     for start in range(0, x.shape[0], chunk):
         xb = x[start : start + chunk]
-        out = m(xb)
-        w = out.gate_weights
+        w = model(xb).gate_weights
         if w is None:
-            m.train(was)
+            model.train(was)
             return {}
         if w.dim() == 2:  # static
             ws, counts, n = w.clone(), (w != 0).sum(-1).float(), 1
@@ -214,8 +233,9 @@ def gate_summary(model: nn.Module, x: Tensor, chunk: int = 4096) -> dict[str, An
         "weights": (ws / n).tolist(),
         "selected_per_task": (counts / n).tolist(),
     }
-    gumbel = [g for g in m.modules() if isinstance(g, GumbelSoftmaxGate)]
-    if gumbel and gumbel[0].static:
-        res["expected_nonzeros_per_task"] = gumbel[0].expected_nonzeros().reshape(-1).tolist()
-    m.train(was)
+    gate = next((g for g in model.modules() if isinstance(g, Gate)), None)
+    diag = gate.diagnostics() if gate is not None and gate.static else {}
+    if "expected_nonzeros" in diag:  # Gumbel-softmax
+        res["expected_nonzeros_per_task"] = diag["expected_nonzeros"].reshape(-1).tolist()
+    model.train(was)
     return res

@@ -10,7 +10,6 @@ over the ``--jobs`` workers, largest first, as the runner does.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.realdata.spec import LABELS, Experiment, Splits
+from dselectk.experiments.realdata.spec import Experiment, RealDataConfig, Splits, label
 from dselectk.experiments.realdata.train import train_one
 from dselectk.experiments.runner import grid_points
 
@@ -33,14 +32,14 @@ PROBE_SECONDS = 10.0
 PROBE_EVAL = 2048
 
 
-def repetitions(exp: Experiment, args: argparse.Namespace) -> int:
+def repetitions(exp: Experiment, args: Any) -> int:
     """Final repetitions per (setting, gate): ``--repetitions``, else 100 (full) or quick's."""
     if args.repetitions is not None:
         return int(args.repetitions)
     return 100 if args.full else exp.quick_reps
 
 
-def _epochs(exp: Experiment, args: argparse.Namespace, gate: str) -> tuple[float, int]:
+def _epochs(exp: Experiment, args: Any, gate: str) -> tuple[float, int]:
     """(mean epochs of a tuning run, epochs of a final run) of ``gate``; under ``--full`` the
     final epochs are not known before tuning: the grid's mean is used."""
     if args.epochs is not None:
@@ -103,7 +102,7 @@ def probe(
 
 def estimate(
     exp: Experiment,
-    args: argparse.Namespace,
+    args: Any,
     settings: Sequence[Any],
     n_train: int,
     n_eval: int,
@@ -156,10 +155,12 @@ def _hms(s: float) -> str:
 
 
 def print_plan(
-    exp: Experiment, args: argparse.Namespace, settings: Sequence[Any], data: Splits, jobs: int
+    exp: Experiment, args: RealDataConfig, data: Splits, jobs: int, threads: int = 0
 ) -> dict[str, Any]:
-    """Probe each gate, then print (and return) the plan of the command."""
-    threads = int(getattr(args, "threads", 0) or 0) or torch.get_num_threads()
+    """Probe each gate, then print (and return) the plan of the command (``threads``: of each
+    process, 0: torch's)."""
+    settings = args.settings
+    threads = threads or torch.get_num_threads()
     timing = probe(exp, data, list(args.gates), settings[0])
     n_eval = len(data.val) + len(data.test)
     est = estimate(exp, args, settings, len(data.train), n_eval, timing, jobs, threads)
@@ -174,7 +175,7 @@ def print_plan(
     ]
     for g, v in est["gates"].items():
         lines.append(
-            f"| {LABELS.get(g, g)} | {v['tune_runs']} × {v['tune_steps_each']:,} | "
+            f"| {label(g)} | {v['tune_runs']} × {v['tune_steps_each']:,} | "
             f"{v['final_runs']} × {v['final_steps_each']:,} | {v['step_ms']:.1f} |"
         )
     lines.append(

@@ -17,21 +17,21 @@ import itertools
 import json
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from dselectk.experiments.args import int_at_least, out_dir, positive_float
+from dselectk.experiments.args import config_from_args, int_at_least, out_dir, positive_float
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
 from dselectk.experiments.realdata.spec import (
-    DEFAULT_GATES,
-    LABELS,
+    VARIANTS,
     Experiment,
     RealDataConfig,
     Splits,
     cell_key,
     init_seed,
+    label,
     record_config,
 )
 from dselectk.experiments.realdata.train import train_one, tune
@@ -40,7 +40,6 @@ from dselectk.experiments.runner import (
     Executor,
     Recipe,
     add_executor_arguments,
-    executor_from_args,
     missing,
     run_recipe,
 )
@@ -52,6 +51,7 @@ from dselectk.progress import tqdm
 __all__ = [
     "add_common_arguments",
     "build_recipe",
+    "config_of",
     "load",
     "run_cell",
     "run_experiment",
@@ -87,7 +87,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
         "--gates",
         nargs="+",
         default=None,
-        choices=DEFAULT_GATES,
+        choices=list(VARIANTS),
         help="gates to run (default: all; the MovieLens quick default runs static DSelect-k, "
         "static Top-k and softmax)",
     )
@@ -151,22 +151,34 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
 
 
-def load(exp: Experiment, args: argparse.Namespace) -> Splits:
-    """The experiment's data for these flags, loaded once per process and command (the sweep's
+C = TypeVar("C", bound=RealDataConfig)
+
+
+def config_of(
+    cls: type[C], args: argparse.Namespace, quick_gates: Sequence[str] | None = None, **values: Any
+) -> C:
+    """The run config of the parsed flags, defaults resolved: ``--gates`` (all gates, or
+    ``quick_gates`` in quick mode) and ``values`` (the recipe's own resolved defaults)."""
+    gates = args.gates or (list(VARIANTS) if args.full or not quick_gates else quick_gates)
+    return config_from_args(cls, args, gates=tuple(gates), **values)
+
+
+def load(exp: Experiment, config: RealDataConfig) -> Splits:
+    """The experiment's data for this config, loaded once per process and command (the sweep's
     ``load_data``: in one process the cells reuse what :func:`run_experiment` loaded)."""
-    key = exp.data_key(args)
+    key = exp.data_key(config)
     if key not in _DATA:
         _DATA.clear()
-        _DATA[key] = exp.load_data(args)
+        _DATA[key] = exp.load_data(config)
     return _DATA[key]
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+def _overrides(args: RealDataConfig) -> dict[str, Any]:
     return {"epochs": args.epochs, "lr": args.lr}
 
 
 def run_cell(
-    exp: Experiment, args: argparse.Namespace, cell: tuple[Any, str], data: Splits, progress: bool
+    exp: Experiment, args: RealDataConfig, cell: tuple[Any, str], data: Splits, progress: bool
 ) -> dict[str, Any]:
     """One (setting, gate) cell: select its hyperparameters (the random grid search under
     ``--full``, else the quick defaults with the flags' overrides), then train the missing
@@ -196,13 +208,14 @@ def run_cell(
         hp = {**exp.quick_hparams[gate]}
         hp.update({k: v for k, v in overrides.items() if v is not None})
         selection = {"hparams": hp, "source": "quick default (untuned)"}
+    VARIANTS[gate].check_hparams(hp, f"{exp.name} {key}")
     seeds = [init_seed(args.seed, gate, setting, rep) for rep in range(_repetitions(exp, args))]
     cfgs = [
         record_config(exp, gate, setting, hp, rep, s, args.seed, data.config, "final")
         for rep, s in enumerate(seeds)
     ]
     for rep in missing(store, cfgs):
-        desc = f"{LABELS[gate]} {key.split('/')[-1] if '/' in key else ''} rep {rep}".strip()
+        desc = f"{label(gate)} {key.split('/')[-1] if '/' in key else ''} rep {rep}".strip()
         metrics, extra = train_one(
             exp,
             gate,
@@ -215,7 +228,7 @@ def run_cell(
             desc=desc,
             telemetry_dir=(
                 Path(args.out) / "telemetry" / f"{key.replace('/', '-')}-rep{rep}"
-                if getattr(args, "telemetry", False)
+                if args.telemetry
                 else None
             ),
         )
@@ -238,30 +251,12 @@ def _cell_name(exp: Experiment, cell: tuple[Any, str]) -> str:
     return cell_key(exp, cell[1], cell[0])
 
 
-def build_recipe(
-    exp: Experiment, config: RealDataConfig, settings: Sequence[Any], **kw: Any
-) -> Recipe:
-    """The (setting, gate) cells of the command line (settings outer, gates inner), for the
-    shared runner; ``kw``: the recipe's report and preparation."""
-    return Recipe(
-        cells=list(itertools.product(settings, config.gates)),
-        run_cell=functools.partial(run_cell, exp),
-        load_data=functools.partial(load, exp),
-        data_key=exp.data_key,
-        cell_name=functools.partial(_cell_name, exp),
-        **kw,
-    )
-
-
-def with_training_defaults(exp: Experiment, args: argparse.Namespace) -> Experiment:
-    """``exp`` with the flags' ``--init`` and ``--optimizer-defaults`` (kept when absent);
-    resolves ``--gates`` (default: all gates, or the experiment's quick gates in quick mode)."""
-    if getattr(args, "gates", None) is None:
-        args.gates = list(DEFAULT_GATES if args.full or not exp.quick_gates else exp.quick_gates)
+def with_training_defaults(exp: Experiment, config: Any) -> Experiment:
+    """``exp`` with the config's ``init`` and ``optimizer_defaults`` (kept when absent)."""
     return dataclasses.replace(
         exp,
-        init=getattr(args, "init", None) or exp.init,
-        optimizer_defaults=getattr(args, "optimizer_defaults", None) or exp.optimizer_defaults,
+        init=getattr(config, "init", None) or exp.init,
+        optimizer_defaults=getattr(config, "optimizer_defaults", None) or exp.optimizer_defaults,
     )
 
 
@@ -269,70 +264,77 @@ def _printed(summary: Any) -> None:
     """The report was printed whole by its writer."""
 
 
-def _previous_wall(path: Path) -> float:
-    if not path.is_file():
-        return 0.0
+def _run_info(out: Path) -> dict[str, Any]:
     try:
-        return float(json.loads(path.read_text()).get("wall_seconds") or 0.0)
-    except (json.JSONDecodeError, ValueError, TypeError):
-        return 0.0
+        return dict(json.loads((out / "run_info.json").read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError, ValueError, TypeError):
+        return {}
 
 
-def run_experiment(exp: Experiment, args: argparse.Namespace, settings: Sequence[Any]) -> int:
-    """Run (or resume) the sweep settings × gates × repetitions, then write the report
-    (:func:`~dselectk.experiments.runner.run_recipe`, with the data loaded and the plan printed
-    before the sweep).
-
-    Args:
-        exp: the experiment.
-        args: parsed flags (:func:`add_common_arguments` and the experiment's own, resolved).
-        settings: the values of ``exp.setting_key`` (``[None]`` when there is none).
-    """
-    exp = with_training_defaults(exp, args)
-    executor = executor_from_args(args, threads=int(getattr(args, "threads", 0) or 0))
-    args = RealDataConfig.from_args(args)  # type: ignore[assignment]
-    facts: dict[str, Any] = {}
-
-    def prepare(out: Path, executor: Executor) -> bool:
-        jobs = executor.jobs
-        if executor.threads:
-            torch.set_num_threads(executor.threads)
-        data = load(exp, args)  # fails before any worker starts when the data is missing
-        facts["notes"] = list(exp.notes(args, data))
-        facts["data"] = dict(data.config)
-        facts["meta"] = {k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))}
-        if args.full or getattr(args, "dry_run", False):
-            print_plan(exp, args, settings, data, jobs)
-            if getattr(args, "dry_run", False):
-                return False
-        if exp.reference is not None:
-            exp.reference(args, data, out)
-        if jobs > 1:
-            _DATA.clear()  # the workers load their own copies
-        return True
-
-    def write_report(out: Path, *, wall_seconds: float, command: str) -> None:
-        run_info = {
-            "command": command,
-            "wall_seconds": _previous_wall(out / "run_info.json") + wall_seconds,
-            "mode": "full" if args.full else "quick",
-            "training": {"init": exp.init, "optimizer_defaults": exp.optimizer_defaults},
-            "repetitions": _repetitions(exp, args),
-            **facts,
-        }
-        write_json(out / "run_info.json", run_info)
-        exp.write_report(out)
-        print((out / "report.md").read_text(encoding="utf-8"))
-
-    rec = build_recipe(
-        exp,
-        args,  # type: ignore[arg-type]
-        settings,
-        write_report=write_report,
-        print_table=_printed,  # the whole report was printed
-        prepare=prepare,
+def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Executor) -> bool:
+    """Before the sweep: load the data (fails before any worker starts when it is missing),
+    save its facts in ``run_info.json``, print the plan (``--full``, ``--dry-run``; False stops
+    a dry run there), cache the recipe's reference predictors."""
+    if executor.threads:
+        torch.set_num_threads(executor.threads)
+    data = load(exp, config)
+    if config.full or config.dry_run:
+        print_plan(exp, config, data, executor.jobs, executor.threads)
+        if config.dry_run:
+            return False
+    info = _run_info(out)
+    info.update(
+        notes=list(exp.notes(config, data)),
+        data=dict(data.config),
+        meta={k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))},
     )
+    write_json(out / "run_info.json", info)
+    if exp.reference is not None:
+        exp.reference(config, data, out)
+    if executor.jobs > 1:
+        _DATA.clear()  # the workers load their own copies
+    return True
+
+
+def write_report(
+    exp: Experiment, config: RealDataConfig, out: Path, *, wall_seconds: float, command: str
+) -> None:
+    """``run_info.json`` (the command, its cumulative wall time, the data facts), then the
+    recipe's report, printed whole."""
+    facts = _run_info(out)
+    run_info: dict[str, Any] = {
+        "command": command,
+        "wall_seconds": float(facts.get("wall_seconds") or 0.0) + wall_seconds,
+        "mode": "full" if config.full else "quick",
+        "training": {"init": exp.init, "optimizer_defaults": exp.optimizer_defaults},
+        "repetitions": _repetitions(exp, config),
+        **{key: facts[key] for key in ("notes", "data", "meta") if key in facts},
+    }
+    write_json(out / "run_info.json", run_info)
+    exp.write_report(out)
+    print((out / "report.md").read_text(encoding="utf-8"))
+
+
+def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
+    """The (setting, gate) cells of the config (settings outer, gates inner) for the shared
+    runner, with the experiment's data, preparation and report."""
+    exp = with_training_defaults(exp, config)
+    return Recipe(
+        cells=list(itertools.product(config.settings, config.gates)),
+        run_cell=functools.partial(run_cell, exp),
+        load_data=functools.partial(load, exp),
+        data_key=exp.data_key,
+        cell_name=functools.partial(_cell_name, exp),
+        write_report=functools.partial(write_report, exp, config),
+        print_table=_printed,  # the whole report was printed
+        prepare=functools.partial(prepare, exp, config),
+    )
+
+
+def run_experiment(exp: Experiment, config: RealDataConfig, executor: Executor) -> int:
+    """Run (or resume) the sweep settings × gates × repetitions, then write the report
+    (:func:`~dselectk.experiments.runner.run_recipe`)."""
     try:
-        return run_recipe(rec, args, executor)
+        return run_recipe(build_recipe(exp, config), config, executor)
     finally:
         _DATA.clear()

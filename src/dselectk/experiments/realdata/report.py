@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.realdata.monitor import flops_ratio
-from dselectk.experiments.realdata.spec import LABELS
+from dselectk.experiments.realdata.spec import label
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
@@ -237,7 +237,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
             continue
         rec = recs[0]
         tag = gate if spec.setting_key is None else f"{gate}_{spec.setting_key}{setting}"
-        label = LABELS.get(gate, gate) + (
+        name = label(gate) + (
             "" if spec.setting_key is None else f", {spec.setting_key} = {setting}"
         )
         if rec.get("gate_weights"):
@@ -245,7 +245,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
                 plot_task_heatmap(
                     rec["gate_weights"],
                     plot_dir / f"heatmap_{tag}.png",
-                    title=f"{spec.title}: expert weights, {label} (rep {rec['config']['rep']})",
+                    title=f"{spec.title}: expert weights, {name} (rep {rec['config']['rep']})",
                     task_names=spec.task_names,
                 )
             )
@@ -256,7 +256,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
                     traj["steps"],
                     traj["weights"],
                     plot_dir / f"trajectory_{tag}.png",
-                    title=f"{spec.title}: gate weights during training, {label}",
+                    title=f"{spec.title}: gate weights during training, {name}",
                     task_names=spec.task_names,
                 )
             )

@@ -8,7 +8,6 @@ and hyperparameters apply, and how its report is written. The shared code of thi
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,41 +16,89 @@ from typing import Any
 
 from torch import nn
 
+from dselectk.gates import Gate
 from dselectk.training import TaskData
+from dselectk.variants import TRAINER_HPARAMS, Variant
 
 __all__ = [
-    "DEFAULT_GATES",
-    "GATE_KINDS",
-    "LABELS",
+    "MODEL_HPARAMS",
+    "VARIANTS",
     "Experiment",
+    "GateChoice",
     "RealDataConfig",
     "Splits",
     "TaskData",
     "cell_key",
     "init_seed",
+    "label",
     "record_config",
 ]
 
-#: experiment gate name → (registry gate name or "shared_bottom", per-example?)
-GATE_KINDS: dict[str, tuple[str, bool]] = {
-    "dselect_k_static": ("dselect_k", False),
-    "topk_static": ("topk", False),
-    "gumbel_softmax": ("gumbel_softmax", False),
-    "dselect_k_per_example": ("dselect_k", True),
-    "topk_per_example": ("topk", True),
-    "softmax": ("softmax", False),
-    "shared_bottom": ("shared_bottom", False),
+#: hyperparameters of a run that shape the model, not the gate's declared ones (``k`` is the
+#: gate's structure: it goes to the constructor unchecked)
+MODEL_HPARAMS = ("k", "units", "dense_layers")
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """One row of the real-data tables: a gate :class:`~dselectk.variants.Variant`, static or
+    per-example (its gates see the example), or the shared-bottom baseline (``variant`` None: a
+    model of its own, not a gate)."""
+
+    name: str
+    label: str
+    variant: Variant | None = None
+    per_example: bool = False
+
+    def check_hparams(self, hparams: Mapping[str, Any], where: str = "") -> None:
+        """A ValueError when ``hparams`` has a key that is neither a trainer setting, a model
+        setting (:data:`MODEL_HPARAMS`) nor a hyperparameter the gate declares (or a declared
+        value out of its range)."""
+        rest = {k: v for k, v in hparams.items() if k not in MODEL_HPARAMS}
+        if self.variant is None:
+            rest = {k: v for k, v in rest.items() if k not in TRAINER_HPARAMS}
+            if rest:
+                raise ValueError(f"{where or self.name}: the shared bottom takes no {sorted(rest)}")
+            return
+        self.variant.check_hparams(rest, where or f"hyperparameters of {self.name!r}")
+
+    def build(
+        self, num_experts: int, hparams: Mapping[str, Any], num_gates: int, in_features: int
+    ) -> Gate:
+        """The bank of ``num_gates`` gates of this choice (``in_features``: what a per-example
+        gate sees); ``hparams`` gives ``k`` and the gate's declared hyperparameters."""
+        if self.variant is None:
+            raise ValueError("the shared bottom is a model, not a gate")
+        structure: dict[str, Any] = {"num_gates": num_gates}
+        structure["in_features"] = in_features if self.per_example else None
+        if "k" in hparams:
+            structure["k"] = int(hparams["k"])
+        return self.variant.build(num_experts, hparams=hparams, **structure)
+
+
+def _choice(name: str, gate: str | None, label: str, per_example: bool = False) -> GateChoice:
+    variant = None if gate is None else Variant(name, gate, label)
+    return GateChoice(name, label, variant, per_example)
+
+
+#: the gates of Tables 1, 2, C.2 and C.3, in report order
+VARIANTS: dict[str, GateChoice] = {
+    c.name: c
+    for c in (
+        _choice("dselect_k_static", "dselect_k", "Static DSelect-k"),
+        _choice("topk_static", "topk", "Static Top-k"),
+        _choice("gumbel_softmax", "gumbel_softmax", "Static Gumbel Softmax"),
+        _choice("dselect_k_per_example", "dselect_k", "Per-example DSelect-k", True),
+        _choice("topk_per_example", "topk", "Per-example Top-k", True),
+        _choice("softmax", "softmax", "Softmax MoE"),
+        _choice("shared_bottom", None, "Shared Bottom"),
+    )
 }
-LABELS: dict[str, str] = {
-    "dselect_k_static": "Static DSelect-k",
-    "topk_static": "Static Top-k",
-    "gumbel_softmax": "Static Gumbel Softmax",
-    "dselect_k_per_example": "Per-example DSelect-k",
-    "topk_per_example": "Per-example Top-k",
-    "softmax": "Softmax MoE",
-    "shared_bottom": "Shared Bottom",
-}
-DEFAULT_GATES = list(GATE_KINDS)
+
+
+def label(gate: str) -> str:
+    """What the reports call ``gate`` (the name itself when unknown)."""
+    return VARIANTS[gate].label if gate in VARIANTS else gate
 
 
 @dataclass
@@ -89,16 +136,15 @@ class Experiment:
         build_model: (gate, hparams, meta) → model returning a ``MultiTaskOutput``.
         task_weights: setting value → task weights of the summed loss.
         expert_flops: (hparams, meta) → forward FLOPs of one expert on one example.
-        load_data: parsed flags → :class:`Splits` (with ``config`` filled); called once per
+        load_data: run config → :class:`Splits` (with ``config`` filled); called once per
             process of the sweep.
-        data_key: parsed flags → key identifying the data ``load_data`` returns.
-        notes: (parsed flags, data) → lines of the report's "Setup and choices" (data
+        data_key: run config → key identifying the data ``load_data`` returns.
+        notes: (run config, data) → lines of the report's "Setup and choices" (data
             choices, reductions; saved in ``run_info.json``).
         write_report: results folder → None; rebuilds ``summary.json``, ``report.md`` and the
             plots from the records (the recipe's report, see :mod:`.report`).
         quick_reps: repetitions of the quick default.
-        quick_gates: the gates of the quick default (None: all).
-        reference: (parsed flags, data, results folder) → None; computes (once per data
+        reference: (run config, data, results folder) → None; computes (once per data
             fingerprint) and caches the non-neural reference predictors of the report, or None.
         init: "keras" (the reference's TF2/Keras initialisation,
             :func:`~dselectk.layers.init.keras_init_`) or "torch" (PyTorch's defaults).
@@ -119,27 +165,21 @@ class Experiment:
     build_model: Callable[[str, Mapping[str, Any], Mapping[str, Any]], nn.Module]
     task_weights: Callable[[Any], list[float]]
     expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]
-    load_data: Callable[[argparse.Namespace], Splits]
-    data_key: Callable[[argparse.Namespace], Hashable]
-    notes: Callable[[argparse.Namespace, Splits], list[str]]
+    load_data: Callable[[Any], Splits]
+    data_key: Callable[[Any], Hashable]
+    notes: Callable[[Any, Splits], list[str]]
     write_report: Callable[[Path], None]
     quick_reps: int = 2
-    quick_gates: Sequence[str] | None = None
-    reference: Callable[[argparse.Namespace, Splits, Path], None] | None = None
+    reference: Callable[[Any, Splits, Path], None] | None = None
     init: str = "keras"
     optimizer_defaults: str = "tf"
 
 
-#: flags that choose where and how the cells run, not what they compute
-_EXECUTION_FLAGS = {"executor", "jobs", "threads", "no_progress", "debug", "command", "func"}
-
-
 @dataclass(frozen=True)
 class RealDataConfig:
-    """What a real-data command computes (its run config): the flags every real-data
-    experiment shares, typed, and the experiment's own flags in ``options`` (read as
-    attributes too: ``config.variant``).
-    """
+    """What a real-data command computes (its run config: the flags every real-data experiment
+    shares, resolved); each recipe subclasses it with its own flags
+    (:class:`~dselectk.experiments.movielens.MovieLensConfig`, ...)."""
 
     out: Path
     gates: tuple[str, ...]
@@ -149,37 +189,17 @@ class RealDataConfig:
     full: bool = False
     epochs: int | None = None
     lr: float | None = None
-    grid_points: int | None = None
+    grid_points: int = 20
     trials: int = 5
     telemetry: bool = False
-    init: str | None = None
-    optimizer_defaults: str | None = None
+    init: str = "keras"
+    optimizer_defaults: str = "tf"
     dry_run: bool = False
-    options: tuple[tuple[str, Any], ...] = ()
 
-    def __getattr__(self, name: str) -> Any:
-        for key, value in object.__getattribute__(self, "options"):
-            if key == name:
-                return value
-        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RealDataConfig:
-        """The run config of parsed (and resolved) flags."""
-        import dataclasses
-
-        common = {f.name for f in dataclasses.fields(cls)}
-        kw: dict[str, Any] = {}
-        options = []
-        for key, value in sorted(vars(args).items()):
-            if key in _EXECUTION_FLAGS or key.startswith("slurm_"):
-                continue
-            value = tuple(value) if isinstance(value, list) else value
-            if key in common:
-                kw[key] = value
-            else:
-                options.append((key, value))
-        return cls(**kw, options=tuple(options))
+    @property
+    def settings(self) -> tuple[Any, ...]:
+        """The values of the experiment's ``setting_key`` (``(None,)`` when it has none)."""
+        return (None,)
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:

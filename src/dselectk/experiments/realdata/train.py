@@ -1,8 +1,8 @@
 """Training one real-data run (:func:`train_one`) and the ``--full`` grid search (:func:`tune`).
 
-A run trains the experiment's model with the library's loop
-(:func:`~dselectk.training.train`) under a :class:`~.monitor.TrainingMonitor`, then evaluates it
-on the test and validation splits and measures its gates (Table C.2's quantities included).
+A run trains the experiment's model with the library's loop (:func:`~dselectk.training.train`),
+observed by a :class:`~.monitor.GateMonitor` callback, then evaluates it on the test and
+validation splits and measures its gates (Table C.2's quantities included).
 """
 
 from __future__ import annotations
@@ -11,34 +11,24 @@ import json
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dselectk.experiments.realdata.monitor import (
-    TrainingMonitor,
-    gate_summary,
-    training_expert_flops,
-)
+from dselectk.experiments.realdata.monitor import GateMonitor, gate_summary
 from dselectk.experiments.realdata.spec import Experiment, Splits, init_seed, record_config
 from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
 from dselectk.layers.init import init_module_
 from dselectk.optim import make_reference_optimizer
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import TrainConfig, evaluate, train
+from dselectk.training import Callback, TrainConfig, evaluate, train
+from dselectk.variants import total_steps
 
 __all__ = ["train_one", "tune"]
-
-
-def _subsample(steps: Sequence[int], values: Sequence[Any], limit: int) -> tuple[list, list]:
-    if len(steps) <= limit:
-        return list(steps), list(values)
-    idx = np.unique(np.linspace(0, len(steps) - 1, limit).round().astype(int))
-    return [steps[i] for i in idx], [values[i] for i in idx]
 
 
 def train_one(
@@ -66,18 +56,16 @@ def train_one(
     model = init_module_(exp.build_model(gate, hparams, data.meta), exp.init)
     weights = exp.task_weights(setting)
     epochs = int(hparams["epochs"])
-    n_train = len(data.train)
-    steps_total = epochs * math.ceil(n_train / exp.batch_size)
-    record_every = max(1, steps_total // 60) if record_trajectory else 0
-    monitor = TrainingMonitor(
+    steps_total = total_steps(epochs, len(data.train), exp.batch_size)
+    monitor = GateMonitor(
         model,
         check_every=max(1, min(10, steps_total // 200)),
-        progress=progress,
-        total_examples=epochs * n_train,
-        desc=desc,
-        position=progress_position(),
+        record_every=max(1, steps_total // 60) if record_trajectory else 0,
     )
-    monitor.record_every = record_every
+    callbacks: list[Callback] = [monitor]
+    if telemetry_dir is not None:
+        every = max(1, steps_total // 60)
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=every, module=model))
     cfg = TrainConfig(
         optimizer=exp.optimizer,
         lr=float(hparams["lr"]),
@@ -85,27 +73,21 @@ def train_one(
         epochs=epochs,
         task_weights=weights,
         seed=seed,
-        record_every=0,  # the monitor records the training batches' weights (no extra pass)
-        progress=False,
+        progress=progress,
+        desc=desc,
+        position=progress_position(),
     )
     t0 = time.perf_counter()
-    try:
-        opt = make_reference_optimizer(
-            exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
-        )
-        callbacks = []
-        if telemetry_dir is not None:
-            every = max(1, steps_total // 60)
-            callbacks.append(RoutingTelemetry(telemetry_dir, every=every, module=model))
-        hist = train(monitor, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
-    finally:
-        throughput = monitor.close()
+    opt = make_reference_optimizer(
+        exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
+    )
+    hist = train(model, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
     train_seconds = time.perf_counter() - t0
     test = evaluate(model, data.test, list(exp.losses))
     val = evaluate(model, data.val, list(exp.losses))
     metrics: dict[str, Any] = {
         "train_seconds": train_seconds,
-        "examples_per_second": throughput,
+        "examples_per_second": monitor.examples / max(1e-9, train_seconds),
         "steps": hist.steps,
         "final_train_loss": hist.train_loss[-1] if hist.train_loss else math.nan,
     }
@@ -127,45 +109,10 @@ def train_one(
         if "expected_nonzeros_per_task" in gs:
             metrics["expected_nonzeros"] = float(np.mean(gs["expected_nonzeros_per_task"]))
         extra["gate_weights"] = [[round(float(v), 4) for v in row] for row in gs["weights"]]
-    if monitor.needed_per_step:
-        flops_f = exp.expert_flops(hparams, data.meta)
-        sizes = [exp.batch_size] * len(monitor.needed_per_step)
-        rem = n_train % exp.batch_size
-        if rem:
-            per_epoch = math.ceil(n_train / exp.batch_size)
-            for i in range(per_epoch - 1, len(sizes), per_epoch):
-                sizes[i] = rem
-        metrics["train_expert_flops"] = training_expert_flops(
-            monitor.needed_per_step, sizes, flops_f
-        )
-        metrics["mean_experts_needed"] = monitor.needed_sum / max(1, monitor.examples)
-        metrics["expert_forward_flops"] = flops_f
-    if monitor.dselect_gates:
-        b = monitor.first_binary_step
-        metrics["binary_reached"] = 0.0 if b is None else 1.0
-        if b is not None:
-            metrics["steps_until_binary"] = b
-            metrics["pct_steps_until_binary"] = 100.0 * b / max(1, hist.steps)
-        metrics["final_binary_fraction"] = monitor.binary_checks[-1][1]
-        n_tasks = len(weights)
-        for t in range(n_tasks):
-            bt = monitor.first_binary_step_task.get(t)
-            metrics[f"binary_reached_task{t + 1}"] = 0.0 if bt is None else 1.0
-            if bt is not None:
-                metrics[f"pct_steps_until_binary_task{t + 1}"] = 100.0 * bt / max(1, hist.steps)
-        cs, cv = _subsample(
-            [c[0] for c in monitor.binary_checks], [c[1] for c in monitor.binary_checks], 200
-        )
-        extra["binary_checks"] = {"steps": cs, "fraction": [round(v, 4) for v in cv]}
-    if record_trajectory and monitor.recorded_steps:
-        ss, ws = _subsample(monitor.recorded_steps, monitor.recorded_weights, 120)
-        extra["trajectory"] = {
-            "steps": ss,
-            "weights": [
-                [[round(float(v), 4) for v in row] for row in w.reshape(-1, w.shape[-1])]
-                for w in ws
-            ],
-        }
+    flops = exp.expert_flops(hparams, data.meta) if monitor.needed_per_step else 0.0
+    measured, more = monitor.results(hist.steps, len(weights), flops, record_trajectory)
+    metrics.update(measured)
+    extra.update(more)
     return metrics, extra
 
 
