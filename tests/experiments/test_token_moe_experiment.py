@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from dselectk.cli import main
@@ -21,7 +23,7 @@ def test_corpus_is_deterministic() -> None:
 
 def test_model_shapes_and_aux() -> None:
     hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8)
-    model = TM.CharMoETransformer(hp, "dselect_k")
+    model = TM.build_model(TM.ROUTERS["dselect_k"], hp)
     logits, aux = model(torch.randint(0, 256, (3, 8)))
     assert logits.shape == (3, 8, 256) and aux.dim() == 0 and float(aux.detach()) > 0
 
@@ -69,3 +71,53 @@ def test_telemetry_flag_logs_routing_per_run(tmp_path: Path) -> None:
             lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
             assert [r["step"] for r in lines] == list(range(1, 21))  # every = 20 // 20
             assert all("experts" in g for r in lines for g in r["gates"].values())
+
+
+def test_routers_are_variants() -> None:
+    assert list(TM.ROUTERS) == ["dselect_k", "topk"]
+    hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0)
+    dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].router
+    assert (
+        dk.binarizes
+        and float(dk.gamma) == 2.0
+        and math.isclose(float(dk.entropy_reg), 0.01, rel_tol=1e-6)
+    )
+    top = TM.build_model(TM.ROUTERS["topk"], hp).moe_layers[1].router
+    assert not top.binarizes and top.k == 2 and top.num_experts == 4
+
+
+_TINY = ["reproduce", "token-moe", "--seeds", "1", "--steps", "15", "--batch-size", "8",
+         "--d-model", "16", "--d-ff", "16", "--num-experts", "4", "--corpus-bytes", "40000",
+         "--seq-len", "16", "--val-windows", "16", "--jobs", "1", "--no-progress"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--val-windows", "0"), ("--layers", "0"), ("--seeds", "0"), ("--steps", "10"),
+     ("--steps", "5"), ("--num-experts", "1"), ("--lr", "0"), ("--gamma", "0"),
+     ("--entropy-reg", "-1"), ("--seq-len", "0"), ("--batch-size", "nan")],
+)  # fmt: skip
+def test_bad_numeric_flags_stop_before_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    out = tmp_path / "tm"
+    with pytest.raises(SystemExit) as e:
+        main([*_TINY, "--out", str(out), flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--d-model", "18"], "--d-model 18: must be a multiple of the 4 attention heads"),
+     (["--corpus-bytes", "150"], "--corpus-bytes 150: too small"),
+     (["--corpus-bytes", "649", "--seq-len", "64"], "at least 650"),
+     (["--k", "5"], "--k 5: at most --num-experts (4)")],
+)  # fmt: skip
+def test_inconsistent_flags_stop_before_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    out = tmp_path / "tm"
+    assert main([*_TINY, "--out", str(out), *argv]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+    TM.TokenMoEConfig(out, corpus_bytes=650)  # the least that fits one window of 64 bytes

@@ -1,34 +1,40 @@
 """``dselectk reproduce token-moe``: per-token routing in a small character-level transformer.
 
-A byte-level causal transformer (2 layers, d_model 64, every feed-forward layer a
-:class:`~dselectk.layers.SparseMoEFeedForward` of 8 experts, k = 2) trained on the Python
-standard library's own source (the first ~1.5 MB of its ``*.py`` files in sorted order, tests and
-site-packages left out; the last 10 % of the stream is the validation part; the file list's hash
-is in every record), with per-token DSelect-k against Top-k routing at equal k and n, a few
-seeds each (paired: seed s gives both routers the same training windows, in the same order).
-Reported: validation bits per byte (= per character for ASCII source), load per expert,
-experts per token, the fraction of tokens whose DSelect-k bits are binary, time per step.
-Laid out as the other recipes: ``model``, ``recipe`` (flags and one cell per router, run by the
-shared runner), ``report``.
+A byte-level causal transformer (:class:`~dselectk.models.char_lm.CharMoETransformer`: 2 layers,
+d_model 64, every feed-forward layer a :class:`~dselectk.layers.SparseMoEFeedForward` of 8
+experts, k = 2) trained on the Python standard library's own source (the first ~1.5 MB of its
+``*.py`` files in sorted order, tests and site-packages left out; the last 10 % of the stream is
+the validation part; the file list's hash is in every record), with per-token DSelect-k against
+Top-k routing at equal k and n (:data:`ROUTERS`), a few seeds each (paired: seed s gives both
+routers the same training windows, in the same order). Reported: validation bits per byte (=
+per character for ASCII source), load per expert, experts per token, the fraction of tokens
+whose DSelect-k bits are binary, time per step. Laid out as the other recipes: ``model``
+(corpus, routers, one run), ``recipe`` (flags, run config, one cell per router), ``report``.
 """
 
 from dselectk.experiments.token_moe.model import (
-    DEFAULTS,
-    CharMoETransformer,
+    ROUTERS,
     Corpus,
-    evaluate_lm,
+    build_model,
     load_corpus,
     train_run,
 )
-from dselectk.experiments.token_moe.recipe import add_arguments, hparams, run
+from dselectk.experiments.token_moe.recipe import (
+    DEFAULTS,
+    TokenMoEConfig,
+    add_arguments,
+    hparams,
+    run,
+)
 from dselectk.experiments.token_moe.report import print_table, write_report
 
 __all__ = [
     "DEFAULTS",
-    "CharMoETransformer",
+    "ROUTERS",
     "Corpus",
+    "TokenMoEConfig",
     "add_arguments",
-    "evaluate_lm",
+    "build_model",
     "hparams",
     "load_corpus",
     "print_table",

@@ -1,14 +1,22 @@
-"""``dselectk reproduce token-moe``: flags and one cell (a router: all its seeds), run by the
-shared runner; one record per (router, seed)."""
+"""``dselectk reproduce token-moe``: flags, the typed run config and one cell (a router: all
+its seeds), run by the shared runner; one record per (router, seed)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import config_from_args, out_dir
+from dselectk.experiments.args import (
+    config_from_args,
+    hparam_type,
+    int_at_least,
+    nonnegative_float,
+    positive_float,
+)
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
@@ -19,49 +27,111 @@ from dselectk.experiments.runner import (
     run_recipe,
 )
 from dselectk.experiments.token_moe.model import (
-    DEFAULTS,
     EXPERIMENT,
-    GATES,
+    ROUTERS,
+    WARMUP_STEPS,
     Corpus,
     load_corpus,
     train_run,
 )
 from dselectk.experiments.token_moe.report import print_table, write_report
+from dselectk.gates.registry import gate_spec
 
-__all__ = ["TokenMoEConfig", "add_arguments", "config", "hparams", "recipe", "run", "run_cell"]
+__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "hparams", "run", "run_cell"]
 
-_FLAGS = (
-    "steps",
-    "batch_size",
-    "d_model",
-    "d_ff",
-    "num_experts",
-    "k",
-    "layers",
-    "lr",
-    "corpus_bytes",
-    "seq_len",
-    "gamma",
-    "entropy_reg",
-    "balance_loss_weight",
-    "val_windows",
-)
+
+@dataclass(frozen=True)
+class TokenMoEConfig:
+    """What a ``reproduce token-moe`` command computes (its run config): the routers, seeds,
+    and the study settings (their defaults: :data:`DEFAULTS`, the default study).
+
+    Raises:
+        ValueError: settings that cannot run together, naming the flags.
+    """
+
+    out: Path
+    gates: tuple[str, ...] = tuple(ROUTERS)
+    seeds: int = 3
+    telemetry: bool = False
+    corpus_bytes: int = 1_500_000
+    val_fraction: float = 0.1
+    seq_len: int = 64
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    d_ff: int = 128
+    num_experts: int = 8
+    k: int = 2
+    batch_size: int = 32
+    steps: int = 1000
+    lr: float = 2e-3
+    balance_loss_weight: float = 0.01
+    gamma: float = 1.0
+    entropy_reg: float = 0.01
+    val_windows: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"--d-model {self.d_model}: must be a multiple of the {self.heads} attention heads"
+            )
+        if self.k > self.num_experts:
+            raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
+        need = self.seq_len + 2  # a train window of seq_len + 1 bytes, a validation window
+
+        def fits(n: int) -> bool:
+            return need - 1 <= int(n * self.val_fraction) <= n - need
+
+        if not fits(self.corpus_bytes):
+            least = next((n for n in range(2 * need - 1, 10**7) if fits(n)), "more")
+            raise ValueError(
+                f"--corpus-bytes {self.corpus_bytes}: too small for one window of --seq-len "
+                f"{self.seq_len} in both parts; at least {least}"
+            )
+
+
+#: the default study (``dselectk reproduce token-moe``): the settings every record stores
+DEFAULTS: dict[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(TokenMoEConfig)
+    if f.name not in ("out", "gates", "seeds", "telemetry")
+}
+
+
+_DK = gate_spec("dselect_k").hparams
+#: the study's numeric flags: the argparse type (each value's domain) and a note for --help
+_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "steps": (int_at_least(WARMUP_STEPS + 1), f"; > the {WARMUP_STEPS} warm-up steps"),
+    "batch_size": (int_at_least(1), ""),
+    "d_model": (int_at_least(1), "; a multiple of the attention heads (4)"),
+    "d_ff": (int_at_least(1), ""),
+    "num_experts": (int_at_least(2), ""),
+    "k": (int_at_least(1), ""),
+    "layers": (int_at_least(1), ""),
+    "lr": (positive_float, ""),
+    "corpus_bytes": (int_at_least(1), ""),
+    "seq_len": (int_at_least(1), ""),
+    "gamma": (hparam_type(_DK["gamma"]), " (DSelect-k's γ)"),
+    "entropy_reg": (hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)"),
+    "balance_loss_weight": (nonnegative_float, ""),
+    "val_windows": (int_at_least(1), ""),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
-    p.add_argument("--out", type=out_dir, default=Path("results/token_moe"), help="results folder")
-    p.add_argument("--gates", nargs="+", default=list(GATES), choices=sorted(GATES))
-    p.add_argument("--seeds", type=int, default=3, help="seeds per router (paired across routers)")
-    for name in _FLAGS:
-        kind = type(DEFAULTS[name])
-        p.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {DEFAULTS[name]}"
-        )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--out", type=Path, default=Path("results/token_moe"), help="results folder")
+    p.add_argument("--gates", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
+    p.add_argument(
+        "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
+    )
+    for name, (kind, note) in _FLAGS.items():
+        flag, default = f"--{name.replace('_', '-')}", DEFAULTS[name]
+        p.add_argument(flag, type=kind, default=default, help=f"default {default}{note}")
+    p.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per process")
     p.add_argument(
         "--jobs",
-        type=int,
+        type=int_at_least(0),
         default=0,
         help="worker processes, each running whole routers (0: one per core)",
     )
@@ -75,33 +145,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_executor_arguments(p)
 
 
-@dataclass(frozen=True)
-class TokenMoEConfig:
-    """What a ``reproduce token-moe`` command computes (its run config).
-
-    Attributes:
-        settings: the study settings given on the command line (over :data:`DEFAULTS`).
-    """
-
-    out: Path
-    gates: tuple[str, ...]
-    seeds: int = 3
-    telemetry: bool = False
-    settings: tuple[tuple[str, Any], ...] = ()
-
-
 def config(args: argparse.Namespace) -> TokenMoEConfig:
     """The run config of the parsed flags."""
-    given = tuple((n, getattr(args, n)) for n in _FLAGS if getattr(args, n, None) is not None)
-    return config_from_args(TokenMoEConfig, args, settings=given)
+    return config_from_args(TokenMoEConfig, args)
 
 
 def hparams(config: TokenMoEConfig) -> dict[str, Any]:
-    """The study's settings: the defaults overridden by the flags given."""
-    return {**DEFAULTS, **dict(config.settings)}
+    """The study's settings (the keys of :data:`DEFAULTS`), as the records store them."""
+    return {name: getattr(config, name) for name in DEFAULTS}
 
 
-def _config(router: str, hp: dict[str, Any], seed: int, corpus: Corpus) -> dict[str, Any]:
+def _run_config(router: str, hp: dict[str, Any], seed: int, corpus: Corpus) -> dict[str, Any]:
     return {
         "experiment": EXPERIMENT,
         "router": router,
@@ -120,12 +174,13 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
     """Train every seed of ``router`` not recorded yet (one record each)."""
     store = RunStore(config.out)
     hp = hparams(config)
-    cfgs = [_config(router, hp, s, corpus) for s in range(config.seeds)]
+    cfgs = [_run_config(router, hp, s, corpus) for s in range(config.seeds)]
     for i in missing(store, cfgs):
         tel = Path(config.out) / "telemetry" / f"{router}-seed{i}" if config.telemetry else None
         metrics = train_run(
-            router, hp, corpus, i, progress=progress, desc=f"{router} seed {i}", telemetry_dir=tel
-        )
+            ROUTERS[router], hp, corpus, i, progress=progress, desc=f"{router} seed {i}",
+            telemetry_dir=tel,
+        )  # fmt: skip
         store.save(
             cfgs[i],
             metrics,
@@ -137,11 +192,11 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
 
 
 def _load_data(config: TokenMoEConfig) -> Corpus:
-    return load_corpus(hparams(config)["corpus_bytes"], DEFAULTS["val_fraction"])
+    return load_corpus(config.corpus_bytes, config.val_fraction)
 
 
-def _data_key(config: TokenMoEConfig) -> int:
-    return int(hparams(config)["corpus_bytes"])
+def _data_key(config: TokenMoEConfig) -> tuple[int, float]:
+    return config.corpus_bytes, config.val_fraction
 
 
 def recipe(config: TokenMoEConfig) -> Recipe:
@@ -161,5 +216,6 @@ def recipe(config: TokenMoEConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
     cfg = config(args)
-    threads = max(1, int(getattr(args, "threads", 1) or 1))
-    return run_recipe(recipe(cfg), cfg, executor_from_args(args, threads=threads))
+    return run_recipe(
+        recipe(cfg), cfg, executor_from_args(args, threads=getattr(args, "threads", 1))
+    )

@@ -1,5 +1,6 @@
 """Report of the token-MoE study: ``summary.json`` and ``report.md`` (template
-``templates/token_moe.md``), rebuilt from the run records alone."""
+``templates/token_moe.md``), rebuilt from the run records alone. The records keep validation
+bits per byte under the key ``val_bpc``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.templates import render
+from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
 
 __all__ = ["print_table", "write_report"]
 
-EXPERIMENT = "token-moe"
-LABELS = {"dselect_k": "DSelect-k (per token)", "topk": "Top-k"}
+
+def _label(router: str) -> str:
+    return ROUTERS[router].label if router in ROUTERS else router
 
 
 def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
@@ -25,7 +28,7 @@ def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
 def print_table(summary: Mapping[str, Any]) -> None:
     """One-screen table: per router, validation bits per byte and routing figures."""
     print(
-        f"{'router':<24}{'val bpc':>16}{'max load/mean':>16}{'binary tokens':>16}"
+        f"{'router':<24}{'val bits/byte':>16}{'max load/mean':>16}{'binary tokens':>16}"
         f"{'ms/step':>14}{'n':>4}"
     )
     for row in summary["rows"]:
@@ -52,8 +55,7 @@ def write_report(
         r for r in RunStore(results_dir).load() if r["config"].get("experiment") == EXPERIMENT
     ]
     for r in records:  # derived scalars for the summary
-        m = r["metrics"]
-        m["ms_per_step"] = 1000 * m["seconds_per_step"]
+        r["metrics"]["ms_per_step"] = 1000 * r["metrics"]["seconds_per_step"]
     prev: dict[str, Any] = {}
     if (results_dir / "summary.json").is_file():
         try:
@@ -62,30 +64,27 @@ def write_report(
             prev = {}
     rows = summarize(records, ["router"])
     for row in rows:
-        row["label"] = LABELS.get(row["router"], row["router"])
+        row["label"] = _label(row["router"])
         loads = [r["metrics"]["load"] for r in records if r["config"]["router"] == row["router"]]
         # mean over seeds of each layer's load fractions
         row["load"] = [
             [sum(seed[layer][e] for seed in loads) / len(loads) for e in range(len(loads[0][0]))]
             for layer in range(len(loads[0]))
         ]
-    per_seed = sorted(
-        (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in records
-    )
-    first = records[0] if records else None
+    first = records[0] if records else {}
+    given = {"wall_seconds": wall_seconds, "command": command, "jobs": jobs, "threads": threads}
     summary = {
         "experiment": EXPERIMENT,
         "group_by": ["router"],
         "rows": rows,
-        "per_seed": per_seed,
+        "per_seed": sorted(
+            (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in records
+        ),
         "hparams": first["config"]["hparams"] if first else None,
         "corpus": first["config"]["corpus"] if first else None,
         "records": len(records),
-        "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
-        "command": command or prev.get("command"),
-        "jobs": jobs if jobs is not None else prev.get("jobs"),
-        "threads": threads if threads is not None else prev.get("threads"),
-        "environment": first.get("environment") if first else None,
+        **{k: v if v is not None else prev.get(k) for k, v in given.items()},
+        "environment": first.get("environment"),
         "machine": {
             "cpu_count": first["metrics"].get("cpu_count") if first else None,
             "load_average": sorted(
@@ -120,21 +119,16 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
 
 
 def _markdown(summary: Mapping[str, Any]) -> str:
-    rows = []
-    loads = []
+    rows, loads = [], []
     for r in summary["rows"]:
         m = r["metrics"]
-        rows.append(
-            f"| {r['label']} | {_fmt(m.get('val_bpc'), 4)} | {_fmt(m.get('train_loss'), 3)} | "
-            f"{_fmt(m.get('load_max_over_mean'), 2)} | {_fmt(m.get('experts_per_token'), 2)} | "
-            f"{_fmt(m.get('binary_token_fraction'), 3)} | {_fmt(m.get('ms_per_step'), 1)} | "
-            f"{m['val_bpc']['n']} |"
-        )
+        cells = [_fmt(m.get("val_bpc"), 4), _fmt(m.get("train_loss"), 3)]
+        cells += [_fmt(m.get("load_max_over_mean"), 2), _fmt(m.get("experts_per_token"), 2)]
+        cells += [_fmt(m.get("binary_token_fraction"), 3), _fmt(m.get("ms_per_step"), 1)]
+        rows.append(f"| {r['label']} | {' | '.join(cells)} | {m['val_bpc']['n']} |")
         for layer, fr in enumerate(r["load"]):
             loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
-    seeds = [f"| {s} | {LABELS.get(g, g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
-    hp = summary.get("hparams") or {}
-    corpus = summary.get("corpus") or {}
+    seeds = [f"| {s} | {_label(g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
     wall = summary.get("wall_seconds")
     env = summary.get("environment") or {}
     m0 = summary.get("machine") or {}
@@ -149,8 +143,8 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             f"{m0.get('load_average', '?')}, torch {env.get('torch', '?')}"
         ),
         records=summary["records"],
-        hparams=json.dumps(hp, sort_keys=True),
-        corpus=json.dumps(corpus, sort_keys=True),
+        hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
+        corpus=json.dumps(summary.get("corpus") or {}, sort_keys=True),
         rows="\n".join(rows),
         loads="\n".join(loads),
         seeds="\n".join(seeds),

@@ -1,0 +1,176 @@
+"""A byte-level causal transformer whose feed-forward layers are sparse mixture-of-experts
+blocks (:class:`~dselectk.layers.SparseMoEFeedForward`), routed per token by any gate::
+
+    from dselectk.gates import make_gate
+    from dselectk.models.char_lm import CharMoETransformer
+
+    model = CharMoETransformer(
+        lambda: make_gate("dselect_k", 8, k=2, in_features=64), seq_len=64, d_model=64
+    )
+    logits, aux = model(bytes_batch)  # (B, L, 256), the routers' auxiliary losses
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dselectk.gates.base import Gate
+from dselectk.layers import SparseMoEFeedForward
+
+__all__ = ["VOCAB", "CharMoETransformer", "MoEBlock", "byte_windows", "evaluate"]
+
+VOCAB = 256
+"""Bytes: the model reads and predicts one byte at a time."""
+
+
+class MoEBlock(nn.Module):
+    """Pre-LayerNorm block: causal multi-head self-attention, then a sparse MoE feed-forward
+    layer routed by the gate ``router()`` returns (called after the attention weights are made);
+    ``forward`` returns (output, the layer's auxiliary loss)."""
+
+    def __init__(
+        self,
+        router: Callable[[], Gate],
+        d_model: int,
+        heads: int,
+        d_ff: int,
+        k: int,
+        balance_loss_weight: float,
+    ) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        gate = router()
+        self.moe = SparseMoEFeedForward(
+            d_model, d_ff, gate.num_experts, gate, k=k, balance_loss_weight=balance_loss_weight
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        out, aux = self.moe(self.ln2(x))
+        return x + out, aux
+
+
+class CharMoETransformer(nn.Module):
+    """Byte-level causal transformer: byte embedding plus learned positions, ``layers``
+    :class:`MoEBlock` blocks, a final LayerNorm and a linear read-out to the 256 bytes.
+
+    Args:
+        router: called once per block (after that block's attention weights are made, so one
+            seed fixes every weight) for a per-example gate with ``in_features=d_model``.
+        seq_len: the longest input.
+        d_model: width; a multiple of ``heads``.
+        heads: attention heads.
+        layers: blocks.
+        d_ff: hidden width of each expert.
+        k: experts per token.
+        balance_loss_weight: weight of each layer's Switch balance loss.
+    """
+
+    def __init__(
+        self,
+        router: Callable[[], Gate],
+        *,
+        seq_len: int,
+        d_model: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        d_ff: int = 128,
+        k: int = 2,
+        balance_loss_weight: float = 0.01,
+    ) -> None:
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("heads", heads), ("layers", layers)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of heads ({heads})")
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight) for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    @property
+    def moe_layers(self) -> list[SparseMoEFeedForward]:
+        """The sparse MoE layer of each block, in order."""
+        return [m for m in self.modules() if isinstance(m, SparseMoEFeedForward)]
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits (B, L, 256) of the next byte after each of the (B, L) bytes ``x``, and the
+        summed auxiliary loss of the routers."""
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        aux = h.new_zeros(())
+        for blk in self.blocks:
+            h, a = blk(h)
+            aux = aux + a
+        return self.head(self.ln_f(h)), aux
+
+
+def byte_windows(stream: Tensor, seq_len: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
+    """Non-overlapping windows of a byte stream (at most ``limit``): inputs (W, L) and their
+    next-byte targets (W, L)."""
+    w = (len(stream) - 1) // seq_len
+    if limit is not None:
+        w = min(w, limit)
+    x = stream[: w * seq_len].view(w, seq_len)
+    return x, stream[1 : w * seq_len + 1].view(w, seq_len)
+
+
+@torch.no_grad()
+def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) -> dict[str, Any]:
+    """Bits per byte of the next-byte targets ``y`` (W, L) given the inputs ``x`` (W, L), and
+    the routing over those tokens: ``load`` (per layer, the fraction of the dispatched
+    (token, expert) pairs on each expert), ``load_max_over_mean`` (worst layer),
+    ``experts_per_token`` (nonzero weights) and, for routers that binarize (DSelect-k), the
+    fraction of tokens whose bits are binary (overall and per layer; None otherwise)."""
+    model.eval()
+    layers = model.moe_layers
+    n = int(layers[0].num_experts)
+    loads = [torch.zeros(n) for _ in layers]
+    binary = [0.0 for _ in layers]
+    nonzero = 0.0
+    inputs: list[Tensor] = []
+    hooks = [m.router.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for m in layers]
+    total, tokens = 0.0, 0
+    try:
+        for i in range(0, len(x), batch):
+            yb = y[i : i + batch]
+            inputs.clear()
+            logits, _ = model(x[i : i + batch])
+            ce = F.cross_entropy(logits.reshape(-1, VOCAB), yb.reshape(-1), reduction="sum")
+            total, tokens = total + float(ce), tokens + yb.numel()
+            for j, moe in enumerate(layers):
+                assert moe.last_stats is not None
+                loads[j] += moe.last_stats["load"].float()
+                nonzero += float((moe.router(inputs[j]).weights > 0).sum())
+                if moe.router.binarizes:  # tokens whose bits are all 0 or 1
+                    binary[j] += float(moe.router.binary_entries(inputs[j]).all(-1).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+    model.train()
+    binarizes = bool(layers[0].router.binarizes)
+    fractions = [(ld / ld.sum()).tolist() for ld in loads]
+    return {
+        "bits_per_byte": total / tokens / math.log(2),
+        "load": fractions,
+        "load_max_over_mean": max(max(f) * n for f in fractions),
+        "experts_per_token": nonzero / (tokens * len(loads)),
+        "binary_token_fraction": sum(binary) / (tokens * len(loads)) if binarizes else None,
+        "binary_token_fraction_per_layer": [b / tokens for b in binary] if binarizes else None,
+    }
