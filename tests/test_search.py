@@ -229,15 +229,16 @@ def _lbfgs_bce(h: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def test_recovery_search_variant_ends_binary_with_k_distinct_experts() -> None:
-    from dselectk.experiments.recovery.model import SEARCHES, generate_data, train_reps
+    from dselectk.experiments.recovery.model import VARIANTS, RecoveryData, train_reps
 
-    assert {"dselect_k_search", "topk_search"} <= set(SEARCHES)
-    data = generate_data(0, n_train=1024, n_val=256)
+    assert {n for n, v in VARIANTS.items() if v.search} >= {"dselect_k_search", "topk_search"}
+    data = RecoveryData(0, n_train=1024, n_val=256)
     hp = {"gamma": 10.0, "entropy_reg": 0.1, "epochs": 4, "lr": 0.1}
-    metrics, _ = train_reps("dselect_k_search", hp, data, [1, 2], shuffle_seed=0)
+    metrics, _ = train_reps(VARIANTS["dselect_k_search"], hp, data, [1, 2], shuffle_seed=0)
     for m in metrics:
         assert m["binary"] == 1.0 and m["experts_selected"] == 4.0
-    topk, _ = train_reps("topk_search", {"epochs": 4, "lr": 0.1}, data, [1], shuffle_seed=0)
+    hp = {"epochs": 4, "lr": 0.1}
+    topk, _ = train_reps(VARIANTS["topk_search"], hp, data, [1], shuffle_seed=0)
     assert topk[0]["experts_selected"] == 4.0
 
 
@@ -257,7 +258,7 @@ def test_synthetic_search_variant_ends_binary_with_k_experts_per_task() -> None:
 
 
 def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
-    from dselectk.experiments.recovery.recipe import _config
+    from dselectk.experiments.recovery.recipe import VARIANTS, RecoveryConfig, _record_config
     from dselectk.experiments.synthetic.spec import SEARCHES, record_config
 
     cfg = record_config("dselect_k_search", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
@@ -265,9 +266,13 @@ def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
         k: list(v) if isinstance(v, tuple) else v for k, v in SEARCHES["dselect_k_search"].items()
     }
     assert "search" not in record_config("dselect_k", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
-    rec = _config("dselect_k_search", {"lr": 0.1}, 0, 0, 1, 0)
-    assert rec["search"]["binarize"] == 0.5 and "search" not in _config(
-        "topk", {"lr": 0.1}, 0, 0, 1, 0
+    from pathlib import Path
+
+    run = RecoveryConfig(Path("out"))
+    rec = _record_config(run, VARIANTS["dselect_k_search"], {"lr": 0.1}, 0, 1)
+    assert (
+        rec["variant"]["search"]["binarize"] == 0.5
+        and "search" not in _record_config(run, VARIANTS["topk"], {"lr": 0.1}, 0, 1)["variant"]
     )
 
 

@@ -1,8 +1,7 @@
-"""The expert-recovery study's data, its vectorized model, and their training."""
+"""The expert-recovery study's variants, data, vectorized model, and their training."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,115 +12,68 @@ from torch import Tensor, nn
 
 from dselectk.experiments.metrics import recovered_experts
 from dselectk.experiments.runner import progress_position
-from dselectk.gates import COMETGate, DSelectK, make_gate
 from dselectk.gates.base import Gate
-from dselectk.gates.comet import tree_leaf_probabilities
 from dselectk.optim import RowwiseAdam
-from dselectk.schedules import (
-    AttributeScheduler,
-    GeometricSchedule,
-    LinearSchedule,
-    Schedule,
-    WarmupSchedule,
-)
-from dselectk.search import SwapSearch
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
+from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
 
-__all__ = ["RecoveryData", "RecoveryMoE", "generate_data", "train_reps"]
+__all__ = ["VARIANTS", "RecoveryData", "RecoveryMoE", "expert_outputs", "train_reps"]
 
 EXPERIMENT = "recovery"
-NUM_TRUE = 4
-NUM_EXPERTS = 16
-UNITS = 4
-FEATURES = 10
-K = 4
-BATCH_SIZE = 256
+#: the paper's shape: the defaults of --experts, --true-experts and --k
+NUM_EXPERTS, NUM_TRUE, K = 16, 4, 4
+UNITS, FEATURES, BATCH_SIZE = 4, 10, 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
+#: hyperparameters under the tuned file's (a variant takes those its gate declares)
+BASE_HPARAMS: dict[str, Any] = {"epochs": 50, "gamma": 10.0, "entropy_reg": 0.1}
+_PAPER = {"init": "paper"}
 # The variants kept after the collapse study (docs/collapse.md; the retired remedies are at the
-# git tag pre-remedy-deletion): the paper's gates, COMET, and swap local search.
-_PAPER: dict[str, Any] = {"init": "paper"}
-_Variant = tuple[str, dict[str, Any], dict[str, float] | None, dict[str, float] | None]
-#: experiment gate name → (registry name, constructor kwargs, λ warm-up, γ anneal)
-_VARIANTS: dict[str, _Variant] = {
-    "dselect_k": ("dselect_k", _PAPER, None, None),
-    "topk": ("topk", {}, None, None),
-    # COMET's tree gate (Ibrahim et al., KDD 2023): k smooth-step trees, DSelect-k's γ and λ
-    "comet": ("comet", {}, None, None),
-    # swap local search (dselectk.search; ours): the gate as above, searched during training
-    "dselect_k_search": ("dselect_k", _PAPER, None, None),
-    "topk_search": ("topk", {}, None, None),
-}
-GATES: dict[str, tuple[str, dict[str, Any]]] = {
-    name: (reg, dict(kw)) for name, (reg, kw, _, _) in _VARIANTS.items()
-}
-WARMUPS: dict[str, dict[str, float]] = {
-    name: dict(w) for name, (_, _, w, _) in _VARIANTS.items() if w is not None
-}
-ANNEALS: dict[str, dict[str, float]] = {
-    name: dict(a) for name, (_, _, _, a) in _VARIANTS.items() if a is not None
-}
-# swap local search of some variants (dselectk.search.SwapSearch): after the fractions ``at``
-# of the training steps, scored by each repetition's data loss on a fixed probe of the
-# training set; at ``binarize`` (DSelect-k) fractional selectors must take their best code
-SEARCHES: dict[str, dict[str, Any]] = {
-    "dselect_k_search": {"at": (0.25, 0.7, 0.85), "binarize": 0.5},
-    "topk_search": {"at": (0.25, 0.5, 0.7, 0.85), "binarize": None},
-}
-SEARCH_PROBE = 2048
-
-
-class _Held(Schedule):
-    """``before`` for ``delay`` steps, then ``inner`` shifted by ``delay``."""
-
-    def __init__(self, inner: Schedule, delay: int, before: float) -> None:
-        self.inner, self.delay, self.before = inner, int(delay), float(before)
-
-    def __call__(self, step: int) -> Any:
-        return self.before if step < self.delay else self.inner(step - self.delay)
-
-
-LABELS = {
-    "dselect_k": "DSelect-k (paper init)",
-    "topk": "Top-k",
-    "comet": "COMET tree gate (Ibrahim et al. 2023)",
-    "dselect_k_search": "DSelect-k (paper) + swap local search (ours)",
-    "topk_search": "Top-k + swap local search (ours)",
-}
-PAPER = {"dselect_k": 4, "topk": 1}
-BASE_HPARAMS: dict[str, Any] = {
-    "epochs": 50,
-    "gamma": 10.0,
-    "entropy_reg": 0.1,
-    "entropy_reg_end": None,
-}
+# git tag pre-remedy-deletion). The swap search (dselectk.search; ours) scores each move by
+# every repetition's loss on a probe of the training set after refitting the head (refit).
+VARIANTS = variant_table(
+    Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", _PAPER),
+    Variant(
+        "dselect_k_search",
+        "dselect_k",
+        "DSelect-k (paper) + swap local search (ours)",
+        _PAPER,
+        search=SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True),
+        tuned_as="dselect_k",
+    ),
+    Variant("topk", "topk", "Top-k"),
+    Variant(
+        "topk_search",
+        "topk",
+        "Top-k + swap local search (ours)",
+        search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True),
+        tuned_as="topk",
+    ),
+    Variant("comet", "comet", "COMET tree gate (Ibrahim et al. 2023)"),
+)
 
 
 class RecoveryData:
-    """The generated classification data and the generating experts.
+    """The generated classification data (Appendix C.2.2) and the generating experts, drawn
+    from a private generator (the global RNG is untouched).
 
     Attributes:
-        x_train, y_train, x_val, y_val: (10k, 10) inputs and (10k,) {0, 1} labels.
-        true_experts: (4, 10, 4) generating experts' weights.
+        x_train, y_train, x_val, y_val: (N, 10) inputs and (N,) {0, 1} labels.
+        true_experts: (num_true, 10, 4) generating experts' weights.
     """
 
-    def __init__(self, seed: int = 0, n_train: int = 10_000, n_val: int = 10_000) -> None:
+    def __init__(
+        self, seed: int = 0, n_train: int = 10_000, n_val: int = 10_000, num_true: int = NUM_TRUE
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.true_experts = torch.randn(NUM_TRUE, FEATURES, UNITS, generator=g)
+        self.true_experts = torch.randn(num_true, FEATURES, UNITS, generator=g)
         head = torch.randn(UNITS, generator=g)
         x = torch.randn(n_train + n_val, FEATURES, generator=g)
-        h = expert_outputs(x, self.true_experts).mean(0)  # (N, 4): average of the experts
-        pre = h @ head
-        pre = pre - pre.median()
-        y = (pre > 0).float()
+        pre = expert_outputs(x, self.true_experts).mean(0) @ head  # the experts' average
+        y = (pre - pre.median() > 0).float()  # bias = minus the median: balanced classes
         self.x_train, self.y_train = x[:n_train], y[:n_train]
         self.x_val, self.y_val = x[n_train:], y[n_train:]
-        self.seed = seed
-
-
-def generate_data(seed: int = 0, n_train: int = 10_000, n_val: int = 10_000) -> RecoveryData:
-    """Deterministic data set of Appendix C.2.2 (private generator; global RNG untouched)."""
-    return RecoveryData(seed, n_train, n_val)
+        self.seed, self.num_true = seed, num_true
 
 
 def expert_outputs(x: Tensor, weights: Tensor) -> Tensor:
@@ -129,15 +81,22 @@ def expert_outputs(x: Tensor, weights: Tensor) -> Tensor:
     return torch.relu(torch.einsum("bp,...epu->...ebu", x, weights))
 
 
+def _bce(logits: Tensor, y: Tensor) -> Tensor:
+    """(R,) mean BCE of each repetition's logits (R, B)."""
+    bce = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none")
+    return bce.mean(-1)
+
+
 class RecoveryMoE(nn.Module):
     """R independent recovery models as one vectorized model.
 
     Args:
-        gate: experiment gate name (:data:`GATES`).
-        hparams: γ and λ of DSelect-k.
+        variant: the gate variant (:data:`VARIANTS`).
+        hparams: its hyperparameters (the gate takes those it declares).
         data: the data (its true experts are copied into the banks).
         init_seeds: one per repetition; repetition r draws its copy positions, random experts,
             gate and head under ``torch.manual_seed(init_seeds[r])``.
+        experts: experts of each model; k: experts its gate selects (default: the true count).
     """
 
     true_mask: Tensor
@@ -145,82 +104,71 @@ class RecoveryMoE(nn.Module):
 
     def __init__(
         self,
-        gate: str,
+        variant: Variant,
         hparams: Mapping[str, Any],
         data: RecoveryData,
         init_seeds: Sequence[int],
+        *,
+        experts: int = NUM_EXPERTS,
+        k: int | None = None,
     ) -> None:
         super().__init__()
-        reg, fixed = GATES[gate]
-        kw: dict[str, Any] = {"k": K, **fixed}
-        if reg in ("dselect_k", "comet"):
-            kw["gamma"] = float(hparams["gamma"])
-            kw["entropy_reg"] = float(hparams.get("entropy_reg") or 0.0)
-        self.reps = len(init_seeds)
-        banks, masks, logits, heads_w, heads_b = [], [], [], [], []
+        self.reps, self.num_true = len(init_seeds), data.num_true
+        self.k = data.num_true if k is None else k
+        banks, masks, gates, heads = [], [], [], []
         for s in init_seeds:
             torch.manual_seed(int(s))
-            pos = torch.randperm(NUM_EXPERTS)[:NUM_TRUE]
-            bank = torch.randn(NUM_EXPERTS, FEATURES, UNITS)
+            pos = torch.randperm(experts)[: data.num_true]
+            bank = torch.randn(experts, FEATURES, UNITS)
             bank[pos] = data.true_experts
-            mask = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
-            mask[pos] = True
-            g = make_gate(reg, NUM_EXPERTS, **kw)
-            head = nn.Linear(UNITS, 1)
             banks.append(bank)
-            masks.append(mask)
-            logits.append(g.logits.detach())
-            heads_w.append(head.weight.detach()[0])
-            heads_b.append(head.bias.detach())
-        self.register_buffer("experts", torch.stack(banks))  # (R, 16, 10, 4), frozen
-        self.register_buffer("true_mask", torch.stack(masks))  # (R, 16)
-        self.gates: Gate = make_gate(reg, NUM_EXPERTS, num_gates=self.reps, **kw)
-        with torch.no_grad():
-            self.gates.logits.copy_(torch.stack(logits))
-        self.head_w = nn.Parameter(torch.stack(heads_w))  # (R, 4)
-        self.head_b = nn.Parameter(torch.cat(heads_b))  # (R,)
+            masks.append(torch.zeros(experts, dtype=torch.bool).index_fill(0, pos, True))
+            gates.append(variant.build(experts, hparams=hparams, k=self.k))
+            heads.append(nn.Linear(UNITS, 1))
+        self.register_buffer("experts", torch.stack(banks))  # (R, E, 10, 4), frozen
+        self.register_buffer("true_mask", torch.stack(masks))  # (R, E)
+        self.gates: Gate = variant.build(experts, hparams=hparams, k=self.k, num_gates=self.reps)
+        stack_members(self.gates, gates)
+        self.head_w = nn.Parameter(torch.stack([h.weight.detach()[0] for h in heads]))  # (R, 4)
+        self.head_b = nn.Parameter(torch.cat([h.bias.detach() for h in heads]))  # (R,)
 
     def features(self, x: Tensor) -> Tensor:
-        """Frozen expert outputs (B, R, 16, 4), examples first so that a mini-batch is one
+        """Frozen expert outputs (B, R, E, 4), examples first so that a mini-batch is one
         contiguous gather (precomputed once for the whole data set)."""
         return expert_outputs(x, self.experts).permute(2, 0, 1, 3).contiguous()
 
+    def mixture(self, feats: Tensor) -> tuple[Tensor, Tensor]:
+        """The gated mixture (R, B, 4) of precomputed expert outputs, and the gates' aux loss."""
+        out = self.gates()
+        return torch.einsum("rn,brnu->rbu", out.weights, feats), out.aux_loss
+
     def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:
         """Logits (R, B) from precomputed expert outputs, and the gates' summed aux loss."""
-        out = self.gates()
-        h = torch.einsum("rn,brnu->rbu", out.weights, feats)
-        return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), out.aux_loss
+        h, aux = self.mixture(feats)
+        return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), aux
 
     @torch.no_grad()
     def weights(self) -> Tensor:
-        """(R, 16) current gate weights."""
+        """(R, E) current gate weights."""
         return self.gates.expert_weights()
 
 
 @torch.no_grad()
 def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, float]]:
     logits, _ = model(feats)
-    loss = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").mean(
-        -1
-    )
-    acc = ((logits > 0).float() == y).float().mean(-1)
+    loss, acc = _bce(logits, y), ((logits > 0).float() == y).float().mean(-1)
     w = model.weights()
-    rec = recovered_experts(w, model.true_mask, K)
+    rec = recovered_experts(w, model.true_mask, model.k)
     nsel = (w > 0).sum(-1)
-    binary = None
-    if isinstance(model.gates, DSelectK):
-        p = model.gates.bits()
-        binary = ((p == 0) | (p == 1)).flatten(1).all(-1)
-    elif isinstance(model.gates, COMETGate):  # binary: every tree reaches exactly one leaf
-        leaves, _ = tree_leaf_probabilities(model.gates.splits(), NUM_EXPERTS)
-        binary = ((leaves == 0) | (leaves == 1)).flatten(1).all(-1)
+    # DSelect-k: S(Z) binary; COMET: every tree reaches exactly one leaf
+    binary = model.gates.is_binary() if model.gates.binarizes else None
     out = []
     for r in range(model.reps):
         m = {
             "val_loss": float(loss[r]),
             "val_accuracy": float(acc[r]),
             "recovered": float(rec[r]),
-            "all_recovered": float(rec[r] == NUM_TRUE),
+            "all_recovered": float(rec[r] == model.num_true),
             "experts_selected": float(nsel[r]),
         }
         if binary is not None:
@@ -230,55 +178,48 @@ def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, fl
 
 
 class _Trajectories(Callback):
-    """Records the gate weights of some repetitions every ``every`` steps."""
+    """Records the gate weights of some repetitions every ``every`` steps (and at step 0)."""
 
     def __init__(self, model: RecoveryMoE, reps: Sequence[int], every: int) -> None:
-        self.every = every
+        self.model, self.every = model, every
         self.trajs: dict[int, dict[str, Any]] = {
             r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
             for r in (reps if every else ())
         }
         if every:
-            self.record(model, 0)
+            self.on_step(model, None, None, History())
 
-    def record(self, model: RecoveryMoE, step: int) -> None:
-        w = model.weights()
-        for r, tr in self.trajs.items():
-            tr["steps"].append(step)
-            tr["weights"].append([round(float(v), 5) for v in w[r]])
-
-    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+    def on_step(self, model: nn.Module, batch: Any, out: Any, history: History) -> None:
         if self.every and history.steps % self.every == 0:
-            assert isinstance(model, RecoveryMoE)
-            self.record(model, history.steps)
+            w = self.model.weights()
+            for r, tr in self.trajs.items():
+                tr["steps"].append(history.steps)
+                tr["weights"].append([round(float(v), 5) for v in w[r]])
 
 
 def _loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
     """Σ_r mean BCE of repetition r + the gates' auxiliary losses."""
     logits, aux = model(batch.x)
-    y = batch.ys[0]
-    bce = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none")
-    return bce.mean(-1).sum() + aux, None
+    return _bce(logits, batch.ys[0]).sum() + aux, None
 
 
-def _search(
-    model: RecoveryMoE, data: RecoveryData, gate: str, steps_total: int, seed: int
-) -> SwapSearch:
-    """The swap search of ``gate``: each candidate selection is scored by every repetition's
-    BCE on a fixed probe of the training set *after refitting the head* to it (a move changes
-    the features the head reads; scored with the old head, a move towards the true experts can
-    look worse than the wrong selection the head was fitted to). The model's head is not changed.
-    """
+def _member_loss(model: RecoveryMoE, data: RecoveryData, plan: SearchPlan, seed: int) -> Any:
+    """The search's score of a selection: every repetition's BCE on a fixed probe of the
+    training set, after refitting the head to it when ``plan.refit`` (a move changes the
+    features the head reads; scored with the old head, a move towards the true experts can look
+    worse than the wrong selection the head was fitted to). The model's head is not changed."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(data.y_train.shape[0], generator=g)[:SEARCH_PROBE]
+    idx = torch.randperm(data.y_train.shape[0], generator=g)[: plan.probe]
     feats, y = model.features(data.x_train[idx]), data.y_train[idx]
 
     def member_loss() -> Tensor:
-        h = torch.einsum("rn,brnu->rbu", model.gates().weights, feats)  # (R, B, 4)
+        if not plan.refit:
+            return _bce(model(feats)[0], y)
+        h = model.mixture(feats)[0]  # (R, B, 4)
         w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
         return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
-    return SwapSearch.from_plan(model.gates, member_loss, steps_total, SEARCHES[gate])
+    return member_loss
 
 
 def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:
@@ -290,19 +231,18 @@ def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3
         grad = torch.einsum("rbd,rb->rd", h, p - y) / h.shape[1] + 2 * l2 * w
         hess = torch.einsum("rbd,rb,rbe->rde", h, p * (1 - p), h) / h.shape[1] + 2 * l2 * eye
         w = w - torch.linalg.solve(hess, grad.unsqueeze(-1)).squeeze(-1)
-    logits = torch.einsum("rbd,rd->rb", h, w)
-    return F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").mean(
-        -1
-    )
+    return _bce(torch.einsum("rbd,rd->rb", h, w), y)
 
 
 def train_reps(
-    gate: str,
+    variant: Variant,
     hparams: Mapping[str, Any],
     data: RecoveryData,
     init_seeds: Sequence[int],
     *,
     shuffle_seed: int,
+    experts: int = NUM_EXPERTS,
+    k: int | None = None,
     lrs: Sequence[float] | None = None,
     record_every: int = 0,
     record_reps: Sequence[int] = (0,),
@@ -313,51 +253,31 @@ def train_reps(
     """Train R repetitions together; return their final metrics and weight trajectories.
 
     Args:
-        gate, hparams, data: the gate, its hyperparameters (``lr`` unless ``lrs``), the data.
+        variant, hparams, data: the gate variant, its hyperparameters (``epochs``, and ``lr``
+            unless ``lrs``), the data.
         init_seeds: one per repetition (repeat a seed to pair repetitions across lrs).
-        shuffle_seed: seed of the mini-batch order, shared by all repetitions.
+        shuffle_seed: seed of the mini-batch order (and the search's probe), shared by all.
+        experts, k: the model's shape (:class:`RecoveryMoE`).
         lrs: one learning rate per repetition (default ``hparams["lr"]`` for all).
         record_every: record the gate weights of ``record_reps`` every N steps (0: never).
         telemetry_dir: log routing telemetry of every repetition's gate there (``gates/task<r>``
-            is repetition r): binary fraction, selector collisions, entropy, experts, every
-            ``record_every`` steps (or 10).
+            is repetition r) every ``record_every`` steps (or 10).
 
     Returns:
-        (metrics per repetition, {rep: {"steps", "weights" (S x 16), "true" positions}}).
+        (metrics per repetition, {rep: {"steps", "weights" (S x E), "true" positions}}).
     """
-    model = RecoveryMoE(gate, hparams, data, init_seeds)
+    model = RecoveryMoE(variant, hparams, data, init_seeds, experts=experts, k=k)
     rates = [float(hparams["lr"])] * model.reps if lrs is None else [float(v) for v in lrs]
     if len(rates) != model.reps:
         raise ValueError(f"lrs must give one learning rate per repetition ({model.reps})")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = RowwiseAdam(params, torch.tensor(rates))
-    n = data.y_train.shape[0]
+    opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
     epochs = int(hparams["epochs"])
-    steps_total = epochs * math.ceil(n / BATCH_SIZE)
-    scheds = []
-    if GATES[gate][0] == "dselect_k" and hparams.get("entropy_reg_end") is not None:
-        sched = LinearSchedule(
-            float(hparams.get("entropy_reg") or 0.0), float(hparams["entropy_reg_end"]), steps_total
-        )
-        scheds.append(AttributeScheduler(model.gates, "entropy_reg", sched))
-    elif gate in WARMUPS:
-        warm = WARMUPS[gate]
-        ramp = LinearSchedule(
-            0.0, float(hparams.get("entropy_reg") or 0.0), max(1, int(warm["ramp"] * steps_total))
-        )
-        delayed = WarmupSchedule(ramp, int(warm["delay"] * steps_total))
-        scheds.append(AttributeScheduler(model.gates, "entropy_reg", delayed))
-    if gate in ANNEALS:
-        ann, gamma = ANNEALS[gate], float(hparams["gamma"])
-        geo = GeometricSchedule(
-            gamma, gamma * ann["factor"], max(1, int(ann["steps"] * steps_total))
-        )
-        held = _Held(geo, int(ann["delay"] * steps_total), gamma)
-        scheds.append(AttributeScheduler(model.gates, "gamma", held))
+    steps = total_steps(epochs, data.y_train.shape[0], BATCH_SIZE)
     recorder = _Trajectories(model, record_reps, record_every)
     callbacks: list[Any] = [recorder]
-    if gate in SEARCHES:
-        callbacks.append(_search(model, data, gate, steps_total, shuffle_seed))
+    if variant.search is not None:
+        loss = _member_loss(model, data, variant.search, shuffle_seed)
+        callbacks.append(variant.search.callback(model.gates, loss, steps))
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
     config = TrainConfig.for_members(
@@ -369,13 +289,12 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
-    train_data = TaskData(model.features(data.x_train), [data.y_train])
     train(
         model,
-        train_data,
+        TaskData(model.features(data.x_train), [data.y_train]),
         None,
         config,
-        schedulers=scheds,
+        schedulers=variant.schedulers(model.gates, hparams, steps),
         optimizer=opt,
         callbacks=callbacks,
         loss_fn=_loss,

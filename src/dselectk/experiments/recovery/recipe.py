@@ -1,11 +1,10 @@
-"""``dselectk reproduce recovery``: flags and one cell (a gate: all its learning rates and
-repetitions as one vectorized model), run by the shared runner."""
+"""``dselectk reproduce recovery``: flags, the run config, and one cell (a variant: all its
+learning rates and repetitions as one vectorized model), run by the shared runner."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,11 +16,11 @@ from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
     BATCH_SIZE,
     EXPERIMENT,
-    GATES,
     LRS,
-    SEARCHES,
+    NUM_EXPERTS,
+    NUM_TRUE,
+    VARIANTS,
     RecoveryData,
-    generate_data,
     train_reps,
 )
 from dselectk.experiments.recovery.report import print_table, write_report
@@ -33,25 +32,12 @@ from dselectk.experiments.runner import (
     missing,
     run_recipe,
 )
-from dselectk.io import json_safe
+from dselectk.variants import TRAINER_HPARAMS, Variant
 
 __all__ = ["RecoveryConfig", "add_arguments", "load_tuned", "recipe", "run", "run_cell"]
 
-
-def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
-    """The shipped tuning record ``tuned_recovery.json`` (or ``path``)."""
-    if path is not None:
-        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
-    text = resources.files("dselectk.experiments").joinpath("tuned_recovery.json").read_text()
-    return dict(json.loads(text))
-
-
-def _init_seed(seed: int, rep: int) -> int:
-    """Repetition r's seed: the same for every gate and learning rate (paired comparison)."""
-    return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
-
-
 POS, NONNEG = int_at_least(1), int_at_least(0)
+DEFAULT_GATES = ("dselect_k", "dselect_k_search", "topk")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,9 +46,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gates",
         nargs="+",
-        default=["dselect_k", "dselect_k_search", "topk"],
-        choices=sorted(GATES),
-        help="gates (default: the paper's DSelect-k, DSelect-k + swap local search, Top-k)",
+        default=list(DEFAULT_GATES),
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help=f"gate variants, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_GATES)})",
+    )
+    p.add_argument(
+        "--experts",
+        type=int_at_least(2),
+        default=NUM_EXPERTS,
+        metavar="N",
+        help="experts of the model (default 16)",
+    )
+    p.add_argument(
+        "--true-experts",
+        type=POS,
+        default=NUM_TRUE,
+        metavar="N",
+        help="generating experts, copied into the model (default 4; <= --experts)",
+    )
+    p.add_argument(
+        "--k",
+        type=POS,
+        default=None,
+        metavar="N",
+        help="experts the gate selects (default: --true-experts; <= --experts)",
     )
     p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 20, full 100)")
     p.add_argument(
@@ -75,39 +83,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=POS, default=None, help="override the epochs")
     p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
     p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
-    p.add_argument("--full", action="store_true", help="100 repetitions")
+    p.add_argument("--full", action="store_true", help="100 repetitions, 5 learning rates")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
     p.add_argument("--record-every", type=NONNEG, default=10, help="trajectory sampling (steps)")
-    p.add_argument(
-        "--threads",
-        type=POS,
-        default=1,
-        help="torch CPU threads (default 1: these models are tiny and overhead-bound)",
-    )
+    p.add_argument("--threads", type=POS, default=1, help="torch CPU threads (tiny models: 1)")
     p.add_argument(
         "--jobs",
         type=NONNEG,
         default=0,
-        help="worker processes, each running whole gates (default 0: one per core / --threads, "
-        "at most one per gate); the records are the same as in one process",
+        help="worker processes, each running whole variants (0: one per core / --threads)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--telemetry",
         action="store_true",
-        help="log routing telemetry (binary S(Z), selector collisions, entropy, experts) of every "
-        "repetition to OUT/telemetry/GATE/ (TensorBoard if installed, else JSON lines)",
+        help="log routing telemetry of every repetition to OUT/telemetry/VARIANT/",
     )
     add_executor_arguments(p)
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """What a ``reproduce recovery`` command computes (its run config; the flags of the same
-    names)."""
+    """What a ``reproduce recovery`` command computes (the flags of the same names; ``k``
+    None: ``true_experts``). A shape out of range is a ValueError naming the flag."""
 
     out: Path
-    gates: tuple[str, ...]
+    gates: tuple[str, ...] = DEFAULT_GATES
+    experts: int = NUM_EXPERTS
+    true_experts: int = NUM_TRUE
+    k: int | None = None
     reps: int | None = None
     lrs: tuple[float, ...] | None = None
     epochs: int | None = None
@@ -118,79 +122,112 @@ class RecoveryConfig:
     record_every: int = 10
     telemetry: bool = False
 
+    def __post_init__(self) -> None:
+        if self.k is None:
+            object.__setattr__(self, "k", self.true_experts)
+        if self.experts < 2:
+            raise ValueError(f"argument --experts: expected an integer >= 2, got {self.experts}")
+        for flag, value in (("--true-experts", self.true_experts), ("--k", self.k)):
+            if not 1 <= int(value or 0) <= self.experts:
+                raise ValueError(
+                    f"argument {flag}: expected an integer in [1, --experts = {self.experts}], "
+                    f"got {value}"
+                )
 
-def _config(
-    gate: str, hp: Mapping[str, Any], rep: int, seed: int, init_seed: int, data_seed: int
+    @property
+    def shape(self) -> dict[str, int]:
+        """The study's shape, as records store it."""
+        return {"experts": self.experts, "true": self.true_experts, "k": int(self.k or 0)}
+
+
+def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
+    """The shipped tuning record ``tuned_recovery.json`` (or ``path``)."""
+    if path is not None:
+        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    text = resources.files("dselectk.experiments").joinpath("tuned_recovery.json").read_text()
+    return dict(json.loads(text))
+
+
+def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str, Any]:
+    """The variant's hyperparameters: :data:`BASE_HPARAMS` its gate declares, then its entry in
+    the tuning record, checked (a bad entry is a ValueError naming the file and key)."""
+    name = Path(path).name if path is not None else "tuned_recovery.json"
+    entry = load_tuned(path).get("hparams", {}).get(variant.tuned_name, {})
+    base = {k: v for k, v in BASE_HPARAMS.items() if k in (*TRAINER_HPARAMS, *variant.spec.hparams)}
+    return variant.check_hparams({**base, **entry}, f"{name}: hparams.{variant.tuned_name}")
+
+
+def _init_seed(seed: int, rep: int) -> int:
+    """Repetition r's seed: the same for every variant and learning rate (paired comparison)."""
+    return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
+
+
+def _record_config(
+    config: RecoveryConfig, variant: Variant, hp: dict[str, Any], rep: int, init_seed: int
 ) -> dict[str, Any]:
     return {
         "experiment": EXPERIMENT,
         "phase": "final",
-        "gate": gate,
+        "gate": variant.name,
+        "variant": variant.identity(),
+        "shape": config.shape,
         "lr": float(hp["lr"]),
         "hparams": dict(sorted(hp.items())),
         "rep": rep,
         "init_seed": init_seed,
-        "shuffle_seed": seed,
+        "shuffle_seed": config.seed,
         "batch_size": BATCH_SIZE,
-        "data": {"seed": data_seed, "n_train": 10_000, "n_val": 10_000},
-        # the search schedule is part of a search variant's identity (other gates: unchanged)
-        **({"search": json_safe(SEARCHES[gate])} if gate in SEARCHES else {}),
+        "data": {"seed": config.data_seed, "n_train": 10_000, "n_val": 10_000},
     }
 
 
 def run_cell(
     config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool
 ) -> dict[str, Any]:
-    """One gate: every (learning rate, repetition) not recorded yet, trained in one vectorized
-    model (per-row Adam learning rates); repetition 0's trajectory is kept for each lr."""
-    store = RunStore(config.out)
+    """One variant: every (learning rate, repetition) not recorded yet, trained in one
+    vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
+    variant, store = VARIANTS[gate], RunStore(config.out)
     reps = config.reps if config.reps is not None else (100 if config.full else 20)
-    tuned = load_tuned(config.tuned)
     lrs = config.lrs or (LRS if config.full else LRS[:3])
-    hp = dict(BASE_HPARAMS)
-    hp.update(tuned.get("hparams", {}).get(gate, {}))
+    hp = tuned_hparams(variant, config.tuned)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
     selection = {"hparams": hp, "lrs": [float(v) for v in lrs], "source": "tuned_recovery.json"}
-    seeds = [_init_seed(config.seed, r) for r in range(reps)]
-    jobs = [(lr, r, s) for lr in lrs for r, s in enumerate(seeds)]
-    cfgs = [
-        _config(gate, {**hp, "lr": float(lr)}, r, config.seed, s, config.data_seed)
-        for lr, r, s in jobs
-    ]
+    jobs = [(lr, r, _init_seed(config.seed, r)) for lr in lrs for r in range(reps)]
+    cfgs = [_record_config(config, variant, {**hp, "lr": float(lr)}, r, s) for lr, r, s in jobs]
     todo = missing(store, cfgs)
     if not todo:
         return selection
-    first = [i for i in todo if jobs[i][1] == 0]
     metrics, trajs = train_reps(
-        gate,
+        variant,
         {**hp, "lr": float(jobs[todo[0]][0])},
         data,
         [jobs[i][2] for i in todo],
         shuffle_seed=config.seed,
+        experts=config.experts,
+        k=config.k,
         lrs=[jobs[i][0] for i in todo],
         record_every=config.record_every,
-        record_reps=[todo.index(i) for i in first],
+        record_reps=[j for j, i in enumerate(todo) if jobs[i][1] == 0],
         progress=progress,
         desc=f"{gate} ({len(todo)} runs)",
         telemetry_dir=Path(config.out) / "telemetry" / gate if config.telemetry else None,
     )
     for j, i in enumerate(todo):
-        extra = {"trajectory": trajs[j]} if j in trajs else {}
-        store.save(cfgs[i], metrics[j], **extra)
+        store.save(cfgs[i], metrics[j], **({"trajectory": trajs[j]} if j in trajs else {}))
     return selection
 
 
 def _load_data(config: RecoveryConfig) -> RecoveryData:
-    return generate_data(config.data_seed)
+    return RecoveryData(config.data_seed, num_true=config.true_experts)
 
 
-def _data_key(config: RecoveryConfig) -> int:
-    return int(config.data_seed)
+def _data_key(config: RecoveryConfig) -> tuple[int, int]:
+    return int(config.data_seed), int(config.true_experts)
 
 
 def recipe(config: RecoveryConfig) -> Recipe:
-    """One cell per gate, for the shared runner."""
+    """One cell per variant, for the shared runner."""
     return Recipe(
         cells=list(config.gates),
         run_cell=run_cell,
@@ -203,7 +240,7 @@ def recipe(config: RecoveryConfig) -> Recipe:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run (or resume) every gate × learning rate × repetition, then write the report."""
+    """Run (or resume) every variant × learning rate × repetition, then write the report."""
     config = config_from_args(RecoveryConfig, args)
     threads = max(1, int(getattr(args, "threads", 1) or 1))
     return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))

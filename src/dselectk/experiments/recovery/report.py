@@ -9,21 +9,32 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
-from dselectk.experiments.recovery.model import EXPERIMENT, LABELS, NUM_TRUE, PAPER
+from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, NUM_TRUE, VARIANTS, K
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
 __all__ = ["print_table", "write_report"]
+
+#: true experts recovered by the paper's tuned model (16 experts, 4 true, k = 4)
+PAPER = {"dselect_k": 4, "topk": 1}
+PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": K}
 
 
 def _fmt(m: Mapping[str, Any] | None, digits: int = 2) -> str:
     return format_mean_se(m, digits)
 
 
+def _paper(summary: Mapping[str, Any], gate: str) -> str:
+    claim = PAPER.get(gate) if summary["shape"] == PAPER_SHAPE else None
+    return "–" if claim is None else f"{claim}/{NUM_TRUE}"
+
+
 def print_table(summary: Mapping[str, Any]) -> None:
-    """One-screen table: per gate, the selected learning rate and the recovery counts."""
+    """One-screen table: per variant, the selected learning rate and the recovery counts."""
+    n = summary["shape"]["true"]
+    print(f"shape: {_shape_text(summary['shape'])}")
     print(
-        f"{'gate':<32}{'lr':>8}  {'recovered (of 4)':>16}  {'4/4 share':>10}  "
+        f"{'gate':<32}{'lr':>8}  {f'recovered (of {n})':>16}  {'all share':>10}  "
         f"{'val acc':>12}  {'n':>4}  paper"
     )
     for row in summary["selected"]:
@@ -31,8 +42,12 @@ def print_table(summary: Mapping[str, Any]) -> None:
         print(
             f"{row['label']:<32}{row['lr']:>8g}  {_fmt(m['recovered']):>16}  "
             f"{_fmt(m['all_recovered']):>10}  {_fmt(m['val_accuracy'], 3):>12}  "
-            f"{m['recovered']['n']:>4}  {PAPER.get(row['gate'], '–')}"
+            f"{m['recovered']['n']:>4}  {_paper(summary, row['gate'])}"
         )
+
+
+def _shape_text(shape: Mapping[str, int]) -> str:
+    return f"{shape['experts']} experts, {shape['true']} true, k = {shape['k']}"
 
 
 def write_report(
@@ -50,23 +65,43 @@ def write_report(
             prev = json.loads((results_dir / "summary.json").read_text())
         except json.JSONDecodeError:
             prev = {}
+    shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
     rows = summarize(records, ["gate", "lr"])
     for row in rows:
-        row["label"] = LABELS.get(row["gate"], row["gate"])
-        counts = [0] * (NUM_TRUE + 1)
-        for r in records:
-            c = r["config"]
-            if c["gate"] == row["gate"] and c["lr"] == row["lr"]:
-                counts[int(r["metrics"]["recovered"])] += 1
-        row["recovered_histogram"] = counts
-    # Tuning: the learning rate with the lowest mean validation loss, per gate.
-    selected = []
-    for gate in sorted({r["gate"] for r in rows}):
-        cands = [r for r in rows if r["gate"] == gate]
-        best = min(cands, key=lambda r: r["metrics"]["val_loss"]["mean"])
-        selected.append(best)
+        row["label"] = VARIANTS[row["gate"]].label if row["gate"] in VARIANTS else row["gate"]
+        mine = [
+            r
+            for r in records
+            if (r["config"]["gate"], r["config"]["lr"]) == (row["gate"], row["lr"])
+        ]
+        row["recovered_histogram"] = [0] * (shape["true"] + 1)
+        for r in mine:
+            row["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
+        row["trajectory"] = next((r["trajectory"] for r in mine if r.get("trajectory")), None)
+    # Tuning: the learning rate with the lowest mean validation loss, per variant.
+    selected = [
+        min((r for r in rows if r["gate"] == g), key=lambda r: r["metrics"]["val_loss"]["mean"])
+        for g in sorted({r["gate"] for r in rows})
+    ]
+    plots = []
+    for row in selected:
+        traj = row["trajectory"]
+        if traj and traj.get("steps"):
+            plots.append(
+                plot_trajectories(
+                    traj["steps"],
+                    traj["weights"],
+                    results_dir / f"trajectory_{row['gate']}.png",
+                    title=f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)",
+                    highlight=traj.get("true"),
+                    zoom_steps=max(1, traj["steps"][-1] // 10),
+                )
+            )
+    for row in rows:
+        del row["trajectory"]
     summary = {
         "experiment": EXPERIMENT,
+        "shape": shape,
         "group_by": ["gate", "lr"],
         "rows": rows,
         "selected": selected,
@@ -78,65 +113,39 @@ def write_report(
         "command": command or prev.get("command"),
     }
     write_json(results_dir / "summary.json", summary)
-    plots = []
-    for row in selected:
-        traj = next(
-            (
-                r.get("trajectory")
-                for r in records
-                if r["config"]["gate"] == row["gate"]
-                and r["config"]["lr"] == row["lr"]
-                and r.get("trajectory")
-            ),
-            None,
-        )
-        if traj and traj.get("steps"):
-            steps = traj["steps"]
-            plots.append(
-                plot_trajectories(
-                    steps,
-                    traj["weights"],
-                    results_dir / f"trajectory_{row['gate']}.png",
-                    title=f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)",
-                    highlight=traj.get("true"),
-                    zoom_steps=max(1, steps[-1] // 10),
-                )
-            )
     write_text(results_dir / "report.md", _markdown(summary, plots))
 
 
 def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
-    wall = summary.get("wall_seconds")
-    selected_rows = []
+    shape, wall = summary["shape"], summary.get("wall_seconds")
+    selected_rows, all_rows, claims = [], [], []
     for r in summary["selected"]:
         m = r["metrics"]
         selected_rows.append(
             f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | "
             f"{_fmt(m['all_recovered'])} | {r['recovered_histogram']} | "
             f"{_fmt(m['val_accuracy'], 3)} | {_fmt(m['experts_selected'])} | "
-            f"{str(PAPER.get(r['gate'], '–')) + '/4' if r['gate'] in PAPER else '–'} |"
+            f"{_paper(summary, r['gate'])} |"
         )
-    all_rows = []
     for r in summary["rows"]:
         m = r["metrics"]
         all_rows.append(
             f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} "
             f"| {_fmt(m['val_loss'], 4)} | {_fmt(m['val_accuracy'], 3)} | {m['recovered']['n']} |"
         )
-    claims = []
-    sel = {r["gate"]: r for r in summary["selected"]}
+    sel = {r["gate"]: r["metrics"] for r in summary["selected"]}
+    if shape != PAPER_SHAPE:
+        claims.append(f"- The paper's counts are for {_shape_text(PAPER_SHAPE)}: not compared.")
     for gate, claim in PAPER.items():
-        if gate in sel:
-            got = sel[gate]["metrics"]["recovered"]["mean"]
+        if gate in sel and shape == PAPER_SHAPE:
+            rec = sel[gate]["recovered"]
             claims.append(
-                f"- {LABELS[gate]}: paper {claim}/4 (one tuned model); ours {got:.2f}/4 on "
-                f"average over {sel[gate]['metrics']['recovered']['n']} repetitions, "
-                f"{100 * sel[gate]['metrics']['all_recovered']['mean']:.0f} % of repetitions "
-                "recover all 4."
+                f"- {VARIANTS[gate].label}: paper {claim}/4 (one tuned model); ours "
+                f"{rec['mean']:.2f}/4 on average over {rec['n']} repetitions, "
+                f"{100 * sel[gate]['all_recovered']['mean']:.0f} % of repetitions recover all 4."
             )
     if "dselect_k" in sel and "topk" in sel:
-        d = sel["dselect_k"]["metrics"]["recovered"]["mean"]
-        k = sel["topk"]["metrics"]["recovered"]["mean"]
+        d, k = sel["dselect_k"]["recovered"]["mean"], sel["topk"]["recovered"]["mean"]
         verdict = "reproduces" if d > k else "does not reproduce"
         claims.append(
             f"- Qualitative claim (DSelect-k recovers more true experts than Top-k): {verdict} "
@@ -148,6 +157,11 @@ def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
         wall_line=f"Wall time: {wall:.0f} s  " if wall else "Wall time: not recorded  ",
         records=summary["records"],
         others=others_note(summary.get("records_not_summarised", 0)),
+        shape=_shape_text(shape),
+        experts=shape["experts"],
+        true=shape["true"],
+        random=shape["experts"] - shape["true"],
+        k=shape["k"],
         selected_rows="\n".join(selected_rows),
         all_rows="\n".join(all_rows),
         claims="\n".join(claims),
