@@ -71,10 +71,8 @@ def test_early_stopping_restores_best_and_records_trajectories() -> None:
     torch.manual_seed(0)
     model, data = make_problem()
     val = TaskData(data.x[:100], [y[:100] + 5.0 * torch.randn(100, 1) for y in data.ys])
-    cfg = TrainConfig(
-        lr=0.5, epochs=30, batch_size=50, progress=False, early_stopping_patience=2, record_every=4
-    )
-    hist = train(model, data, "mse", cfg, val_data=val)
+    cfg = TrainConfig(lr=0.5, epochs=30, batch_size=50, progress=False, early_stopping_patience=2)
+    hist = train(model, data, "mse", cfg, val_data=val, callbacks=[GateRecorder(data.x[:1024], 4)])
     assert hist.best_epoch is not None
     if hist.stopped_early:
         best = sum(hist.val_losses[hist.best_epoch])
@@ -84,26 +82,26 @@ def test_early_stopping_restores_best_and_records_trajectories() -> None:
     assert hist.recorded_weights[0].shape == (2, 4)
 
 
-def test_record_every_is_a_gate_recorder_after_the_callbacks() -> None:
+def test_gate_recorder_runs_in_callback_order() -> None:
     seen: list[int] = []
 
-    def run(**kw: object) -> tuple[History, list[torch.Tensor]]:
+    def run(recorder_first: bool) -> tuple[History, list[torch.Tensor]]:
         seen.clear()
         torch.manual_seed(0)
         model, data = make_problem(n=200)
-        cfg = TrainConfig(lr=0.05, epochs=2, batch_size=40, progress=False, **kw)  # type: ignore[arg-type]
-        cbs = [lambda _m, h: seen.append(len(h.recorded_steps))]
-        if not kw:
-            cbs.append(GateRecorder(data.x[:1024], 3))
+        cfg = TrainConfig(lr=0.05, epochs=2, batch_size=40, progress=False)
+        cbs: list = [lambda _m, h: seen.append(len(h.recorded_steps))]
+        cbs.insert(0 if recorder_first else 1, GateRecorder(data.x[:1024], 3))
         hist = train(model, data, "mse", cfg, callbacks=cbs)
         return hist, [p.detach().clone() for p in model.parameters()]
 
-    by_config, params_a = run(record_every=3)
+    after, params_a = run(recorder_first=False)
     steps_a = list(seen)
-    by_callback, params_b = run()
-    assert seen == steps_a  # the recorder runs after the other callbacks in both
-    assert by_config.recorded_steps == by_callback.recorded_steps == [3, 6, 9]
-    for a, b in zip(by_config.recorded_weights, by_callback.recorded_weights):
+    before, params_b = run(recorder_first=True)
+    assert seen != steps_a  # the recorder runs where it is listed, after the earlier callbacks
+    assert seen[2] == steps_a[2] + 1 == 1  # step 3: recorded before / after the lambda
+    assert after.recorded_steps == before.recorded_steps == [3, 6, 9]
+    for a, b in zip(after.recorded_weights, before.recorded_weights):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(params_a, params_b):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -304,6 +304,16 @@ def test_checkpoint_without_config_needs_force(tmp_path: Path) -> None:
     assert hist.steps == 8
 
 
+def test_checkpoint_with_a_retired_record_every_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "old.pt"
+    _run(ckpt)
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["record_every"] = 4  # written when TrainConfig still had record_every
+    torch.save(state, ckpt)
+    _, hist = _run(ckpt)  # no mismatch: the recorder shorthand never changed a run
+    assert hist.steps == 8
+
+
 # ---------------------------------------------------------------- distributed
 
 

@@ -75,7 +75,6 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"progress_unit must be step or epoch, got {cfg.progress_unit!r}")
     check_positive_int("batch_size", cfg.batch_size)
     check_positive_int("epochs", cfg.epochs, 0)
-    check_positive_int("record_every", cfg.record_every, 0)
     if cfg.early_stopping_patience is not None:
         check_positive_int("early_stopping_patience", cfg.early_stopping_patience)
     check_nonnegative("weight_decay", cfg.weight_decay)
@@ -368,7 +367,6 @@ def _run_config(
         "shuffle_seed": cfg.shuffle_seed,
         "task_weights": _plain(cfg.task_weights),
         "early_stopping_patience": cfg.early_stopping_patience,
-        "record_every": cfg.record_every,
         "losses": loss_names,
         "loss_fn": _qualname(loss_fn),
         "schedulers": [type(s).__qualname__ for s in schedulers],
@@ -379,9 +377,14 @@ def _run_config(
     }
 
 
+#: keys older checkpoints carry that no longer change a run (``record_every``: the recorder
+#: shorthand of TrainConfig, now a callback)
+_RETIRED_KEYS = ("record_every",)
+
+
 def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     diffs = []
-    for key in [*now, *(k for k in saved if k not in now)]:
+    for key in [*now, *(k for k in saved if k not in now and k not in _RETIRED_KEYS)]:
         a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
         if key == "epochs":
             if isinstance(a, int) and isinstance(b, int) and b < a:

@@ -101,8 +101,6 @@ class TrainConfig:
         shuffle_seed: seed of the mini-batch order (default: ``seed``, else 0). Set it with
             ``seed=None`` to shuffle reproducibly without touching the global RNGs (a
             vectorized model initialised by its own seeds).
-        record_every: record the gate weights every N steps (0: never); short for a
-            :class:`GateRecorder` (``train_data.x[:1024]``, N) after the other callbacks.
         early_stopping_patience: stop after this many epochs without a lower validation loss
             and restore the best weights (None: no early stopping).
         progress: show a progress bar.
@@ -116,7 +114,7 @@ class TrainConfig:
             restored, so an interrupted run continues as if it had never stopped. The checkpoint
             carries the run's configuration: the optimizer (class and hyperparameters: lr,
             weight decay, betas, ...), ``batch_size``, ``seed``, ``shuffle_seed``,
-            ``task_weights``, ``early_stopping_patience``, ``record_every``, the losses (names,
+            ``task_weights``, ``early_stopping_patience``, the losses (names,
             or the callables' qualified names) and ``loss_fn``, the schedulers' classes, the
             number of examples, the world size and the model's parameter names and shapes (not
             ``progress``, ``desc``, ``position``, ``nonfinite``, ``resume`` or the path).
@@ -146,7 +144,6 @@ class TrainConfig:
     task_weights: Sequence[float] | None = None
     seed: int | None = 0
     shuffle_seed: int | None = None
-    record_every: int = 0
     early_stopping_patience: int | None = None
     progress: bool = True
     progress_unit: str = "step"
@@ -201,7 +198,7 @@ class History:
     steps: int = 0
     best_epoch: int | None = None
     recorded_steps: list[int] = field(default_factory=list)
-    """Steps at which a :class:`GateRecorder` (or ``TrainConfig.record_every``) recorded."""
+    """Steps at which a :class:`GateRecorder` recorded."""
     recorded_weights: list[Tensor] = field(default_factory=list)
     """Gate weights at ``recorded_steps`` (static gates; per-example: mean over the batch)."""
     stopped_early: bool = False
@@ -385,8 +382,6 @@ class _Run:
         self.gen = torch.Generator().manual_seed(shuffle_seed if shuffle_seed is not None else 0)
         self.callbacks = [cb for cb in callbacks if isinstance(cb, Callback)]
         self.step_hooks = _step_hooks(callbacks)
-        if cfg.record_every:  # TrainConfig's shorthand for a GateRecorder after the callbacks
-            self.step_hooks.append(GateRecorder(data.x[:1024], cfg.record_every).on_step)
         self.hist = History()
         self.best, self.bad_epochs = math.inf, 0
         self.best_state: dict[str, Tensor] | None = None
