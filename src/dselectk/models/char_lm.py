@@ -23,7 +23,14 @@ from torch import Tensor, nn
 from dselectk.gates.base import Gate
 from dselectk.layers import SparseMoEFeedForward
 
-__all__ = ["VOCAB", "CharMoETransformer", "MoEBlock", "byte_windows", "evaluate"]
+__all__ = [
+    "VOCAB",
+    "CharMoETransformer",
+    "MoEBlock",
+    "byte_windows",
+    "evaluate",
+    "random_windows",
+]
 
 VOCAB = 256
 """Bytes: the model reads and predicts one byte at a time."""
@@ -120,6 +127,11 @@ class CharMoETransformer(nn.Module):
             aux = aux + a
         return self.head(self.ln_f(h)), aux
 
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        """Mean cross-entropy (nats) of the next bytes ``y`` (B, L) plus the routers' loss."""
+        logits, aux = self(x)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)) + aux
+
 
 def byte_windows(stream: Tensor, seq_len: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
     """Non-overlapping windows of a byte stream (at most ``limit``): inputs (W, L) and their
@@ -129,6 +141,16 @@ def byte_windows(stream: Tensor, seq_len: int, limit: int | None = None) -> tupl
         w = min(w, limit)
     x = stream[: w * seq_len].view(w, seq_len)
     return x, stream[1 : w * seq_len + 1].view(w, seq_len)
+
+
+def random_windows(
+    stream: Tensor, seq_len: int, count: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """``count`` windows of ``seq_len`` bytes starting at random offsets of ``stream`` (drawn
+    with ``generator``): inputs (count, L) and their next-byte targets (count, L)."""
+    starts = torch.randint(0, len(stream) - seq_len - 1, (count,), generator=generator)
+    chunks = stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+    return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()
 
 
 @torch.no_grad()

@@ -8,37 +8,13 @@ the validation part; the file list's hash is in every record), with per-token DS
 Top-k routing at equal k and n (:data:`ROUTERS`), a few seeds each (paired: seed s gives both
 routers the same training windows, in the same order). Reported: validation bits per byte (=
 per character for ASCII source), load per expert, experts per token, the fraction of tokens
-whose DSelect-k bits are binary, time per step. Laid out as the other recipes: ``model``
-(corpus, routers, one run), ``recipe`` (flags, run config, one cell per router), ``report``.
+whose DSelect-k bits are binary, time per step. ``model``: corpus, routers, one run; ``recipe``:
+flags, run config, one cell per router; ``report``.
 """
 
-from dselectk.experiments.token_moe.model import (
-    ROUTERS,
-    Corpus,
-    build_model,
-    load_corpus,
-    train_run,
-)
-from dselectk.experiments.token_moe.recipe import (
-    DEFAULTS,
-    TokenMoEConfig,
-    add_arguments,
-    hparams,
-    run,
-)
+from dselectk.experiments.token_moe.model import ROUTERS, Corpus, build_model, load_corpus
+from dselectk.experiments.token_moe.recipe import DEFAULTS, TokenMoEConfig, add_arguments, run
 from dselectk.experiments.token_moe.report import print_table, write_report
 
-__all__ = [
-    "DEFAULTS",
-    "ROUTERS",
-    "Corpus",
-    "TokenMoEConfig",
-    "add_arguments",
-    "build_model",
-    "hparams",
-    "load_corpus",
-    "print_table",
-    "run",
-    "train_run",
-    "write_report",
-]
+__all__ = ["DEFAULTS", "ROUTERS", "Corpus", "TokenMoEConfig", "add_arguments", "build_model"]
+__all__ += ["load_corpus", "print_table", "run", "write_report"]

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.experiments.runner import progress_position
-from dselectk.models.char_lm import VOCAB, CharMoETransformer, byte_windows, evaluate
+from dselectk.models.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 from dselectk.variants import Variant, variant_table
@@ -101,9 +100,8 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     )
 
 
-def _lm_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, Any]:
-    logits, aux = model(batch.x)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch.ys[0].reshape(-1)) + aux, None
+def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:
+    return model.loss(batch.x, batch.ys[0]), None
 
 
 class _StepTimer(Callback):
@@ -142,12 +140,10 @@ def train_run(
     torch.manual_seed(seed)
     model = build_model(variant, hp)
     seq, steps = int(hp["seq_len"]), int(hp["steps"])
-    # random window starts (one draw per run seed), so every epoch sees other cuts of the text
+    # random windows (one draw per run seed): every run sees other cuts of the text
     g = torch.Generator().manual_seed(seed)
-    n_win = steps * int(hp["batch_size"])
-    starts = torch.randint(0, len(corpus.train) - seq - 1, (n_win,), generator=g)
-    chunks = corpus.train[starts.unsqueeze(1) + torch.arange(seq + 1)]
-    data = TaskData(chunks[:, :-1].contiguous(), [chunks[:, 1:].contiguous()])
+    x, y = random_windows(corpus.train, seq, steps * int(hp["batch_size"]), g)
+    data = TaskData(x, [y])
     timer = _StepTimer()
     callbacks: list[Any] = [timer]
     if telemetry_dir is not None:

@@ -37,13 +37,22 @@ from dselectk.experiments.token_moe.model import (
 from dselectk.experiments.token_moe.report import print_table, write_report
 from dselectk.gates.registry import gate_spec
 
-__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "hparams", "run", "run_cell"]
+__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "recipe", "run", "run_cell"]
+
+
+def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
+    """A study setting: its default and its ``--flag`` (argparse type: the value's domain)."""
+    return dataclasses.field(default=default, metadata={"type": kind, "note": note})
+
+
+_DK = gate_spec("dselect_k").hparams
 
 
 @dataclass(frozen=True)
 class TokenMoEConfig:
     """What a ``reproduce token-moe`` command computes (its run config): the routers, seeds,
-    and the study settings (their defaults: :data:`DEFAULTS`, the default study).
+    and the study settings (one ``--flag`` each but ``val_fraction`` and ``heads``; their
+    defaults, :data:`DEFAULTS`, are the default study).
 
     Raises:
         ValueError: settings that cannot run together, naming the flags.
@@ -53,22 +62,22 @@ class TokenMoEConfig:
     gates: tuple[str, ...] = tuple(ROUTERS)
     seeds: int = 3
     telemetry: bool = False
-    corpus_bytes: int = 1_500_000
+    corpus_bytes: int = _flag(1_500_000, int_at_least(1))
     val_fraction: float = 0.1
-    seq_len: int = 64
-    d_model: int = 64
-    layers: int = 2
+    seq_len: int = _flag(64, int_at_least(1))
+    d_model: int = _flag(64, int_at_least(1), "; a multiple of the attention heads (4)")
+    layers: int = _flag(2, int_at_least(1))
     heads: int = 4
-    d_ff: int = 128
-    num_experts: int = 8
-    k: int = 2
-    batch_size: int = 32
-    steps: int = 1000
-    lr: float = 2e-3
-    balance_loss_weight: float = 0.01
-    gamma: float = 1.0
-    entropy_reg: float = 0.01
-    val_windows: int = 2048
+    d_ff: int = _flag(128, int_at_least(1))
+    num_experts: int = _flag(8, int_at_least(2))
+    k: int = _flag(2, int_at_least(1))
+    batch_size: int = _flag(32, int_at_least(1))
+    steps: int = _flag(1000, int_at_least(WARMUP_STEPS + 1), f"; > {WARMUP_STEPS} (warm-up)")
+    lr: float = _flag(2e-3, positive_float)
+    balance_loss_weight: float = _flag(0.01, nonnegative_float)
+    gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), " (DSelect-k's γ)")
+    entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)")
+    val_windows: int = _flag(2048, int_at_least(1))
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -89,33 +98,14 @@ class TokenMoEConfig:
                 f"{self.seq_len} in both parts; at least {least}"
             )
 
+    def hparams(self) -> dict[str, Any]:
+        """The study settings (the keys of :data:`DEFAULTS`), as the records store them."""
+        return {name: getattr(self, name) for name in DEFAULTS}
 
+
+_SETTINGS = dataclasses.fields(TokenMoEConfig)[4:]  # after out, gates, seeds, telemetry
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
-DEFAULTS: dict[str, Any] = {
-    f.name: f.default
-    for f in dataclasses.fields(TokenMoEConfig)
-    if f.name not in ("out", "gates", "seeds", "telemetry")
-}
-
-
-_DK = gate_spec("dselect_k").hparams
-#: the study's numeric flags: the argparse type (each value's domain) and a note for --help
-_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "steps": (int_at_least(WARMUP_STEPS + 1), f"; > the {WARMUP_STEPS} warm-up steps"),
-    "batch_size": (int_at_least(1), ""),
-    "d_model": (int_at_least(1), "; a multiple of the attention heads (4)"),
-    "d_ff": (int_at_least(1), ""),
-    "num_experts": (int_at_least(2), ""),
-    "k": (int_at_least(1), ""),
-    "layers": (int_at_least(1), ""),
-    "lr": (positive_float, ""),
-    "corpus_bytes": (int_at_least(1), ""),
-    "seq_len": (int_at_least(1), ""),
-    "gamma": (hparam_type(_DK["gamma"]), " (DSelect-k's γ)"),
-    "entropy_reg": (hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)"),
-    "balance_loss_weight": (nonnegative_float, ""),
-    "val_windows": (int_at_least(1), ""),
-}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,9 +115,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
     )
-    for name, (kind, note) in _FLAGS.items():
-        flag, default = f"--{name.replace('_', '-')}", DEFAULTS[name]
-        p.add_argument(flag, type=kind, default=default, help=f"default {default}{note}")
+    for f in _SETTINGS:
+        if f.metadata:
+            kind, note = f.metadata["type"], f.metadata["note"]
+            flag = f"--{f.name.replace('_', '-')}"
+            p.add_argument(flag, type=kind, default=f.default, help=f"default {f.default}{note}")
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per process")
     p.add_argument(
         "--jobs",
@@ -150,31 +142,17 @@ def config(args: argparse.Namespace) -> TokenMoEConfig:
     return config_from_args(TokenMoEConfig, args)
 
 
-def hparams(config: TokenMoEConfig) -> dict[str, Any]:
-    """The study's settings (the keys of :data:`DEFAULTS`), as the records store them."""
-    return {name: getattr(config, name) for name in DEFAULTS}
-
-
-def _run_config(router: str, hp: dict[str, Any], seed: int, corpus: Corpus) -> dict[str, Any]:
-    return {
-        "experiment": EXPERIMENT,
-        "router": router,
-        "seed": seed,
-        "hparams": dict(sorted(hp.items())),
-        "corpus": {
-            "files_sha256": corpus.sha256,
-            "files": len(corpus.files),
-            "train_bytes": len(corpus.train),
-            "val_bytes": len(corpus.val),
-        },
-    }
-
-
 def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
     store = RunStore(config.out)
-    hp = hparams(config)
-    cfgs = [_run_config(router, hp, s, corpus) for s in range(config.seeds)]
+    hp = config.hparams()
+    data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
+    data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
+    cfgs = [
+        {"experiment": EXPERIMENT, "router": router, "seed": s, "hparams": dict(sorted(hp.items())),
+         "corpus": data}
+        for s in range(config.seeds)
+    ]  # fmt: skip
     for i in missing(store, cfgs):
         tel = Path(config.out) / "telemetry" / f"{router}-seed{i}" if config.telemetry else None
         metrics = train_run(
