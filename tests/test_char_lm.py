@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from dselectk.gates import make_gate
-from dselectk.models.char_lm import VOCAB, CharMoETransformer, byte_windows, evaluate
+from dselectk.models.char_lm import (
+    VOCAB,
+    CharMoETransformer,
+    byte_windows,
+    evaluate,
+    random_windows,
+)
 
 
 def _model(gate: str = "dselect_k", **kw: int) -> CharMoETransformer:
@@ -68,3 +74,16 @@ def test_byte_windows_and_evaluate() -> None:
         binary = m["binary_token_fraction"]
         assert (binary is None) == (gate == "topk")
         assert binary is None or 0 <= binary <= 1
+
+
+def test_random_windows_and_loss() -> None:
+    stream = torch.arange(100) % VOCAB
+    x, y = random_windows(stream, 8, 5, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 8) and torch.equal(y, x + 1)
+    again = random_windows(stream, 8, 5, torch.Generator().manual_seed(0))[0]
+    assert torch.equal(x, again) and int(x.max()) <= 99
+    torch.manual_seed(4)
+    model = _model()
+    logits, aux = model(x)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)) + aux
+    torch.testing.assert_close(model.loss(x, y), expected)

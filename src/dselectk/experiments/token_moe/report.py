@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.templates import render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
@@ -25,20 +27,22 @@ def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
     return format_mean_se(m, digits) if m else "–"
 
 
+#: the table's columns: metric (``val_bpc``: validation bits per byte), decimals, heading
+_COLUMNS = (
+    ("val_bpc", 4, "val bits/byte"),
+    ("load_max_over_mean", 2, "max load/mean"),
+    ("binary_token_fraction", 3, "binary tokens"),
+    ("ms_per_step", 1, "ms/step"),
+)
+
+
 def print_table(summary: Mapping[str, Any]) -> None:
     """One-screen table: per router, validation bits per byte and routing figures."""
-    print(
-        f"{'router':<24}{'val bits/byte':>16}{'max load/mean':>16}{'binary tokens':>16}"
-        f"{'ms/step':>14}{'n':>4}"
-    )
+    print(f"{'router':<24}" + "".join(f"{h:>18}" for _, _, h in _COLUMNS) + f"{'n':>4}")
     for row in summary["rows"]:
         m = row["metrics"]
-        print(
-            f"{row['label']:<24}{_fmt(m.get('val_bpc')):>16}"
-            f"{_fmt(m.get('load_max_over_mean'), 2):>16}"
-            f"{_fmt(m.get('binary_token_fraction'), 3):>16}"
-            f"{_fmt(m.get('ms_per_step'), 1):>14}{m['val_bpc']['n']:>4}"
-        )
+        cells = "".join(f"{_fmt(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
+        print(f"{row['label']:<24}{cells}{m['val_bpc']['n']:>4}")
 
 
 def write_report(
@@ -66,11 +70,7 @@ def write_report(
     for row in rows:
         row["label"] = _label(row["router"])
         loads = [r["metrics"]["load"] for r in records if r["config"]["router"] == row["router"]]
-        # mean over seeds of each layer's load fractions
-        row["load"] = [
-            [sum(seed[layer][e] for seed in loads) / len(loads) for e in range(len(loads[0][0]))]
-            for layer in range(len(loads[0]))
-        ]
+        row["load"] = torch.tensor(loads, dtype=torch.float64).mean(0).tolist()  # (layer, expert)
     first = records[0] if records else {}
     given = {"wall_seconds": wall_seconds, "command": command, "jobs": jobs, "threads": threads}
     summary = {
@@ -120,12 +120,12 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
 
 def _markdown(summary: Mapping[str, Any]) -> str:
     rows, loads = [], []
+    columns = [("val_bpc", 4), ("train_loss", 3), ("load_max_over_mean", 2)]
+    columns += [("experts_per_token", 2), ("binary_token_fraction", 3), ("ms_per_step", 1)]
     for r in summary["rows"]:
         m = r["metrics"]
-        cells = [_fmt(m.get("val_bpc"), 4), _fmt(m.get("train_loss"), 3)]
-        cells += [_fmt(m.get("load_max_over_mean"), 2), _fmt(m.get("experts_per_token"), 2)]
-        cells += [_fmt(m.get("binary_token_fraction"), 3), _fmt(m.get("ms_per_step"), 1)]
-        rows.append(f"| {r['label']} | {' | '.join(cells)} | {m['val_bpc']['n']} |")
+        cells = " | ".join(_fmt(m.get(k), d) for k, d in columns)
+        rows.append(f"| {r['label']} | {cells} | {m['val_bpc']['n']} |")
         for layer, fr in enumerate(r["load"]):
             loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
     seeds = [f"| {s} | {_label(g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
