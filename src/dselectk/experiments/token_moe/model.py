@@ -11,6 +11,7 @@ import sysconfig
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,7 @@ class Corpus:
 
 
 def load_corpus(
-    max_bytes: int = 1_500_000,
-    val_fraction: float = 0.1,
-    root: str | Path | None = None,
+    max_bytes: int = 1_500_000, val_fraction: float = 0.1, root: str | Path | None = None
 ) -> Corpus:
     """The first ``max_bytes`` of the stdlib's ``*.py`` files (sorted by relative path, tests
     and site-packages left out, whole files), as bytes; the last ``val_fraction`` of the stream
@@ -87,17 +86,11 @@ def load_corpus(
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
     gate's hyperparameters found in ``hp``)."""
-    n, d = int(hp["num_experts"]), int(hp["d_model"])
-    return CharMoETransformer(
-        lambda: variant.build(n, hparams=hp, k=int(hp["k"]), in_features=d),
-        seq_len=int(hp["seq_len"]),
-        d_model=d,
-        heads=int(hp["heads"]),
-        layers=int(hp["layers"]),
-        d_ff=int(hp["d_ff"]),
-        k=int(hp["k"]),
-        balance_loss_weight=float(hp["balance_loss_weight"]),
+    shape = ("seq_len", "d_model", "heads", "layers", "d_ff", "k", "balance_loss_weight")
+    router = partial(
+        variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hp["d_model"]
     )
+    return CharMoETransformer(router, **{name: hp[name] for name in shape})
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:

@@ -15,6 +15,7 @@ from dselectk.experiments.args import (
     hparam_type,
     int_at_least,
     nonnegative_float,
+    out_dir,
     positive_float,
 )
 from dselectk.experiments.records import RunStore
@@ -110,7 +111,7 @@ DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
-    p.add_argument("--out", type=Path, default=Path("results/token_moe"), help="results folder")
+    p.add_argument("--out", type=out_dir, default=Path("results/token_moe"), help="results folder")
     p.add_argument("--gates", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
