@@ -13,28 +13,21 @@ library's loop), ``recipe`` (flags, run config, one cell per variant) and ``repo
 
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
-    LRS,
     VARIANTS,
     RecoveryData,
     RecoveryMoE,
-    expert_outputs,
     train_reps,
 )
-from dselectk.experiments.recovery.recipe import RecoveryConfig, add_arguments, load_tuned, run
-from dselectk.experiments.recovery.report import PAPER, print_table, write_report
+from dselectk.experiments.recovery.recipe import RecoveryConfig, add_arguments, run
+from dselectk.experiments.recovery.report import write_report
 
 __all__ = [
     "BASE_HPARAMS",
-    "LRS",
-    "PAPER",
     "VARIANTS",
     "RecoveryConfig",
     "RecoveryData",
     "RecoveryMoE",
     "add_arguments",
-    "expert_outputs",
-    "load_tuned",
-    "print_table",
     "run",
     "train_reps",
     "write_report",

@@ -15,7 +15,7 @@ from dselectk.experiments.runner import progress_position
 from dselectk.gates.base import Gate
 from dselectk.optim import RowwiseAdam
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import Callback, History, TaskData, TrainConfig, train
+from dselectk.training import History, TaskData, TrainConfig, train
 from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
 
 __all__ = ["VARIANTS", "RecoveryData", "RecoveryMoE", "expert_outputs", "train_reps"]
@@ -33,34 +33,19 @@ _PAPER = {"init": "paper"}
 # every repetition's loss on a probe of the training set after refitting the head (refit).
 VARIANTS = variant_table(
     Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", _PAPER),
-    Variant(
-        "dselect_k_search",
-        "dselect_k",
-        "DSelect-k (paper) + swap local search (ours)",
-        _PAPER,
-        search=SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True),
-        tuned_as="dselect_k",
-    ),
+    Variant("dselect_k_search", "dselect_k", "DSelect-k (paper) + swap local search (ours)",
+            _PAPER, search=SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True),
+            tuned_as="dselect_k"),
     Variant("topk", "topk", "Top-k"),
-    Variant(
-        "topk_search",
-        "topk",
-        "Top-k + swap local search (ours)",
-        search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True),
-        tuned_as="topk",
-    ),
+    Variant("topk_search", "topk", "Top-k + swap local search (ours)",
+            search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True), tuned_as="topk"),
     Variant("comet", "comet", "COMET tree gate (Ibrahim et al. 2023)"),
-)
+)  # fmt: skip
 
 
 class RecoveryData:
-    """The generated classification data (Appendix C.2.2) and the generating experts, drawn
-    from a private generator (the global RNG is untouched).
-
-    Attributes:
-        x_train, y_train, x_val, y_val: (N, 10) inputs and (N,) {0, 1} labels.
-        true_experts: (num_true, 10, 4) generating experts' weights.
-    """
+    """The generated data (x: (N, 10), y: (N,) in {0, 1}) and ``true_experts`` (num_true, 10,
+    4), drawn from a private generator (the global RNG is untouched)."""
 
     def __init__(
         self, seed: int = 0, n_train: int = 10_000, n_val: int = 10_000, num_true: int = NUM_TRUE
@@ -88,15 +73,9 @@ def _bce(logits: Tensor, y: Tensor) -> Tensor:
 
 
 class RecoveryMoE(nn.Module):
-    """R independent recovery models as one vectorized model.
-
-    Args:
-        variant: the gate variant (:data:`VARIANTS`).
-        hparams: its hyperparameters (the gate takes those it declares).
-        data: the data (its true experts are copied into the banks).
-        init_seeds: one per repetition; repetition r draws its copy positions, random experts,
-            gate and head under ``torch.manual_seed(init_seeds[r])``.
-        experts: experts of each model; k: experts its gate selects (default: the true count).
+    """R independent recovery models (``experts`` experts, a gate of the variant choosing
+    ``k``, default the true count) as one vectorized model. Repetition r draws its copy positions
+    of the true experts, random experts, gate and head under ``torch.manual_seed(init_seeds[r])``.
     """
 
     true_mask: Tensor
@@ -105,7 +84,7 @@ class RecoveryMoE(nn.Module):
     def __init__(
         self,
         variant: Variant,
-        hparams: Mapping[str, Any],
+        hp: Mapping[str, Any],
         data: RecoveryData,
         init_seeds: Sequence[int],
         *,
@@ -123,29 +102,27 @@ class RecoveryMoE(nn.Module):
             bank[pos] = data.true_experts
             banks.append(bank)
             masks.append(torch.zeros(experts, dtype=torch.bool).index_fill(0, pos, True))
-            gates.append(variant.build(experts, hparams=hparams, k=self.k))
+            gates.append(variant.build(experts, hparams=hp, k=self.k))
             heads.append(nn.Linear(UNITS, 1))
         self.register_buffer("experts", torch.stack(banks))  # (R, E, 10, 4), frozen
         self.register_buffer("true_mask", torch.stack(masks))  # (R, E)
-        self.gates: Gate = variant.build(experts, hparams=hparams, k=self.k, num_gates=self.reps)
+        self.gates: Gate = variant.build(experts, hparams=hp, k=self.k, num_gates=self.reps)
         stack_members(self.gates, gates)
         self.head_w = nn.Parameter(torch.stack([h.weight.detach()[0] for h in heads]))  # (R, 4)
         self.head_b = nn.Parameter(torch.cat([h.bias.detach() for h in heads]))  # (R,)
 
     def features(self, x: Tensor) -> Tensor:
-        """Frozen expert outputs (B, R, E, 4), examples first so that a mini-batch is one
-        contiguous gather (precomputed once for the whole data set)."""
+        """Frozen expert outputs (B, R, E, 4), examples first (precomputed once)."""
         return expert_outputs(x, self.experts).permute(2, 0, 1, 3).contiguous()
 
-    def mixture(self, feats: Tensor) -> tuple[Tensor, Tensor]:
-        """The gated mixture (R, B, 4) of precomputed expert outputs, and the gates' aux loss."""
+    def forward(self, feats: Tensor, head: bool = True) -> tuple[Tensor, Tensor]:
+        """Logits (R, B) from precomputed expert outputs (head False: the gated mixture
+        (R, B, 4)), and the gates' summed aux loss."""
         out = self.gates()
-        return torch.einsum("rn,brnu->rbu", out.weights, feats), out.aux_loss
-
-    def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits (R, B) from precomputed expert outputs, and the gates' summed aux loss."""
-        h, aux = self.mixture(feats)
-        return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), aux
+        h = torch.einsum("rn,brnu->rbu", out.weights, feats)
+        if not head:
+            return h, out.aux_loss
+        return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), out.aux_loss
 
     @torch.no_grad()
     def weights(self) -> Tensor:
@@ -156,45 +133,18 @@ class RecoveryMoE(nn.Module):
 @torch.no_grad()
 def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, float]]:
     logits, _ = model(feats)
-    loss, acc = _bce(logits, y), ((logits > 0).float() == y).float().mean(-1)
     w = model.weights()
     rec = recovered_experts(w, model.true_mask, model.k)
-    nsel = (w > 0).sum(-1)
-    # DSelect-k: S(Z) binary; COMET: every tree reaches exactly one leaf
-    binary = model.gates.is_binary() if model.gates.binarizes else None
-    out = []
-    for r in range(model.reps):
-        m = {
-            "val_loss": float(loss[r]),
-            "val_accuracy": float(acc[r]),
-            "recovered": float(rec[r]),
-            "all_recovered": float(rec[r] == model.num_true),
-            "experts_selected": float(nsel[r]),
-        }
-        if binary is not None:
-            m["binary"] = float(binary[r])
-        out.append(m)
-    return out
-
-
-class _Trajectories(Callback):
-    """Records the gate weights of some repetitions every ``every`` steps (and at step 0)."""
-
-    def __init__(self, model: RecoveryMoE, reps: Sequence[int], every: int) -> None:
-        self.model, self.every = model, every
-        self.trajs: dict[int, dict[str, Any]] = {
-            r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
-            for r in (reps if every else ())
-        }
-        if every:
-            self.on_step(model, None, None, History())
-
-    def on_step(self, model: nn.Module, batch: Any, out: Any, history: History) -> None:
-        if self.every and history.steps % self.every == 0:
-            w = self.model.weights()
-            for r, tr in self.trajs.items():
-                tr["steps"].append(history.steps)
-                tr["weights"].append([round(float(v), 5) for v in w[r]])
+    cols = {
+        "val_loss": _bce(logits, y),
+        "val_accuracy": ((logits > 0).float() == y).float().mean(-1),
+        "recovered": rec,
+        "all_recovered": rec == model.num_true,
+        "experts_selected": (w > 0).sum(-1),
+    }
+    if model.gates.binarizes:  # DSelect-k: S(Z) binary; COMET: each tree reaches one leaf
+        cols["binary"] = model.gates.is_binary()
+    return [{name: float(v[r]) for name, v in cols.items()} for r in range(model.reps)]
 
 
 def _loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
@@ -204,10 +154,9 @@ def _loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
 
 
 def _member_loss(model: RecoveryMoE, data: RecoveryData, plan: SearchPlan, seed: int) -> Any:
-    """The search's score of a selection: every repetition's BCE on a fixed probe of the
-    training set, after refitting the head to it when ``plan.refit`` (a move changes the
-    features the head reads; scored with the old head, a move towards the true experts can look
-    worse than the wrong selection the head was fitted to). The model's head is not changed."""
+    """The search's score: each repetition's BCE on a fixed probe of the training set, after
+    refitting a copy of the head when ``plan.refit`` (scored with the old head, a move towards
+    the true experts can look worse than the wrong selection the head was fitted to)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(data.y_train.shape[0], generator=g)[: plan.probe]
     feats, y = model.features(data.x_train[idx]), data.y_train[idx]
@@ -215,7 +164,7 @@ def _member_loss(model: RecoveryMoE, data: RecoveryData, plan: SearchPlan, seed:
     def member_loss() -> Tensor:
         if not plan.refit:
             return _bce(model(feats)[0], y)
-        h = model.mixture(feats)[0]  # (R, B, 4)
+        h = model(feats, head=False)[0]  # (R, B, 4)
         w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
         return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
@@ -250,21 +199,10 @@ def train_reps(
     desc: str = "",
     telemetry_dir: Path | None = None,
 ) -> tuple[list[dict[str, float]], dict[int, dict[str, Any]]]:
-    """Train R repetitions together; return their final metrics and weight trajectories.
-
-    Args:
-        variant, hparams, data: the gate variant, its hyperparameters (``epochs``, and ``lr``
-            unless ``lrs``), the data.
-        init_seeds: one per repetition (repeat a seed to pair repetitions across lrs).
-        shuffle_seed: seed of the mini-batch order (and the search's probe), shared by all.
-        experts, k: the model's shape (:class:`RecoveryMoE`).
-        lrs: one learning rate per repetition (default ``hparams["lr"]`` for all).
-        record_every: record the gate weights of ``record_reps`` every N steps (0: never).
-        telemetry_dir: log routing telemetry of every repetition's gate there (``gates/task<r>``
-            is repetition r) every ``record_every`` steps (or 10).
-
-    Returns:
-        (metrics per repetition, {rep: {"steps", "weights" (S x E), "true" positions}}).
+    """Train R repetitions (one per init seed; one learning rate each, ``lrs``, default
+    ``hparams["lr"]``) together on the same mini-batches; return their final metrics and the
+    gate-weight trajectories of ``record_reps`` ({rep: {"steps", "weights", "true"}}, every
+    ``record_every`` steps; 0: none). ``telemetry_dir``: routing telemetry, gates/task<r> = rep r.
     """
     model = RecoveryMoE(variant, hparams, data, init_seeds, experts=experts, k=k)
     rates = [float(hparams["lr"])] * model.reps if lrs is None else [float(v) for v in lrs]
@@ -273,8 +211,20 @@ def train_reps(
     opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
     epochs = int(hparams["epochs"])
     steps = total_steps(epochs, data.y_train.shape[0], BATCH_SIZE)
-    recorder = _Trajectories(model, record_reps, record_every)
-    callbacks: list[Any] = [recorder]
+    trajs: dict[int, dict[str, Any]] = {
+        r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
+        for r in (record_reps if record_every else ())
+    }
+
+    def record(_: nn.Module, history: History) -> None:  # the weights of record_reps
+        if trajs and history.steps % record_every == 0:
+            w = model.weights()
+            for r, tr in trajs.items():
+                tr["steps"].append(history.steps)
+                tr["weights"].append([round(float(v), 5) for v in w[r]])
+
+    record(model, History())
+    callbacks: list[Any] = [record]
     if variant.search is not None:
         loss = _member_loss(model, data, variant.search, shuffle_seed)
         callbacks.append(variant.search.callback(model.gates, loss, steps))
@@ -289,14 +239,16 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
+    scheds = variant.schedulers(model.gates, hparams, steps)
+    train_data = TaskData(model.features(data.x_train), [data.y_train])
     train(
         model,
-        TaskData(model.features(data.x_train), [data.y_train]),
+        train_data,
         None,
         config,
-        schedulers=variant.schedulers(model.gates, hparams, steps),
+        schedulers=scheds,
         optimizer=opt,
         callbacks=callbacks,
         loss_fn=_loss,
     )
-    return _evaluate(model, model.features(data.x_val), data.y_val), recorder.trajs
+    return _evaluate(model, model.features(data.x_val), data.y_val), trajs

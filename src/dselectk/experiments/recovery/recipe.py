@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.args import config_from_args, int_at_least, positive_float
+from dselectk.experiments.executors import add_executor_arguments, executor_from_args
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -24,20 +25,27 @@ from dselectk.experiments.recovery.model import (
     train_reps,
 )
 from dselectk.experiments.recovery.report import print_table, write_report
-from dselectk.experiments.runner import (
-    Recipe,
-    add_executor_arguments,
-    cell_str,
-    executor_from_args,
-    missing,
-    run_recipe,
-)
+from dselectk.experiments.runner import Recipe, cell_str, missing, run_recipe
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
-__all__ = ["RecoveryConfig", "add_arguments", "load_tuned", "recipe", "run", "run_cell"]
+__all__ = ["RecoveryConfig", "add_arguments", "recipe", "run", "run_cell", "tuned_hparams"]
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
 DEFAULT_GATES = ("dselect_k", "dselect_k_search", "topk")
+#: flag, type, default, metavar, help
+_FLAGS: list[tuple[str, Any, Any, str | None, str]] = [
+    ("--experts", int_at_least(2), NUM_EXPERTS, "N", "experts of the model (default 16)"),
+    ("--true-experts", POS, NUM_TRUE, "N", "generating experts (default 4; <= --experts)"),
+    ("--k", POS, None, "N", "experts a gate selects (default: --true-experts; <= --experts)"),
+    ("--reps", POS, None, None, "repetitions (quick 20, full 100)"),
+    ("--epochs", POS, None, None, "override the epochs"),
+    ("--seed", NONNEG, 0, None, "base seed (init, shuffling)"),
+    ("--data-seed", NONNEG, 0, None, "seed of the generated data"),
+    ("--tuned", Path, None, None, "tuning record to use (default: tuned_recovery.json)"),
+    ("--record-every", NONNEG, 10, None, "trajectory sampling (steps)"),
+    ("--threads", POS, 1, None, "torch CPU threads (default 1: tiny models)"),
+    ("--jobs", NONNEG, 0, None, "worker processes, each running whole variants (0: per core)"),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,30 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_GATES),
         choices=list(VARIANTS),
         metavar="VARIANT",
-        help=f"gate variants, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_GATES)})",
+        help=f"variants, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_GATES)})",
     )
-    p.add_argument(
-        "--experts",
-        type=int_at_least(2),
-        default=NUM_EXPERTS,
-        metavar="N",
-        help="experts of the model (default 16)",
-    )
-    p.add_argument(
-        "--true-experts",
-        type=POS,
-        default=NUM_TRUE,
-        metavar="N",
-        help="generating experts, copied into the model (default 4; <= --experts)",
-    )
-    p.add_argument(
-        "--k",
-        type=POS,
-        default=None,
-        metavar="N",
-        help="experts the gate selects (default: --true-experts; <= --experts)",
-    )
-    p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 20, full 100)")
+    for flag, kind, default, metavar, text in _FLAGS:
+        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     p.add_argument(
         "--lrs",
         type=positive_float,
@@ -80,25 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
     )
-    p.add_argument("--epochs", type=POS, default=None, help="override the epochs")
-    p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
-    p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
     p.add_argument("--full", action="store_true", help="100 repetitions, 5 learning rates")
-    p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
-    p.add_argument("--record-every", type=NONNEG, default=10, help="trajectory sampling (steps)")
-    p.add_argument("--threads", type=POS, default=1, help="torch CPU threads (tiny models: 1)")
-    p.add_argument(
-        "--jobs",
-        type=NONNEG,
-        default=0,
-        help="worker processes, each running whole variants (0: one per core / --threads)",
-    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="log routing telemetry of every repetition to OUT/telemetry/VARIANT/",
-    )
+    p.add_argument("--telemetry", action="store_true", help="routing telemetry to OUT/telemetry/")
     add_executor_arguments(p)
 
 
@@ -140,21 +112,15 @@ class RecoveryConfig:
         return {"experts": self.experts, "true": self.true_experts, "k": int(self.k or 0)}
 
 
-def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
-    """The shipped tuning record ``tuned_recovery.json`` (or ``path``)."""
-    if path is not None:
-        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
-    text = resources.files("dselectk.experiments").joinpath("tuned_recovery.json").read_text()
-    return dict(json.loads(text))
-
-
 def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str, Any]:
-    """The variant's hyperparameters: :data:`BASE_HPARAMS` its gate declares, then its entry in
-    the tuning record, checked (a bad entry is a ValueError naming the file and key)."""
-    name = Path(path).name if path is not None else "tuned_recovery.json"
-    entry = load_tuned(path).get("hparams", {}).get(variant.tuned_name, {})
+    """The variant's hyperparameters: the :data:`BASE_HPARAMS` its gate declares, then its entry
+    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked."""
+    src = resources.files("dselectk.experiments").joinpath("tuned_recovery.json")
+    text = Path(path).read_text(encoding="utf-8") if path else src.read_text(encoding="utf-8")
+    entry = json.loads(text).get("hparams", {}).get(variant.tuned_name, {})
     base = {k: v for k, v in BASE_HPARAMS.items() if k in (*TRAINER_HPARAMS, *variant.spec.hparams)}
-    return variant.check_hparams({**base, **entry}, f"{name}: hparams.{variant.tuned_name}")
+    where = f"{Path(path).name if path else src.name}: hparams.{variant.tuned_name}"
+    return variant.check_hparams({**base, **entry}, where)
 
 
 def _init_seed(seed: int, rep: int) -> int:
@@ -198,6 +164,7 @@ def run_cell(
     todo = missing(store, cfgs)
     if not todo:
         return selection
+    telemetry = Path(config.out) / "telemetry" / gate if config.telemetry else None
     metrics, trajs = train_reps(
         variant,
         {**hp, "lr": float(jobs[todo[0]][0])},
@@ -211,7 +178,7 @@ def run_cell(
         record_reps=[j for j, i in enumerate(todo) if jobs[i][1] == 0],
         progress=progress,
         desc=f"{gate} ({len(todo)} runs)",
-        telemetry_dir=Path(config.out) / "telemetry" / gate if config.telemetry else None,
+        telemetry_dir=telemetry,
     )
     for j, i in enumerate(todo):
         store.save(cfgs[i], metrics[j], **({"trajectory": trajs[j]} if j in trajs else {}))
@@ -223,17 +190,17 @@ def _load_data(config: RecoveryConfig) -> RecoveryData:
 
 
 def _data_key(config: RecoveryConfig) -> tuple[int, int]:
-    return int(config.data_seed), int(config.true_experts)
+    return config.data_seed, config.true_experts
 
 
 def recipe(config: RecoveryConfig) -> Recipe:
     """One cell per variant, for the shared runner."""
     return Recipe(
-        cells=list(config.gates),
-        run_cell=run_cell,
-        load_data=_load_data,
-        data_key=_data_key,
-        cell_name=cell_str,
+        list(config.gates),
+        run_cell,
+        _load_data,
+        _data_key,
+        cell_str,
         write_report=write_report,
         print_table=print_table,
     )

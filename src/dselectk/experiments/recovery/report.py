@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,41 +13,34 @@ from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, NUM_TRU
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
-__all__ = ["print_table", "write_report"]
+__all__ = ["PAPER", "print_table", "write_report"]
 
-#: true experts recovered by the paper's tuned model (16 experts, 4 true, k = 4)
+#: true experts recovered by the paper's tuned model, at the paper's shape
 PAPER = {"dselect_k": 4, "topk": 1}
 PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": K}
-
-
-def _fmt(m: Mapping[str, Any] | None, digits: int = 2) -> str:
-    return format_mean_se(m, digits)
-
-
-def _paper(summary: Mapping[str, Any], gate: str) -> str:
-    claim = PAPER.get(gate) if summary["shape"] == PAPER_SHAPE else None
-    return "–" if claim is None else f"{claim}/{NUM_TRUE}"
-
-
-def print_table(summary: Mapping[str, Any]) -> None:
-    """One-screen table: per variant, the selected learning rate and the recovery counts."""
-    n = summary["shape"]["true"]
-    print(f"shape: {_shape_text(summary['shape'])}")
-    print(
-        f"{'gate':<32}{'lr':>8}  {f'recovered (of {n})':>16}  {'all share':>10}  "
-        f"{'val acc':>12}  {'n':>4}  paper"
-    )
-    for row in summary["selected"]:
-        m = row["metrics"]
-        print(
-            f"{row['label']:<32}{row['lr']:>8g}  {_fmt(m['recovered']):>16}  "
-            f"{_fmt(m['all_recovered']):>10}  {_fmt(m['val_accuracy'], 3):>12}  "
-            f"{m['recovered']['n']:>4}  {_paper(summary, row['gate'])}"
-        )
+_fmt = format_mean_se
 
 
 def _shape_text(shape: Mapping[str, int]) -> str:
     return f"{shape['experts']} experts, {shape['true']} true, k = {shape['k']}"
+
+
+def _selected_row(summary: Mapping[str, Any], r: Mapping[str, Any]) -> str:
+    m, paper = r["metrics"], PAPER.get(r["gate"]) if summary["shape"] == PAPER_SHAPE else None
+    return (
+        f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} | "
+        f"{r['recovered_histogram']} | {_fmt(m['val_accuracy'], 3)} | "
+        f"{_fmt(m['experts_selected'])} | {'–' if paper is None else f'{paper}/{NUM_TRUE}'} |"
+    )
+
+
+def print_table(summary: Mapping[str, Any]) -> None:
+    """Per variant, the selected learning rate and the recovery counts (the report's table)."""
+    n = summary["shape"]["true"]
+    print(f"shape: {_shape_text(summary['shape'])}")
+    print(f"| gate | lr | recovered of {n} | all {n} | histogram | val acc | selected | paper |")
+    for row in summary["selected"]:
+        print(_selected_row(summary, row))
 
 
 def write_report(
@@ -59,46 +52,26 @@ def write_report(
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()
     records = [r for r in planned if r["config"].get("phase") == "final"]
-    prev: dict[str, Any] = {}
-    if (results_dir / "summary.json").is_file():
-        try:
-            prev = json.loads((results_dir / "summary.json").read_text())
-        except json.JSONDecodeError:
-            prev = {}
+    prev_path = results_dir / "summary.json"
+    try:
+        prev = json.loads(prev_path.read_text()) if prev_path.is_file() else {}
+    except json.JSONDecodeError:
+        prev = {}
     shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
-    rows = summarize(records, ["gate", "lr"])
+    rows, trajs = summarize(records, ["gate", "lr"]), {}
     for row in rows:
         row["label"] = VARIANTS[row["gate"]].label if row["gate"] in VARIANTS else row["gate"]
-        mine = [
-            r
-            for r in records
-            if (r["config"]["gate"], r["config"]["lr"]) == (row["gate"], row["lr"])
-        ]
+        key = (row["gate"], row["lr"])
+        mine = [r for r in records if (r["config"]["gate"], r["config"]["lr"]) == key]
         row["recovered_histogram"] = [0] * (shape["true"] + 1)
         for r in mine:
             row["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
-        row["trajectory"] = next((r["trajectory"] for r in mine if r.get("trajectory")), None)
+        trajs[key] = next((r["trajectory"] for r in mine if r.get("trajectory")), None)
     # Tuning: the learning rate with the lowest mean validation loss, per variant.
     selected = [
         min((r for r in rows if r["gate"] == g), key=lambda r: r["metrics"]["val_loss"]["mean"])
         for g in sorted({r["gate"] for r in rows})
     ]
-    plots = []
-    for row in selected:
-        traj = row["trajectory"]
-        if traj and traj.get("steps"):
-            plots.append(
-                plot_trajectories(
-                    traj["steps"],
-                    traj["weights"],
-                    results_dir / f"trajectory_{row['gate']}.png",
-                    title=f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)",
-                    highlight=traj.get("true"),
-                    zoom_steps=max(1, traj["steps"][-1] // 10),
-                )
-            )
-    for row in rows:
-        del row["trajectory"]
     summary = {
         "experiment": EXPERIMENT,
         "shape": shape,
@@ -113,27 +86,35 @@ def write_report(
         "command": command or prev.get("command"),
     }
     write_json(results_dir / "summary.json", summary)
+    plots = []
+    for row in selected:
+        traj = trajs[(row["gate"], row["lr"])]
+        if traj and traj.get("steps"):
+            title = f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)"
+            path = results_dir / f"trajectory_{row['gate']}.png"
+            plots.append(
+                plot_trajectories(
+                    traj["steps"],
+                    traj["weights"],
+                    path,
+                    title=title,
+                    highlight=traj.get("true"),
+                    zoom_steps=max(1, traj["steps"][-1] // 10),
+                )
+            )
     write_text(results_dir / "report.md", _markdown(summary, plots))
 
 
-def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
+def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
     shape, wall = summary["shape"], summary.get("wall_seconds")
-    selected_rows, all_rows, claims = [], [], []
-    for r in summary["selected"]:
-        m = r["metrics"]
-        selected_rows.append(
-            f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | "
-            f"{_fmt(m['all_recovered'])} | {r['recovered_histogram']} | "
-            f"{_fmt(m['val_accuracy'], 3)} | {_fmt(m['experts_selected'])} | "
-            f"{_paper(summary, r['gate'])} |"
-        )
-    for r in summary["rows"]:
-        m = r["metrics"]
-        all_rows.append(
-            f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} "
-            f"| {_fmt(m['val_loss'], 4)} | {_fmt(m['val_accuracy'], 3)} | {m['recovered']['n']} |"
-        )
+    all_rows = [
+        f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} "
+        f"| {_fmt(m['val_loss'], 4)} | {_fmt(m['val_accuracy'], 3)} | {m['recovered']['n']} |"
+        for r in summary["rows"]
+        for m in [r["metrics"]]
+    ]
     sel = {r["gate"]: r["metrics"] for r in summary["selected"]}
+    claims = []
     if shape != PAPER_SHAPE:
         claims.append(f"- The paper's counts are for {_shape_text(PAPER_SHAPE)}: not compared.")
     for gate, claim in PAPER.items():
@@ -146,10 +127,9 @@ def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
             )
     if "dselect_k" in sel and "topk" in sel:
         d, k = sel["dselect_k"]["recovered"]["mean"], sel["topk"]["recovered"]["mean"]
-        verdict = "reproduces" if d > k else "does not reproduce"
         claims.append(
-            f"- Qualitative claim (DSelect-k recovers more true experts than Top-k): {verdict} "
-            f"({d:.2f} vs {k:.2f})."
+            "- Qualitative claim (DSelect-k recovers more true experts than Top-k): "
+            f"{'reproduces' if d > k else 'does not reproduce'} ({d:.2f} vs {k:.2f})."
         )
     return render(
         "recovery",
@@ -162,7 +142,7 @@ def _markdown(summary: Mapping[str, Any], plots: Sequence[Path]) -> str:
         true=shape["true"],
         random=shape["experts"] - shape["true"],
         k=shape["k"],
-        selected_rows="\n".join(selected_rows),
+        selected_rows="\n".join(_selected_row(summary, r) for r in summary["selected"]),
         all_rows="\n".join(all_rows),
         claims="\n".join(claims),
         plots="\n".join(f"- ![{p.stem}]({p.name})" for p in plots),
