@@ -355,3 +355,28 @@ def test_ddp_ranks_stop_together(tmp_path: Path) -> None:
     r1 = (tmp_path / "rank1.txt").read_text()
     assert r0.startswith("training diverged at step 1 (epoch 1): the loss on rank 1")
     assert r1.startswith("training diverged at step 1 (epoch 1): the loss of task 0 (ys[0]) is nan")
+
+
+def test_checkpoint_with_other_gate_hyperparameters_is_refused(tmp_path: Path) -> None:
+    """γ and λ are buffers: loading the checkpoint's state would silently replace the values
+    of this run, so a resume with other values is refused and names them."""
+    ckpt = tmp_path / "run.pt"
+    _run(ckpt)
+    model, data = make_problem()
+    model.gates.gamma = 5.0
+    model.gates.entropy_reg = [0.01, 0.5]
+    with pytest.raises(CheckpointMismatchError) as info:
+        train(model, data, "mse", cfg(checkpoint=ckpt))
+    msg = str(info.value)
+    assert "gates.gamma: 2.0 in the checkpoint, 5.0 now" in msg
+    assert "gates.entropy_reg: 0.01 in the checkpoint, [0.01, 0.5] now" in msg
+    # the same values resume (nothing left to train: the history is the checkpoint's)
+    model, data = make_problem()
+    assert train(model, data, "mse", cfg(checkpoint=ckpt)).steps == 8
+    # a checkpoint written before this check (no "hyperparameters" key) still resumes
+    state = torch.load(ckpt, weights_only=False)
+    del state["config"]["hyperparameters"]
+    torch.save(state, ckpt)
+    model, data = make_problem()
+    model.gates.gamma = 5.0
+    train(model, data, "mse", cfg(checkpoint=ckpt))

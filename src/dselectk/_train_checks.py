@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.gates.hyperparameter import hyperparameters
 from dselectk.tasks import _resolve_losses
 
 if TYPE_CHECKING:
@@ -373,8 +374,30 @@ def _run_config(
         "examples": n,
         "world_size": world,
         "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "hyperparameters": _gate_hyperparameters(model),
         "epochs": cfg.epochs,
     }
+
+
+def _gate_hyperparameters(model: nn.Module) -> dict[str, Any]:
+    """Every gate hyperparameter (γ, λ, τ, μ: buffers that shape training) at the start of the
+    run, by ``module.name``: a checkpoint's buffers would silently replace them on resume."""
+    out: dict[str, Any] = {}
+    for prefix, module in model.named_modules():
+        for name in hyperparameters(module):
+            try:
+                value = getattr(module, name)
+            except AttributeError:  # declared but never set (an optional one)
+                continue
+            out[f"{prefix}.{name}" if prefix else name] = _round7(_plain(value))
+    return out
+
+
+def _round7(v: Any) -> Any:
+    """Float32 buffers to the 7 digits they hold (0.01, not 0.009999999776482582)."""
+    if isinstance(v, list):
+        return [_round7(x) for x in v]
+    return float(f"{v:.7g}") if isinstance(v, float) else v
 
 
 #: keys older checkpoints carry that no longer change a run (``record_every``: the recorder
@@ -382,10 +405,22 @@ def _run_config(
 _RETIRED_KEYS = ("record_every",)
 
 
+#: keys newer than some checkpoints: a checkpoint without them cannot be checked on them
+_ADDED_KEYS = ("hyperparameters",)
+
+
 def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     diffs = []
     for key in [*now, *(k for k in saved if k not in now and k not in _RETIRED_KEYS)]:
+        if key in _ADDED_KEYS and key not in saved:
+            continue
         a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if key == "hyperparameters" and isinstance(a, dict) and isinstance(b, dict):
+            for name in sorted(set(a) | set(b)):
+                va, vb = a.get(name, "<absent>"), b.get(name, "<absent>")
+                if va != vb:
+                    diffs.append(f"{name}: {va!r} in the checkpoint, {vb!r} now")
+            continue
         if key == "epochs":
             if isinstance(a, int) and isinstance(b, int) and b < a:
                 diffs.append(
