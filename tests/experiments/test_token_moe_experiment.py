@@ -121,3 +121,18 @@ def test_inconsistent_flags_stop_before_work(
     assert main([*_TINY, "--out", str(out), *argv]) == 2
     assert message in capsys.readouterr().err and not out.exists()
     TM.TokenMoEConfig(out, corpus_bytes=650)  # the least that fits one window of 64 bytes
+
+
+def test_report_summarises_this_commands_runs_only(tmp_path: Path) -> None:
+    """A 12-step and a 13-step run in one folder were averaged as n = 2."""
+    out = tmp_path / "tm"
+    base = ["reproduce", "token-moe", "--out", str(out), "--seeds", "1", "--gates", "topk",
+            "--batch-size", "8", "--d-model", "16", "--d-ff", "16", "--num-experts", "4",
+            "--corpus-bytes", "40000", "--seq-len", "16", "--val-windows", "16",
+            "--jobs", "1", "--no-progress"]  # fmt: skip
+    assert main([*base, "--steps", "12"]) == 0
+    assert main([*base, "--steps", "13"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["records"] == 1 and summary["records_not_summarised"] == 1
+    assert summary["hparams"]["steps"] == 13
+    assert "not summarised: 1" in (out / "report.md").read_text()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
-from dselectk.experiments.templates import render
+from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
 
@@ -55,9 +55,8 @@ def write_report(
 ) -> None:
     """Rebuild ``summary.json`` and ``report.md`` from the records."""
     results_dir = Path(results_dir)
-    records = [
-        r for r in RunStore(results_dir).load() if r["config"].get("experiment") == EXPERIMENT
-    ]
+    planned, others = RunStore(results_dir).load_planned()  # this command's runs only
+    records = [r for r in planned if r["config"].get("experiment") == EXPERIMENT]
     for r in records:  # derived scalars for the summary
         r["metrics"]["ms_per_step"] = 1000 * r["metrics"]["seconds_per_step"]
     prev: dict[str, Any] = {}
@@ -83,6 +82,7 @@ def write_report(
         "hparams": first["config"]["hparams"] if first else None,
         "corpus": first["config"]["corpus"] if first else None,
         "records": len(records),
+        "records_not_summarised": others,
         **{k: v if v is not None else prev.get(k) for k, v in given.items()},
         "environment": first.get("environment"),
         "machine": {
@@ -143,6 +143,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             f"{m0.get('load_average', '?')}, torch {env.get('torch', '?')}"
         ),
         records=summary["records"],
+        others=others_note(summary.get("records_not_summarised", 0)),
         hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
         corpus=json.dumps(summary.get("corpus") or {}, sort_keys=True),
         rows="\n".join(rows),
