@@ -9,10 +9,14 @@ import pickle
 import random
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from dselectk.experiments import movielens as ml
 from dselectk.experiments import multi_mnist as mm
 from dselectk.experiments import realdata as rd
+from dselectk.experiments.realdata.recipe import build_recipe
 from dselectk.experiments.runner import grid_points, sample_points
 
 
@@ -30,7 +34,7 @@ def test_realdata_does_not_import_the_recipes() -> None:
 def test_experiment_specs_pickle_for_the_sweep_workers() -> None:
     for exp in (ml.experiment(), mm.experiment("multi-fashion")):
         back = pickle.loads(pickle.dumps(exp))
-        assert back.name == exp.name and back.write_report is exp.write_report
+        assert back.name == exp.name and back.build_model is exp.build_model
 
 
 def test_tune_points_are_the_former_sorted_grid_and_sample() -> None:
@@ -57,3 +61,22 @@ def test_notes_template_keeps_quick_paragraphs_for_quick_mode() -> None:
     assert "6,000 / 1,000 / 2,000 train / val / test images" in full[0]
     assert quick[4].startswith("Quick mode:") and "3 epochs instead of 25–100" in quick[4]
     assert not any("<!--" in n for n in quick)
+
+
+def test_recipe_pickles_and_hparams_are_checked_against_the_gates(tmp_path: Path) -> None:
+    config = mm.MultiMNISTConfig(out=tmp_path, gates=("dselect_k_static", "shared_bottom"))
+    recipe = pickle.loads(pickle.dumps(build_recipe(mm.experiment("multi-mnist"), config)))
+    assert recipe.cells == [(None, "dselect_k_static"), (None, "shared_bottom")]
+    ml_config = ml.MovieLensConfig(out=tmp_path, gates=("softmax",), alphas=(0.1, 0.9))
+    assert build_recipe(ml.experiment(), ml_config).cells == [(0.1, "softmax"), (0.9, "softmax")]
+    for exp in (ml.experiment(), mm.experiment("multi-mnist")):
+        for gate, hp in exp.quick_hparams.items():
+            rd.VARIANTS[gate].check_hparams(hp)
+            for point in grid_points(exp.grid[gate]):
+                rd.VARIANTS[gate].check_hparams({**hp, **point})
+    with pytest.raises(ValueError, match="no hyperparameter 'gamma'"):
+        rd.VARIANTS["topk_static"].check_hparams({"lr": 0.1, "k": 2, "gamma": 1.0})
+    with pytest.raises(ValueError, match="gamma"):
+        rd.VARIANTS["dselect_k_static"].check_hparams({"k": 2, "gamma": -1.0})
+    with pytest.raises(ValueError, match="shared bottom takes no"):
+        rd.VARIANTS["shared_bottom"].check_hparams({"units": 8, "gamma": 1.0})

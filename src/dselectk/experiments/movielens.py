@@ -2,36 +2,17 @@
 
 Two tasks per (user, movie) pair (following Wang et al., 2020): task 1, did the user watch
 (rate) the movie (binary cross-entropy; negatives are sampled from movies the user has not
-rated); task 2, the user's rating (squared error). The loss is α·CE + (1 − α)·MSE for
-α ∈ {0.1, 0.5, 0.9}, trained with Adagrad and batch 128.
-
-Model (Appendix D.1): an embedding bottom (the paper does not give it; see
-:class:`MovieLensEmbedding`) feeding a multi-gate MoE with 8 experts, each a ReLU dense layer of
-256 units followed by dropout 0.5, and per-task towers of a ReLU dense layer of 256 units and one
-output unit. The shared-bottom baseline replaces the MoE by one shared ReLU dense layer
-(units a hyperparameter) + dropout 0.5.
-
-Choices where the paper is silent (all recorded in the report):
-
-* **Rating target of negatives and the task-2 loss**: negatives carry no rating; their task-2
-  squared error gets weight 0 and the weighted errors are averaged over *all* examples of the
-  batch — exactly what a Keras model does with ``sample_weight`` 0 for negatives (TF2's
-  default ``SUM_OVER_BATCH_SIZE`` reduction). With one negative per positive this puts the
-  task-2 loss at about half the rating MSE (≈ 0.4–0.45 for a rating MSE of 0.8–0.9), the scale
-  of the paper's Table C.3 (0.39–0.42); an unweighted MSE over observed ratings would be ≈ 0.8,
-  and a rating label of 0 for negatives gives much larger losses.
-* **Negative ratio**: 1 negative per rating (2M examples from ML-1M's 1M ratings: the paper's
-  1.6M / 200k / 200k), split 80/10/10 at random.
-* **Features**: user id and movie id embeddings (32 each), plus user age bucket (4), gender
-  (2), occupation (4) embeddings and the movie's genres (multi-hot → linear 8), concatenated
-  (82 features). ``--no-side-features`` keeps the two ids only.
+rated); task 2, the user's rating (squared error, negatives weighted 0: :func:`masked_mse`). The
+loss is α·CE + (1 − α)·MSE for α ∈ {0.1, 0.5, 0.9}, trained with Adagrad and batch 128. Model
+(Appendix D.1): an embedding bottom (:class:`MovieLensEmbedding`) feeding a multi-gate MoE with 8
+experts (ReLU dense 256 + dropout 0.5) and per-task towers (ReLU dense 256 → 1); the
+shared-bottom baseline shares one ReLU dense layer (units a hyperparameter) + dropout 0.5. The
+choices where the paper is silent are explained in the report (``templates/movielens.md``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,74 +52,17 @@ NUM_EXPERTS = 8
 ALPHAS = (0.1, 0.5, 0.9)
 TASK_NAMES = ("task 1: watch (CE)", "task 2: rating (MSE)")
 
+_PAPER = rd.paper_numbers("movielens")
 #: Table 1 of the paper: α → gate → (test loss × 10⁴, standard error, selected experts)
-PAPER_TABLE1: dict[float, dict[str, tuple[float, float, float | None]]] = {
-    0.1: {
-        "dselect_k_static": (4015, 5, 2.7),
-        "topk_static": (4012, 4, 2.0),
-        "gumbel_softmax": (4171, 3, 2.7),
-        "dselect_k_per_example": (4006, 6, 1.5),
-        "topk_per_example": (4027, 8, 2.0),
-        "softmax": (4090, 1, 8.0),
-        "shared_bottom": (4037, 2, None),
-    },
-    0.5: {
-        "dselect_k_static": (3804, 3, 1.5),
-        "topk_static": (3818, 2, 2.0),
-        "gumbel_softmax": (3898, 2, 2.6),
-        "dselect_k_per_example": (3823, 3, 1.2),
-        "topk_per_example": (3841, 4, 2.0),
-        "softmax": (3960, 3, 8.0),
-        "shared_bottom": (3868, 2, None),
-    },
-    0.9: {
-        "dselect_k_static": (3690, 2, 1.3),
-        "topk_static": (3693, 6, 2.0),
-        "gumbel_softmax": (3688, 4, 3.6),
-        "dselect_k_per_example": (3679, 2, 1.1),
-        "topk_per_example": (3741, 3, 2.0),
-        "softmax": (3847, 10, 8.0),
-        "shared_bottom": (3687, 1, None),
-    },
+PAPER_TABLE1: dict[float, dict[str, list[Any]]] = {
+    float(a): rows for a, rows in _PAPER["table1"].items()
 }
-
 #: Table C.3: α → gate → (task-2 loss × 10⁴, se, task-1 accuracy %, se)
-PAPER_TABLE_C3: dict[float, dict[str, tuple[float, float, float, float]]] = {
-    0.1: {
-        "dselect_k_static": (4038, 5, 83.03, 0.07),
-        "topk_static": (4056, 4, 84.09, 0.05),
-        "gumbel_softmax": (4172, 2, 80.76, 0.04),
-        "dselect_k_per_example": (4030, 7, 83.03, 0.12),
-        "topk_per_example": (4057, 9, 83.28, 0.1),
-        "softmax": (4047, 1, 78.73, 0.01),
-        "shared_bottom": (3993, 2, 79.06, 0.02),
-    },
-    0.5: {
-        "dselect_k_static": (3926, 6, 83.86, 0.02),
-        "topk_static": (4002, 4, 84.21, 0.02),
-        "gumbel_softmax": (4085, 3, 83.71, 0.01),
-        "dselect_k_per_example": (3981, 7, 83.92, 0.03),
-        "topk_per_example": (3995, 8, 83.91, 0.03),
-        "softmax": (4028, 3, 83.56, 0.01),
-        "shared_bottom": (3875, 2, 82.65, 0.02),
-    },
-    0.9: {
-        "dselect_k_static": (3943, 5, 84.04, 0.01),
-        "topk_static": (3884, 4, 84.17, 0.02),
-        "gumbel_softmax": (3878, 4, 84.17, 0.02),
-        "dselect_k_per_example": (3932, 1, 84.07, 0.02),
-        "topk_per_example": (3914, 4, 84.05, 0.01),
-        "softmax": (3970, 3, 83.86, 0.02),
-        "shared_bottom": (3991, 2, 84.01, 0.01),
-    },
+PAPER_TABLE_C3: dict[float, dict[str, list[Any]]] = {
+    float(a): rows for a, rows in _PAPER["table_c3"].items()
 }
-
 #: Table C.2 (MovieLens columns): % training steps until binary S(Z), FLOPs DSelect-k / Top-k
-PAPER_C2 = {
-    "MovieLens α=0.1": {"pct": 11.37, "flops": 1.5},
-    "MovieLens α=0.5": {"pct": 9.39, "flops": 1.2},
-    "MovieLens α=0.9": {"pct": 0.04, "flops": 0.6},
-}
+PAPER_C2: dict[str, dict[str, float]] = _PAPER["c2"]
 
 #: Hyperparameters of the quick default (values inside the Appendix D.1 grid, not tuned beyond
 #: the learning rate). One epoch of the full ML-1M (12,503 steps of 128): ~15–20 ms per step on
@@ -148,26 +72,16 @@ PAPER_C2 = {
 #: 0.2 → 4257, 0.3 → 4230): one epoch of Adagrad wants the largest step of the grid.
 QUICK_EPOCHS = 1
 QUICK_LR = 0.3
+_QUICK = {"lr": QUICK_LR, "epochs": QUICK_EPOCHS}
+_DSELECT = {**_QUICK, "k": 2, "gamma": 1.0, "entropy_reg": 1.0}
 QUICK_HPARAMS: dict[str, dict[str, Any]] = {
-    "dselect_k_static": {
-        "lr": QUICK_LR,
-        "epochs": QUICK_EPOCHS,
-        "k": 2,
-        "gamma": 1.0,
-        "entropy_reg": 1.0,
-    },
-    "dselect_k_per_example": {
-        "lr": QUICK_LR,
-        "epochs": QUICK_EPOCHS,
-        "k": 2,
-        "gamma": 1.0,
-        "entropy_reg": 1.0,
-    },
-    "topk_static": {"lr": QUICK_LR, "epochs": QUICK_EPOCHS, "k": 2},
-    "topk_per_example": {"lr": QUICK_LR, "epochs": QUICK_EPOCHS, "k": 2},
-    "gumbel_softmax": {"lr": QUICK_LR, "epochs": QUICK_EPOCHS, "sparsity_reg": 1e-3},
-    "softmax": {"lr": QUICK_LR, "epochs": QUICK_EPOCHS},
-    "shared_bottom": {"lr": QUICK_LR, "epochs": QUICK_EPOCHS, "units": 256},
+    "dselect_k_static": _DSELECT,
+    "dselect_k_per_example": dict(_DSELECT),
+    "topk_static": {**_QUICK, "k": 2},
+    "topk_per_example": {**_QUICK, "k": 2},
+    "gumbel_softmax": {**_QUICK, "sparsity_reg": 1e-3},
+    "softmax": dict(_QUICK),
+    "shared_bottom": {**_QUICK, "units": 256},
 }
 #: gates, α values and repetitions of the quick default (the others behind --gates / --alphas)
 QUICK_GATES = ("dselect_k_static", "topk_static", "softmax")
@@ -431,7 +345,10 @@ def experiment() -> rd.Experiment:
         load_data=load_data,
         data_key=_data_key,
         notes=notes,
-        write_report=write_report,
+        title="MovieLens",
+        tables=_tables,
+        paper_c2=PAPER_C2,
+        c2_column="MovieLens α={}",
         quick_reps=QUICK_REPS,
         reference=reference,
     )
@@ -499,11 +416,9 @@ def _reference_rows(ref: Mapping[str, Any] | None, alpha: Any, c3: bool) -> list
 
 
 def _tables(
-    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
-    settings: Sequence[Any],
-    ref: Mapping[str, Any] | None = None,
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]], settings: Sequence[Any], results_dir: Path
 ) -> list[str]:
-    gates = [g for g in rd.VARIANTS if any((s, g) in rows for s in settings)]
+    ref = load_reference(results_dir)
     md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
     for a in settings:
         md += [
@@ -512,17 +427,8 @@ def _tables(
             "| gate | loss: ours | loss: paper | experts: ours | experts: paper |",
             "|---|---|---|---|---|",
         ]
-        for g in gates:
-            if (a, g) not in rows:
-                continue
-            m = rows[(a, g)]["metrics"]
-            p = PAPER_TABLE1.get(float(a), {}).get(g)
-            pl = f"{p[0]:.0f} ± {p[1]:.0f}" if p else "-"
-            pe = "-" if not p or p[2] is None else f"{p[2]:.1f}"
-            md.append(
-                f"| {rd.label(g)} | {rd.fmt(m.get('test_loss'), 1e4, 0)} | {pl} | "
-                f"{rd.fmt(m.get('selected_experts'), 1, 2)} | {pe} |"
-            )
+        cols = [("test_loss", 1e4, 0, 0, ".0f", True), ("selected_experts", 1, 2, 2, ".1f", False)]
+        md += rd.gate_rows(rows, a, cols, PAPER_TABLE1.get(float(a), {}))
         md += _reference_rows(ref, a, c3=False)
         md.append("")
     md += ["## Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)", ""]
@@ -533,36 +439,14 @@ def _tables(
             "| gate | T2 loss: ours | T2 loss: paper | T1 accuracy: ours | T1 accuracy: paper |",
             "|---|---|---|---|---|",
         ]
-        for g in gates:
-            if (a, g) not in rows:
-                continue
-            m = rows[(a, g)]["metrics"]
-            c = PAPER_TABLE_C3.get(float(a), {}).get(g)
-            md.append(
-                f"| {rd.label(g)} | {rd.fmt(m.get('test_loss_task2'), 1e4, 0)} | "
-                + (f"{c[0]:.0f} ± {c[1]:.0f}" if c else "-")
-                + f" | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
-                + (f"{c[2]:.2f} ± {c[3]:.2f}" if c else "-")
-                + " |"
-            )
+        cols = [
+            ("test_loss_task2", 1e4, 0, 0, ".0f", True),
+            ("test_accuracy_task1", 100, 2, 2, ".2f", True),
+        ]
+        md += rd.gate_rows(rows, a, cols, PAPER_TABLE_C3.get(float(a), {}))
         md += _reference_rows(ref, a, c3=True)
         md.append("")
     return md
-
-
-def _c2_column(alpha: Any) -> str:
-    return f"MovieLens α={alpha}"
-
-
-SPEC = rd.ReportSpec(
-    name=EXPERIMENT,
-    title="MovieLens",
-    setting_key="alpha",
-    task_names=TASK_NAMES,
-    tables=_tables,
-    paper_c2=PAPER_C2,
-    c2_column=_c2_column,
-)
 
 
 def load_reference(results_dir: Path) -> dict[str, Any] | None:
@@ -579,6 +463,4 @@ def load_reference(results_dir: Path) -> dict[str, Any] | None:
 def write_report(results_dir: Path) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder
     (with the non-neural reference rows when its cache is there)."""
-    ref = load_reference(Path(results_dir))
-    spec = dataclasses.replace(SPEC, tables=functools.partial(_tables, ref=ref))
-    rd.write_report(Path(results_dir), spec)
+    rd.write_report(Path(results_dir), experiment())

@@ -13,6 +13,7 @@ Per-example gates see the raw image (flattened to 1,296 features), as the expert
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,34 +45,14 @@ NUM_EXPERTS = 8
 IMAGE_SHAPE = (1, 36, 36)
 KINDS = {"multi-mnist": "mnist", "multi-fashion": "fashion-mnist"}
 TITLES = {"multi-mnist": "Multi-MNIST", "multi-fashion": "Multi-Fashion-MNIST"}
+C2_COLUMNS = {"multi-mnist": "Multi-MNIST", "multi-fashion": "Multi-Fashion"}
 TASK_NAMES = ("task 1: top-left item", "task 2: bottom-right item")
 
+_PAPER = rd.paper_numbers("multi_mnist")
 #: Table 2: experiment → gate → (accuracy 1 %, se, accuracy 2 %, se, selected experts)
-PAPER_TABLE2: dict[str, dict[str, tuple[float, float, float, float, float | None]]] = {
-    "multi-mnist": {
-        "dselect_k_static": (92.56, 0.03, 90.98, 0.04, 1.7),
-        "topk_static": (91.93, 0.06, 90.03, 0.08, 4),
-        "gumbel_softmax": (92.3, 0.05, 90.63, 0.05, 1.8),
-        "dselect_k_per_example": (92.42, 0.03, 90.7, 0.03, 1.5),
-        "topk_per_example": (92.27, 0.03, 90.45, 0.03, 4),
-        "softmax": (92.61, 0.03, 91.0, 0.03, 8),
-        "shared_bottom": (91.3, 0.04, 89.47, 0.04, None),
-    },
-    "multi-fashion": {
-        "dselect_k_static": (83.78, 0.05, 83.34, 0.05, 1.8),
-        "topk_static": (83.44, 0.07, 82.66, 0.08, 4),
-        "gumbel_softmax": (83.66, 0.07, 83.28, 0.05, 1.5),
-        "dselect_k_per_example": (83.69, 0.04, 83.13, 0.04, 1.5),
-        "topk_per_example": (83.66, 0.04, 83.15, 0.04, 4),
-        "softmax": (83.48, 0.04, 82.81, 0.04, 8),
-        "shared_bottom": (82.05, 0.05, 81.37, 0.06, None),
-    },
-}
+PAPER_TABLE2: dict[str, dict[str, list[Any]]] = _PAPER["table2"]
 #: Table C.2 (image columns)
-PAPER_C2 = {
-    "Multi-MNIST": {"pct": 42.33, "flops": 0.8},
-    "Multi-Fashion": {"pct": 80.02, "flops": 1.2},
-}
+PAPER_C2: dict[str, dict[str, float]] = _PAPER["c2"]
 
 #: Quick default: 12,800 training images × 8 epochs = 400 steps of 256 per run (was 71, then
 #: 200). Measured on the 2-core CPU with ``--jobs 2 --threads 1``: the 7 gates × 1 repetition
@@ -229,7 +210,10 @@ def experiment(name: str) -> rd.Experiment:
         load_data=load_data,
         data_key=_data_key,
         notes=notes,
-        write_report=write_report,
+        title=TITLES[name],
+        tables=functools.partial(_tables, name),
+        paper_c2={C2_COLUMNS[name]: PAPER_C2[C2_COLUMNS[name]]},
+        c2_column=C2_COLUMNS[name],
         quick_reps=1,
     )
 
@@ -279,52 +263,30 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
-def _tables_for(name: str) -> Any:
-    def tables(
-        rows: Mapping[tuple[Any, str], Mapping[str, Any]], settings: Sequence[Any]
-    ) -> list[str]:
-        md = [
-            f"## Table 2 ({TITLES[name]}): test accuracy (%) and number of selected experts",
-            "",
-            "| gate | accuracy 1: ours | paper | accuracy 2: ours | paper | experts: ours "
-            "| paper |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for g in rd.VARIANTS:
-            if (None, g) not in rows:
-                continue
+def _tables(
+    name: str,
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
+    settings: Sequence[Any],
+    results_dir: Path,
+) -> list[str]:
+    md = [
+        f"## Table 2 ({TITLES[name]}): test accuracy (%) and number of selected experts",
+        "",
+        "| gate | accuracy 1: ours | paper | accuracy 2: ours | paper | experts: ours | paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cols = [
+        ("test_accuracy_task1", 100, 2, 0, ".2f", True),
+        ("test_accuracy_task2", 100, 2, 2, ".2f", True),
+        ("selected_experts", 1, 2, 4, "g", False),
+    ]
+    md += rd.gate_rows(rows, None, cols, PAPER_TABLE2[name])
+    md += ["", "Training throughput (examples/s, mean over runs):", ""]
+    for g in rd.VARIANTS:
+        if (None, g) in rows:
             m = rows[(None, g)]["metrics"]
-            p = PAPER_TABLE2[name].get(g)
-            md.append(
-                f"| {rd.label(g)} | {rd.fmt(m.get('test_accuracy_task1'), 100, 2)} | "
-                + (f"{p[0]:.2f} ± {p[1]:.2f}" if p else "-")
-                + f" | {rd.fmt(m.get('test_accuracy_task2'), 100, 2)} | "
-                + (f"{p[2]:.2f} ± {p[3]:.2f}" if p else "-")
-                + f" | {rd.fmt(m.get('selected_experts'), 1, 2)} | "
-                + ("-" if not p or p[4] is None else f"{p[4]:g}")
-                + " |"
-            )
-        md += ["", "Training throughput (examples/s, mean over runs):", ""]
-        for g in rd.VARIANTS:
-            if (None, g) in rows:
-                m = rows[(None, g)]["metrics"]
-                md.append(f"- {rd.label(g)}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
-        return md
-
-    return tables
-
-
-def _spec(name: str) -> rd.ReportSpec:
-    col = "Multi-MNIST" if name == "multi-mnist" else "Multi-Fashion"
-    return rd.ReportSpec(
-        name=name,
-        title=TITLES[name],
-        setting_key=None,
-        task_names=TASK_NAMES,
-        tables=_tables_for(name),
-        paper_c2={col: PAPER_C2[col]},
-        c2_column=lambda _s: col,
-    )
+            md.append(f"- {rd.label(g)}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
+    return md
 
 
 def write_report(results_dir: Path) -> None:
@@ -337,4 +299,4 @@ def write_report(results_dir: Path) -> None:
     results_dir = Path(results_dir)
     names = {r["config"].get("experiment") for r in RunStore(results_dir).load()}
     name = "multi-fashion" if "multi-fashion" in names else "multi-mnist"
-    rd.write_report(results_dir, _spec(name))
+    rd.write_report(results_dir, experiment(name))

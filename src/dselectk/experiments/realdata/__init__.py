@@ -16,7 +16,7 @@ gate, which losses, hyperparameters and report apply. This package runs it:
 Every finished run is one JSON record (:class:`~dselectk.experiments.records.RunStore`), keyed
 by the hash of its resolved config, written atomically: an interrupted sweep restarted with the
 same command skips finished runs and never leaves partial records. This package never imports
-the recipes: each recipe's :class:`Experiment` carries its own ``write_report``.
+the recipes: each recipe's :class:`Experiment` carries its own paper tables.
 """
 
 from dselectk.experiments.realdata.monitor import (
@@ -34,9 +34,10 @@ from dselectk.experiments.realdata.recipe import (
     run_experiment,
 )
 from dselectk.experiments.realdata.report import (
-    ReportSpec,
     current_records,
     fmt,
+    gate_rows,
+    paper_numbers,
     table_c2,
     template_notes,
     training_note,
@@ -64,7 +65,6 @@ __all__ = [
     "GateChoice",
     "GateMonitor",
     "RealDataConfig",
-    "ReportSpec",
     "Splits",
     "TaskData",
     "add_common_arguments",
@@ -74,10 +74,12 @@ __all__ = [
     "current_records",
     "flops_ratio",
     "fmt",
+    "gate_rows",
     "gate_summary",
     "init_seed",
     "label",
     "load",
+    "paper_numbers",
     "record_config",
     "run_cell",
     "run_experiment",

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from dselectk.experiments.args import config_from_args, int_at_least, out_dir, positive_float
+from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
 from dselectk.experiments.realdata.spec import (
@@ -311,7 +312,7 @@ def write_report(
         **{key: facts[key] for key in ("notes", "data", "meta") if key in facts},
     }
     write_json(out / "run_info.json", run_info)
-    exp.write_report(out)
+    rd_report.write_report(out, exp)
     print((out / "report.md").read_text(encoding="utf-8"))
 
 

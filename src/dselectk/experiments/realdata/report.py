@@ -1,30 +1,31 @@
 """The real-data reports: ``summary.json``, ``report.md`` and the plots, from the records alone.
 
-A recipe gives a :class:`ReportSpec` (its title, its paper tables as Markdown lines, the paper's
-Table C.2 column); :func:`write_report` summarises the final records of the latest sweep command
-of a results folder, measures Table C.2 (:func:`table_c2`), draws the gate heatmaps and
-trajectories, and renders the ``realdata`` report template.
+A recipe's :class:`~.spec.Experiment` gives its title, its paper tables as Markdown lines and
+the paper's Table C.2 column; :func:`write_report` summarises the final records of the latest
+sweep command of a results folder, measures Table C.2 (:func:`table_c2`), draws the gate
+heatmaps and trajectories, and renders the ``realdata`` report template.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.realdata.monitor import flops_ratio
-from dselectk.experiments.realdata.spec import label
+from dselectk.experiments.realdata.spec import VARIANTS, Experiment, label
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
 
 __all__ = [
-    "ReportSpec",
     "current_records",
     "fmt",
+    "gate_rows",
+    "paper_numbers",
     "table_c2",
     "template_notes",
     "training_note",
@@ -35,20 +36,44 @@ __all__ = [
 QUICK_MARK = "<!-- quick mode -->"
 
 
-@dataclass
-class ReportSpec:
-    """What an experiment's report shows (given by movielens.py / multi_mnist.py)."""
+def paper_numbers(name: str) -> dict[str, Any]:
+    """The paper's reported numbers for recipe ``name`` (``experiments/realdata_paper.json``;
+    keys starting with ``_`` are comments)."""
+    text = resources.files("dselectk.experiments").joinpath("realdata_paper.json").read_text()
 
-    name: str
-    title: str
-    setting_key: str | None
-    task_names: Sequence[str]
-    tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any]], list[str]]
-    """(rows keyed by (setting, gate), settings) → markdown lines of the paper tables."""
-    paper_c2: Mapping[str, Mapping[str, float]]
-    """Table C.2 of the paper: column label → {"pct": ..., "flops": ...}."""
-    c2_column: Callable[[Any], str]
-    """setting → Table C.2 column label."""
+    def drop_comments(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if not k.startswith("_")}
+
+    return json.loads(text, object_hook=drop_comments)[name]
+
+
+#: a column of a paper table: (our metric, its scale, its digits, index of the paper's value
+#: in its row, the paper value's format, whether the paper's standard error follows it)
+Column = tuple[str, float, int, int, str, bool]
+
+
+def gate_rows(
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
+    setting: Any,
+    columns: Sequence[Column],
+    paper: Mapping[str, Sequence[Any]],
+) -> list[str]:
+    """Markdown rows of a paper table, one per gate run at ``setting`` (report order): the
+    gate's label, then per column ours (``mean ± se``) and the paper's (``-`` when absent)."""
+    out = []
+    for gate in VARIANTS:
+        if (setting, gate) not in rows:
+            continue
+        m, p = rows[(setting, gate)]["metrics"], paper.get(gate)
+        cells = [label(gate)]
+        for metric, scale, digits, i, pfmt, se in columns:
+            cells.append(fmt(m.get(metric), scale, digits))
+            if p is None or p[i] is None:
+                cells.append("-")
+            else:
+                cells.append(f"{p[i]:{pfmt}}" + (f" ± {p[i + 1]:{pfmt}}" if se else ""))
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
@@ -121,7 +146,7 @@ def current_records(
 
 
 def table_c2(
-    spec: ReportSpec,
+    spec: Experiment,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
     records: Sequence[Mapping[str, Any]],
     settings: Sequence[Any],
@@ -134,7 +159,7 @@ def table_c2(
     ]
     values: dict[str, Any] = {}
     for setting in settings:
-        col = spec.c2_column(setting)
+        col = spec.c2_column.format(setting)
         paper = spec.paper_c2.get(col, {})
         for kind in ("static", "per_example"):
             dk, tk = f"dselect_k_{kind}", f"topk_{kind}"
@@ -188,8 +213,9 @@ def _num(v: float) -> str:
     return "-" if not math.isfinite(v) else f"{v:g}"
 
 
-def write_report(results_dir: Path, spec: ReportSpec) -> None:
-    """Rebuild ``summary.json``, ``report.md`` and the plots from the run records alone."""
+def write_report(results_dir: Path, spec: Experiment) -> None:
+    """Rebuild ``summary.json``, ``report.md`` and the plots of the experiment ``spec`` from the
+    run records alone (its ``tables`` get the results folder too: cached references)."""
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
 
     results_dir = Path(results_dir)
@@ -295,7 +321,7 @@ def write_report(results_dir: Path, spec: ReportSpec) -> None:
         records=len(records),
         tune_records=tune_count,
         stale=stale,
-        tables="\n".join(spec.tables(rows, settings)),
+        tables="\n".join(spec.tables(rows, settings, results_dir)),
         table_c2="\n".join(c2_lines),
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )

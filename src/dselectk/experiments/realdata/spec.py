@@ -141,8 +141,11 @@ class Experiment:
         data_key: run config → key identifying the data ``load_data`` returns.
         notes: (run config, data) → lines of the report's "Setup and choices" (data
             choices, reductions; saved in ``run_info.json``).
-        write_report: results folder → None; rebuilds ``summary.json``, ``report.md`` and the
-            plots from the records (the recipe's report, see :mod:`.report`).
+        title: the report's title.
+        tables: (rows keyed by (setting, gate), settings, results folder) → Markdown lines of
+            the paper tables (ours beside the paper's).
+        paper_c2: Table C.2 of the paper: column label → {"pct": ..., "flops": ...}.
+        c2_column: the Table C.2 column label of a setting (``str.format`` of the setting).
         quick_reps: repetitions of the quick default.
         reference: (run config, data, results folder) → None; computes (once per data
             fingerprint) and caches the non-neural reference predictors of the report, or None.
@@ -168,7 +171,10 @@ class Experiment:
     load_data: Callable[[Any], Splits]
     data_key: Callable[[Any], Hashable]
     notes: Callable[[Any, Splits], list[str]]
-    write_report: Callable[[Path], None]
+    title: str
+    tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any], Path], list[str]]
+    paper_c2: Mapping[str, Mapping[str, float]]
+    c2_column: str
     quick_reps: int = 2
     reference: Callable[[Any, Splits, Path], None] | None = None
     init: str = "keras"
