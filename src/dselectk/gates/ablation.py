@@ -80,11 +80,16 @@ class SoftmaxSelectorGate(Gate):
         self._set_k(k)
         self.temperature = temperature
         self.entropy_reg = entropy_reg
+        self.init_std = init_std
         self._build_logits()
+        self._init_parameters()
+
+    @torch.no_grad()
+    def _init_parameters(self) -> None:
+        """Static logits ~ N(0, init_std²) with α = 0; per-example, the layer's defaults."""
         if self.static:
-            with torch.no_grad():
-                nn.init.normal_(self.logits, std=check_nonnegative("init_std", init_std))
-                self.logits[..., :k] = 0.0
+            nn.init.normal_(self.logits, std=check_nonnegative("init_std", self.init_std))
+            self.logits[..., : self.k] = 0.0
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (1 + self.num_experts),)

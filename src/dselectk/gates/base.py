@@ -150,6 +150,35 @@ class Gate(nn.Module):
             self.proj = nn.Linear(self.in_features, g * size, bias=self._bias)
             self.register_parameter("logits", None)
 
+    # -- initialisation -------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the gate as its constructor does, from its hyperparameters alone.
+
+        The hyperparameter buffers get back the values last assigned (or loaded; see
+        :meth:`HyperParameter.restore`), every child layer its own default initialisation (a
+        per-example gate's linear layer, in registration order), then the gate its own
+        (:meth:`_init_parameters`). With the same random state this gives, bit for bit, the
+        tensors the constructor gives on the CPU. Nothing reads a tensor's value on the way, so
+        a gate built on the meta device (``with torch.device("meta"): ...``) becomes a working
+        gate after ``gate.to_empty(device=...)`` and ``gate.reset_parameters()``.
+        """
+        for hp in hyperparameters(self).values():
+            hp.restore(self)
+        for child in self.children():
+            reset = getattr(child, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        self._init_parameters()
+
+    def _init_parameters(self) -> None:
+        """The gate's own initialisation, after the child layers' defaults (none by default).
+
+        Called once by the constructor (after the layers were built) and by
+        :meth:`reset_parameters`; it must not read a tensor's value (meta device) other than
+        through the :class:`HyperParameter` descriptors.
+        """
+
     def compute_logits(self, x: Tensor | None = None) -> Tensor:
         """Logits of shape ``(*lead, *logit_shape)`` for input ``x`` (ignored by static gates).
 

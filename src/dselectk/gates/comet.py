@@ -131,13 +131,13 @@ class COMETGate(Gate):
         self.gamma = gamma
         self.entropy_reg = entropy_reg
         self._build_logits()
-        self.reset_parameters()
+        self._init_parameters()
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (2 * self.num_experts - 1),)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def _init_parameters(self) -> None:
         """Split logits U(±γ/100) (one γ per gate: gate t's rows U(±γ_t/100)), leaf scores
         U(±0.05)."""
         g = 1 if self.num_gates is None else self.num_gates

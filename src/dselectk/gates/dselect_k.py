@@ -123,18 +123,20 @@ class DSelectK(Gate):
         self.diversity = diversity
         self.init = init
         self._build_logits()
-        self.reset_parameters()
+        self._init_parameters()
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (self.k * (1 + self.num_bits),)
 
     # -- parameters -----------------------------------------------------------------------
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def _init_parameters(self) -> None:
         """Initialise as in the reference: every S(Z_ij) strictly inside (0, 1) (Section 3.1.3).
 
         With one γ per gate, gate t's rows are drawn from U(-γ_t/100, γ_t/100), row after row
-        (on the CPU the same random numbers as one draw over the whole tensor).
+        (on the CPU the same random numbers as one draw over the whole tensor). Per-example, the
+        layer's own default draws come first (:meth:`Gate.reset_parameters`) and are then
+        overwritten, as in the constructor.
         """
         gamma = self.gamma
         if isinstance(gamma, Tensor):
@@ -160,7 +162,7 @@ class DSelectK(Gate):
                 b[:, k:] += offset.flatten(-2)
 
     def _reset_per_gate(self, bounds: list[float]) -> None:
-        """:meth:`reset_parameters` with a bound per gate (the same draws, in the same order)."""
+        """:meth:`_init_parameters` with a bound per gate (the same draws, in the same order)."""
         k, m = self.k, self.num_bits
         if self.static:
             for row, b in zip(self.logits, bounds):
@@ -192,7 +194,7 @@ class DSelectK(Gate):
         bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
         gamma = self.gamma
         if isinstance(gamma, Tensor):  # one γ per gate; lead is (T,)
-            gamma = gamma.to(torch.float32).view(-1, 1, 1)
+            gamma = gamma.to(bits.device, torch.float32).view(-1, 1, 1)
         return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
 
     def split_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:

@@ -69,14 +69,21 @@ class GumbelSoftmaxGate(Gate):
         self.hard = bool(hard)
         self.temperature = temperature
         self.sparsity_reg = sparsity_reg
+        self.init_keep_logit = float(init_keep_logit)
         self._build_logits()
-        with torch.no_grad():
-            if self.static:
-                self.logits.zero_()
-                self.logits[..., num_experts:] = float(init_keep_logit)
-            elif self.proj is not None and self.proj.bias is not None:
-                b = self.proj.bias.view(-1, 2 * num_experts)
-                b[:, num_experts:] = float(init_keep_logit)
+        self._init_parameters()
+
+    @torch.no_grad()
+    def _init_parameters(self) -> None:
+        """Static: α = 0 and keep logits ``init_keep_logit``; per-example: the layer's default
+        weights and the keep logits' biases set to ``init_keep_logit``."""
+        n = self.num_experts
+        if self.static:
+            self.logits.zero_()
+            self.logits[..., n:] = self.init_keep_logit
+        elif self.proj is not None and self.proj.bias is not None:
+            b = self.proj.bias.view(-1, 2 * n)
+            b[:, n:] = self.init_keep_logit
 
     def _logit_shape(self) -> tuple[int, ...]:
         return (2 * self.num_experts,)  # α (n) then the keep logits ℓ (n)

@@ -97,6 +97,10 @@ class HyperParameter:
         if obj is None:
             return self
         buf = getattr(obj, self.buffer_name)
+        if buf.is_meta:  # no value to read: the one last assigned (see record)
+            kept = self.record(obj)
+            if kept is not None:
+                return float(kept) if kept.dim() == 0 else kept.clone()
         if buf.dim() == 0:
             return float(buf)
         return buf.detach().clone()
@@ -104,6 +108,9 @@ class HyperParameter:
     def __set__(self, obj: nn.Module, value: float | Tensor | Sequence[float]) -> None:
         buf_name = self.buffer_name
         old: Tensor | None = obj._buffers.get(buf_name)
+        # Nothing here reads a buffer's value: a module built on the meta device (or under a
+        # ``torch.device`` context) gets its buffers there, and the value is also kept on the
+        # host (``record``) for reading on the meta device and for ``restore``.
         if isinstance(value, Tensor) and value.dim() == 0:  # shape (): one value for the module
             v = self._check_number(value.item())
             if old is None:
@@ -112,16 +119,19 @@ class HyperParameter:
                 old.fill_(v)
             else:
                 obj.register_buffer(buf_name, torch.tensor(v, dtype=old.dtype, device=old.device))
+            kept = torch.tensor(v, dtype=self._buffer(obj).dtype, device="cpu")
             nonzero = v != 0.0
         elif isinstance(value, Tensor) or _is_sequence(value):  # one value per gate
             t = self._per_gate_values(obj, value)
             if old is None:
-                obj.register_buffer(buf_name, t.to(torch.get_default_dtype()))
+                new = torch.empty(t.shape, dtype=torch.get_default_dtype())
+                obj.register_buffer(buf_name, new.copy_(t))
             elif old.shape == t.shape:
                 old.copy_(t)
             else:
                 new = torch.empty(t.shape, dtype=old.dtype, device=old.device)
                 obj.register_buffer(buf_name, new.copy_(t))
+            kept = t.to(self._buffer(obj).dtype)
             nonzero = bool((t != 0).any())
         else:  # a number: today's scalar, or broadcast to every gate of a per-gate value
             v = self._check_number(value)
@@ -129,8 +139,15 @@ class HyperParameter:
                 obj.register_buffer(buf_name, torch.tensor(v))
             else:
                 old.fill_(v)
+            buf = self._buffer(obj)
+            kept = torch.full(buf.shape, v, dtype=buf.dtype, device="cpu")
             nonzero = v != 0.0
-        _set_nonzero(obj, self.name, nonzero)
+        _keep(obj, self.name, kept, nonzero)
+
+    def _buffer(self, obj: nn.Module) -> Tensor:
+        buf = obj._buffers[self.buffer_name]
+        assert buf is not None
+        return buf
 
     def _check_number(self, value: object) -> float:
         try:
@@ -152,10 +169,12 @@ class HyperParameter:
         if isinstance(value, Tensor):
             if not (value.is_floating_point() or value.dtype in _INT_DTYPES):
                 raise TypeError(f"{name} must hold real numbers, got a {value.dtype} tensor")
+            if value.is_meta:
+                raise ValueError(f"{name}: a meta tensor holds no values; pass numbers")
             t = value.detach().to("cpu", torch.float64, copy=True)  # never aliases value
         else:
             try:
-                t = torch.tensor([float(x) for x in value], dtype=torch.float64)
+                t = torch.tensor([float(x) for x in value], dtype=torch.float64, device="cpu")
             except (TypeError, ValueError):
                 raise TypeError(f"{name} must be a number or a sequence of numbers") from None
         if t.dim() != 1:
@@ -196,16 +215,48 @@ class HyperParameter:
         return bool(obj.__dict__.get(_NONZERO, {}).get(self.name, True))
 
     def refresh(self, obj: nn.Module) -> None:
-        """Recompute the flags of :meth:`is_nonzero` from the buffer (after an in-place load)."""
-        _set_nonzero(obj, self.name, bool((getattr(obj, self.buffer_name) != 0).any()))
+        """Recompute the flags of :meth:`is_nonzero` and the :meth:`record` from the buffer
+        (after an in-place load). A buffer on the meta device has no value: nothing changes."""
+        buf = getattr(obj, self.buffer_name)
+        if buf.is_meta:
+            return
+        _keep(obj, self.name, buf.detach().to("cpu", copy=True))
+
+    def record(self, obj: nn.Module) -> Tensor | None:
+        """The value last assigned (or loaded, see :meth:`refresh`), a CPU tensor of the buffer's
+        shape and dtype at that time; None if never assigned. Kept off the module's tensors, so
+        it survives ``to_empty`` and the meta device."""
+        return cast("Tensor | None", obj.__dict__.get(_RECORD, {}).get(self.name))
+
+    def restore(self, obj: nn.Module) -> None:
+        """Write :meth:`record` back into the buffer (in place; after ``to_empty`` the buffer
+        holds no meaningful value). Nothing to do when there is no record."""
+        kept = self.record(obj)
+        buf = getattr(obj, self.buffer_name)
+        if kept is None or buf.is_meta:
+            return
+        if kept.shape != buf.shape:
+            fresh = torch.empty(kept.shape, dtype=buf.dtype, device=buf.device)
+            obj.register_buffer(self.buffer_name, fresh.copy_(kept))
+        else:
+            with torch.no_grad():
+                buf.copy_(kept)
 
 
 _NONZERO = "_hyperparameter_nonzero"
+_RECORD = "_hyperparameter_record"
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _set_nonzero(obj: nn.Module, name: str, flag: bool) -> None:
     obj.__dict__.setdefault(_NONZERO, {})[name] = flag
+
+
+def _keep(obj: nn.Module, name: str, value: Tensor, nonzero: bool | None = None) -> None:
+    """Keep ``value`` (a CPU tensor) as the host record of ``name`` and set its nonzero flag
+    (``nonzero``, or read from ``value``)."""
+    obj.__dict__.setdefault(_RECORD, {})[name] = value
+    _set_nonzero(obj, name, bool((value != 0).any()) if nonzero is None else nonzero)
 
 
 def _is_sequence(value: object) -> bool:

@@ -38,6 +38,11 @@ class SoftmaxGate(Gate):
             check_finite=check_finite,
         )
         self._build_logits()
+        self._init_parameters()
+
+    @torch.no_grad()
+    def _init_parameters(self) -> None:
+        """Static logits 0 (uniform weights); per-example, the layer's default weights."""
         if self.static:
             nn.init.zeros_(self.logits)
 

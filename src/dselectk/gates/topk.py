@@ -70,14 +70,24 @@ class TopKGate(Gate):
             raise ValueError(
                 "noisy gating and balance_weight need a per-example gate (pass in_features)"
             )
+        self.init_std = init_std
         self._build_logits()
-        if self.static:
-            nn.init.normal_(self.logits, std=check_nonnegative("init_std", init_std))
         self.noise_proj: nn.Linear | None = None
-        if self.noisy:
+        if self.static:
+            self._init_parameters()
+        elif self.noisy:  # (static and noisy exclude each other: the draws keep their order)
             assert self.in_features is not None
             g = 1 if self.num_gates is None else self.num_gates
             self.noise_proj = nn.Linear(self.in_features, g * num_experts, bias=bias)
+            self._init_parameters()
+
+    @torch.no_grad()
+    def _init_parameters(self) -> None:
+        """Static logits ~ N(0, init_std²); per-example, the layers' default weights, with the
+        noise layer's weights at 0 (no noise at first)."""
+        if self.static:
+            nn.init.normal_(self.logits, std=check_nonnegative("init_std", self.init_std))
+        if self.noise_proj is not None:
             nn.init.zeros_(self.noise_proj.weight)
 
     def _logit_shape(self) -> tuple[int, ...]:
