@@ -40,7 +40,6 @@ __all__ = [
     "add_arguments",
     "build_model",
     "load_data",
-    "load_splits",
     "masked_mse",
     "notes",
     "run",
@@ -191,45 +190,6 @@ def _pack(split: Any, side: bool) -> TaskData:
     return TaskData(x, [split.watched.float(), y2])
 
 
-def load_splits(
-    data_dir: Path | None,
-    variant: str,
-    seed: int,
-    *,
-    side_features: bool = True,
-    neg_ratio: int = 1,
-    max_train: int | None = None,
-) -> rd.Splits:
-    """Load the two-task MovieLens data as :class:`~dselectk.experiments.realdata.Splits`."""
-    from dselectk.data import load_movielens
-
-    data = load_movielens(
-        data_dir, variant=variant, neg_ratio=neg_ratio, seed=seed, side_features=side_features
-    )
-    train, val, test = (_pack(s, side_features) for s in (data.train, data.val, data.test))
-    if max_train is not None and max_train < len(train):
-        train = train.batch(torch.arange(max_train))  # already shuffled by the loader
-    meta: dict[str, Any] = {
-        "num_users": data.num_users,
-        "num_items": data.num_items,
-        "side": (
-            (data.num_age_buckets, data.num_genders, data.num_occupations, data.num_genres)
-            if side_features
-            else None
-        ),
-        "variant": variant,
-        "ratings_source": data.ratings_source,
-        "num_ratings": data.num_ratings,
-        "n_train": len(train),
-        "n_val": len(val),
-        "n_test": len(test),
-        "test_positive_fraction": float(data.test.rating_mask.float().mean()),
-        "data_fingerprint": data.fingerprint,
-    }
-    meta["bottom_features"] = MovieLensEmbedding(1, 1, meta["side"]).out_features
-    return rd.Splits(train, val, test, meta)
-
-
 def _task_weights(alpha: Any) -> list[float]:
     return [float(alpha), 1.0 - float(alpha)]
 
@@ -250,39 +210,44 @@ class MovieLensConfig(rd.RealDataConfig):
         return self.alphas
 
 
-def _data_key(args: MovieLensConfig) -> tuple[Any, ...]:
-    return (
-        str(args.data_dir),
-        args.variant,
-        args.seed,
-        args.neg_ratio,
-        args.no_side_features,
-        args.max_train,
-    )
-
-
 def load_data(args: MovieLensConfig) -> rd.Splits:
-    """The splits of the run config, with their data config."""
+    """The two-task MovieLens splits of the run config, with their data config (the files'
+    checksums included: a run made from other data never counts as done)."""
+    from dselectk.data import load_movielens
+
     side = not args.no_side_features
-    data = load_splits(
-        args.data_dir,
-        args.variant,
-        args.seed,
+    data = load_movielens(
+        args.data_dir, variant=args.variant, neg_ratio=args.neg_ratio, seed=args.seed,
         side_features=side,
-        neg_ratio=args.neg_ratio,
-        max_train=args.max_train,
-    )
-    data.config = {
+    )  # fmt: skip
+    train, val, test = (_pack(s, side) for s in (data.train, data.val, data.test))
+    if args.max_train is not None and args.max_train < len(train):
+        train = train.batch(torch.arange(args.max_train))  # already shuffled by the loader
+    sizes = (data.num_age_buckets, data.num_genders, data.num_occupations, data.num_genres)
+    meta: dict[str, Any] = {
+        "num_users": data.num_users,
+        "num_items": data.num_items,
+        "side": sizes if side else None,
+        "variant": args.variant,
+        "ratings_source": data.ratings_source,
+        "num_ratings": data.num_ratings,
+        "n_train": len(train),
+        "n_val": len(val),
+        "n_test": len(test),
+        "test_positive_fraction": float(data.test.rating_mask.float().mean()),
+        "data_fingerprint": data.fingerprint,
+    }
+    meta["bottom_features"] = MovieLensEmbedding(1, 1, meta["side"]).out_features
+    config = {
         "variant": args.variant,
         "neg_ratio": args.neg_ratio,
         "side_features": side,
         "seed": args.seed,
         "max_train": args.max_train,
-        "ratings_source": data.meta["ratings_source"],
-        # the files' checksums: a run made from other data never counts as done
-        "fingerprint": data.meta["data_fingerprint"],
+        "ratings_source": data.ratings_source,
+        "fingerprint": data.fingerprint,
     }
-    return data
+    return rd.Splits(train, val, test, meta, config)
 
 
 def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
@@ -343,7 +308,7 @@ def experiment() -> rd.Experiment:
         task_weights=_task_weights,
         expert_flops=expert_flops,
         load_data=load_data,
-        data_key=_data_key,
+        data_fields=("data_dir", "variant", "seed", "neg_ratio", "no_side_features", "max_train"),
         notes=notes,
         title="MovieLens",
         tables=_tables,

@@ -35,7 +35,6 @@ __all__ = [
     "build_model",
     "expert_flops",
     "load_data",
-    "load_splits",
     "notes",
     "run",
     "write_report",
@@ -114,29 +113,6 @@ def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -
     return float(conv1 + conv2 + dense)
 
 
-def load_splits(
-    data_dir: Path | None, name: str, seed: int, n_train: int, n_val: int, n_test: int
-) -> rd.Splits:
-    """Build the Multi-(Fashion-)MNIST splits as flattened-image task data."""
-    from dselectk.data import load_multi_mnist
-
-    d = load_multi_mnist(
-        data_dir, kind=KINDS[name], n_train=n_train, n_val=n_val, n_test=n_test, seed=seed
-    )
-
-    def pack(s: Any) -> TaskData:
-        return TaskData(s.X.reshape(len(s), -1).contiguous(), [s.y1, s.y2])
-
-    meta = {
-        "kind": KINDS[name],
-        "n_train": n_train,
-        "n_val": n_val,
-        "n_test": n_test,
-        "data_fingerprint": d.fingerprint,
-    }
-    return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta)
-
-
 def _equal_weights(_setting: Any) -> list[float]:
     return [1.0, 1.0]
 
@@ -156,25 +132,21 @@ class MultiMNISTConfig(rd.RealDataConfig):
     n_test: int = QUICK_SIZES[2]
 
 
-def _data_key(args: MultiMNISTConfig) -> tuple[Any, ...]:
-    name = args.experiment_name
-    return (str(args.data_dir), name, args.seed, args.n_train, args.n_val, args.n_test)
-
-
 def load_data(args: MultiMNISTConfig) -> rd.Splits:
-    """The splits of the run config, with their data config."""
-    name = args.experiment_name
-    data = load_splits(args.data_dir, name, args.seed, args.n_train, args.n_val, args.n_test)
-    data.config = {
-        "kind": KINDS[name],
-        "n_train": args.n_train,
-        "n_val": args.n_val,
-        "n_test": args.n_test,
-        "seed": args.seed,
-        # the files' checksums: a run made from other data never counts as done
-        "fingerprint": data.meta["data_fingerprint"],
-    }
-    return data
+    """The splits of the run config as flattened-image task data, with their data config (the
+    files' checksums included: a run made from other data never counts as done)."""
+    from dselectk.data import load_multi_mnist
+
+    kind, sizes = KINDS[args.experiment_name], (args.n_train, args.n_val, args.n_test)
+    d = load_multi_mnist(args.data_dir, kind, *sizes, seed=args.seed)
+
+    def pack(s: Any) -> TaskData:
+        return TaskData(s.X.reshape(len(s), -1).contiguous(), [s.y1, s.y2])
+
+    n = {"n_train": args.n_train, "n_val": args.n_val, "n_test": args.n_test}
+    meta = {"kind": kind, **n, "data_fingerprint": d.fingerprint}
+    config = {"kind": kind, **n, "seed": args.seed, "fingerprint": d.fingerprint}
+    return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta, config)
 
 
 def notes(args: MultiMNISTConfig, data: rd.Splits) -> list[str]:
@@ -208,7 +180,7 @@ def experiment(name: str) -> rd.Experiment:
         task_weights=_equal_weights,
         expert_flops=expert_flops,
         load_data=load_data,
-        data_key=_data_key,
+        data_fields=("data_dir", "experiment_name", "seed", "n_train", "n_val", "n_test"),
         notes=notes,
         title=TITLES[name],
         tables=functools.partial(_tables, name),

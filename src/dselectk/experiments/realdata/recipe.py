@@ -31,6 +31,7 @@ from dselectk.experiments.realdata.spec import (
     RealDataConfig,
     Splits,
     cell_key,
+    data_key,
     init_seed,
     label,
     record_config,
@@ -167,7 +168,7 @@ def config_of(
 def load(exp: Experiment, config: RealDataConfig) -> Splits:
     """The experiment's data for this config, loaded once per process and command (the sweep's
     ``load_data``: in one process the cells reuse what :func:`run_experiment` loaded)."""
-    key = exp.data_key(config)
+    key = data_key(exp, config)
     if key not in _DATA:
         _DATA.clear()
         _DATA[key] = exp.load_data(config)
@@ -324,7 +325,7 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
         cells=list(itertools.product(config.settings, config.gates)),
         run_cell=functools.partial(run_cell, exp),
         load_data=functools.partial(load, exp),
-        data_key=exp.data_key,
+        data_key=functools.partial(data_key, exp),
         cell_name=functools.partial(_cell_name, exp),
         write_report=functools.partial(write_report, exp, config),
         print_table=_printed,  # the whole report was printed

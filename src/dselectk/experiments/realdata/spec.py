@@ -9,7 +9,7 @@ and hyperparameters apply, and how its report is written. The shared code of thi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ __all__ = [
     "Splits",
     "TaskData",
     "cell_key",
+    "data_key",
     "init_seed",
     "label",
     "record_config",
@@ -138,7 +139,7 @@ class Experiment:
         expert_flops: (hparams, meta) → forward FLOPs of one expert on one example.
         load_data: run config → :class:`Splits` (with ``config`` filled); called once per
             process of the sweep.
-        data_key: run config → key identifying the data ``load_data`` returns.
+        data_fields: the run-config fields that decide the data ``load_data`` returns.
         notes: (run config, data) → lines of the report's "Setup and choices" (data
             choices, reductions; saved in ``run_info.json``).
         title: the report's title.
@@ -169,7 +170,7 @@ class Experiment:
     task_weights: Callable[[Any], list[float]]
     expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]
     load_data: Callable[[Any], Splits]
-    data_key: Callable[[Any], Hashable]
+    data_fields: tuple[str, ...]
     notes: Callable[[Any, Splits], list[str]]
     title: str
     tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any], Path], list[str]]
@@ -206,6 +207,11 @@ class RealDataConfig:
     def settings(self) -> tuple[Any, ...]:
         """The values of the experiment's ``setting_key`` (``(None,)`` when it has none)."""
         return (None,)
+
+
+def data_key(exp: Experiment, config: Any) -> tuple[Any, ...]:
+    """The key of the data ``exp.load_data(config)`` returns (its data fields' values)."""
+    return tuple(getattr(config, f) for f in exp.data_fields)
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:
