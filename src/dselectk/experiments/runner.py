@@ -21,6 +21,7 @@ and how the cells run is the executor's business (:mod:`dselectk.experiments.exe
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import fcntl
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import check_out_dir
+from dselectk.experiments.args import check_out_dir, int_at_least, out_dir
 from dselectk.experiments.executors import (
     Executor,
     LocalExecutor,
@@ -55,6 +56,7 @@ __all__ = [
     "SlurmExecutor",
     "SweepDetached",
     "add_executor_arguments",
+    "add_run_arguments",
     "cell_str",
     "check_config",
     "executor_from_args",
@@ -105,6 +107,44 @@ class Recipe:
     print_table: Callable[[Mapping[str, Any]], None] | None = None
     report_jobs: bool = False
     prepare: Callable[[Path, Executor], bool] | None = None
+
+
+def add_run_arguments(
+    p: argparse.ArgumentParser, *, out: str, threads: int = 1, jobs: int = 0, cells: str = "cells"
+) -> None:
+    """The flags every recipe shares: ``--out`` (checked: an empty one is refused),
+    ``--threads``, ``--jobs``, ``--no-progress``, ``--telemetry`` and the executor's.
+
+    Args:
+        out: the default results folder.
+        threads: default torch threads per process; 0: torch's default (all cores), and
+            then ``--threads 0`` is allowed (a recipe of tiny models defaults to 1 and refuses
+            0).
+        jobs: default worker processes (0: one per ``--threads`` cores, at most one per cell).
+        cells: what one cell of this recipe is, for ``--jobs``'s help.
+    """
+    p.add_argument("--out", type=out_dir, default=Path(out), help=f"results folder ({out})")
+    p.add_argument(
+        "--threads",
+        type=int_at_least(0 if threads == 0 else 1),
+        default=threads,
+        help=f"torch threads per process (default {threads or '0: all cores'})",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int_at_least(0),
+        default=jobs,
+        help=f"worker processes, each running whole {cells} (default {jobs}; 0: one per "
+        "--threads cores, at most one per cell); the records are the same as in one process",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry of every run to OUT/telemetry/ (TensorBoard if installed, "
+        "else JSON lines): binary selections, experts per input, load, selector collisions",
+    )
+    add_executor_arguments(p)
 
 
 def cell_str(cell: Any) -> str:

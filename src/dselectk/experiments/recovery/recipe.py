@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.args import config_from_args, int_at_least, positive_float
-from dselectk.experiments.executors import add_executor_arguments, executor_from_args
+from dselectk.experiments.executors import executor_from_args
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -25,7 +25,7 @@ from dselectk.experiments.recovery.model import (
     train_reps,
 )
 from dselectk.experiments.recovery.report import print_table, write_report
-from dselectk.experiments.runner import Recipe, cell_str, missing, run_recipe
+from dselectk.experiments.runner import Recipe, add_run_arguments, cell_str, missing, run_recipe
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
 __all__ = ["RecoveryConfig", "add_arguments", "recipe", "run", "run_cell", "tuned_hparams"]
@@ -43,14 +43,12 @@ _FLAGS: list[tuple[str, Any, Any, str | None, str]] = [
     ("--data-seed", NONNEG, 0, None, "seed of the generated data"),
     ("--tuned", Path, None, None, "tuning record to use (default: tuned_recovery.json)"),
     ("--record-every", NONNEG, 10, None, "trajectory sampling (steps)"),
-    ("--threads", POS, 1, None, "torch CPU threads (default 1: tiny models)"),
-    ("--jobs", NONNEG, 0, None, "worker processes, each running whole variants (0: per core)"),
 ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce recovery``."""
-    p.add_argument("--out", type=Path, default=Path("results/recovery"), help="results folder")
+    add_run_arguments(p, out="results/recovery", threads=1, jobs=0, cells="variants")
     p.add_argument(
         "--gates",
         nargs="+",
@@ -69,9 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
     )
     p.add_argument("--full", action="store_true", help="100 repetitions, 5 learning rates")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--telemetry", action="store_true", help="routing telemetry to OUT/telemetry/")
-    add_executor_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -209,5 +204,4 @@ def recipe(config: RecoveryConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every variant × learning rate × repetition, then write the report."""
     config = config_from_args(RecoveryConfig, args)
-    threads = max(1, int(getattr(args, "threads", 1) or 1))
-    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))

@@ -15,13 +15,12 @@ from dselectk.experiments.args import (
     hparam_type,
     int_at_least,
     nonnegative_float,
-    out_dir,
     positive_float,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
-    add_executor_arguments,
+    add_run_arguments,
     cell_str,
     executor_from_args,
     missing,
@@ -111,7 +110,7 @@ DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
-    p.add_argument("--out", type=out_dir, default=Path("results/token_moe"), help="results folder")
+    add_run_arguments(p, out="results/token_moe", threads=1, jobs=0, cells="routers")
     p.add_argument("--gates", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
@@ -121,21 +120,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             kind, note = f.metadata["type"], f.metadata["note"]
             flag = f"--{f.name.replace('_', '-')}"
             p.add_argument(flag, type=kind, default=f.default, help=f"default {f.default}{note}")
-    p.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per process")
-    p.add_argument(
-        "--jobs",
-        type=int_at_least(0),
-        default=0,
-        help="worker processes, each running whole routers (0: one per core)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="log routing telemetry of every run to OUT/telemetry/ (TensorBoard if installed, "
-        "else JSON lines): binary tokens, experts per token, load, selector collisions",
-    )
-    add_executor_arguments(p)
 
 
 def config(args: argparse.Namespace) -> TokenMoEConfig:
@@ -195,6 +179,4 @@ def recipe(config: TokenMoEConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
     cfg = config(args)
-    return run_recipe(
-        recipe(cfg), cfg, executor_from_args(args, threads=getattr(args, "threads", 1))
-    )
+    return run_recipe(recipe(cfg), cfg, executor_from_args(args, threads=args.threads))
