@@ -1,12 +1,32 @@
-"""DSelect-k (or any registered gate) as the router of Hugging Face Mixtral-style MoE blocks.
+"""DSelect-k (or any registered gate) as the router of Hugging Face transformers MoE models.
 
-``replace_routers(model)`` swaps the router (``block.gate``, a ``MixtralTopKRouter``) of every
-sparse MoE block of a transformers model (``MixtralForCausalLM`` and models built the same way:
-a block with ``.gate`` returning ``(router_logits, top_k_weights, top_k_index)`` and
-``.experts``) for a :class:`GateRouter` holding a per-example gate of this package. Nothing
-else of the model changes; the experts, their weights and the dispatch are transformers' own.
+``replace_routers(model)`` swaps the router (``block.gate``, e.g. a ``MixtralTopKRouter``) of
+every sparse MoE block of a transformers model for a :class:`GateRouter` holding a per-example
+gate of this package. The experts, their weights and the dispatch stay transformers' own.
 
-What the router returns (transformers' contract, checked against ``transformers`` 5.x):
+Supported families (checked against ``transformers`` 5.24; each tested on a tiny random model in
+``tests/test_hf_persistence.py``): the ones whose MoE block calls
+``router_logits, top_k_weights, top_k_index = self.gate(hidden_states)`` on a ``TopKRouter``
+with ``top_k``, ``num_experts``, ``hidden_dim`` and a single ``weight`` (softmax, top-k, optional
+renormalisation), records ``router_logits`` with an ``OutputRecorder`` on that router class and
+feeds them to ``load_balancing_loss_func``:
+
+* **Mixtral** (``MixtralForCausalLM``),
+* **Qwen2-MoE** (``Qwen2MoeForCausalLM``; its shared expert and ``shared_expert_gate`` are
+  kept as they are),
+* **Qwen3-MoE** (``Qwen3MoeForCausalLM``),
+* **OLMoE** (``OlmoeForCausalLM``).
+
+Not supported (not the same router contract): DeepSeek-V3 / GLM-4-MoE style routers (sigmoid
+scores, a learned ``e_score_correction_bias``, grouped top-k: the router's output is not a
+distribution over experts of one softmax); GPT-OSS (its router has a bias and returns the scores
+in another order); Jamba, Granite-MoE, JetMoE, DBRX, Switch/NLLB-MoE (their own router
+modules and dispatch; several use capacity or expert-choice routing); multimodal MoE models
+(Qwen3-VL-MoE, ...: the router config is a sub-config). :func:`find_moe_blocks` finds any
+module with a ``.gate`` that has ``top_k``/``num_experts``/``hidden_dim`` and ``.experts``,
+so a family built like Mixtral may work untested; the four above are the tested ones.
+
+What the router returns (transformers' contract):
 
 * ``top_k_weights, top_k_index``: the gate's ``top_k`` largest weights per token
   (``top_k = config.num_experts_per_tok``) and their experts. They are *not* renormalised
@@ -29,27 +49,84 @@ whenever the model computed a loss (``labels`` given), next to transformers'
 ``router_aux_loss_coef · aux_loss``; with your own loss, add :func:`router_aux_loss` of the
 model yourself.
 
-The replacement router is an instance of a subclass of the block's original router class, so
-transformers' output recorders (``output_router_logits=True``) find it. Replace the routers
-before the first forward (or the adapter installs the recording hook on the new routers
-itself). The gates are initialised by this package, not by the model's ``_init_weights``; do
-not call ``model.init_weights()`` afterwards.
+transformers' contract, the rest of it:
+
+* **Meta device.** The gates read no tensor's value when they are built, so the routers can be
+  put in a model on the meta device (``from_pretrained``, ``device_map``, init on meta).
+* **Initialisation.** ``replace_routers`` makes every ``PreTrainedModel`` of the tree an
+  instance of a subclass (``DSelectK<Name>``) whose ``_init_weights`` gives each router the
+  gate's own initialisation (:meth:`~dselectk.gates.Gate.reset_parameters`) and leaves the
+  gate's layers to it: ``model.init_weights()``, ``_initialize_missing_keys`` while loading and
+  ``_init_weights(module)`` all end with the gate's initialisation. Tensors transformers marked
+  as loaded (``_is_hf_initialized``) keep their values.
+* **Router logits** are recorded for ``output_router_logits=True`` (the router is also an
+  instance of the replaced router class, for transformers' output recorders) and the
+  load-balancing loss works as above.
+* ``generate`` (with or without the KV cache), gradient checkpointing and ``torch.compile``
+  work as for the original model (tested).
+
+Persistence. ``replace_routers`` with a gate *name* writes the router choice into the model's
+config, ``config.dselectk_router`` (:data:`CONFIG_KEY`)::
+
+    {"gate": "dselect_k", "gate_kwargs": {"k": 2, "gamma": 1.0, ...},
+     "aux_loss_weight": 1.0, "renormalize": false, "format": 1}
+
+so ``model.save_pretrained(path)`` saves it in ``config.json`` next to the gate tensors
+(hyperparameter buffers included: a schedule's current γ or λ is saved and restored).
+:func:`from_pretrained` loads such a folder (or a Hub repo) with no manual step: it builds the
+model class with DSelect-k routers from the config (through transformers' own
+``from_pretrained``: meta device, ``device_map``, ``dtype`` all work) and the logits are those of
+the saved model::
+
+    from transformers import AutoModelForCausalLM
+    from dselectk.integrations import hf
+
+    model = hf.from_pretrained(AutoModelForCausalLM, "path/or/repo")
+
+A router given as a callable is not recorded (it cannot be rebuilt from a config).
+
+**Plain transformers** (without this package, or ``AutoModelForCausalLM.from_pretrained`` on
+such a folder) loads the config (``dselectk_router`` is kept as an unknown attribute) and builds
+the *original* routers: the load report (a warning) lists the routers' ``...mlp.gate.weight`` as
+MISSING (freshly initialised) and the gate tensors ``...mlp.gate.gate_module.*`` as UNEXPECTED.
+Nothing raises; the model runs, but with untrained softmax routers, so its outputs are not the
+saved model's. :func:`from_pretrained` is the loading path; :func:`check_loaded` raises on a
+model that was saved with DSelect-k routers but lacks them.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
+from dselectk.gates.hyperparameter import hyperparameters
 from dselectk.gates.registry import GATES, make_gate
 
-__all__ = ["GateRouter", "find_moe_blocks", "replace_routers", "router_aux_loss"]
+__all__ = [
+    "CONFIG_KEY",
+    "GateRouter",
+    "check_loaded",
+    "find_moe_blocks",
+    "from_pretrained",
+    "replace_routers",
+    "router_aux_loss",
+    "router_config",
+]
+
+#: the config attribute that records the router choice (see the module docstring)
+CONFIG_KEY = "dselectk_router"
+_FORMAT = 1
 
 _CLASSES: dict[type, type] = {}
+_HOOKED: dict[type, type] = {}
+_LOADERS: dict[type, type] = {}
 _HOOK_FLAG = "_dselectk_router_hook"
+_IN_ROUTER = "_dselectk_in_router"
 
 
 class GateRouter(nn.Module):
@@ -72,6 +149,8 @@ class GateRouter(nn.Module):
         self.hidden_dim: int = gate.in_features
         self.renormalize = bool(renormalize)
         self.aux_loss = None
+        for m in gate.modules():  # transformers' _init_weights leaves these to the router
+            setattr(m, _IN_ROUTER, True)
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
@@ -85,6 +164,11 @@ class GateRouter(nn.Module):
             top_w = top_w / top_w.sum(-1, keepdim=True).clamp_min(tiny)
         return logits, top_w.to(hidden_states.dtype), top_i
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The gate's own initialisation (:meth:`~dselectk.gates.Gate.reset_parameters`)."""
+        self.gate_module.reset_parameters()
+
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
 
@@ -94,6 +178,70 @@ def _router_class(base: type) -> type[GateRouter]:
     if base not in _CLASSES:
         _CLASSES[base] = type(f"Gate{base.__name__}", (GateRouter, base), {})
     return _CLASSES[base]
+
+
+@torch.no_grad()
+def _init_router(router: GateRouter) -> None:
+    """The gate's initialisation, keeping the tensors transformers marked as loaded."""
+    tensors = [*router.gate_module.parameters(), *router.gate_module.buffers()]
+    loaded = [t for t in tensors if getattr(t, "_is_hf_initialized", False)]
+    if len(loaded) == len(tensors):
+        return
+    kept = [(t, t.detach().clone()) for t in loaded]
+    router.gate_module.reset_parameters()
+    for t, value in kept:
+        t.copy_(value)
+
+
+def _init_weights(self: Any, module: nn.Module) -> None:
+    """transformers' ``_init_weights``, with the routers left to their gates."""
+    if isinstance(module, GateRouter):
+        _init_router(module)
+        return
+    if getattr(module, _IN_ROUTER, False):
+        return
+    type(self)._dselectk_base._init_weights(self, module)
+
+
+def _hooked_class(cls: type) -> type:
+    """``cls`` with :func:`_init_weights` (cls itself when it already has it)."""
+    if getattr(cls, "_dselectk_hooked", False):
+        return cls
+    if cls not in _HOOKED:
+        _HOOKED[cls] = type(
+            f"DSelectK{cls.__name__}",
+            (cls,),
+            {
+                "_init_weights": _init_weights,
+                "_dselectk_base": cls,
+                "_dselectk_hooked": True,
+                "__module__": __name__,
+                "__doc__": f"{cls.__name__} whose routers are initialised by their gates.",
+            },
+        )
+    return _HOOKED[cls]
+
+
+def _hook_init(model: nn.Module) -> None:
+    """Make every ``PreTrainedModel`` of ``model``'s tree initialise the routers by their gates."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # a plain torch model: nothing calls _init_weights
+        return
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and not getattr(type(m), "_dselectk_hooked", False):
+            m.__class__ = _hooked_class(type(m))
+            _register_outputs(m)
+
+
+def _register_outputs(model: Any) -> None:
+    """transformers keys the outputs a model records (router logits, ...) on its class' name;
+    register them for the new class too."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # another transformers version: nothing to register
+        return
+    _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
 
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -130,9 +278,37 @@ def _add_aux_hook(model: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
+def _json_value(name: str, value: Any) -> Any:
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    raise TypeError(
+        f"gate argument {name}={value!r} cannot be saved in the model's config (a number, bool "
+        "or string is needed); pass it as a plain value"
+    )
+
+
+def router_config(
+    router: str = "dselect_k",
+    *,
+    aux_loss_weight: float = 1.0,
+    renormalize: bool = False,
+    **gate_kwargs: Any,
+) -> dict[str, Any]:
+    """The ``config.dselectk_router`` entry for these :func:`replace_routers` arguments."""
+    if router not in GATES:
+        raise ValueError(f"unknown gate {router!r}; expected one of {sorted(GATES)}")
+    return {
+        "gate": router,
+        "gate_kwargs": {k: _json_value(k, v) for k, v in sorted(gate_kwargs.items())},
+        "aux_loss_weight": float(aux_loss_weight),
+        "renormalize": bool(renormalize),
+        "format": _FORMAT,
+    }
+
+
 def replace_routers(
     model: nn.Module,
-    router: str | Any = "dselect_k",
+    router: str | Callable[[int, int, int], Gate] = "dselect_k",
     *,
     aux_loss_weight: float = 1.0,
     renormalize: bool = False,
@@ -140,15 +316,22 @@ def replace_routers(
 ) -> list[GateRouter]:
     """Put a gate of this package in every Mixtral-style MoE block of ``model``.
 
+    Works on a model on any device, the meta device included (the gates are built there). With
+    a gate name, the choice is written to ``model.config.dselectk_router`` (see
+    :func:`from_pretrained`), and the model's ``_init_weights`` initialises the routers by their
+    gates (see the module docstring).
+
     Args:
         model: a transformers model (e.g. ``MixtralForCausalLM``); changed in place.
         router: a gate name (built per-example with ``in_features=hidden_size``, n =
-            ``num_local_experts`` and, when the gate takes one, ``k = num_experts_per_tok``), or a
-            callable ``(num_experts, hidden_size, top_k) -> Gate`` (called once per block).
+            ``num_experts`` and, when the gate takes one, ``k = num_experts_per_tok``), or a
+            callable ``(num_experts, hidden_size, top_k) -> Gate`` (called once per block; not
+            recorded in the config).
         aux_loss_weight: weight of the gates' auxiliary losses added to ``outputs.loss``
             (0: not added; use :func:`router_aux_loss`).
         renormalize: rescale each token's top-k weights to sum to 1.
-        **gate_kwargs: arguments of the gate when ``router`` is a name (gamma, entropy_reg, ...).
+        **gate_kwargs: arguments of the gate when ``router`` is a name (gamma, entropy_reg, ...);
+            numbers, bools or strings (they are saved in the config).
 
     Returns:
         The new routers, in module order.
@@ -156,28 +339,33 @@ def replace_routers(
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError("model has no Mixtral-style MoE block (a module with .gate and .experts)")
+    if not isinstance(router, str) and gate_kwargs:
+        raise ValueError("gate keyword arguments only apply when router is a gate name")
     routers: list[GateRouter] = []
+    resolved: dict[str, Any] = dict(gate_kwargs)
     for _, block in blocks:
         old: Any = block.gate
         n, d, top_k = int(old.num_experts), int(old.hidden_dim), int(old.top_k)
-        if isinstance(router, str):
-            kw = dict(gate_kwargs)
-            if router in GATES and GATES[router].takes_k:
-                kw.setdefault("k", top_k)
-            gate = make_gate(router, n, in_features=d, **kw)
-        else:
-            if gate_kwargs:
-                raise ValueError("gate keyword arguments only apply when router is a gate name")
-            gate = router(n, d, top_k)
+        p = next(old.parameters(), None)
+        on_meta = p is not None and p.is_meta
+        # Built on the meta device when the model is there (no value exists there); otherwise
+        # on the default device and moved, as before (the same random draws).
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            if isinstance(router, str):
+                kw = dict(gate_kwargs)
+                if router in GATES and GATES[router].takes_k:
+                    kw.setdefault("k", top_k)
+                    resolved.setdefault("k", kw["k"])
+                gate = make_gate(router, n, in_features=d, **kw)
+            else:
+                gate = router(n, d, top_k)
         if not isinstance(gate, Gate) or gate.static or gate.num_gates is not None:
             raise ValueError(f"the router must be a per-example single gate, got {gate!r}")
         if gate.num_experts != n or gate.in_features != d:
             raise ValueError(f"gate must have {n} experts and in_features={d}, got {gate!r}")
-        p = next(old.parameters(), None)
         if p is not None:
             gate = gate.to(device=p.device, dtype=p.dtype)
-        base = type(old)
-        cls = _router_class(base)
+        cls = _router_class(type(old))
         new = cls.__new__(cls)
         new._setup(gate, top_k, renormalize)
         block.gate = new
@@ -189,4 +377,117 @@ def replace_routers(
     if not hasattr(model, _HOOK_FLAG):
         model.register_forward_hook(_add_aux_hook)
     setattr(model, _HOOK_FLAG, float(aux_loss_weight))
+    _hook_init(model)
+    config = getattr(model, "config", None)
+    if config is not None:
+        if isinstance(router, str):
+            entry = router_config(
+                router, aux_loss_weight=aux_loss_weight, renormalize=renormalize, **resolved
+            )
+            setattr(config, CONFIG_KEY, entry)
+        elif hasattr(config, CONFIG_KEY):
+            delattr(config, CONFIG_KEY)  # a callable's gates cannot be rebuilt from the config
     return routers
+
+
+def _spec(config: Any) -> Mapping[str, Any] | None:
+    spec = getattr(config, CONFIG_KEY, None)
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or "gate" not in spec:
+        raise ValueError(f"config.{CONFIG_KEY} must be a mapping with a 'gate', got {spec!r}")
+    if int(spec.get("format", _FORMAT)) > _FORMAT:
+        raise ValueError(
+            f"config.{CONFIG_KEY} has format {spec['format']}, newer than this dselectk "
+            f"understands ({_FORMAT}); upgrade dselectk"
+        )
+    return spec
+
+
+def _apply_config(model: nn.Module) -> None:
+    spec = _spec(getattr(model, "config", None))
+    if spec is None:
+        return
+    replace_routers(
+        model,
+        str(spec["gate"]),
+        aux_loss_weight=float(spec.get("aux_loss_weight", 1.0)),
+        renormalize=bool(spec.get("renormalize", False)),
+        **dict(spec.get("gate_kwargs", {})),
+    )
+
+
+def _loading_class(cls: type) -> type:
+    """``cls`` whose constructor puts in the routers its config names (for from_pretrained)."""
+    base = getattr(cls, "_dselectk_base", cls)
+    if base not in _LOADERS:
+        hooked: Any = _hooked_class(base)
+
+        def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+            hooked.__init__(self, config, *args, **kwargs)
+            _apply_config(self)
+
+        _LOADERS[base] = type(
+            hooked.__name__,
+            (hooked,),
+            {"__init__": __init__, "__module__": __name__, "_dselectk_base": base},
+        )
+    return _LOADERS[base]
+
+
+def _refresh(model: nn.Module) -> None:
+    """Hyperparameter records and flags from the loaded buffers (the loader writes the tensors
+    directly, without :meth:`~torch.nn.Module.load_state_dict`)."""
+    for m in model.modules():
+        if isinstance(m, Gate):
+            for hp in hyperparameters(m).values():
+                hp.refresh(m)
+
+
+def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+    """Load a model saved with DSelect-k routers (the documented loading path).
+
+    Args:
+        cls: a model class (``MixtralForCausalLM``, ...) or an auto class
+            (``AutoModelForCausalLM``, ...; resolved from the folder's config).
+        pretrained_model_name_or_path, *args, **kwargs: as for transformers' ``from_pretrained``
+            (``config``, ``dtype``, ``device_map``, ...).
+
+    Returns:
+        The model, with the routers its config names (``config.dselectk_router``), every tensor
+        loaded from the checkpoint. A folder without ``dselectk_router`` loads as transformers
+        would load it (plain routers).
+    """
+    config = kwargs.pop("config", None)
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            pretrained_model_name_or_path,
+            **{k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs},
+        )
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is not None:  # an auto class
+        cls = mapping[type(config)]
+    target: Any = _loading_class(cls) if _spec(config) is not None else cls
+    model = target.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+    _refresh(model)
+    return model
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Raise a ValueError if ``model``'s config names DSelect-k routers that it does not have
+    (it was loaded by plain transformers: its routers are freshly initialised softmax routers).
+    """
+    spec = _spec(getattr(model, "config", None))
+    if spec is None:
+        return
+    blocks = find_moe_blocks(model)
+    plain = [name for name, block in blocks if not isinstance(block.gate, GateRouter)]
+    if plain:
+        raise ValueError(
+            f"this model was saved with {spec['gate']!r} routers (config.{CONFIG_KEY}) but "
+            f"{len(plain)} MoE block(s) have transformers' own router (e.g. {plain[0]}): it was "
+            "loaded without dselectk, and those routers are untrained. Load it with "
+            "dselectk.integrations.hf.from_pretrained(cls, path)."
+        )
