@@ -14,8 +14,8 @@ Reports, in one run:
   processes at once (cores split between them, as ``dselectk reproduce synthetic --jobs N``
   runs them) and the estimate is the busiest process's total.
 
-    .venv/bin/python benchmarks/bench_synthetic.py            # about 1-3 minutes on 2 cores
-    .venv/bin/python benchmarks/bench_synthetic.py --threads 2 --jobs 2 \
+    .venv/bin/python -m benchmarks.bench_synthetic            # about 1-3 minutes on 2 cores
+    .venv/bin/python -m benchmarks.bench_synthetic --threads 2 --jobs 2 \
         --gates dselect_k topk ablation_annealing ablation_entropy \
         --selected benchmarks/results/c1_full_selected_hparams.json
 """
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.synthetic_reference import reference_loss, train_step
 from dselectk.experiments import synthetic as S
 from dselectk.experiments.synthetic.model import schedulers
 from dselectk.runtime import tune_allocator
@@ -62,10 +63,10 @@ def time_steps(
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]
     for i in idx[:3]:
-        S.train_step(model, opt, x[i], y[i], scheds, loss_fn)
+        train_step(model, opt, x[i], y[i], scheds, loss_fn)
     t0 = time.perf_counter()
     for i in idx[3:]:
-        S.train_step(model, opt, x[i], y[i], scheds, loss_fn)
+        train_step(model, opt, x[i], y[i], scheds, loss_fn)
     return time.perf_counter() - t0
 
 
@@ -157,7 +158,7 @@ def main() -> None:
     print(f"  one at a time         : {sequential:8.2f} s")
     print(f"  speed-up              : {sequential / batched:8.2f} x")
     fused = time_steps(args.gate, args.tasks, seeds, data, args.steps)
-    composed = time_steps(args.gate, args.tasks, seeds, data, args.steps, S.reference_loss)
+    composed = time_steps(args.gate, args.tasks, seeds, data, args.steps, reference_loss)
     print(f"  batched, fused loss   : {fused:8.2f} s")
     print(f"  batched, autograd loss: {composed:8.2f} s")
     print(f"  speed-up (fused)      : {composed / fused:8.2f} x")

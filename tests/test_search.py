@@ -243,11 +243,12 @@ def test_recovery_search_variant_ends_binary_with_k_distinct_experts() -> None:
 
 
 def test_synthetic_search_variant_ends_binary_with_k_experts_per_task() -> None:
-    from dselectk.experiments.synthetic.data import generate_data
-    from dselectk.experiments.synthetic.spec import SEARCHES, TUNED_AS, load_tuned, resolve_hparams
+    from dselectk.data.synthetic import generate_data
+    from dselectk.experiments.synthetic.spec import VARIANTS, load_tuned, resolve_hparams
     from dselectk.experiments.synthetic.train import train_reps
 
-    assert set(TUNED_AS) == set(SEARCHES)
+    tuned_as = {n for n, v in VARIANTS.items() if v.tuned_as is not None}
+    assert tuned_as == {n for n, v in VARIANTS.items() if v.search is not None}
     tuned = load_tuned()
     hp = resolve_hparams("dselect_k_search", 32, tuned, {"epochs": 3})
     assert hp == resolve_hparams("dselect_k", 32, tuned, {"epochs": 3})  # the paper gate's
@@ -259,13 +260,12 @@ def test_synthetic_search_variant_ends_binary_with_k_experts_per_task() -> None:
 
 def test_the_search_schedule_is_part_of_a_search_variants_identity() -> None:
     from dselectk.experiments.recovery.recipe import VARIANTS, RecoveryConfig, _record_config
-    from dselectk.experiments.synthetic.spec import SEARCHES, record_config
+    from dselectk.experiments.synthetic.spec import record_config
 
     cfg = record_config("dselect_k_search", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
-    assert cfg["search"] == {
-        k: list(v) if isinstance(v, tuple) else v for k, v in SEARCHES["dselect_k_search"].items()
-    }
-    assert "search" not in record_config("dselect_k", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
+    assert cfg["variant"]["search"] == {"at": [0.25, 0.7, 0.85], "binarize": 0.5, "refit": True}
+    plain = record_config("dselect_k", 32, {"lr": 0.01}, 0, 1, 0, {}, "final")
+    assert "search" not in plain["variant"]
     from pathlib import Path
 
     run = RecoveryConfig(Path("out"))

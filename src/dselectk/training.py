@@ -227,23 +227,6 @@ def make_optimizer(
     raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
 
 
-def optimizer_step(
-    optimizer: torch.optim.Optimizer, loss: Tensor, schedulers: Sequence[Any] = ()
-) -> None:
-    """The body of one plain training step: gradients of ``loss``, the optimizer step, then every
-    scheduler's step.
-
-    Not used by :func:`train` (whose step has the divergence guards in between); kept importable
-    for the step-by-step reference path of the synthetic benchmarks
-    (``dselectk.experiments.synthetic.train_step``) until that moves to ``benchmarks/``.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    for s in schedulers:
-        s.step()
-
-
 class Callback:
     """Hooks of :func:`train`; override what you need (all default to doing nothing).
 

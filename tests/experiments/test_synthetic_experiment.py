@@ -1,8 +1,10 @@
-"""Appendix C.1 data generator, batched vs sequential training, resumable sweep, report, CLI."""
+"""Appendix C.1 study: batched vs sequential training, resumable sweep, report, CLI (the data
+generator's tests are tests/data/test_synthetic_data.py)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.synthetic_reference import reference_loss, train_sequential
 
 from dselectk._testing import PAUSE_ENV
 from dselectk.cli import main
@@ -23,53 +26,7 @@ from dselectk.experiments.synthetic import recipe as synthetic_recipe
 TINY = ["--n-train", "1024", "--n-eval", "256", "--epochs", "1", "--no-progress", "--jobs", "1"]
 
 
-def test_data_shapes_splits_and_determinism() -> None:
-    d = S.generate_data(3, n_train=100, n_val=20, n_test=30)
-    assert d.x_train.shape == (100, 10) and d.y_train.shape == (100, 128)
-    assert d.x_val.shape == (20, 10) and d.y_val.shape == (20, 128)
-    assert d.x_test.shape == (30, 10) and d.y_test.shape == (30, 128)
-    assert d.groups.tolist() == [g for g in range(8) for _ in range(16)]
-    d2 = S.generate_data(3, n_train=100, n_val=20, n_test=30)
-    for a, b in [(d.x_train, d2.x_train), (d.y_test, d2.y_test), (d.alpha, d2.alpha)]:
-        assert torch.equal(a, b)
-    d3 = S.generate_data(4, n_train=100, n_val=20, n_test=30)
-    assert not torch.equal(d.y_train, d3.y_train)
-    state = torch.random.get_rng_state()
-    S.generate_data(5, n_train=10, n_val=5, n_test=5)
-    assert torch.equal(state, torch.random.get_rng_state())  # global RNG untouched
-
-
-def test_data_recipe_mixture_of_relu_experts() -> None:
-    d = S.generate_data(1, n_train=50, n_val=10, n_test=10)
-    x = torch.cat([d.x_train, d.x_val, d.x_test]).double()
-    for t in [0, 17, 127]:
-        g = t // 16
-        f = torch.relu(torch.einsum("np,epu->neu", x, d.expert_weights[g])).sum(-1)
-        y = f @ torch.softmax(d.alpha[t], dim=-1)
-        got = torch.cat([d.y_train[:, t], d.y_val[:, t], d.y_test[:, t]]).double()
-        assert torch.allclose(got, y, rtol=1e-5, atol=1e-5)
-
-
-def test_task_weights_correlated_within_group() -> None:
-    # 30 seeds x 8 groups x 4 coordinates = 960 draws of the 16 tasks' weights.
-    cols = []
-    for seed in range(30):
-        a = S.generate_data(seed, n_train=4, n_val=2, n_test=2).alpha  # (128, 4)
-        cols.append(a.view(8, 16, 4).permute(0, 2, 1).reshape(-1, 16))
-    samples = torch.cat(cols)  # (960, 16)
-    c = torch.corrcoef(samples.T)
-    off = c[~torch.eye(16, dtype=torch.bool)]
-    assert float(off.mean()) == pytest.approx(0.8, abs=0.04)
-    assert float(samples.var(0).mean()) == pytest.approx(1.0, abs=0.1)
-    # different groups are independent: 120 pairs (seed, coordinate), standard error ~0.09
-    g0, g1 = samples.view(30, 8, 4, 16)[:, 0], samples.view(30, 8, 4, 16)[:, 1]
-    cross = torch.corrcoef(torch.stack([g0[..., 0].flatten(), g1[..., 0].flatten()]))[0, 1]
-    assert abs(float(cross)) < 0.35
-
-
-@pytest.mark.parametrize(
-    "gate", ["dselect_k", "topk", "ablation_annealing", "ablation_entropy"]
-)
+@pytest.mark.parametrize("gate", ["dselect_k", "topk", "ablation_annealing", "ablation_entropy"])
 def test_batched_equals_sequential(gate: str) -> None:
     data = S.generate_data(0, n_train=768, n_val=128, n_test=128)
     hp = {
@@ -77,13 +34,12 @@ def test_batched_equals_sequential(gate: str) -> None:
         "epochs": 2,
         "lr": 0.01,
         "entropy_reg": 0.01,
-        "temperature_start": 1e-3,
-        "diversity": 1.0,
+        "temperature": 1e-3,
     }
     seeds = [11, 12, 13]
     batched = S.train_reps(gate, 32, hp, seeds, data, shuffle_seed=5)
     assert isinstance(batched, dict)
-    seq = S.train_sequential(gate, 32, hp, seeds, data, shuffle_seed=5)
+    seq = train_sequential(gate, 32, hp, seeds, data, shuffle_seed=5)
     for b, s in zip(batched[2], seq):
         assert b.keys() == s.keys()
         for k in b:
@@ -109,7 +65,7 @@ def test_fused_loss_equals_autograd_reference(gate: str, monkeypatch: pytest.Mon
     data = S.generate_data(1, n_train=300, n_val=8, n_test=8)
     x, y = data.x_train[:256], data.y_train[:256, :32]
     grads = []
-    for loss_fn in (S.mixture_loss, S.reference_loss):
+    for loss_fn in (S.mixture_loss, reference_loss):
         m = S.SyntheticMoE(gate, 32, hp, list(range(5, 17)))  # 12 reps: blocks 5, 5, 2
         loss = loss_fn(m, x, y)
         loss.backward()
@@ -303,11 +259,11 @@ def test_grid_search_selects_on_validation_and_reuses_records(tmp_path: Path) ->
 
     data = S.generate_data(0, n_train=512, n_val=128, n_test=128)
     grid = {
-        **S.PAPER_GRID,
+        **S.paper_grid(S.VARIANTS["dselect_k"]),
         "lr": [0.01],
         "epochs": [1, 2],
         "gamma": [10.0],
-        "entropy_reg_dselect_k": [0.01, 1.0],
+        "entropy_reg": [0.01, 1.0],
     }
     store = RunStore(tmp_path)
     cfg = {"seed": 0, "n_train": 512, "n_eval": 128}
@@ -377,6 +333,86 @@ def test_tuned_file_errors_name_the_flag(tmp_path: Path) -> None:
         S.load_tuned(bad)
     with pytest.raises(ValueError, match=r"--tuned .*cannot read"):
         S.load_tuned(tmp_path / "missing.json")
+    # entries are checked against the variant's declared hyperparameters: one line, file and key
+    bad.write_text('{"hparams": {"topk": {"default": {"lr": 0.1, "gamma": 5}}}}')
+    with pytest.raises(ValueError, match=r"--tuned .*bad.json: topk/default: gate 'topk' has no "
+                       r"hyperparameter 'gamma'") as e:  # fmt: skip
+        S.load_tuned(bad)
+    assert "\n" not in str(e.value)
+    bad.write_text('{"hparams": {"dselect_k": {"default": {"lr": 0.1, "gamma": -1}}}}')
+    with pytest.raises(ValueError, match=r"bad.json: dselect_k/default.gamma: expected a number"):
+        S.load_tuned(bad)
+
+
+def test_the_shipped_tuning_record_is_valid() -> None:
+    tuned = S.load_tuned()
+    assert set(tuned["hparams"]) <= set(S.VARIANTS)
+    hp = S.resolve_hparams("ablation_annealing", 32, tuned, {"gamma": 3.0, "temperature": 0.5})
+    assert hp == {"lr": 0.01, "epochs": 10, "temperature": 0.5}  # γ is not an annealing one
+    assert S.resolve_hparams("topk", 32, tuned, {"entropy_reg": 1.0}) == {"lr": 0.01, "epochs": 10}
+
+
+def test_flag_ramps_are_ramps_of_the_variants_that_take_the_hyperparameter() -> None:
+    from dselectk.variants import Ramp
+
+    args = argparse.Namespace(out=Path("x"), gates=["dselect_k"], tasks=[16])
+    base = synthetic_recipe.config_from_args(synthetic_recipe.SyntheticConfig, args)
+    c = dataclasses.replace(base, gamma_end=0.1, entropy_reg_end=1.0, entropy_warmup=0.2)
+    assert c.variant("dselect_k").schedules == (
+        Ramp("gamma", end=0.1, shape="geometric"),
+        Ramp("entropy_reg", end=1.0, delay=0.2, before=0.0),
+    )
+    assert c.variant("ablation_entropy").schedules == (
+        Ramp("entropy_reg", end=1.0, delay=0.2, before=0.0),
+    )
+    assert c.variant("topk") is S.VARIANTS["topk"]
+    assert c.variant("ablation_annealing") is S.VARIANTS["ablation_annealing"]
+    assert base.variant("dselect_k") is S.VARIANTS["dselect_k"]
+    assert c.shape(64) == {"num_experts": 16, "k": 4}
+
+
+def test_shape_options_run_and_the_records_carry_the_shape(tmp_path: Path) -> None:
+    out = tmp_path / "shape"
+    argv = ["reproduce", "synthetic", "--tasks", "16", "--gates", "dselect_k", "topk",
+            "--reps", "1", "--experts", "6", "--k", "3", "--out", str(out), *TINY]  # fmt: skip
+    assert main(argv) == 0
+    recs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert len(recs) == 2
+    for r in recs:
+        assert (r["config"]["num_experts"], r["config"]["k"]) == (6, 3)
+        assert len(r["weights"][0]) == 6  # (T, E) weights of repetition 0
+        if r["config"]["gate"] == "topk":  # exactly k = 3 (DSelect-k is not binary yet)
+            assert r["metrics"]["experts_per_task_max"] == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(r["shape"] == {"num_experts": 6, "k": 3} for r in summary["rows"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--k", "0"], "argument --k"),
+        (["--experts", "0"], "argument --experts"),
+        (["--entropy-warmup", "1.0"], "argument --entropy-warmup"),
+        (["--diversity", "1.0"], "unrecognized arguments: --diversity"),
+        (["--sequential"], "unrecognized arguments: --sequential"),
+    ],
+)
+def test_bad_shape_and_retired_flags_exit_2(
+    flags: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["reproduce", "synthetic", "--out", str(tmp_path / "x"), *flags])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_k_above_the_experts_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags in (["--k", "5"], ["--experts", "3"]):  # T = 16: 4 experts by default; k = 4
+        assert main(["reproduce", "synthetic", "--out", str(tmp_path / "x"), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--k" in err[0] and "experts" in err[0]
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(
@@ -395,8 +431,8 @@ def test_tuned_file_errors_name_the_flag(tmp_path: Path) -> None:
         (
             "ablation_annealing",
             [
-                {"lr": 0.01, "temperature_start": 1e-3, "epochs": 1},
-                {"lr": 0.1, "temperature_start": 1.0, "epochs": 2},
+                {"lr": 0.01, "temperature": 1e-3, "epochs": 1},
+                {"lr": 0.1, "temperature": 1.0, "epochs": 2},
             ],
         ),
     ],
@@ -514,8 +550,8 @@ def test_grid_search_of_a_search_variant_batches_one_epoch_count_at_a_time(
     from dselectk.experiments.synthetic import train as st
 
     data = S.generate_data(0, n_train=512, n_val=128, n_test=128)
-    grid = {**S.PAPER_GRID, "lr": [0.01], "epochs": [1, 2], "gamma": [10.0]}
-    grid["entropy_reg_dselect_k"] = [0.1]
+    grid = {**S.paper_grid(S.VARIANTS["dselect_k"]), "lr": [0.01], "epochs": [1, 2]}
+    grid.update(gamma=[10.0], entropy_reg=[0.1])
     seen: list[list[int]] = []
     real = st.train_reps
 

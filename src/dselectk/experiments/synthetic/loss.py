@@ -1,5 +1,5 @@
-"""The fused training loss of the vectorized synthetic model (CPU fast path) and its composed
-reference."""
+"""The fused training loss of the vectorized synthetic model (CPU fast path; its composed
+autograd reference is ``benchmarks/synthetic_reference.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from dselectk.experiments.synthetic.model import SyntheticMoE
 
-__all__ = ["LOSS_BLOCK_WEIGHTS", "mixture_loss", "reference_loss"]
+__all__ = ["LOSS_BLOCK_WEIGHTS", "mixture_loss"]
 
 #: size of a block of :class:`_MixtureSSE`, in gate weights (repetitions × T × E): 10
 #: repetitions at T = 128 (E = 32), all 100 at T <= 32. A block's (R, B, T) residual and
@@ -94,9 +94,3 @@ def mixture_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
     w, b = model.experts.weights[0], model.experts.biases[0]
     block = max(1, LOSS_BLOCK_WEIGHTS // (model.num_tasks * model.num_experts))
     return _MixtureSSE.apply(xb, w, b, gw, yb, block) + out.aux_loss
-
-
-def reference_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
-    """The same loss composed from autograd ops (the reference path of the tests)."""
-    pred, aux = model(xb)
-    return (pred - yb.T.unsqueeze(0)).square().mean(-1).sum() + aux

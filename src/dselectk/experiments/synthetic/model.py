@@ -1,7 +1,7 @@
 """R independent multi-gate MoEs of the synthetic study as one vectorized model.
 
-Each member (a repetition, or one configuration of the grid search) has T/4 experts of the
-generator's form and one static gate per task (k = 4); all members' experts are one
+Each member (a repetition, or one configuration of the grid search) has E experts of the
+generator's form and one static gate per task choosing k; all members' experts are one
 :class:`~dselectk.layers.StackedMLP` and all their gates one bank of R·T library gates, whose
 γ, λ and temperature may differ per member (per-gate hyperparameters of the library gates).
 """
@@ -14,109 +14,79 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dselectk.data.synthetic import FEATURES, UNITS, SyntheticData
 from dselectk.experiments.metrics import distinct_experts, pairwise_jaccard
-from dselectk.experiments.synthetic.data import FEATURES, UNITS, SyntheticData
-from dselectk.experiments.synthetic.spec import ANNEAL_END, GATES, K
-from dselectk.gates import make_gate
+from dselectk.experiments.synthetic.spec import K, hparam_keys, variant_of
 from dselectk.gates.base import Gate
 from dselectk.layers import StackedMLP
-from dselectk.schedules import (
-    AttributeScheduler,
-    GeometricSchedule,
-    LinearSchedule,
-    WarmupSchedule,
-)
+from dselectk.schedules import AttributeScheduler, GeometricSchedule, Schedule
+from dselectk.variants import Variant, stack_members
 
-__all__ = ["SyntheticMoE", "build_model", "evaluate_model", "gate_kwargs", "schedulers"]
-
-
-def gate_kwargs(
-    gate: str,
-    hp: Mapping[str, Any],
-    members: Sequence[Mapping[str, Any]] | None = None,
-    num_tasks: int = 1,
-) -> dict[str, Any]:
-    """Constructor arguments of the library gate of experiment gate ``gate``.
-
-    With ``members`` (one hyperparameter mapping per member), γ, λ, μ and the start
-    temperature are per-gate values: member r's value repeated over its ``num_tasks`` gates.
-    """
-    reg, fixed = GATES[gate]
-    kw: dict[str, Any] = {"k": K, **fixed}
-
-    def value(key: str, default: float | None) -> Any:
-        if members is None:
-            return float(hp[key] if default is None else (hp.get(key) or default))
-        vals = [float(m[key] if default is None else (m.get(key) or default)) for m in members]
-        return torch.tensor(vals, dtype=torch.float64).repeat_interleave(num_tasks)
-
-    if reg == "dselect_k":
-        kw["gamma"] = value("gamma", None)
-        kw["entropy_reg"] = value("entropy_reg", 0.0)
-    elif reg == "ablation_entropy":
-        kw["entropy_reg"] = value("entropy_reg", 0.0)
-    elif reg == "ablation_annealing":
-        kw["temperature"] = value("temperature_start", 1.0)
-    return kw
+__all__ = ["SyntheticMoE", "evaluate_model", "schedulers"]
 
 
 class SyntheticMoE(nn.Module):
     """R independent multi-gate MoEs (T tasks, E experts each) as one vectorized model.
 
     Args:
-        gate: an experiment gate name (:data:`~dselectk.experiments.synthetic.spec.GATES`).
+        gate: a variant (or its name, :data:`~dselectk.experiments.synthetic.spec.VARIANTS`).
         num_tasks: T.
         hparams: resolved hyperparameters (γ, λ, start temperature).
         init_seeds: one seed per repetition; repetition r's parameters are those a single model
             built under ``torch.manual_seed(init_seeds[r])`` gets.
         member_hparams: one mapping per seed overriding ``hparams`` for that member (per-gate
-            γ, λ, μ, temperature; per-member learning rate and epochs for the optimizer and
+            γ, λ, temperature; per-member learning rate and epochs for the optimizer and
             schedules).
+        num_experts: E (default T/4, the generator's number of experts).
+        k: experts each task's gate selects.
     """
 
     def __init__(
         self,
-        gate: str,
+        gate: str | Variant,
         num_tasks: int,
         hparams: Mapping[str, Any],
         init_seeds: Sequence[int],
         member_hparams: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        num_experts: int | None = None,
+        k: int = K,
     ) -> None:
         super().__init__()
-        if gate not in GATES:
-            raise ValueError(f"unknown gate {gate!r}; expected one of {sorted(GATES)}")
+        self.variant = v = variant_of(gate)
         if member_hparams is not None and len(member_hparams) != len(init_seeds):
             raise ValueError(
                 f"member_hparams needs one entry per seed ({len(init_seeds)}), "
                 f"got {len(member_hparams)}"
             )
-        if num_tasks % 4:
+        if num_experts is None and num_tasks % 4:
             raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
-        self.gate_name = gate
-        self.num_tasks = num_tasks
-        self.num_experts = num_tasks // 4
-        self.reps = len(init_seeds)
-        if self.reps < 1:
+        if not init_seeds:
             raise ValueError("init_seeds must hold at least one seed")
-        reg, _ = GATES[gate]
+        self.gate_name = v.name
+        self.num_tasks, self.k, self.reps = num_tasks, k, len(init_seeds)
+        self.num_experts = e = num_tasks // 4 if num_experts is None else num_experts
         self.member_hparams = (
             None if member_hparams is None else [{**hparams, **m} for m in member_hparams]
         )
-        singles = []
-        for i, s in enumerate(init_seeds):
+        keys = hparam_keys(v)  # the hyperparameters the study gives this variant
+        members: Sequence[Mapping[str, Any]] = [hparams] * self.reps
+        if self.member_hparams is not None:
+            members = self.member_hparams
+        experts, gates = [], []
+        for s, hp_i in zip(init_seeds, members, strict=True):
             torch.manual_seed(int(s))
-            e = StackedMLP(self.num_experts, FEATURES, [UNITS])
-            hp_i = hparams if self.member_hparams is None else self.member_hparams[i]
-            g = make_gate(reg, self.num_experts, num_gates=num_tasks, **gate_kwargs(gate, hp_i))
-            singles.append((e, g))
-        self.experts = StackedMLP(self.reps * self.num_experts, FEATURES, [UNITS])
-        kw = gate_kwargs(gate, hparams, self.member_hparams, num_tasks)
-        self.gates: Gate = make_gate(reg, self.num_experts, num_gates=self.reps * num_tasks, **kw)
-        with torch.no_grad():
-            for name, p in self.experts.named_parameters():
-                p.copy_(torch.cat([dict(e.named_parameters())[name] for e, _ in singles]))
-            for name, p in self.gates.named_parameters():
-                p.copy_(torch.cat([dict(g.named_parameters())[name] for _, g in singles]))
+            experts.append(StackedMLP(e, FEATURES, [UNITS]))
+            own = {n: x for n, x in hp_i.items() if n in keys}
+            gates.append(v.build(e, hparams=own, k=k, num_gates=num_tasks))
+        bank_hp = {n: x for n, x in hparams.items() if n in keys}
+        if self.member_hparams is not None:  # per-gate values: member r's, over its T gates
+            used = [n for n in keys if any(m.get(n) is not None for m in members)]
+            bank_hp = {n: self.member_values(n).repeat_interleave(num_tasks) for n in used}
+        self.experts = StackedMLP(self.reps * e, FEATURES, [UNITS])
+        self.gates: Gate = v.build(e, hparams=bank_hp, k=k, num_gates=self.reps * num_tasks)
+        stack_members(self.experts, experts)
+        stack_members(self.gates, gates)
 
     def member_values(self, key: str, default: float = 0.0) -> Tensor:
         """(R,) float64 values of one hyperparameter, one per member."""
@@ -150,50 +120,28 @@ class SyntheticMoE(nn.Module):
         return self.gates.expert_weights().view(self.reps, self.num_tasks, self.num_experts)
 
 
-def build_model(
-    gate: str, num_tasks: int, hparams: Mapping[str, Any], init_seeds: Sequence[int]
-) -> SyntheticMoE:
-    """A :class:`SyntheticMoE` (kept as a function for symmetry with the other experiments)."""
-    return SyntheticMoE(gate, num_tasks, hparams, init_seeds)
-
-
 def schedulers(
     model: SyntheticMoE, hp: Mapping[str, Any], total_steps: int, steps_per_epoch: int
 ) -> list[AttributeScheduler]:
-    """The hyperparameter schedules of a run: γ anneal and λ ramp (DSelect-k), temperature
-    anneal (Ablation (Annealing); per member over its own epochs when members differ)."""
-    reg, _ = GATES[model.gate_name]
+    """The variant's ramps (:class:`~dselectk.variants.Ramp`) for a run of ``total_steps``.
+    With per-member hyperparameters, each member's ramp starts at its own value, and a
+    geometric ramp without delay (the annealing) spans each member's own epochs."""
+    v = model.variant
+    if model.member_hparams is None:
+        return v.schedulers(model.gates, hp, max(1, total_steps))
+    t = model.num_tasks
+    totals = (model.member_values("epochs") * steps_per_epoch).repeat_interleave(t)
     out = []
-    steps = max(1, total_steps)
-    if model.member_hparams is not None:
-        if reg == "ablation_annealing":
-            t = model.num_tasks
-            starts = model.member_values("temperature_start", 1.0).repeat_interleave(t)
-            totals = (model.member_values("epochs") * steps_per_epoch).repeat_interleave(t)
-            anneal = GeometricSchedule(starts, ANNEAL_END, totals)
-            out.append(AttributeScheduler(model.gates, "temperature", anneal))
-        return out
-    if reg == "dselect_k":
-        if hp.get("gamma_end"):
-            out.append(
-                AttributeScheduler(
-                    model.gates, "gamma", GeometricSchedule(hp["gamma"], hp["gamma_end"], steps)
-                )
-            )
-        lam = float(hp.get("entropy_reg") or 0.0)
-        lam_end = hp.get("entropy_reg_end")
-        if lam_end is not None:
-            # Linear ramp λ → λ_end, optionally after a warm-up fraction with λ = 0.
-            warm = int(float(hp.get("entropy_warmup") or 0.0) * steps)
-            ramp = WarmupSchedule(LinearSchedule(lam, float(lam_end), max(1, steps - warm)), warm)
-            out.append(AttributeScheduler(model.gates, "entropy_reg", ramp))
-    elif reg == "ablation_annealing":
-        start = float(hp.get("temperature_start") or 1.0)
-        out.append(
-            AttributeScheduler(
-                model.gates, "temperature", GeometricSchedule(start, ANNEAL_END, steps)
-            )
-        )
+    for r in v.schedules:
+        start = model.member_values(r.param).repeat_interleave(t) if r.start is None else r.start
+        sched: Schedule
+        if r.shape == "geometric" and not r.delay and r.span is None and r.end is not None:
+            sched = GeometricSchedule(start, r.end, totals)
+        elif bool((totals == totals[0]).all()):
+            sched = r.schedule(start, int(totals[0]))
+        else:
+            raise ValueError(f"{r}: members of different epochs need a geometric ramp")
+        out.append(AttributeScheduler(model.gates, r.param, sched))
     return out
 
 
@@ -237,7 +185,7 @@ def evaluate_model(model: SyntheticMoE, data: SyntheticData) -> list[dict[str, f
             "experts_per_task": float(nsel[r].mean()),
             "experts_per_task_min": float(nsel[r].min()),
             "experts_per_task_max": float(nsel[r].max()),
-            "frac_tasks_k_experts": float((nsel[r] == K).double().mean()),
+            "frac_tasks_k_experts": float((nsel[r] == model.k).double().mean()),
         }
         if soft_test is not None:
             m["test_mse_soft"] = float(soft_test[r])

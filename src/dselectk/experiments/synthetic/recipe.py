@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dselectk.data.synthetic import SyntheticData, generate_data
 from dselectk.experiments.args import (
     config_from_args,
     int_at_least,
@@ -30,18 +31,19 @@ from dselectk.experiments.runner import (
     missing,
     run_recipe,
 )
-from dselectk.experiments.synthetic.data import SyntheticData, generate_data
 from dselectk.experiments.synthetic.report import print_table, write_report
 from dselectk.experiments.synthetic.spec import (
-    BASE_HPARAMS,
     DEFAULT_GATES,
-    GATES,
+    VARIANTS,
+    K,
     init_seed,
     load_tuned,
     record_config,
     resolve_hparams,
+    with_ramps,
 )
 from dselectk.experiments.synthetic.train import train_reps, tune
+from dselectk.variants import Ramp, Variant
 
 __all__ = ["SyntheticConfig", "add_arguments", "recipe", "run", "run_cell"]
 
@@ -57,13 +59,23 @@ def task_count(text: str) -> int:
     return t
 
 
+def warmup_fraction(text: str) -> float:
+    """An argparse type: a fraction of the run in [0, 1)."""
+    value = nonnegative_float(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
     p.add_argument("--out", type=out_dir, default=Path("results/synthetic"), help="results folder")
     p.add_argument(
         "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
     )
-    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(GATES))
+    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(VARIANTS))
+    p.add_argument("--experts", type=POS, default=None, help="experts E of the model (T/4)")
+    p.add_argument("--k", type=POS, default=K, help=f"experts each task selects ({K})")
     p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 5, full 100)")
     p.add_argument("--batch-reps", type=POS, default=None, help="repetitions trained together")
     p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
@@ -82,22 +94,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--entropy-reg-end", type=nonnegative_float, default=None, help="ramp λ linearly to this"
     )
     p.add_argument(
-        "--diversity", type=nonnegative_float, default=None, help="μ of dselect_k_diverse"
+        "--entropy-warmup",
+        type=warmup_fraction,
+        default=0.0,
+        help="with --entropy-reg-end: the fraction of the run with λ = 0 before the ramp",
     )
     p.add_argument(
+        "--temperature",
         "--temperature-start",
         type=positive_float,
         default=None,
-        help="annealing start temperature s",
+        help="annealing start temperature s (Ablation (Annealing))",
     )
     p.add_argument("--n-train", type=POS, default=100_000, help="training rows (paper 100k)")
     p.add_argument("--n-eval", type=POS, default=20_000, help="validation = test rows (20k)")
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--max-points", type=POS, default=None, help="--full: grid points sampled")
-    p.add_argument(
-        "--sequential", action="store_true", help="train repetitions one at a time (reference)"
-    )
     p.add_argument(
         "--threads",
         type=NONNEG,
@@ -111,9 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="worker processes, each running whole (gate, T) cells with its share of the cores "
         "(--threads each if given); default 0: cores / --threads of them, at most one per cell. On "
-        "2 cores, "
-        "2 one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x faster "
-        "than one two-thread process",
+        "2 cores, 2 one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x "
+        "faster than one two-thread process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
@@ -133,6 +145,8 @@ class SyntheticConfig:
     out: Path
     gates: tuple[str, ...]
     tasks: tuple[int, ...]
+    experts: int | None = None
+    k: int = K
     reps: int | None = None
     batch_reps: int | None = None
     seed: int = 0
@@ -144,28 +158,34 @@ class SyntheticConfig:
     gamma_end: float | None = None
     entropy_reg: float | None = None
     entropy_reg_end: float | None = None
-    diversity: float | None = None
-    temperature_start: float | None = None
+    entropy_warmup: float = 0.0
+    temperature: float | None = None
     n_train: int = 100_000
     n_eval: int = 20_000
     tuned: Path | None = None
     trials: int = 5
     max_points: int | None = None
-    sequential: bool = False
     telemetry: bool = False
 
+    def overrides(self) -> dict[str, Any]:
+        """The hyperparameters set on the command line."""
+        keys = ("epochs", "lr", "gamma", "entropy_reg", "temperature")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
-def _overrides(args: SyntheticConfig) -> dict[str, Any]:
-    return {
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "gamma": args.gamma,
-        "gamma_end": args.gamma_end,
-        "entropy_reg": args.entropy_reg,
-        "entropy_reg_end": args.entropy_reg_end,
-        "diversity": args.diversity,
-        "temperature_start": args.temperature_start,
-    }
+    def variant(self, gate: str) -> Variant:
+        """The variant ``gate`` with the command line's ramps (--gamma-end, --entropy-reg-end)
+        of the hyperparameters it takes."""
+        ramps = []
+        if self.gamma_end is not None:
+            ramps.append(Ramp("gamma", end=self.gamma_end, shape="geometric"))
+        if self.entropy_reg_end is not None:
+            warm = self.entropy_warmup
+            ramps.append(Ramp("entropy_reg", end=self.entropy_reg_end, delay=warm, before=0.0))
+        return with_ramps(VARIANTS[gate], ramps)
+
+    def shape(self, num_tasks: int) -> dict[str, int]:
+        """The model's shape at T = ``num_tasks``: experts (default T/4) and k."""
+        return {"num_experts": self.experts or num_tasks // 4, "k": self.k}
 
 
 def run_cell(
@@ -176,14 +196,14 @@ def run_cell(
     finished run is saved as its own record, so a killed cell resumes where it stopped.
     Returns the selection (written to ``selected_hparams.json`` by :func:`run`)."""
     gate, t = cell
+    v, shape = args.variant(gate), args.shape(t)
     store = RunStore(args.out)
     reps = args.reps if args.reps is not None else (100 if args.full else 5)
-    batch_reps = 1 if args.sequential else (args.batch_reps or min(reps, 100))
+    batch_reps = args.batch_reps or min(reps, 100)
     data_cfg = {"seed": args.data_seed, "n_train": args.n_train, "n_eval": args.n_eval}
-    overrides = _overrides(args)
     if args.full:
         choice = tune(
-            gate,
+            v,
             t,
             data,
             store,
@@ -192,22 +212,26 @@ def run_cell(
             seed=args.seed,
             data_cfg=data_cfg,
             progress=progress,
+            shape=shape,
         )
-        hp = {**BASE_HPARAMS, **choice["hparams"]}
-        hp.update({k: v for k, v in overrides.items() if v is not None})
+        hp = resolve_hparams(v, t, {}, {**choice["hparams"], **args.overrides()})
         selection = {**choice, "hparams": hp}
     else:
         tuned = load_tuned(args.tuned)
-        hp = resolve_hparams(gate, t, tuned, overrides)
+        hp = resolve_hparams(v, t, tuned, args.overrides())
         selection = {"hparams": hp, "source": tuned.get("source", "tuned")}
     jobs = [(r, init_seed(args.seed, gate, t, r)) for r in range(reps)]
-    cfgs = [record_config(gate, t, hp, r, s, args.seed, data_cfg, "final") for r, s in jobs]
-    todo = [jobs[i] for i in missing(store, cfgs)]
+
+    def config(r: int, s: int) -> dict[str, Any]:
+        return record_config(v, t, hp, r, s, args.seed, data_cfg, "final", shape)
+
+    todo = [jobs[i] for i in missing(store, [config(r, s) for r, s in jobs])]
     for chunk_start in range(0, len(todo), batch_reps):
         chunk = todo[chunk_start : chunk_start + batch_reps]
+        name = f"{gate}-T{t}-reps{chunk[0][0]}-{chunk[-1][0]}"
         tc = time.perf_counter()
         res = train_reps(
-            gate,
+            v,
             t,
             hp,
             [s for _, s in chunk],
@@ -216,22 +240,19 @@ def run_cell(
             progress=progress,
             desc=f"{gate} T={t} reps {chunk[0][0]}-{chunk[-1][0]}",
             return_model=True,
-            telemetry_dir=(
-                Path(args.out) / "telemetry" / f"{gate}-T{t}-reps{chunk[0][0]}-{chunk[-1][0]}"
-                if getattr(args, "telemetry", False)
-                else None
-            ),
+            telemetry_dir=Path(args.out) / "telemetry" / name if args.telemetry else None,
+            num_experts=shape["num_experts"],
+            k=shape["k"],
         )
         assert isinstance(res, tuple)
         metrics, model = res
         elapsed = time.perf_counter() - tc
         w = model.eval_weights()
         for i, (r, s) in enumerate(chunk):
-            cfg = record_config(gate, t, hp, r, s, args.seed, data_cfg, "final")
             extra: dict[str, Any] = {"train_seconds": elapsed / len(chunk)}
             if r == 0:
-                extra["weights"] = [[round(float(v), 4) for v in row] for row in w[i]]
-            store.save(cfg, metrics[int(hp["epochs"])][i], **extra)
+                extra["weights"] = [[round(float(x), 4) for x in row] for row in w[i]]
+            store.save(config(r, s), metrics[int(hp["epochs"])][i], **extra)
     return selection
 
 
@@ -268,5 +289,10 @@ def recipe(config: SyntheticConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
     config = config_from_args(SyntheticConfig, args)
+    for t in config.tasks:
+        e = config.shape(t)["num_experts"]
+        if config.k > e:
+            what = f"--experts {config.experts}" if config.experts else f"T/4 = {e} at --tasks {t}"
+            raise ValueError(f"--k {config.k}: more than the model's experts ({what})")
     threads = int(getattr(args, "threads", 0) or 0)
     return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))

@@ -9,15 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dselectk.data.synthetic import TASKS_PER_GROUP
 from dselectk.experiments.metrics import expected_random_jaccard
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
-from dselectk.experiments.synthetic.data import TASKS_PER_GROUP
 from dselectk.experiments.synthetic.spec import (
     ALL_GATES,
     EXPERIMENT,
-    GATES,
-    LABELS,
     PAPER,
+    VARIANTS,
     K,
     load_tuned,
 )
@@ -36,6 +35,18 @@ METRICS = [
 ]
 
 
+def _label(gate: str) -> str:
+    return VARIANTS[gate].label if gate in VARIANTS else gate
+
+
+def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
+    """(experts, k) of the runs at T = ``t`` (records before the shape options: T/4, 4)."""
+    for r in rows:
+        if r["num_tasks"] == t and "shape" in r:
+            return r["shape"]["num_experts"], r["shape"]["k"]
+    return t // 4, K
+
+
 def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     final = [r for r in records if r["config"].get("phase") == "final"]
     rows = summarize(final, ["gate", "num_tasks"])
@@ -46,7 +57,14 @@ def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             if r["config"]["gate"] == row["gate"] and r["config"]["num_tasks"] == row["num_tasks"]
         }
         row["hparams"] = [json.loads(h) for h in sorted(hps)]
-        row["label"] = LABELS.get(row["gate"], row["gate"])
+        row["label"] = _label(row["gate"])
+        cfg = next(
+            r["config"]
+            for r in final
+            if (r["config"]["gate"], r["config"]["num_tasks"]) == (row["gate"], row["num_tasks"])
+        )
+        if "k" in cfg:
+            row["shape"] = {"num_experts": cfg["num_experts"], "k": cfg["k"]}
     order = {g: i for i, g in enumerate(ALL_GATES)}
     rows.sort(key=lambda r: (order.get(r["gate"], len(order)), r["gate"], r["num_tasks"]))
     return rows
@@ -100,14 +118,15 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
         else f"{-100 * imp:.1f} % *higher* MSE than Top-k"
     )
     used = (d.get("experts_per_task") or {}).get("mean")
+    k_t = _shape(rows, t)[1]
     caveat = (
         f" **Caveat: this DSelect-k is not sparse** ({used:.1f} experts per task where "
-        f"k = {K}), so it is not the k-sparse gate the paper compares."
-        if used is not None and used > K + 0.5
+        f"k = {k_t}), so it is not the k-sparse gate the paper compares."
+        if used is not None and used > k_t + 0.5
         else ""
     )
     lines.append(
-        f"- **{LABELS.get(gate, gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
+        f"- **{_label(gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
         f"i.e. {rel_txt} ({claim}) → {verdict}.{caveat}"
     )
     jd, jk = d["related_jaccard"]["mean"], k["related_jaccard"]["mean"]
@@ -121,7 +140,7 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
             else "not comparable (T ≠ 128)"
         )
         lines.append(
-            f"- **{LABELS.get(gate, gate)} vs Top-k, T = {t}, related-task Jaccard**: {jd:.3f} vs "
+            f"- **{_label(gate)} vs Top-k, T = {t}, related-task Jaccard**: {jd:.3f} vs "
             f"{jk:.3f}, i.e. {100 * rel:+.1f} % (paper at T = 128: +76 %) → {v}."
         )
     return lines
@@ -147,7 +166,7 @@ def write_report(
     wall = wall_seconds if wall_seconds is not None else prev.get("wall_seconds")
     cmd = command or prev.get("command")
     tasks = sorted({r["num_tasks"] for r in rows})
-    random_ref = {t: expected_random_jaccard(t // 4, K) for t in tasks}
+    random_ref = {t: expected_random_jaccard(*_shape(rows, t)) for t in tasks}
     summary = {
         "experiment": EXPERIMENT,
         "group_by": ["gate", "num_tasks"],
@@ -171,7 +190,7 @@ def write_report(
         for g in gates:
             rs = sorted((r for r in rows if r["gate"] == g), key=lambda r: r["num_tasks"])
             ms = [r["metrics"].get(metric, {}) for r in rs]
-            out[LABELS.get(g, g)] = (
+            out[_label(g)] = (
                 [r["num_tasks"] for r in rs],
                 [_nan(m.get("mean")) for m in ms],
                 [_nan(m.get("se")) for m in ms],
@@ -228,7 +247,7 @@ def write_report(
                     plot_weight_heatmap(
                         best["weights"],
                         results_dir / f"weights_{g}_T{t}.png",
-                        title=f"{LABELS.get(g, g)}, T = {t}, repetition 0",
+                        title=f"{_label(g)}, T = {t}, repetition 0",
                         row_groups=[i // TASKS_PER_GROUP for i in range(t)],
                     )
                 )
@@ -252,20 +271,6 @@ def write_report(
         if notes:
             source += ". " + "; ".join(notes)
     write_text(results_dir / "report.md", _markdown(summary, source, plots))
-
-
-_USED_HPARAMS = {
-    "dselect_k": {
-        "gamma",
-        "gamma_end",
-        "entropy_reg",
-        "entropy_reg_end",
-        "entropy_warmup",
-        "diversity",
-    },
-    "ablation_entropy": {"entropy_reg"},
-    "ablation_annealing": {"temperature_start"},
-}
 
 
 def _nan(v: Any) -> float:
@@ -300,11 +305,10 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
     seen: dict[str, set[str]] = {}
     for r in rows:
         for hp in r.get("hparams", []):
-            used = _USED_HPARAMS.get(GATES.get(r["gate"], (r["gate"], {}))[0], set())
             txt = ", ".join(
                 f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in sorted(hp.items())
-                if v not in (None, 0.0) and (k in used or k in ("lr", "epochs"))
+                if v not in (None, 0.0)
             )
             seen.setdefault(r["label"], set()).add(txt)
     comp = []
@@ -315,7 +319,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
     remedies = sorted({r["gate"] for r in rows} & set(ours))
     side = (
         f"The paper-faithful DSelect-k (paper init, constant λ and γ from the paper's grid) and "
-        f"our remedies ({', '.join(LABELS.get(g, g) for g in remedies)}) are reported side by "
+        f"our remedies ({', '.join(_label(g) for g in remedies)}) are reported side by "
         "side; a remedy never replaces the faithful run. "
         if remedies
         else "Only the paper-faithful DSelect-k (paper init) ran here. "
@@ -375,7 +379,7 @@ def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             comp.append(
                 f"- **DSelect-k (paper init) vs the ablation gates, T = {top_t}, test MSE**: "
                 f"{d:.4f} vs "
-                + ", ".join(f"{LABELS[g]} {v:.4f}" for g, v in others)
+                + ", ".join(f"{_label(g)} {v:.4f}" for g, v in others)
                 + f" (paper: DSelect-k better) → {'reproduces' if ok else 'does not reproduce'}."
             )
     return comp
