@@ -366,3 +366,18 @@ def test_full_mode_tunes_then_trains(tmp_path: Path) -> None:
     assert hp["epochs"] == 1 and hp["k"] in (2, 4) and hp["lr"] in ml.GRID["topk_static"]["lr"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["records"] == 2 and summary["tune_records"] == 4
+
+
+@_UNVERIFIED
+@pytest.mark.usefixtures("tiny_files")
+def test_dry_run_prints_the_plan_and_trains_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_ml100k(tmp_path / "data")
+    out = tmp_path / "res"
+    gates = ["dselect_k_per_example", "shared_bottom"]
+    assert main(_tiny_movielens_argv(tmp_path / "data", out, gates, 2, "--dry-run")) == 0
+    text = capsys.readouterr().out
+    assert "Plan of `movielens` (quick" in text and "Per-example DSelect-k" in text
+    assert "| Shared Bottom | 0 × 7 | 2 × 7 |" in text  # 800 examples: 7 steps of 128
+    assert not list(out.glob("runs/*.json"))

@@ -51,12 +51,6 @@ def _epochs(exp: Experiment, args: Any, gate: str) -> tuple[float, int]:
     return mean, round(mean)
 
 
-def sub_eval(sub: Splits, n: int) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    """(val, test, meta, config) of ``sub`` with the first ``n`` validation/test examples."""
-    idx = torch.arange(min(n, len(sub.val), len(sub.test)))
-    return sub.val.batch(idx), sub.test.batch(idx), sub.meta, sub.config
-
-
 def probe(
     exp: Experiment, data: Splits, gates: Sequence[str], setting: Any, steps: int = PROBE_STEPS
 ) -> dict[str, dict[str, float]]:
@@ -67,34 +61,30 @@ def probe(
         gate → {"step_seconds": seconds per training step, "eval_seconds_per_example": ...},
         wall seconds of this process (multiply by its threads for CPU time).
     """
+
+    def head(n_train: int, n_eval: int) -> Splits:  # the first examples of each split
+        train = data.train.batch(torch.arange(min(len(data.train), n_train)))
+        val, test = (d.batch(torch.arange(n_eval)) for d in (data.val, data.test))
+        return Splits(train, val, test, data.meta, data.config)
+
     out: dict[str, dict[str, float]] = {}
-    n = min(len(data.train), (steps + 1) * exp.batch_size)
-    train = data.train.batch(torch.arange(n))
     n_eval = min(PROBE_EVAL, len(data.val), len(data.test))
-    idx = torch.arange(n_eval)
-    sub = Splits(train, data.val.batch(idx), data.test.batch(idx), data.meta, data.config)
-    warm = Splits(train.batch(torch.arange(min(n, 2 * exp.batch_size))), *sub_eval(sub, 64))
+    sub = head((steps + 1) * exp.batch_size, n_eval)
     for i, gate in enumerate(gates):
         hp = {**exp.quick_hparams[gate], "epochs": 1}
         if i == 0:  # warm-up (first-call costs of torch and the data path), not timed
+            warm = head(2 * exp.batch_size, min(64, n_eval))
             m, _ = train_one(exp, gate, hp, setting, 0, warm, record_trajectory=False)
             per_step = float(m["train_seconds"]) / max(1, int(m["steps"]))
             # slow models (the CNN experts on a loaded machine): about PROBE_SECONDS per gate
             steps = max(3, min(steps, int(PROBE_SECONDS / max(per_step, 1e-6))))
-            sub = Splits(
-                sub.train.batch(torch.arange(min(n, (steps + 1) * exp.batch_size))),
-                sub.val,
-                sub.test,
-                sub.meta,
-                sub.config,
-            )
+            sub = head((steps + 1) * exp.batch_size, n_eval)
         t0 = time.perf_counter()
         m, _ = train_one(exp, gate, hp, setting, 0, sub, record_trajectory=False)
         wall = time.perf_counter() - t0
-        run_steps = max(1, int(m["steps"]))
         train_s = float(m["train_seconds"])
         out[gate] = {
-            "step_seconds": train_s / run_steps,
+            "step_seconds": train_s / max(1, int(m["steps"])),
             "eval_seconds_per_example": max(0.0, wall - train_s) / max(1, 2 * n_eval),
         }
     return out
