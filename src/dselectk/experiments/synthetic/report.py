@@ -74,6 +74,13 @@ def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
     return format_mean_se(m, digits)
 
 
+def _verdict(t: int, ok: bool) -> str:
+    """The verdict on a claim the paper makes at T = 128."""
+    if t != 128:
+        return "not comparable (T ≠ 128)"
+    return "reproduces" if ok else "does not reproduce"
+
+
 def print_table(summary: Mapping[str, Any]) -> None:
     """One-screen table of the summary (gate × T)."""
     rows = summary["rows"]
@@ -107,11 +114,7 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
     mse_d, mse_k = d["test_mse"]["mean"], k["test_mse"]["mean"]
     imp = (mse_k - mse_d) / mse_k
     claim = "paper at T = 128: > 40 % lower MSE" if t == 128 else "paper's claim is for T = 128"
-    verdict = (
-        "reproduces" if (t == 128 and imp > PAPER["mse_improvement_128"]) else "does not reproduce"
-    )
-    if t != 128:
-        verdict = "not comparable (T ≠ 128)"
+    verdict = _verdict(t, imp > PAPER["mse_improvement_128"])
     rel_txt = (
         f"{100 * imp:.1f} % lower MSE than Top-k"
         if imp >= 0
@@ -132,13 +135,7 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
     jd, jk = d["related_jaccard"]["mean"], k["related_jaccard"]["mean"]
     if jd is not None and jk:
         rel = (jd - jk) / jk
-        v = (
-            "reproduces"
-            if (t == 128 and rel >= PAPER["related_jaccard_improvement_128"])
-            else "does not reproduce"
-            if t == 128
-            else "not comparable (T ≠ 128)"
-        )
+        v = _verdict(t, rel >= PAPER["related_jaccard_improvement_128"])
         lines.append(
             f"- **{_label(gate)} vs Top-k, T = {t}, related-task Jaccard**: {jd:.3f} vs "
             f"{jk:.3f}, i.e. {100 * rel:+.1f} % (paper at T = 128: +76 %) → {v}."
@@ -254,7 +251,7 @@ def write_report(
     sel_path = results_dir / "selected_hparams.json"
     sel = json.loads(sel_path.read_text(encoding="utf-8")) if sel_path.is_file() else {}
     sources = sorted({str(v.get("source")) for v in sel.values()} - {"None"})
-    source = "; ".join(sources) or tuned_source(final)
+    source = "; ".join(sources) or str(load_tuned().get("source", "tuned_synthetic.json"))
     if tune_count:
         source = (
             f"selected in this folder by the paper's grid search ({tune_count} tuning records, "
@@ -266,7 +263,7 @@ def write_report(
             "configurations binary"
             + ("" if v.get("binary", True) else " (none: best non-binary used)")
             for k, v in sorted(sel.items())
-            if k.startswith("dselect_k")
+            if v.get("configs_binary", 0) != v.get("configs_tried", 0)  # gates that binarize
         ]
         if notes:
             source += ". " + "; ".join(notes)
@@ -277,21 +274,9 @@ def _nan(v: Any) -> float:
     return math.nan if v is None else float(v)
 
 
-def tuned_source(final: Sequence[Mapping[str, Any]]) -> str:
-    """Where the hyperparameters came from, as written in the shipped tuning record."""
-    try:
-        t = load_tuned()
-    except (OSError, json.JSONDecodeError):
-        return "unknown"
-    return str(t.get("source", "tuned_synthetic.json"))
-
-
 def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) -> str:
     rows = summary["rows"]
-    try:
-        findings = [str(f) for f in load_tuned().get("findings", [])]
-    except (OSError, json.JSONDecodeError):
-        findings = []
+    findings = [str(f) for f in load_tuned().get("findings", [])]
     result_rows = []
     for r in rows:
         m = r["metrics"]
@@ -332,6 +317,11 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         if wall
         else "Wall time: not recorded  ",
         records=summary["records"],
+        shape="; ".join(
+            "T = {}: {} experts, k = {}".format(t, *_shape(rows, int(t)))
+            for t in summary["random_gate_expected_jaccard"]
+        )
+        or "none",
         tune_records=summary["tune_records"],
         others=others_note(summary.get("records_not_summarised", 0)),
         source=source,
@@ -355,8 +345,9 @@ def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     abl = sorted((r for r in rows if r["gate"] == "ablation_entropy"), key=lambda r: r["num_tasks"])
     if abl:
         es = [r["metrics"]["experts_per_task"]["mean"] for r in abl]
+        t0 = abl[0]["num_tasks"]
         comp.append(
-            "- **Ablation (Entropy) distinct experts per task** (k = 4): "
+            f"- **Ablation (Entropy) distinct experts per task** (k = {_shape(rows, t0)[1]}): "
             + ", ".join(f"T = {r['num_tasks']}: {e:.2f}" for r, e in zip(abl, es))
             + " (paper: ~2 in many repetitions) → "
             + (
