@@ -175,8 +175,11 @@ class GateRouter(nn.Module):
 
 def _router_class(base: type) -> type[GateRouter]:
     """``GateRouter`` subclassing the original router class (for transformers' recorders)."""
+    base = getattr(base, "_dselectk_router_base", base)  # replacing a replaced router
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Gate{base.__name__}", (GateRouter, base), {})
+        _CLASSES[base] = type(
+            f"Gate{base.__name__}", (GateRouter, base), {"_dselectk_router_base": base}
+        )
     return _CLASSES[base]
 
 
@@ -203,6 +206,21 @@ def _init_weights(self: Any, module: nn.Module) -> None:
     type(self)._dselectk_base._init_weights(self, module)
 
 
+def _initialize_weights(self: Any, module: nn.Module, is_custom_code: bool = False) -> None:
+    """transformers' ``_initialize_weights``, with the routers given to :func:`_init_weights`
+    (its shortcut for custom code would skip them: a router holds no tensor of its own)."""
+    if isinstance(module, GateRouter) and not getattr(module, "_is_hf_initialized", False):
+        self._init_weights(module)
+        setattr(module, "_is_hf_initialized", True)  # noqa: B010 (not a declared attribute)
+        return
+    type(self)._dselectk_base._initialize_weights(self, module, is_custom_code)
+
+
+def _is_custom_code(cls: Any) -> bool:
+    """The replaced class' answer (this subclass lives outside ``transformers.``)."""
+    return bool(cls._dselectk_base.is_custom_code())
+
+
 def _hooked_class(cls: type) -> type:
     """``cls`` with :func:`_init_weights` (cls itself when it already has it)."""
     if getattr(cls, "_dselectk_hooked", False):
@@ -213,6 +231,8 @@ def _hooked_class(cls: type) -> type:
             (cls,),
             {
                 "_init_weights": _init_weights,
+                "_initialize_weights": _initialize_weights,
+                "is_custom_code": classmethod(_is_custom_code),
                 "_dselectk_base": cls,
                 "_dselectk_hooked": True,
                 "__module__": __name__,
