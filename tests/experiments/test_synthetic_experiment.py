@@ -573,3 +573,33 @@ def test_grid_search_of_a_search_variant_batches_one_epoch_count_at_a_time(
     )
     assert sorted(seen) == [[1], [2]]
     assert choice["binary"]  # every configuration ends binary (the search binarizes it)
+
+
+def test_grid_search_of_a_ramped_variant_batches_one_epoch_count_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command-line ramp (here λ linear after a warm-up) spans each run: epochs is a grid
+    axis and each batch holds one epoch count (a linear ramp has no per-member length)."""
+    from dselectk.experiments.records import RunStore
+    from dselectk.experiments.synthetic import train as st
+    from dselectk.experiments.synthetic.spec import with_ramps
+    from dselectk.variants import Ramp
+
+    v = with_ramps(S.VARIANTS["dselect_k"], [Ramp("entropy_reg", end=0.5, delay=0.5, before=0.0)])
+    data = S.generate_data(0, n_train=512, n_val=128, n_test=128)
+    grid = {**S.paper_grid(v), "lr": [0.01], "epochs": [1, 2], "gamma": [10.0]}
+    grid["entropy_reg"] = [0.01]
+    seen: list[list[int]] = []
+    real = st.train_reps
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(sorted({int(m["epochs"]) for m in kw["member_hparams"]}))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(st, "train_reps", spy)
+    cfg = {"seed": 0, "n_train": 512, "n_eval": 128}
+    choice = st.tune(v, 16, data, RunStore(tmp_path), grid=grid, trials=1, data_cfg=cfg,
+                     progress=False)  # fmt: skip
+    assert sorted(seen) == [[1], [2]] and choice["configs_tried"] == 2
+    recs = RunStore(tmp_path).load()
+    assert all(r["config"]["variant"]["schedules"][0]["param"] == "entropy_reg" for r in recs)

@@ -237,11 +237,11 @@ def tune(
             planned.update(run_id(c) for c in cfgs)
             if not all(store.done(c) for c in cfgs):
                 members.append((p, i, eps))
-    # one search schedule per batch (fractions of the batch's steps): a search variant's
-    # members are batched by epoch count; the others share batches freely
+    # ramps and the search plan are fractions of the batch's steps: the members of such a
+    # variant are batched by epoch count (the others share batches freely)
     by_epochs: dict[int, list[Member]] = {}
     for m in members:
-        by_epochs.setdefault(max(m[2]) if v.search is not None else 0, []).append(m)
+        by_epochs.setdefault(max(m[2]) if epoch_dependent else 0, []).append(m)
     chunks = [
         group[i : i + max_members]
         for group in by_epochs.values()
