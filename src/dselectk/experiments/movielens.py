@@ -165,12 +165,14 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
     side = meta.get("side")
     bottom = MovieLensEmbedding(meta["num_users"], meta["num_items"], side)
     d = bottom.out_features
-    towers = make_towers(2, 256 if gate != "shared_bottom" else int(hp["units"]), (256, 1))
-    if gate == "shared_bottom":
+    choice = rd.VARIANTS[gate]
+    if choice.variant is None:  # the shared bottom: one shared layer, no gate
+        towers = make_towers(2, int(hp["units"]), (256, 1))
         shared = nn.Sequential(nn.Linear(d, int(hp["units"])), nn.ReLU(), nn.Dropout(0.5))
         return SharedBottom(shared, towers, bottom=bottom)
+    towers = make_towers(2, 256, (256, 1))
     experts = StackedMLP(NUM_EXPERTS, d, [256], dropout=0.5)
-    gates = rd.VARIANTS[gate].build(NUM_EXPERTS, hp, num_gates=2, in_features=d)
+    gates = choice.build(NUM_EXPERTS, hp, num_gates=2, in_features=d)
     return MultiGateMoE(experts, gates, towers, bottom=bottom)
 
 

@@ -92,7 +92,7 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
     """The Appendix D.2 model for ``gate`` (inputs: images flattened to (B, 1296))."""
     layers = int(hp["dense_layers"])
     towers = make_towers(2, 50, (50, 50, 10))
-    if gate == "shared_bottom":
+    if rd.VARIANTS[gate].variant is None:  # the shared bottom: one shared CNN, no gate
         return SharedBottom(SingleCNN(image_shape=IMAGE_SHAPE, dense_layers=layers), towers)
     experts = BatchedCNNExperts(NUM_EXPERTS, IMAGE_SHAPE, dense_layers=layers)
     pixels = IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * IMAGE_SHAPE[2]
