@@ -278,3 +278,33 @@ def test_torch_compile_forward() -> None:
         compiled = torch.compile(model, fullgraph=False)
         got = compiled(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_model_pickles(tmp_path: Path) -> None:
+    """The DSelectK<Name> classes are globals of dselectk.integrations.hf: torch.save of the
+    whole model (not only its state dict) loads back."""
+    torch.manual_seed(0)
+    model = transformers.OlmoeForCausalLM(_config("olmoe"))
+    hf.replace_routers(model, "dselect_k")
+    model.eval()
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(back) is type(model) and len(_routers(back)) == 2
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+
+
+def test_whole_model_unpickles_in_a_fresh_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(_config("mixtral"))
+    hf.replace_routers(model, "dselect_k")
+    torch.save(model, tmp_path / "model.pt")
+    code = (
+        "import torch; m = torch.load({!r}, weights_only=False); "
+        "print(type(m).__name__, type(m.model.layers[0].mlp.gate).__name__)"
+    ).format(str(tmp_path / "model.pt"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["DSelectKMixtralForCausalLM", "GateMixtralTopKRouter"]

@@ -124,7 +124,6 @@ _FORMAT = 1
 
 _CLASSES: dict[type, type] = {}
 _HOOKED: dict[type, type] = {}
-_LOADERS: dict[type, type] = {}
 _HOOK_FLAG = "_dselectk_router_hook"
 _IN_ROUTER = "_dselectk_in_router"
 
@@ -177,9 +176,13 @@ def _router_class(base: type) -> type[GateRouter]:
     """``GateRouter`` subclassing the original router class (for transformers' recorders)."""
     base = getattr(base, "_dselectk_router_base", base)  # replacing a replaced router
     if base not in _CLASSES:
+        name = f"Gate{base.__name__}"
         _CLASSES[base] = type(
-            f"Gate{base.__name__}", (GateRouter, base), {"_dselectk_router_base": base}
+            name,
+            (GateRouter, base),
+            {"_dselectk_router_base": base, "__module__": __name__, "__qualname__": name},
         )
+        globals().setdefault(name, _CLASSES[base])  # so that it pickles
     return _CLASSES[base]
 
 
@@ -221,24 +224,37 @@ def _is_custom_code(cls: Any) -> bool:
     return bool(cls._dselectk_base.is_custom_code())
 
 
+def _construct(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+    """The replaced class' constructor, then the routers the config names (from_pretrained)."""
+    type(self)._dselectk_base.__init__(self, config, *args, **kwargs)
+    _apply_config(self)
+
+
 def _hooked_class(cls: type) -> type:
-    """``cls`` with :func:`_init_weights` (cls itself when it already has it)."""
+    """``DSelectK<Name>``: ``cls`` whose routers are initialised by their gates and whose
+    constructor puts in the routers ``config.dselectk_router`` names (cls itself when it is
+    one already). Kept as a global of this module under its name, so that it pickles."""
     if getattr(cls, "_dselectk_hooked", False):
         return cls
     if cls not in _HOOKED:
-        _HOOKED[cls] = type(
-            f"DSelectK{cls.__name__}",
+        name = f"DSelectK{cls.__name__}"
+        hooked = type(
+            name,
             (cls,),
             {
+                "__init__": _construct,
                 "_init_weights": _init_weights,
                 "_initialize_weights": _initialize_weights,
                 "is_custom_code": classmethod(_is_custom_code),
                 "_dselectk_base": cls,
                 "_dselectk_hooked": True,
                 "__module__": __name__,
-                "__doc__": f"{cls.__name__} whose routers are initialised by their gates.",
+                "__qualname__": name,
+                "__doc__": f"{cls.__name__} with this package's routers (see {__name__}).",
             },
         )
+        _HOOKED[cls] = hooked
+        globals().setdefault(name, hooked)
     return _HOOKED[cls]
 
 
@@ -437,24 +453,6 @@ def _apply_config(model: nn.Module) -> None:
     )
 
 
-def _loading_class(cls: type) -> type:
-    """``cls`` whose constructor puts in the routers its config names (for from_pretrained)."""
-    base = getattr(cls, "_dselectk_base", cls)
-    if base not in _LOADERS:
-        hooked: Any = _hooked_class(base)
-
-        def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-            hooked.__init__(self, config, *args, **kwargs)
-            _apply_config(self)
-
-        _LOADERS[base] = type(
-            hooked.__name__,
-            (hooked,),
-            {"__init__": __init__, "__module__": __name__, "_dselectk_base": base},
-        )
-    return _LOADERS[base]
-
-
 def _refresh(model: nn.Module) -> None:
     """Hyperparameter records and flags from the loaded buffers (the loader writes the tensors
     directly, without :meth:`~torch.nn.Module.load_state_dict`)."""
@@ -489,7 +487,7 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **
     mapping = getattr(cls, "_model_mapping", None)
     if mapping is not None:  # an auto class
         cls = mapping[type(config)]
-    target: Any = _loading_class(cls) if _spec(config) is not None else cls
+    target: Any = _hooked_class(cls) if _spec(config) is not None else cls
     model = target.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
     _refresh(model)
     return model
@@ -511,3 +509,24 @@ def check_loaded(model: nn.Module) -> None:
             "loaded without dselectk, and those routers are untrained. Load it with "
             "dselectk.integrations.hf.from_pretrained(cls, path)."
         )
+
+
+def __getattr__(name: str) -> type:
+    """``DSelectK<Name>`` and ``Gate<Router>`` classes made on demand, so that a model pickled
+    by another process (``torch.save(model)``) unpickles here."""
+    import sys
+
+    for prefix, make in (("DSelectK", _hooked_class), ("Gate", _router_class)):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            base_name = name[len(prefix) :]
+            import transformers
+
+            base = getattr(transformers, base_name, None)
+            if base is None:  # a router class: in an already imported modeling module
+                for mod_name, mod in list(sys.modules.items()):
+                    if mod_name.startswith("transformers.models.") and hasattr(mod, base_name):
+                        base = getattr(mod, base_name)
+                        break
+            if isinstance(base, type):
+                return make(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
