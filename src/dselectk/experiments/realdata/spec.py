@@ -115,9 +115,11 @@ class Splits:
     """Data settings recorded in every run config (the resume identity of the data)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Experiment:
-    """How one real-data experiment is run and reported.
+    """How one real-data experiment is run and reported: the recipe's half of the shared
+    runner's :class:`~dselectk.experiments.runner.Recipe` (``realdata.recipe.build_recipe``
+    makes the cells, data, preparation and report functions of the runner from it).
 
     Every callable is a module-level function (the spec is sent to the sweep's worker
     processes).
