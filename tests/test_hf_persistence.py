@@ -46,6 +46,45 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"num_experts": N_EXPERTS, "moe_intermediate_size": 16, "head_dim": 16},
     ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": N_EXPERTS}),
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        "FlexOlmoForCausalLM",
+        {"num_experts": N_EXPERTS, "pad_token_id": 0},
+    ),
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        {"num_local_experts": N_EXPERTS, "head_dim": 16, "layer_types": ["full_attention"] * 2},
+    ),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            "num_experts": N_EXPERTS,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 1,
+            "expert_layer_offset": 0,
+            "use_mamba_kernels": False,
+        },
+    ),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": N_EXPERTS}),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"num_local_experts": N_EXPERTS, "head_dim": 16, "layer_types": ["full_attention"] * 2},
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "num_experts": N_EXPERTS,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "head_dim": 16,
+            "layer_types": ["full_attention", "linear_attention"],
+        },
+    ),
 }
 
 

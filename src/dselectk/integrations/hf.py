@@ -206,6 +206,10 @@ def _init_weights(self: Any, module: nn.Module) -> None:
         return
     if getattr(module, _IN_ROUTER, False):
         return
+    if any(isinstance(getattr(module, a, None), GateRouter) for a in ROUTER_ATTRIBUTES) and not any(
+        True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    ):
+        return  # a MoE block holds nothing of its own (Qwen3-Next initialises block.gate.weight)
     type(self)._dselectk_base._init_weights(self, module)
 
 
@@ -280,18 +284,42 @@ def _register_outputs(model: Any) -> None:
     _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
 
 
-def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, block)`` of every Mixtral-style sparse MoE block of ``model``."""
-    found = []
-    for name, mod in model.named_modules():
-        gate = getattr(mod, "gate", None)
-        if (
-            isinstance(gate, nn.Module)
-            and hasattr(mod, "experts")
-            and all(hasattr(gate, a) for a in ("top_k", "num_experts", "hidden_dim"))
+#: the attribute of a MoE block that holds its router, in the order they are looked for
+ROUTER_ATTRIBUTES = ("gate", "router")
+
+
+def _router_attribute(block: nn.Module) -> str | None:
+    """The attribute holding ``block``'s top-k router (one with ``top_k``, ``num_experts`` and a
+    ``hidden_dim`` or a ``(num_experts, hidden)`` ``weight``), or None."""
+    if not hasattr(block, "experts"):
+        return None
+    for attr in ROUTER_ATTRIBUTES:
+        router = getattr(block, attr, None)
+        if isinstance(router, nn.Module) and all(
+            hasattr(router, a) for a in ("top_k", "num_experts")
         ):
-            found.append((name, mod))
-    return found
+            if hasattr(router, "hidden_dim") or _weight_hidden(router) is not None:
+                return attr
+    return None
+
+
+def _weight_hidden(router: nn.Module) -> int | None:
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    return None
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, block)`` of every Mixtral-style sparse MoE block of ``model``: a module with
+    ``.experts`` and a top-k router in ``.gate`` or ``.router`` (:data:`ROUTER_ATTRIBUTES`)."""
+    return [(name, m) for name, m in model.named_modules() if _router_attribute(m) is not None]
+
+
+def _block_router(block: nn.Module) -> Any:
+    attr = _router_attribute(block)
+    assert attr is not None
+    return getattr(block, attr)
 
 
 def router_aux_loss(model: nn.Module) -> Tensor:
@@ -380,8 +408,12 @@ def replace_routers(
     routers: list[GateRouter] = []
     resolved: dict[str, Any] = dict(gate_kwargs)
     for _, block in blocks:
-        old: Any = block.gate
-        n, d, top_k = int(old.num_experts), int(old.hidden_dim), int(old.top_k)
+        attr = _router_attribute(block)
+        assert attr is not None
+        old: Any = getattr(block, attr)
+        hidden = getattr(old, "hidden_dim", None)
+        d = int(hidden) if hidden is not None else int(_weight_hidden(old) or 0)
+        n, top_k = int(old.num_experts), int(old.top_k)
         p = next(old.parameters(), None)
         on_meta = p is not None and p.is_meta
         # Built on the meta device when the model is there (no value exists there); otherwise
@@ -404,7 +436,7 @@ def replace_routers(
         cls = _router_class(type(old))
         new = cls.__new__(cls)
         new._setup(gate, top_k, renormalize)
-        block.gate = new
+        setattr(block, attr, new)
         routers.append(new)
         if getattr(model, "_output_capturing_hooks_installed", False):
             from transformers.utils.output_capturing import install_output_capuring_hook
@@ -501,7 +533,7 @@ def check_loaded(model: nn.Module) -> None:
     if spec is None:
         return
     blocks = find_moe_blocks(model)
-    plain = [name for name, block in blocks if not isinstance(block.gate, GateRouter)]
+    plain = [name for name, block in blocks if not isinstance(_block_router(block), GateRouter)]
     if plain:
         raise ValueError(
             f"this model was saved with {spec['gate']!r} routers (config.{CONFIG_KEY}) but "
