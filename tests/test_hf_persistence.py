@@ -347,3 +347,20 @@ def test_whole_model_unpickles_in_a_fresh_process(tmp_path: Path) -> None:
     ).format(str(tmp_path / "model.pt"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["DSelectKMixtralForCausalLM", "GateMixtralTopKRouter"]
+
+
+def test_other_router_contracts_refused() -> None:
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.top_k, self.num_experts, self.hidden_dim = 2, 4, 8
+            self.weight = torch.nn.Parameter(torch.zeros(4, 8))
+            self.e_score_correction_bias = torch.nn.Buffer(torch.zeros(4))
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.experts = Router(), torch.nn.Linear(8, 8)
+
+    with pytest.raises(ValueError, match="DeepSeek-V3 style"):
+        hf.replace_routers(Block())

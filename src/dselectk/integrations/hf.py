@@ -1,30 +1,36 @@
 """DSelect-k (or any registered gate) as the router of Hugging Face transformers MoE models.
 
-``replace_routers(model)`` swaps the router (``block.gate``, e.g. a ``MixtralTopKRouter``) of
-every sparse MoE block of a transformers model for a :class:`GateRouter` holding a per-example
-gate of this package. The experts, their weights and the dispatch stay transformers' own.
+``replace_routers(model)`` swaps the router (``block.gate`` or ``block.router``, e.g. a
+``MixtralTopKRouter``) of every sparse MoE block of a transformers model for a
+:class:`GateRouter` holding a per-example gate of this package. The experts, their weights and
+the dispatch stay transformers' own.
 
 Supported families (checked against ``transformers`` 5.24; each tested on a tiny random model in
-``tests/test_hf_persistence.py``): the ones whose MoE block calls
-``router_logits, top_k_weights, top_k_index = self.gate(hidden_states)`` on a ``TopKRouter``
-with ``top_k``, ``num_experts``, ``hidden_dim`` and a single ``weight`` (softmax, top-k, optional
-renormalisation), records ``router_logits`` with an ``OutputRecorder`` on that router class and
-feeds them to ``load_balancing_loss_func``:
+``tests/test_hf_persistence.py``: built on the meta device, ``init_weights()``, trained, saved,
+loaded back with the same logits, greedy ``generate`` with and without the KV cache). They share
+Mixtral's router contract: the block calls ``router_logits, top_k_weights, top_k_index =
+router(hidden_states)`` on a ``TopKRouter`` with ``top_k``, ``num_experts`` and a
+``(num_experts, hidden)`` ``weight``, whose logits are recorded by an ``OutputRecorder`` and fed
+to ``load_balancing_loss_func``:
 
-* **Mixtral** (``MixtralForCausalLM``),
-* **Qwen2-MoE** (``Qwen2MoeForCausalLM``; its shared expert and ``shared_expert_gate`` are
-  kept as they are),
-* **Qwen3-MoE** (``Qwen3MoeForCausalLM``),
-* **OLMoE** (``OlmoeForCausalLM``).
+* **Mixtral**, **MiniMax** (``block.gate``),
+* **Qwen2-MoE**, **Qwen3-Next** (``block.gate``; the shared expert and its
+  ``shared_expert_gate`` are kept as they are), **Qwen3-MoE**,
+* **OLMoE**, **FlexOlmo** (``block.gate``),
+* **Jamba**, **Granite-MoE**, **GPT-OSS** (``block.router``; GPT-OSS's router bias goes with
+  the replaced router).
 
-Not supported (not the same router contract): DeepSeek-V3 / GLM-4-MoE style routers (sigmoid
-scores, a learned ``e_score_correction_bias``, grouped top-k: the router's output is not a
-distribution over experts of one softmax); GPT-OSS (its router has a bias and returns the scores
-in another order); Jamba, Granite-MoE, JetMoE, DBRX, Switch/NLLB-MoE (their own router
-modules and dispatch; several use capacity or expert-choice routing); multimodal MoE models
-(Qwen3-VL-MoE, ...: the router config is a sub-config). :func:`find_moe_blocks` finds any
-module with a ``.gate`` that has ``top_k``/``num_experts``/``hidden_dim`` and ``.experts``,
-so a family built like Mixtral may work untested; the four above are the tested ones.
+Not supported, refused by :func:`replace_routers` (a ValueError naming the router and why):
+**DeepSeek-V3** / GLM-4-MoE style routers (sigmoid scores, a learned
+``e_score_correction_bias``, grouped top-k), **LFM2-MoE** (sigmoid scores and an
+``expert_bias`` the block passes to the router), **ERNIE-4.5-MoE** (its router's ``moe_statics``
+correction of the selection would be dropped). Families not listed here were not checked; a
+block built like Mixtral's is found by :func:`find_moe_blocks`.
+
+Known limit of transformers 5.24 itself: with ``output_router_logits=True`` in the config, a
+cached ``generate`` fails inside ``load_balancing_loss_func`` (the attention mask covers the
+whole sequence, the router logits the new token), with transformers' routers as with these;
+pass ``output_router_logits=False`` to ``generate``.
 
 What the router returns (transformers' contract):
 
@@ -303,6 +309,14 @@ def _router_attribute(block: nn.Module) -> str | None:
     return None
 
 
+#: router attributes that mark another routing contract than Mixtral's (see the docstring)
+_OTHER_CONTRACT = {
+    "e_score_correction_bias": "sigmoid scores with a learned selection bias (DeepSeek-V3 style)",
+    "use_expert_bias": "sigmoid scores with an expert bias passed by the block (LFM2-MoE)",
+    "moe_statics": "a statistics correction of the selection (ERNIE-4.5-MoE)",
+}
+
+
 def _weight_hidden(router: nn.Module) -> int | None:
     weight = getattr(router, "weight", None)
     if isinstance(weight, Tensor) and weight.dim() == 2:
@@ -411,6 +425,12 @@ def replace_routers(
         attr = _router_attribute(block)
         assert attr is not None
         old: Any = getattr(block, attr)
+        for marker, why in _OTHER_CONTRACT.items():
+            if hasattr(old, marker) and not isinstance(old, GateRouter):
+                raise ValueError(
+                    f"{type(old).__name__} routes with {why}; replace_routers supports routers "
+                    "with Mixtral's contract (softmax, top-k) only"
+                )
         hidden = getattr(old, "hidden_dim", None)
         d = int(hidden) if hidden is not None else int(_weight_hidden(old) or 0)
         n, top_k = int(old.num_experts), int(old.top_k)
