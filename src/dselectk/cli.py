@@ -94,6 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"dselectk: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        # records are written atomically when a run ends: nothing finished is lost
+        print(
+            "\ndselectk: interrupted; finished runs are saved: run the same command again to "
+            "resume (or `dselectk report DIR` to rebuild the report from the records)",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _dispatch(args: argparse.Namespace, extra: Sequence[str]) -> int:

@@ -72,3 +72,19 @@ def test_report_without_records_keeps_the_last_summary_and_report(
     assert len(err) == 1 and "no run records" in err[0] and "left as they are" in err[0]
     assert (out / "summary.json").read_text() == summary
     assert (out / "report.md").read_text() == report
+
+
+def test_ctrl_c_is_one_line_and_keeps_finished_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dselectk.experiments.recovery import recipe as rec
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rec, "train_reps", interrupted)
+    assert main([*REC, "--gates", "topk", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0] and "run the same command" in err[0]
+    with pytest.raises(KeyboardInterrupt):  # --debug shows the traceback
+        main(["--debug", *REC, "--gates", "topk", "--out", str(tmp_path)])
