@@ -82,6 +82,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "training": "training",
     "export": "training",
     "telemetry": "training",
+    "monitor": "training",
     "search": "training",
     "variants": "training",
     "data": "data",

@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from dselectk.data.movielens import MovieLensSplit
+from dselectk.data.movielens import baselines as nn_ref
 from dselectk.experiments import movielens as ml
-from dselectk.experiments.realdata import nonneural as nn_ref
 from dselectk.experiments.realdata import plan
 from dselectk.experiments.realdata.recipe import with_training_defaults
+from dselectk.experiments.realdata.report import cached_reference
 from dselectk.experiments.realdata.spec import record_config
 from dselectk.experiments.records import run_id
-from dselectk.training import TaskData
 
 
-def _data(rows: list[tuple[int, int, int, float]]) -> TaskData:
-    """(user, item, watched, rating) rows → MovieLens TaskData (rating masked when unwatched)."""
+def _data(rows: list[tuple[int, int, int, float]]) -> MovieLensSplit:
+    """(user, item, watched, rating) rows → a MovieLens split (rating masked when unwatched)."""
     t = torch.tensor(rows, dtype=torch.float64)
     x = t[:, :2].to(torch.int64)
-    y2 = torch.stack([t[:, 3], t[:, 2]], dim=1).float()
-    return TaskData(x, [t[:, 2].float(), y2])
+    return MovieLensSplit(x[:, 0], x[:, 1], t[:, 2].float(), t[:, 3].float(), t[:, 2].float())
 
 
 # train: user 0 rated item 0 (4), did not watch item 1; user 1 rated items 0 (2) and 1 (5)
@@ -39,7 +39,7 @@ def test_losses_by_hand() -> None:
 
 
 def test_item_popularity_by_hand() -> None:
-    p = nn_ref.item_popularity(TRAIN.x[:, 1], TRAIN.ys[0], 2, prior=1.0)
+    p = nn_ref.item_popularity(TRAIN.item, TRAIN.watched, 2, prior=1.0)
     # overall rate 3/4; item 0: (2 + 0.75) / (2 + 1); item 1: (1 + 0.75) / (2 + 1)
     assert p.tolist() == pytest.approx([2.75 / 3, 1.75 / 3])
 
@@ -71,11 +71,15 @@ def test_reference_metrics_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert pb["test"]["loss_task1"] == pytest.approx(-(math.log(p0) + math.log(1 - p1)) / 2)
     assert pb["test"]["accuracy_task1"] == pytest.approx(0.5)  # p1 > 0.5 for an unwatched pair
     cfg = {"variant": "x", "fingerprint": "abc"}
-    first = nn_ref.cached_reference(tmp_path, cfg, TRAIN, test, test, 2, 2)
+
+    def compute() -> dict:
+        return nn_ref.reference_metrics(TRAIN, test, test, 2, 2)
+
+    first = cached_reference(tmp_path, cfg, compute)
     monkeypatch.setattr(nn_ref, "reference_metrics", lambda *a, **k: pytest.fail("recomputed"))
-    assert nn_ref.cached_reference(tmp_path, cfg, TRAIN, test, test, 2, 2) == first
+    assert cached_reference(tmp_path, cfg, compute) == first
     with pytest.raises(pytest.fail.Exception):  # other data: computed again
-        nn_ref.cached_reference(tmp_path, {**cfg, "fingerprint": "d"}, TRAIN, test, test, 2, 2)
+        cached_reference(tmp_path, {**cfg, "fingerprint": "d"}, compute)
 
 
 def _args(**kw: object) -> argparse.Namespace:

@@ -13,7 +13,6 @@ choices where the paper is silent are explained in the report (``templates/movie
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dselectk.data.movielens import MovieLensSplit
+from dselectk.data.movielens.baselines import reference_metrics
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import int_at_least, probability
-from dselectk.experiments.realdata import nonneural
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import make_towers
 from dselectk.layers.experts import StackedMLP
@@ -286,12 +286,16 @@ def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
     )
 
 
-def reference(args: MovieLensConfig, data: rd.Splits, out: Path) -> None:
-    """Compute (once per data configuration) and cache the non-neural reference in ``out``."""
-    m = data.meta
-    nonneural.cached_reference(
-        out, data.config, data.train, data.val, data.test, m["num_users"], m["num_items"]
-    )
+def _pairs(d: TaskData) -> MovieLensSplit:
+    y2 = d.ys[1]
+    return MovieLensSplit(d.x[:, 0], d.x[:, 1], d.ys[0].reshape(-1), y2[:, 0], y2[:, 1])
+
+
+def reference(args: MovieLensConfig, data: rd.Splits) -> dict[str, Any]:
+    """The non-neural reference predictors on the run's splits
+    (:mod:`dselectk.data.movielens.baselines`)."""
+    train, val, test = (_pairs(d) for d in (data.train, data.val, data.test))
+    return reference_metrics(train, val, test, data.meta["num_users"], data.meta["num_items"])
 
 
 def experiment() -> rd.Experiment:
@@ -358,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
-#: report labels of the non-neural reference predictors (see ``realdata.nonneural``)
+#: report labels of the non-neural reference predictors (``data.movielens.baselines``)
 REFERENCE_LABELS = {
     "popularity_biases": "*Non-neural: item popularity + user/item biases*",
     "constant": "*Constant predictor*",
@@ -383,9 +387,10 @@ def _reference_rows(ref: Mapping[str, Any] | None, alpha: Any, c3: bool) -> list
 
 
 def _tables(
-    rows: Mapping[tuple[Any, str], Mapping[str, Any]], settings: Sequence[Any], results_dir: Path
+    rows: Mapping[tuple[Any, str], Mapping[str, Any]],
+    settings: Sequence[Any],
+    ref: Mapping[str, Any] | None,
 ) -> list[str]:
-    ref = load_reference(results_dir)
     md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
     for a in settings:
         md += [
@@ -414,17 +419,6 @@ def _tables(
         md += _reference_rows(ref, a, c3=True)
         md.append("")
     return md
-
-
-def load_reference(results_dir: Path) -> dict[str, Any] | None:
-    """The cached non-neural reference of the data of ``run_info.json`` (None if absent)."""
-    info_path = Path(results_dir) / "run_info.json"
-    try:
-        data_cfg = json.loads(info_path.read_text(encoding="utf-8"))["data"]
-        path = nonneural.reference_path(Path(results_dir), data_cfg)
-        return dict(json.loads(path.read_text(encoding="utf-8"))["reference"])
-    except (OSError, KeyError, TypeError, json.JSONDecodeError):
-        return None
 
 
 def write_report(results_dir: Path) -> None:

@@ -239,7 +239,7 @@ def _tables(
     name: str,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
     settings: Sequence[Any],
-    results_dir: Path,
+    reference: Any,
 ) -> list[str]:
     md = [
         f"## Table 2 ({TITLES[name]}): test accuracy (%) and number of selected experts",

@@ -6,7 +6,6 @@ gate, which losses, hyperparameters and report apply. This package runs it:
 
 * ``spec`` — the gates (:data:`VARIANTS`: typed variants, static or per-example),
   :class:`Splits`, :class:`Experiment`, the run config :class:`RealDataConfig`, record identity;
-* ``monitor`` — Table C.2's measurements during training (the :class:`GateMonitor` callback, FLOPs);
 * ``train`` — one run (:func:`train_one`) and the ``--full`` random grid search (:func:`tune`);
 * ``recipe`` — the flags, one (setting, gate) cell, and :func:`run_experiment`, which runs (or
   resumes) the sweep settings × gates × repetitions on the shared runner
@@ -20,7 +19,6 @@ same command skips finished runs and never leaves partial records. This package 
 the recipes: each recipe's :class:`Experiment` carries its own paper tables.
 """
 
-from dselectk.experiments.realdata.monitor import GateMonitor, flops_ratio, training_expert_flops
 from dselectk.experiments.realdata.recipe import (
     add_common_arguments,
     config_of,
@@ -44,6 +42,7 @@ from dselectk.experiments.realdata.spec import (
     label,
 )
 from dselectk.experiments.realdata.train import train_one
+from dselectk.monitor import GateMonitor, flops_ratio, training_expert_flops
 
 __all__ = [
     "VARIANTS",

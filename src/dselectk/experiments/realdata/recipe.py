@@ -14,17 +14,17 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from dselectk.experiments.args import config_from_args, int_at_least, out_dir, positive_float
+from dselectk.experiments.args import config_from_args, int_at_least, positive_float
 from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
+from dselectk.experiments.realdata.report import cached_reference, read_json
 from dselectk.experiments.realdata.spec import (
     VARIANTS,
     Experiment,
@@ -41,7 +41,7 @@ from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Executor,
     Recipe,
-    add_executor_arguments,
+    add_run_arguments,
     missing,
     run_recipe,
 )
@@ -68,14 +68,12 @@ POS, NONNEG = int_at_least(1), int_at_least(0)
 
 
 def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
-    """Flags shared by the real-data experiments."""
+    """Flags shared by the real-data experiments (with the runner's, :func:`add_run_arguments`:
+    every worker of ``--jobs`` loads its own copy of the data, hence the default 1)."""
+    add_run_arguments(p, out=default_out, threads=1, jobs=1, cells="(setting, gate) cells")
     p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="data folder (default: $DSELECTK_DATA or ~/.cache/dselectk)",
+        "--data-dir", type=Path, default=None, help="data folder ($DSELECTK_DATA or ~/.cache)"
     )
-    p.add_argument("--out", type=out_dir, default=Path(default_out), help="results folder")
     p.add_argument(
         "--repetitions",
         "--reps",
@@ -86,70 +84,26 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
     p.add_argument(
-        "--gates",
-        nargs="+",
-        default=None,
-        choices=list(VARIANTS),
-        help="gates to run (default: all; the MovieLens quick default runs static DSelect-k, "
-        "static Top-k and softmax)",
+        "--gates", nargs="+", default=None, choices=list(VARIANTS), help="gates (default: all)"
     )
     p.add_argument(
-        "--full",
-        action="store_true",
-        help="paper protocol: random grid search of Appendix D, then 100 repetitions",
+        "--full", action="store_true", help="paper protocol: Appendix D grid search, 100 reps"
     )
     p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every run")
     p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
-    p.add_argument(
-        "--grid-points",
-        type=POS,
-        default=20,
-        help="--full: random grid points per gate and setting",
-    )
+    p.add_argument("--grid-points", type=POS, default=20, help="--full: grid points per cell")
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="log routing telemetry of every final run about 60 times per run to OUT/telemetry/ "
-        "(binary S(Z), experts per task, load, collisions; TensorBoard or JSON lines)",
-    )
-    add_executor_arguments(p)
-    p.add_argument(
-        "--init",
-        choices=list(INITS),
-        default="keras",
-        help="initialisation: keras (default, the reference's TF2/Keras defaults: embeddings "
-        "U(±0.05), Glorot-uniform dense/conv weights, zero biases) or torch (PyTorch's defaults)",
+        "--init", choices=list(INITS), default="keras", help="initialisation (keras: TF2's)"
     )
     p.add_argument(
         "--optimizer-defaults",
         choices=list(OPTIMIZER_DEFAULTS),
         default="tf",
-        help="optimizer constants: tf (default, TF2 Keras': Adagrad initial accumulator 0.1 and "
-        "eps 1e-7, Adam eps 1e-7) or torch (torch.optim's: 0 and 1e-10, 1e-8)",
+        help="optimizer constants (tf: TF2 Keras' Adagrad accumulator 0.1, eps 1e-7)",
     )
     p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the plan (runs, steps each, CPU time estimated from a short timed probe of "
-        "each gate) and exit; --full prints it before it starts",
-    )
-    p.add_argument(
-        "--threads",
-        type=NONNEG,
-        default=1,
-        help="torch CPU threads of each process (default 1: fastest for these small models on "
-        "a shared machine; 0: torch's default)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=NONNEG,
-        default=1,
-        help="worker processes, each running whole (setting, gate) cells with --threads threads; "
-        "default 1 (the cells run in this process), because every worker loads its own copy of "
-        "the data set (memory and loading time grow with the workers); 0: cores / --threads of "
-        "them, at most one per cell",
+        "--dry-run", action="store_true", help="print the plan (a timed probe of each gate), exit"
     )
 
 
@@ -266,13 +220,6 @@ def _printed(summary: Any) -> None:
     """The report was printed whole by its writer."""
 
 
-def _run_info(out: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((out / "run_info.json").read_text(encoding="utf-8")))
-    except (OSError, json.JSONDecodeError, ValueError, TypeError):
-        return {}
-
-
 def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Executor) -> bool:
     """Before the sweep: load the data (fails before any worker starts when it is missing),
     save its facts in ``run_info.json``, print the plan (``--full``, ``--dry-run``; False stops
@@ -284,7 +231,7 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
         print_plan(exp, config, data, executor.jobs, executor.threads)
         if config.dry_run:
             return False
-    info = _run_info(out)
+    info = read_json(out / "run_info.json")
     info.update(
         notes=list(exp.notes(config, data)),
         data=dict(data.config),
@@ -292,7 +239,8 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
     )
     write_json(out / "run_info.json", info)
     if exp.reference is not None:
-        exp.reference(config, data, out)
+        ref = exp.reference
+        cached_reference(out, data.config, lambda: ref(config, data))
     if executor.jobs > 1:
         _DATA.clear()  # the workers load their own copies
     return True
@@ -303,7 +251,7 @@ def write_report(
 ) -> None:
     """``run_info.json`` (the command, its cumulative wall time, the data facts), then the
     recipe's report, printed whole."""
-    facts = _run_info(out)
+    facts = read_json(out / "run_info.json")
     run_info: dict[str, Any] = {
         "command": command,
         "wall_seconds": float(facts.get("wall_seconds") or 0.0) + wall_seconds,

@@ -8,24 +8,29 @@ heatmaps and trajectories, and renders the ``realdata`` report template.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.realdata.monitor import flops_ratio
 from dselectk.experiments.realdata.spec import VARIANTS, Experiment, label
 from dselectk.experiments.records import RunStore, format_mean_se, summarize
 from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
+from dselectk.monitor import flops_ratio
 
 __all__ = [
+    "cached_reference",
     "current_records",
     "fmt",
     "gate_rows",
+    "load_reference",
     "paper_numbers",
+    "read_json",
+    "reference_path",
     "table_c2",
     "template_notes",
     "training_note",
@@ -34,6 +39,42 @@ __all__ = [
 
 #: the paragraph of a notes template after which the quick-mode notes start
 QUICK_MARK = "<!-- quick mode -->"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` ({} when it is missing or unreadable)."""
+    try:
+        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError, ValueError, TypeError):
+        return {}
+
+
+def reference_path(results_dir: Path, data_cfg: Mapping[str, Any]) -> Path:
+    """The cache file of the reference predictors of this data configuration."""
+    key = hashlib.sha1(json.dumps(dict(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(results_dir) / f"reference_{key}.json"
+
+
+def cached_reference(
+    results_dir: Path, data_cfg: Mapping[str, Any], compute: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """``compute()``, once per data configuration: cached in ``results_dir`` as
+    ``reference_<hash of the data config>.json`` (the config inside)."""
+    path = reference_path(results_dir, data_cfg)
+    cached = read_json(path)
+    if "reference" in cached and cached.get("data") == json.loads(json.dumps(dict(data_cfg))):
+        return dict(cached["reference"])
+    ref = compute()
+    write_json(path, {"data": dict(data_cfg), "reference": ref})
+    return ref
+
+
+def load_reference(results_dir: Path) -> dict[str, Any] | None:
+    """The cached reference of the data of ``run_info.json`` (None if absent)."""
+    data_cfg = read_json(Path(results_dir) / "run_info.json").get("data")
+    if not isinstance(data_cfg, dict):
+        return None
+    return read_json(reference_path(results_dir, data_cfg)).get("reference")
 
 
 def paper_numbers(name: str) -> dict[str, Any]:
@@ -215,23 +256,13 @@ def _num(v: float) -> str:
 
 def write_report(results_dir: Path, spec: Experiment) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the plots of the experiment ``spec`` from the
-    run records alone (its ``tables`` get the results folder too: cached references)."""
+    run records alone (and the cached reference predictors, :func:`load_reference`)."""
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
 
     results_dir = Path(results_dir)
     all_records, others = RunStore(results_dir).load_planned()
-    info: dict[str, Any] = {}
-    if (results_dir / "run_info.json").is_file():
-        try:
-            info = json.loads((results_dir / "run_info.json").read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            info = {}
-    selected: dict[str, Any] = {}
-    if (results_dir / "selected_hparams.json").is_file():
-        try:
-            selected = json.loads((results_dir / "selected_hparams.json").read_text("utf-8"))
-        except json.JSONDecodeError:
-            selected = {}
+    info = read_json(results_dir / "run_info.json")
+    selected = read_json(results_dir / "selected_hparams.json")
     finals = _final_records(all_records, spec.name)
     records = current_records(
         finals, spec.setting_key, info.get("data"), selected, info.get("training")
@@ -321,7 +352,7 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         records=len(records),
         tune_records=tune_count,
         stale=stale,
-        tables="\n".join(spec.tables(rows, settings, results_dir)),
+        tables="\n".join(spec.tables(rows, settings, load_reference(results_dir))),
         table_c2="\n".join(c2_lines),
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )

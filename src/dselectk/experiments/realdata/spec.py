@@ -119,44 +119,34 @@ class Splits:
 class Experiment:
     """How one real-data experiment is run and reported: the recipe's half of the shared
     runner's :class:`~dselectk.experiments.runner.Recipe` (``realdata.recipe.build_recipe``
-    makes the cells, data, preparation and report functions of the runner from it).
-
-    Every callable is a module-level function (the spec is sent to the sweep's worker
-    processes).
+    makes the runner's functions from it). Every callable is a module-level function (the
+    spec is sent to the sweep's worker processes).
 
     Attributes:
-        name: CLI name, also ``config["experiment"]`` of every record ("movielens",
-            "multi-mnist", "multi-fashion").
+        name: CLI name, also ``config["experiment"]`` of every record.
         setting_key: name of the per-setting config key (e.g. "alpha"), or None.
-        losses: the per-task losses given to :func:`~dselectk.training.train`.
-        task_names: labels of the tasks.
-        optimizer: "adagrad" / "adam".
-        batch_size: examples per step.
+        losses, task_names: the per-task losses of :func:`~dselectk.training.train`, labels.
+        optimizer, batch_size: "adagrad" / "adam"; examples per step.
         quick_hparams: gate → hyperparameters of the quick default.
         grid: gate → {hyperparameter: values} of the ``--full`` random grid search.
-        select: "min_loss" (weighted validation loss) or "max_accuracy" (mean validation
-            accuracy), the tuning metric.
+        select: the tuning metric, "min_loss" (weighted validation loss) or "max_accuracy".
         build_model: (gate, hparams, meta) → model returning a ``MultiTaskOutput``.
         task_weights: setting value → task weights of the summed loss.
         expert_flops: (hparams, meta) → forward FLOPs of one expert on one example.
-        load_data: run config → :class:`Splits` (with ``config`` filled); called once per
-            process of the sweep.
+        load_data: run config → :class:`Splits`; called once per process of the sweep.
         data_fields: the run-config fields that decide the data ``load_data`` returns.
-        notes: (run config, data) → lines of the report's "Setup and choices" (data
-            choices, reductions; saved in ``run_info.json``).
+        notes: (run config, data) → lines of the report's "Setup and choices".
         title: the report's title.
-        tables: (rows keyed by (setting, gate), settings, results folder) → Markdown lines of
-            the paper tables (ours beside the paper's).
+        tables: (rows keyed by (setting, gate), settings, reference or None) → Markdown lines
+            of the paper tables (ours beside the paper's).
         paper_c2: Table C.2 of the paper: column label → {"pct": ..., "flops": ...}.
         c2_column: the Table C.2 column label of a setting (``str.format`` of the setting).
         quick_reps: repetitions of the quick default.
-        reference: (run config, data, results folder) → None; computes (once per data
-            fingerprint) and caches the non-neural reference predictors of the report, or None.
-        init: "keras" (the reference's TF2/Keras initialisation,
-            :func:`~dselectk.layers.init.keras_init_`) or "torch" (PyTorch's defaults).
-        optimizer_defaults: "tf" (TF2 Keras' optimizer defaults, e.g. Adagrad's initial
-            accumulator 0.1 and ε 1e-7) or "torch"; see
-            :func:`~dselectk.optim.make_reference_optimizer`.
+        reference: (run config, data) → metrics of non-neural reference predictors (computed
+            once per data configuration and cached in the results folder), or None.
+        init, optimizer_defaults: "keras" / "torch" initialisation
+            (:func:`~dselectk.layers.init.keras_init_`) and "tf" / "torch" optimizer constants
+            (:func:`~dselectk.optim.make_reference_optimizer`).
     """
 
     name: str
@@ -175,11 +165,11 @@ class Experiment:
     data_fields: tuple[str, ...]
     notes: Callable[[Any, Splits], list[str]]
     title: str
-    tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any], Path], list[str]]
+    tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any], Any], list[str]]
     paper_c2: Mapping[str, Mapping[str, float]]
     c2_column: str
     quick_reps: int = 2
-    reference: Callable[[Any, Splits, Path], None] | None = None
+    reference: Callable[[Any, Splits], dict[str, Any]] | None = None
     init: str = "keras"
     optimizer_defaults: str = "tf"
 

@@ -1,7 +1,7 @@
 """Training one real-data run (:func:`train_one`) and the ``--full`` grid search (:func:`tune`).
 
 A run trains the experiment's model with the library's loop (:func:`~dselectk.training.train`),
-observed by a :class:`~.monitor.GateMonitor` callback, then evaluates it on the test and
+observed by a :class:`~dselectk.monitor.GateMonitor` callback, then evaluates it on the test and
 validation splits and measures its gates (Table C.2's quantities included).
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dselectk.experiments.realdata.monitor import GateMonitor, gate_summary
 from dselectk.experiments.realdata.spec import Experiment, Splits, init_seed, record_config
 from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
 from dselectk.layers.init import init_module_
+from dselectk.monitor import GateMonitor, gate_metrics
 from dselectk.optim import make_reference_optimizer
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, TrainConfig, evaluate, train
@@ -100,15 +100,8 @@ def train_one(
         accs = [a for a in res["accuracy"] if math.isfinite(a)]
         if accs:
             metrics[f"{split}_mean_accuracy"] = sum(accs) / len(accs)
-    extra: dict[str, Any] = {}
-    gs = gate_summary(model, data.test.x)
-    if gs:
-        metrics["selected_experts"] = float(np.mean(gs["selected_per_task"]))
-        for t, v in enumerate(gs["selected_per_task"]):
-            metrics[f"selected_experts_task{t + 1}"] = v
-        if "expected_nonzeros_per_task" in gs:
-            metrics["expected_nonzeros"] = float(np.mean(gs["expected_nonzeros_per_task"]))
-        extra["gate_weights"] = [[round(float(v), 4) for v in row] for row in gs["weights"]]
+    gm, extra = gate_metrics(model, data.test.x)
+    metrics.update(gm)
     flops = exp.expert_flops(hparams, data.meta) if monitor.needed_per_step else 0.0
     measured, more = monitor.results(hist.steps, len(weights), flops, record_trajectory)
     metrics.update(measured)

@@ -1,7 +1,6 @@
-"""Measurements during and after training: Table C.2's gate convergence and expert FLOPs.
+"""Training measurements of a multi-gate MoE: gate convergence and expert FLOPs (Table C.2).
 
-Table C.2 (gate convergence and FLOPs) is measured during training by the :class:`GateMonitor`
-callback of :func:`~dselectk.training.train`:
+The :class:`GateMonitor` callback of :func:`~dselectk.training.train` measures:
 
 * **steps until S(Z) is binary**: every ``check_every`` steps the binarizing gates' smooth-step
   outputs (DSelect-k's S(Z); per-example: S(Wx) of every example of the step's batch) are
@@ -9,19 +8,17 @@ callback of :func:`~dselectk.training.train`:
   the model's ``bottom`` for per-example gates, from the end of the previous step). The first
   checked step at which all are exactly 0 or 1 is reported as a percentage of the run's
   training steps (an upper bound, by at most ``check_every`` steps).
-* **expert FLOPs during training**: at every training step, the number of experts each example
-  actually needs is counted from the gate weights of that step's output: an expert is needed
-  for an example if some task's gate gives it a nonzero weight (static gates: the union over
-  tasks, the same for every example; per-example gates: per example). All experts have the same
-  cost, so a forward+backward pass of one expert on one example costs ``3 × F`` with ``F`` the
-  expert's forward FLOPs (backward ≈ 2 × forward) and the training expert FLOPs of a run are
-  ``3 F Σ_steps Σ_examples needed(step, example)``. The FLOPs ratio DSelect-k / Top-k divides
-  these totals (mean over repetitions) for the same setting and gating kind. Gates, towers and
-  the embedding bottom are not counted (they are the same for both gates, and small). Our MoE's
-  conditional computation (:class:`~dselectk.models.MultiGateMoE`) skips exactly the experts
-  no weight uses, batch-wide.
+* **expert FLOPs during training**: at every step, the experts each example needs are counted
+  from that step's gate weights: an expert is needed for an example if some task's gate gives
+  it a nonzero weight (static gates: the union over tasks; per-example gates: per example).
+  With ``F`` the forward FLOPs of one expert on one example (backward ≈ 2 × forward), a run
+  costs ``3 F Σ_steps Σ_examples needed(step, example)`` (:func:`training_expert_flops`); the
+  DSelect-k / Top-k ratio (:func:`flops_ratio`) divides these totals (means over runs). Gates,
+  towers and the bottom are not counted. :class:`~dselectk.models.MultiGateMoE` skips exactly
+  the experts no weight uses, batch-wide.
 
-:func:`gate_summary` measures the trained gates (mean weights, selected experts).
+:func:`gate_summary` and :func:`gate_metrics` measure the trained gates (mean weights, selected
+experts).
 """
 
 from __future__ import annotations
@@ -38,7 +35,14 @@ from torch import Tensor, nn
 from dselectk.gates import Gate
 from dselectk.training import Callback, History, TaskData
 
-__all__ = ["GateMonitor", "flops_ratio", "gate_summary", "training_expert_flops"]
+__all__ = [
+    "GateMonitor",
+    "binary_fractions",
+    "flops_ratio",
+    "gate_metrics",
+    "gate_summary",
+    "training_expert_flops",
+]
 
 
 def _subsample(steps: Sequence[int], values: Sequence[Any], limit: int) -> tuple[list, list]:
@@ -49,7 +53,7 @@ def _subsample(steps: Sequence[int], values: Sequence[Any], limit: int) -> tuple
 
 
 class GateMonitor(Callback):
-    """Measures, from the training steps, what Table C.2 needs (see the module docstring).
+    """Measures gate convergence and experts needed from the training steps (module docstring).
 
     After every step it counts the experts needed per example from the step's gate weights;
     every ``check_every`` steps (and at step 1) it checks whether the binarizing gates' S(Z) was
@@ -239,3 +243,19 @@ def gate_summary(model: nn.Module, x: Tensor, chunk: int = 4096) -> dict[str, An
         res["expected_nonzeros_per_task"] = diag["expected_nonzeros"].reshape(-1).tolist()
     model.train(was)
     return res
+
+
+def gate_metrics(model: nn.Module, x: Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, extras) of the trained gates on ``x`` (:func:`gate_summary`): mean selected
+    experts (overall and per task, ``selected_experts[_task<t>]``), Gumbel-softmax's mean
+    ``expected_nonzeros``, and the mean weights rounded to 4 digits (``gate_weights``)."""
+    gs = gate_summary(model, x)
+    if not gs:
+        return {}, {}
+    metrics: dict[str, Any] = {"selected_experts": float(np.mean(gs["selected_per_task"]))}
+    for t, v in enumerate(gs["selected_per_task"]):
+        metrics[f"selected_experts_task{t + 1}"] = v
+    if "expected_nonzeros_per_task" in gs:
+        metrics["expected_nonzeros"] = float(np.mean(gs["expected_nonzeros_per_task"]))
+    weights = [[round(float(v), 4) for v in row] for row in gs["weights"]]
+    return metrics, {"gate_weights": weights}

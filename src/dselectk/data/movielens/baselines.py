@@ -1,7 +1,4 @@
-"""Non-neural reference predictors of the MovieLens report, on the model's own splits.
-
-So that a reader sees at once whether a model learned anything, every MovieLens report shows,
-beside the gates and in the same units (α-weighted test loss × 10⁴, task-1 accuracy):
+"""Non-neural reference predictors of the two MovieLens tasks (what a model must beat).
 
 * **constant**: task 1 predicts the training fraction of watched pairs for every pair; task 2
   the mean training rating;
@@ -12,36 +9,29 @@ beside the gates and in the same units (α-weighted test loss × 10⁴, task-1 a
   ``b_i = Σ (r − μ − b_u) / (λ + n_i)`` and ``b_u = Σ (r − μ − b_i) / (λ + n_u)``). ``m`` and ``λ``
   are chosen on the validation split.
 
-Losses follow the models' exactly: task 1 is the mean binary cross-entropy, task 2 the squared
-rating error of the rated pairs averaged over *all* pairs (negatives weight 0,
-:func:`dselectk.experiments.movielens.masked_mse`). The result is cached in the results folder,
-one file per data configuration (its data fingerprint included): :func:`cached_reference`.
+Task 1 is scored by the mean binary cross-entropy, task 2 by the squared rating error of the
+rated pairs averaged over *all* pairs (negatives weight 0; Keras ``sample_weight`` semantics).
+The splits are :class:`~dselectk.data.movielens.MovieLensSplit` (side features unused).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dselectk.io import write_json
-from dselectk.training import TaskData
+from dselectk.data.movielens.dataset import MovieLensSplit
 
 __all__ = [
     "PRIORS",
     "REGS",
     "bce",
-    "cached_reference",
     "fit_biases",
     "item_popularity",
     "masked_mse",
     "reference_metrics",
-    "reference_path",
 ]
 
 #: prior strengths m of the popularity predictor tried on the validation split
@@ -98,25 +88,18 @@ def fit_biases(
     return mu, bu, bi
 
 
-def _split(d: TaskData) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(users, items, watched, rating, mask) of a MovieLens TaskData."""
-    y2 = d.ys[1]
-    return d.x[:, 0], d.x[:, 1], d.ys[0].reshape(-1), y2[:, 0], y2[:, 1]
-
-
-def _metrics(p: Tensor, pred: Tensor, d: TaskData) -> dict[str, float]:
-    _, _, watched, rating, mask = _split(d)
+def _metrics(p: Tensor, pred: Tensor, d: MovieLensSplit) -> dict[str, float]:
     return {
-        "loss_task1": bce(p, watched),
-        "loss_task2": masked_mse(pred, rating, mask),
-        "accuracy_task1": float(((p > 0.5).double() == watched.double()).double().mean()),
+        "loss_task1": bce(p, d.watched),
+        "loss_task2": masked_mse(pred, d.rating, d.rating_mask),
+        "accuracy_task1": float(((p > 0.5).double() == d.watched.double()).double().mean()),
     }
 
 
 def reference_metrics(
-    train: TaskData,
-    val: TaskData,
-    test: TaskData,
+    train: MovieLensSplit,
+    val: MovieLensSplit,
+    test: MovieLensSplit,
     num_users: int,
     num_items: int,
     *,
@@ -130,8 +113,8 @@ def reference_metrics(
         "reg": λ}}`` with metrics ``loss_task1`` (BCE), ``loss_task2`` (masked MSE) and
         ``accuracy_task1`` for ``split`` in ("val", "test").
     """
-    u, i, w, r, mask = _split(train)
-    rated = mask > 0.5
+    u, i, w, r = train.user, train.item, train.watched, train.rating
+    rated = train.rating_mask > 0.5
     rate, mu = float(w.double().mean()), float(r[rated].double().mean())
     out: dict[str, Any] = {"constant": {}, "popularity_biases": {}}
     for name, d in (("val", val), ("test", test)):
@@ -141,7 +124,7 @@ def reference_metrics(
             torch.full((n,), mu, dtype=torch.float64),
             d,
         )
-    vu, vi, vw, vr, vm = _split(val)
+    vu, vi, vw, vr, vm = val.user, val.item, val.watched, val.rating, val.rating_mask
     pops = {m: item_popularity(i, w, num_items, m) for m in priors}
     prior = min(priors, key=lambda m: bce(pops[m][vi], vw))
     fits = {
@@ -155,36 +138,5 @@ def reference_metrics(
     best = out["popularity_biases"]
     best.update(prior=prior, reg=reg)
     for name, d in (("val", val), ("test", test)):
-        du, di = d.x[:, 0], d.x[:, 1]
-        best[name] = _metrics(pops[prior][di], predict(fits[reg], du, di), d)
+        best[name] = _metrics(pops[prior][d.item], predict(fits[reg], d.user, d.item), d)
     return out
-
-
-def reference_path(results_dir: Path, data_cfg: Mapping[str, Any]) -> Path:
-    """The cache file of the reference for this data configuration (fingerprint included)."""
-    key = hashlib.sha1(json.dumps(dict(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
-    return Path(results_dir) / f"reference_{key}.json"
-
-
-def cached_reference(
-    results_dir: Path,
-    data_cfg: Mapping[str, Any],
-    train: TaskData,
-    val: TaskData,
-    test: TaskData,
-    num_users: int,
-    num_items: int,
-) -> dict[str, Any]:
-    """:func:`reference_metrics`, computed once per data configuration and cached in
-    ``results_dir`` (``reference_<hash of the data config>.json``, the config inside)."""
-    path = reference_path(results_dir, data_cfg)
-    if path.is_file():
-        try:
-            cached = json.loads(path.read_text(encoding="utf-8"))
-            if cached.get("data") == json.loads(json.dumps(dict(data_cfg))):
-                return dict(cached["reference"])
-        except (json.JSONDecodeError, KeyError):
-            pass
-    ref = reference_metrics(train, val, test, num_users, num_items)
-    write_json(path, {"data": dict(data_cfg), "reference": ref})
-    return ref

@@ -1,0 +1,33 @@
+"""The training monitor of gate convergence and expert FLOPs (:mod:`dselectk.monitor`)."""
+
+from __future__ import annotations
+
+import torch
+
+from dselectk.gates import make_gate
+from dselectk.layers.cnn import make_towers
+from dselectk.layers.experts import StackedMLP
+from dselectk.models.moe import MultiGateMoE
+from dselectk.monitor import GateMonitor, gate_metrics
+from dselectk.training import TaskData, TrainConfig, train
+
+
+def test_monitor_measures_a_training_run() -> None:
+    torch.manual_seed(0)
+    experts = StackedMLP(4, 6, [8])
+    gates = make_gate("dselect_k", 4, k=2, num_gates=2)
+    model = MultiGateMoE(experts, gates, make_towers(2, 8, (8, 1)))
+    data = TaskData(torch.randn(64, 6), [torch.randn(64, 1), torch.randn(64, 1)])
+    mon = GateMonitor(model, check_every=1, record_every=2)
+    cfg = TrainConfig(optimizer="adam", lr=0.01, batch_size=16, epochs=1, progress=False)
+    hist = train(model, data, ["mse", "mse"], cfg, callbacks=[mon])
+    assert hist.steps == 4 and mon.examples == 64 and len(mon.needed_per_step) == 4
+    metrics, extra = mon.results(hist.steps, 2, expert_flops=10.0, trajectory=True)
+    # a static gate: the same experts (at most 4) for every example of every step
+    assert 1.0 <= metrics["mean_experts_needed"] <= 4.0
+    assert metrics["train_expert_flops"] == 3 * 10.0 * metrics["mean_experts_needed"] * 64
+    assert metrics["binary_reached"] in (0.0, 1.0) and "binary_reached_task2" in metrics
+    assert extra["trajectory"]["steps"] == [1, 2, 4]
+    assert len(extra["binary_checks"]["steps"]) == 4
+    gm, ge = gate_metrics(model, data.x)
+    assert 1.0 <= gm["selected_experts"] <= 4.0 and len(ge["gate_weights"]) == 2
