@@ -19,6 +19,7 @@ def test_demo_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert "selected experts" in out and "test  MSE" in out
+    assert "observed: " in out and "same-group task pairs share an expert" in out
 
 
 def test_unknown_arguments_are_rejected() -> None:
