@@ -283,20 +283,27 @@ def test_ablation_gate_small_temperature_flush_equals_plain_exp() -> None:
 
 
 def test_kernels_module_imports_torch_only() -> None:
-    """_kernels imports no dselectk module (functional and gates import it: no cycle)."""
+    """_kernels imports no dselectk module but runtime (functional and gates import it: no
+    cycle), and runtime imports no dselectk module."""
     import ast
     import inspect
 
-    from dselectk import _kernels
+    from dselectk import _kernels, runtime
 
-    tree = ast.parse(inspect.getsource(_kernels))
-    modules = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            modules.add((node.module or "").split(".")[0])
-    assert modules <= {"__future__", "math", "typing", "torch"}, modules
+    def imports(module: object) -> set[str]:
+        tree = ast.parse(inspect.getsource(module))  # type: ignore[arg-type]
+        modules: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                modules.add(node.module or "")
+        return modules
+
+    assert {m.split(".")[0] for m in imports(_kernels) - {"dselectk.runtime"}} <= {
+        "__future__", "math", "typing", "torch"
+    }  # fmt: skip
+    assert not [m for m in imports(runtime) if m.startswith("dselectk")]
 
 
 def test_functional_is_pure_math_and_names_stay_importable() -> None:

@@ -9,8 +9,9 @@ out backward pass (tested against the composed formulas):
 * :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies, used by
   :class:`dselectk.gates.SoftmaxSelectorGate`.
 
-It depends on torch only (no import of :mod:`dselectk.functional` or :mod:`dselectk.gates`), so
-both can import it without a cycle.
+It depends on torch and :mod:`dselectk.runtime` only (no import of :mod:`dselectk.functional` or
+:mod:`dselectk.gates`), so both can import it without a cycle. The DSelect-k kernels run their
+ops on one thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dselectk.runtime import intra_op_threads
 
 __all__: list[str] = []
 
@@ -102,7 +105,8 @@ class _DSelectFused(torch.autograd.Function):
 
     @staticmethod
     def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
-        out, ent, saved, prefixes = _dselect_fused_forward(z, alpha, gamma, z.shape[-1] // 2)
+        with intra_op_threads(1, elements=z.shape[0] * z.shape[1] * 2 ** z.shape[2]):
+            out, ent, saved, prefixes = _dselect_fused_forward(z, alpha, gamma, z.shape[-1] // 2)
         return (out, ent, *saved, *prefixes)
 
     @staticmethod
@@ -118,6 +122,14 @@ class _DSelectFused(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: Any, g_out: Tensor | None, g_ent: Tensor | None, *_: Any
+    ) -> tuple[Tensor, Tensor, None]:
+        s = ctx.saved_tensors[1]
+        with intra_op_threads(1, elements=s.shape[0] * s.shape[2] * 2 ** s.shape[1]):
+            return _DSelectFused._backward(ctx, g_out, g_ent)
+
+    @staticmethod
+    def _backward(
+        ctx: Any, g_out: Tensor | None, g_ent: Tensor | None
     ) -> tuple[Tensor, Tensor, None]:
         gamma, *tensors = ctx.saved_tensors
         saved, prefixes = tensors[: ctx.num_saved], tensors[ctx.num_saved :]
@@ -176,6 +188,126 @@ class _DSelectFused(torch.autograd.Function):
         g_z = _batch_first(g_p * (1.5 - 6.0 * s * s) / gamma)
         g_alpha = a * (g_a - (g_a * a).sum(dim=0))  # softmax backward, (K, B)
         return g_z, _batch_first(g_alpha), None
+
+
+# -- small per-example / static DSelect-k kernel ---------------------------------------------
+#
+# The same q̃ and entropies for small problems (a few examples), where the cost is the number of
+# ATen calls, not arithmetic: about 15 calls forward and 20 backward in one autograd node
+# (the composed formulas take ~60 calls and as many autograd nodes, the fused kernel above ~90
+# calls, most of them loops over bits and codes). Each selector's N codes are gathered from the
+# (K, M, value) table of bit probabilities through a constant (N, M) index and multiplied
+# (r = Π_j f_ij); the backward takes the product of the other M - 1 factors of each (i, j)
+# through a second constant index (exact at zero factors, no division), and sums the factors'
+# grads back onto the bits with one matmul against a constant one-hot (N·M, 2M) matrix. Work
+# and memory are O(N·M²) per selector (the fused kernel: O(N)), hence small problems only.
+
+_SMALL_TABLES: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _small_tables(
+    m: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Constant tables of :class:`_DSelectSmall` for M bits, cached per (M, dtype, device).
+
+    Returns:
+        ``idx`` (N·M,): flat index of factor (i, j) = bit j of code i into the (M, 2) table
+        (2j + bit); ``others`` (N·M·(M-1),): the indices of the other M - 1 factors of code i;
+        ``onehot`` (N·M, 2M): row (i, j) has a 1 at ``idx[i, j]``.
+    """
+    key = (m, dtype, device)
+    tables = _SMALL_TABLES.get(key)
+    if tables is None:
+        n = 2**m
+        bits = (torch.arange(n).unsqueeze(-1) >> torch.arange(m)) & 1  # (N, M)
+        idx = 2 * torch.arange(m) + bits  # (N, M)
+        keep = ~torch.eye(m, dtype=torch.bool)  # (M, M): l != j
+        others = idx.unsqueeze(1).expand(n, m, m)[:, keep].reshape(n, m, m - 1)
+        onehot = torch.nn.functional.one_hot(idx.reshape(-1), 2 * m).to(dtype)
+        tables = (idx.reshape(-1).to(device), others.reshape(-1).to(device), onehot.to(device))
+        _SMALL_TABLES[key] = tables
+    return tables
+
+
+class _DSelectSmall(torch.autograd.Function):
+    """(z (G, K, M), α (G, K), γ (0-d or (G,))) -> (q̃ (G, N), entropies (G, K), *saved).
+
+    Same numbers as :class:`_DSelectFused` (p = S(z) op for op, 1 - p as the composed
+    formulas compute it); see the comment above for the method. The bits are laid out
+    (M, value, G·K), selectors innermost, so that both gathers are ``index_select`` along the
+    first dim (along the last dim it is 5-30x slower on the CPU, measured).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+        with intra_op_threads(1):  # small problems only: one thread (see dselectk.runtime)
+            return _DSelectSmall._forward(z, alpha, gamma)
+
+    @staticmethod
+    def _forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+        g, k, m = z.shape
+        idx, _, _ = _small_tables(m, z.dtype, z.device)
+        gam = gamma.reshape(-1, 1) if gamma.dim() else gamma  # against (M, G, K)
+        s = (z.reshape(g * k, m).t().reshape(m, g, k) / gam).clamp_(-0.5, 0.5)  # (M, G, K)
+        p = s * s
+        p = p.mul_(-2.0).add_(1.5).mul_(s).add_(0.5)  # s (1.5 - 2 s²) + 0.5, op for op
+        pq = torch.stack((1.0 - p, p), dim=1).reshape(2 * m, g * k)  # (M · value, G·K)
+        log_pq = pq.clamp_min(torch.finfo(pq.dtype).tiny).log_()
+        ent = (pq * log_pq).sum(dim=0).neg_().reshape(g, k)
+        r = pq.index_select(0, idx).reshape(2**m, m, g * k).prod(dim=1)  # (N, G·K)
+        a = torch.softmax(alpha, dim=-1)  # (G, K)
+        r_t = r.reshape(-1, g, k).permute(1, 2, 0)  # (G, K, N), a view
+        out = torch.bmm(a.unsqueeze(1), r_t).reshape(g, -1)  # (G, N)
+        return out, ent, s, pq, log_pq, r, a
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(inputs[2], *output[2:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, g_out: Tensor | None, g_ent: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, Tensor | None, None]:
+        with intra_op_threads(1):
+            return _DSelectSmall._backward(ctx, g_out, g_ent)
+
+    @staticmethod
+    def _backward(
+        ctx: Any, g_out: Tensor | None, g_ent: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, None]:
+        gamma, s, pq, log_pq, r, a = ctx.saved_tensors
+        if g_out is None and g_ent is None:
+            return None, None, None
+        m, g, k = s.shape
+        n = 2**m
+        g_alpha = None
+        if g_out is not None:
+            _, others, onehot = _small_tables(m, s.dtype, s.device)
+            r_t = r.reshape(n, g, k).permute(1, 2, 0)  # (G, K, N)
+            g_a = torch.bmm(r_t, g_out.unsqueeze(-1)).reshape(g, k)
+            g_alpha = a * (g_a - (g_a * a).sum(dim=-1, keepdim=True))  # softmax backward
+            g_r = g_out.t().unsqueeze(-1) * a  # (N, G, K)
+            rest = pq.index_select(0, others).reshape(n, m, m - 1, g * k)
+            g_f = rest.prod(dim=2).mul_(g_r.reshape(n, 1, g * k))  # (N, M, G·K): grad of f_ij
+            g_pq = torch.mm(onehot.t(), g_f.reshape(n * m, g * k)).reshape(m, 2, g * k)
+            g_p = g_pq[:, 1] - g_pq[:, 0]  # (M, G·K)
+            if g_ent is not None:  # d h(p) / dp = log(1 - p) - log p (clamped logs)
+                dent = log_pq.reshape(m, 2, g * k)
+                g_p.addcmul_(g_ent.reshape(1, g * k), dent[:, 0] - dent[:, 1])
+        else:
+            assert g_ent is not None
+            dent = log_pq.reshape(m, 2, g * k)
+            g_p = g_ent.reshape(1, g * k) * (dent[:, 0] - dent[:, 1])
+        # dS/dz = (1.5 - 6 s²) / γ, exactly 0 at |s| = 1/2 (so the clamp needs no mask).
+        gam = gamma.reshape(-1, 1) if gamma.dim() else gamma
+        d = s * s
+        g_s = d.mul_(-6.0).add_(1.5).mul_(g_p.reshape(m, g, k)).div_(gam)  # (M, G, K)
+        return g_s.reshape(m, g * k).t().reshape(g, k, m), g_alpha, None
 
 
 # -- softmax-selector ablation gate -----------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dselectk._kernels import _DSelectFused
+from dselectk._kernels import _DSelectFused, _DSelectSmall
 
 __all__ = [
     "binary_entropy",
@@ -170,11 +170,16 @@ def dselect_k_weights(
     return w if num_experts is None else w[..., :num_experts]
 
 
-#: below this many selector entries (gates × K × 2**M), :func:`dselect_k_fused` composes
-#: autograd ops instead of calling the kernel: fewer ops, 20-40 % faster there (measured on a
-#: 2-core CPU: e.g. 2 gates, K = 2, n = 8: 0.41 vs 0.64 ms fwd+bwd; the kernel wins from about
-#: 16k entries on, 4x at 2M)
-FUSED_MIN_ELEMENTS = 8192
+#: at or below this many selector entries (gates × K × 2**M), :func:`dselect_k_fused` calls the
+#: small-problem kernel (``_DSelectSmall``: ~35 ATen calls in one autograd node; the cost of a
+#: few examples is the number of calls). Its work is O(N·M²) per selector, so larger problems go
+#: to the composed formulas or the fused kernel (see ``benchmarks/small_batch.py``)
+SMALL_MAX_ELEMENTS = 8192
+
+#: below this many selector entries, :func:`dselect_k_fused` does not call the fused kernel
+#: (``_DSelectFused``, O(N) per selector but ~90 ATen calls): the small kernel (up to
+#: :data:`SMALL_MAX_ELEMENTS`) or the composed autograd formulas (above it) are faster there
+FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 
 
 def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
@@ -184,13 +189,15 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     ``selector_entropy(smooth_step(z, gamma))`` (tested, values and gradients), in one autograd
     node whose memory and time are O(N + K·sqrt(N)) per gate (``_DSelectFused`` in
     :mod:`dselectk._kernels`, where a comment explains the algorithm). γ gets no
-    gradient; a γ that requires one, and problems smaller than :data:`FUSED_MIN_ELEMENTS`, use
-    the composed formulation.
+    gradient; a γ that requires one uses the composed formulation. Problems smaller than
+    :data:`FUSED_MIN_ELEMENTS` use the small-problem kernel (``_DSelectSmall``, up to
+    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation.
 
     Args:
         alpha: (..., K) selector logits.
         z: (..., K, M) encoding variables.
-        gamma: smooth-step width γ > 0: a float, a 0-d tensor, or a tensor broadcastable to the
+        gamma: smooth-step width γ > 0: a float, a 0-d tensor (e.g. a buffer a
+            schedule updates in place), or a tensor broadcastable to the
             leading shape ``...`` (one γ per gate, e.g. a bank of gates tuned together).
 
     Returns:
@@ -202,21 +209,35 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
             f"(..., K) and z (..., K, M))"
         )
     _check_gamma(gamma)
-    lead = torch.broadcast_shapes(alpha.shape[:-1], z.shape[:-2])
+    lead = alpha.shape[:-1]
+    if lead != z.shape[:-2]:
+        lead = torch.broadcast_shapes(lead, z.shape[:-2])
     k, m = z.shape[-2:]
-    small = math.prod(lead) * k * 2**m <= FUSED_MIN_ELEMENTS
-    if small or (isinstance(gamma, Tensor) and gamma.requires_grad):
+    entries = math.prod(lead) * k * 2**m
+    kernel: type[_DSelectSmall] | type[_DSelectFused] | None
+    if isinstance(gamma, Tensor) and gamma.requires_grad:
+        kernel = None
+    elif entries < FUSED_MIN_ELEMENTS:
+        kernel = _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
+    else:
+        kernel = _DSelectFused
+    if kernel is None:
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
         p = smooth_step(z, gamma)
         w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
         return w, selector_entropy(p)
-    g = torch.as_tensor(gamma, dtype=z.dtype, device=z.device)
+    if isinstance(gamma, Tensor):
+        g = gamma if gamma.dtype == z.dtype and gamma.device == z.device else gamma.to(z)
+    else:
+        g = torch.as_tensor(gamma, dtype=z.dtype, device=z.device)
     if g.dim() > 0:  # one γ per gate: flattened like the gates (the kernel's batch axis)
         g = g.expand(lead).reshape(-1)
-    alpha = alpha.expand(*lead, alpha.shape[-1])
-    z = z.expand(*lead, *z.shape[-2:])
-    out, ent = _DSelectFused.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
+    if alpha.shape[:-1] != lead:
+        alpha = alpha.expand(*lead, alpha.shape[-1])
+    if z.shape[:-2] != lead:
+        z = z.expand(*lead, *z.shape[-2:])
+    out, ent = kernel.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
     return out.view(*lead, out.shape[-1]), ent.reshape(*lead, k)
 
 
