@@ -27,6 +27,7 @@ from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import int_at_least, probability
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import make_towers
+from dselectk.layers.embedding import MovieLensEmbedding
 from dselectk.layers.experts import StackedMLP
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
@@ -97,53 +98,6 @@ GRID: dict[str, dict[str, list[Any]]] = {
     "softmax": dict(_OPT),
     "shared_bottom": {**_OPT, "units": [32, 256, 2048, 4096, 8192]},
 }
-
-EMBED_DIMS = {"user": 32, "item": 32, "age": 4, "gender": 2, "occupation": 4, "genres": 8}
-
-
-class MovieLensEmbedding(nn.Module):
-    """Embedding bottom: int64 columns (user, item[, age, gender, occupation, genres...]) → floats.
-
-    The paper does not describe its input layer; we embed the ids (and side features) and
-    concatenate the embeddings (dimensions in :data:`EMBED_DIMS`).
-
-    Args:
-        num_users, num_items: vocabulary sizes of the ids.
-        side: (num_age_buckets, num_genders, num_occupations, num_genres), or None for ids only.
-        dims: embedding sizes.
-    """
-
-    def __init__(
-        self,
-        num_users: int,
-        num_items: int,
-        side: Sequence[int] | None = None,
-        dims: Mapping[str, int] = EMBED_DIMS,
-    ) -> None:
-        super().__init__()
-        self.user = nn.Embedding(num_users, dims["user"])
-        self.item = nn.Embedding(num_items, dims["item"])
-        self.out_features = dims["user"] + dims["item"]
-        self.has_side = side is not None
-        if side is not None:
-            ages, genders, occs, genres = side
-            self.age = nn.Embedding(ages, dims["age"])
-            self.gender = nn.Embedding(genders, dims["gender"])
-            self.occupation = nn.Embedding(occs, dims["occupation"])
-            self.genres = nn.Linear(genres, dims["genres"])
-            self.num_genres = genres
-            self.out_features += dims["age"] + dims["gender"] + dims["occupation"] + dims["genres"]
-
-    def forward(self, x: Tensor) -> Tensor:
-        parts = [self.user(x[:, 0]), self.item(x[:, 1])]
-        if self.has_side:
-            parts += [
-                self.age(x[:, 2]),
-                self.gender(x[:, 3]),
-                self.occupation(x[:, 4]),
-                self.genres(x[:, 5:].to(self.genres.weight.dtype)),
-            ]
-        return torch.cat(parts, dim=-1)
 
 
 def masked_mse(pred: Tensor, y: Tensor) -> Tensor:
@@ -269,11 +223,8 @@ def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
         if args.variant == "ml-100k"
         else " (the paper's data set)",
         ratings_source=m["ratings_source"],
-        num_ratings=f"{m['num_ratings']:,}",
         neg_ratio=args.neg_ratio,
-        n_train=f"{m['n_train']:,}",
-        n_val=f"{m['n_val']:,}",
-        n_test=f"{m['n_test']:,}",
+        **{k: f"{m[k]:,}" for k in ("num_ratings", "n_train", "n_val", "n_test")},
         positive_fraction=f"{m['test_positive_fraction']:.2f}",
         side_inputs=side,
         bottom_features=m["bottom_features"],
@@ -328,25 +279,12 @@ def experiment() -> rd.Experiment:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``dselectk reproduce movielens``."""
     rd.add_common_arguments(p, "results/movielens")
+    p.add_argument("--variant", choices=["ml-100k", "ml-1m"], default="ml-1m", help="(the paper's)")
     p.add_argument(
-        "--variant",
-        choices=["ml-100k", "ml-1m"],
-        default="ml-1m",
-        help="MovieLens variant (default ml-1m, the paper's)",
+        "--alphas", type=probability, nargs="+", default=None, help="α values (quick 0.5, full all)"
     )
-    p.add_argument(
-        "--alphas",
-        type=probability,
-        nargs="+",
-        default=None,
-        help="α values (default: quick 0.5, --full 0.1 0.5 0.9)",
-    )
-    p.add_argument(
-        "--neg-ratio", type=int_at_least(1), default=1, help="sampled negatives per rating"
-    )
-    p.add_argument(
-        "--max-train", type=int_at_least(1), default=None, help="cap on training examples"
-    )
+    p.add_argument("--neg-ratio", type=int_at_least(1), default=1, help="negatives per rating")
+    p.add_argument("--max-train", type=int_at_least(1), default=None, help="training examples")
     p.add_argument("--no-side-features", action="store_true", help="user and movie ids only")
 
 
@@ -386,38 +324,39 @@ def _reference_rows(ref: Mapping[str, Any] | None, alpha: Any, c3: bool) -> list
     return lines
 
 
+#: the report's tables: title, header, columns (see ``realdata.gate_rows``), paper numbers
+TABLES = (
+    (
+        "Table 1: test loss (× 10⁴) and number of selected experts",
+        "| gate | loss: ours | loss: paper | experts: ours | experts: paper |",
+        [("test_loss", 1e4, 0, 0, ".0f", True), ("selected_experts", 1, 2, 2, ".1f", False)],
+        PAPER_TABLE1,
+    ),
+    (
+        "Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)",
+        "| gate | T2 loss: ours | T2 loss: paper | T1 accuracy: ours | T1 accuracy: paper |",
+        [
+            ("test_loss_task2", 1e4, 0, 0, ".0f", True),
+            ("test_accuracy_task1", 100, 2, 2, ".2f", True),
+        ],
+        PAPER_TABLE_C3,
+    ),
+)
+
+
 def _tables(
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
     settings: Sequence[Any],
     ref: Mapping[str, Any] | None,
 ) -> list[str]:
-    md = ["## Table 1: test loss (× 10⁴) and number of selected experts", ""]
-    for a in settings:
-        md += [
-            f"### α = {a}",
-            "",
-            "| gate | loss: ours | loss: paper | experts: ours | experts: paper |",
-            "|---|---|---|---|---|",
-        ]
-        cols = [("test_loss", 1e4, 0, 0, ".0f", True), ("selected_experts", 1, 2, 2, ".1f", False)]
-        md += rd.gate_rows(rows, a, cols, PAPER_TABLE1.get(float(a), {}))
-        md += _reference_rows(ref, a, c3=False)
-        md.append("")
-    md += ["## Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)", ""]
-    for a in settings:
-        md += [
-            f"### α = {a}",
-            "",
-            "| gate | T2 loss: ours | T2 loss: paper | T1 accuracy: ours | T1 accuracy: paper |",
-            "|---|---|---|---|---|",
-        ]
-        cols = [
-            ("test_loss_task2", 1e4, 0, 0, ".0f", True),
-            ("test_accuracy_task1", 100, 2, 2, ".2f", True),
-        ]
-        md += rd.gate_rows(rows, a, cols, PAPER_TABLE_C3.get(float(a), {}))
-        md += _reference_rows(ref, a, c3=True)
-        md.append("")
+    md: list[str] = []
+    for title, header, cols, paper in TABLES:
+        md += [f"## {title}", ""]
+        for a in settings:
+            md += [f"### α = {a}", "", header, "|---|---|---|---|---|"]
+            md += rd.gate_rows(rows, a, cols, paper.get(float(a), {}))
+            md += _reference_rows(ref, a, c3=paper is PAPER_TABLE_C3)
+            md.append("")
     return md
 
 

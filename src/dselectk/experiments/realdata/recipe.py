@@ -36,7 +36,7 @@ from dselectk.experiments.realdata.spec import (
     label,
     record_config,
 )
-from dselectk.experiments.realdata.train import train_one, tune
+from dselectk.experiments.realdata.train import overrides, train_one, tune
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Executor,
@@ -129,40 +129,19 @@ def load(exp: Experiment, config: RealDataConfig) -> Splits:
     return _DATA[key]
 
 
-def _overrides(args: RealDataConfig) -> dict[str, Any]:
-    return {"epochs": args.epochs, "lr": args.lr}
-
-
 def run_cell(
     exp: Experiment, args: RealDataConfig, cell: tuple[Any, str], data: Splits, progress: bool
 ) -> dict[str, Any]:
     """One (setting, gate) cell: select its hyperparameters (the random grid search under
     ``--full``, else the quick defaults with the flags' overrides), then train the missing
-    final repetitions, saving one record per run. Returns the selection (the cell's entry of
-    ``selected_hparams.json``)."""
+    final repetitions, one record each. Returns the cell's entry of ``selected_hparams.json``."""
     setting, gate = cell
-    store = RunStore(args.out)
-    overrides = _overrides(args)
-    key = cell_key(exp, gate, setting)
+    store, key = RunStore(args.out), cell_key(exp, gate, setting)
     if args.full:
-        choice = tune(
-            exp,
-            gate,
-            setting,
-            data,
-            store,
-            points=args.grid_points,
-            trials=args.trials,
-            base_seed=args.seed,
-            data_cfg=data.config,
-            overrides=overrides,
-            progress=progress,
-        )
-        hp = dict(choice["hparams"])
-        selection = {**choice, "source": "random grid search (--full)"}
+        choice = tune(exp, args, gate, setting, data, store, progress)
+        hp, selection = dict(choice["hparams"]), {**choice, "source": "random grid search (--full)"}
     else:
-        hp = {**exp.quick_hparams[gate]}
-        hp.update({k: v for k, v in overrides.items() if v is not None})
+        hp = {**exp.quick_hparams[gate], **overrides(args)}
         selection = {"hparams": hp, "source": "quick default (untuned)"}
     VARIANTS[gate].check_hparams(hp, f"{exp.name} {key}")
     seeds = [init_seed(args.seed, gate, setting, rep) for rep in range(_repetitions(exp, args))]
@@ -172,22 +151,11 @@ def run_cell(
     ]
     for rep in missing(store, cfgs):
         desc = f"{label(gate)} {key.split('/')[-1] if '/' in key else ''} rep {rep}".strip()
+        tele = Path(args.out) / "telemetry" / f"{key.replace('/', '-')}-rep{rep}"
         metrics, extra = train_one(
-            exp,
-            gate,
-            hp,
-            setting,
-            seeds[rep],
-            data,
-            progress=progress,
-            record_trajectory=rep == 0,
-            desc=desc,
-            telemetry_dir=(
-                Path(args.out) / "telemetry" / f"{key.replace('/', '-')}-rep{rep}"
-                if args.telemetry
-                else None
-            ),
-        )
+            exp, gate, hp, setting, seeds[rep], data, progress=progress,
+            record_trajectory=rep == 0, desc=desc, telemetry_dir=tele if args.telemetry else None,
+        )  # fmt: skip
         store.save(cfgs[rep], metrics, **extra)
         if progress:
             tqdm.write(_done_message(desc, metrics))

@@ -186,6 +186,18 @@ def current_records(
     return out
 
 
+def _of(
+    spec: Experiment, records: Iterable[Mapping[str, Any]], setting: Any, gate: str
+) -> list[Mapping[str, Any]]:
+    """The records of one (setting, gate) cell."""
+    key = spec.setting_key
+    return [
+        r
+        for r in records
+        if r["config"]["gate"] == gate and (key is None or r["config"].get(key) == setting)
+    ]
+
+
 def table_c2(
     spec: Experiment,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
@@ -199,66 +211,77 @@ def table_c2(
         "|---|---|---|---|---|---|---|---|",
     ]
     values: dict[str, Any] = {}
-    for setting in settings:
+    for setting, kind in ((s, k) for s in settings for k in ("static", "per_example")):
         col = spec.c2_column.format(setting)
-        paper = spec.paper_c2.get(col, {})
-        for kind in ("static", "per_example"):
-            dk, tk = f"dselect_k_{kind}", f"topk_{kind}"
-            if (setting, dk) not in rows:
-                continue
-            m = rows[(setting, dk)]["metrics"]
-            recs = [
-                r
-                for r in records
-                if r["config"]["gate"] == dk
-                and r["config"].get(spec.setting_key or "", None) == setting
-            ]
-            reached = sum(1 for r in recs if r["metrics"].get("binary_reached"))
-            ratio = math.nan
-            if (setting, tk) in rows:
-                fa = [r["metrics"].get("train_expert_flops") for r in recs]
-                fb = [
-                    r["metrics"].get("train_expert_flops")
-                    for r in records
-                    if r["config"]["gate"] == tk
-                    and r["config"].get(spec.setting_key or "", None) == setting
-                ]
-                ratio = flops_ratio(fa, fb)
-            values[f"{col}/{kind}"] = {
-                "pct_steps_until_binary": m.get("pct_steps_until_binary"),
-                "runs_binary": reached,
-                "runs": len(recs),
-                "flops_ratio": ratio,
-            }
-            pct = fmt(m.get("pct_steps_until_binary"))
-            ratio_s = "-" if not math.isfinite(ratio) else f"{ratio:.2f}"
-            paper_pct = paper.get("pct", math.nan) if kind == "static" else math.nan
-            paper_fl = paper.get("flops", math.nan) if kind == "static" else math.nan
-            per_task = []
-            for t in range(len(spec.task_names)):
-                key = f"binary_reached_task{t + 1}"
-                with_key = [r for r in recs if key in r["metrics"]]
-                rt = sum(1 for r in with_key if r["metrics"][key])
-                per_task.append(
-                    f"T{t + 1}: {fmt(m.get(f'pct_steps_until_binary_task{t + 1}'))} "
-                    f"({rt}/{len(with_key)})"
-                )
-            lines.append(
-                f"| {col} | {kind.replace('_', '-')} | {pct} | {reached}/{len(recs)} | "
-                f"{'; '.join(per_task)} | {_num(paper_pct)} | {ratio_s} | {_num(paper_fl)} |"
-            )
+        dk, tk = f"dselect_k_{kind}", f"topk_{kind}"
+        if (setting, dk) not in rows:
+            continue
+        m, recs = rows[(setting, dk)]["metrics"], _of(spec, records, setting, dk)
+        reached = sum(1 for r in recs if r["metrics"].get("binary_reached"))
+        ratio = math.nan
+        if (setting, tk) in rows:
+            fb = [r["metrics"].get("train_expert_flops") for r in _of(spec, records, setting, tk)]
+            ratio = flops_ratio([r["metrics"].get("train_expert_flops") for r in recs], fb)
+        values[f"{col}/{kind}"] = {
+            "pct_steps_until_binary": m.get("pct_steps_until_binary"),
+            "runs_binary": reached,
+            "runs": len(recs),
+            "flops_ratio": ratio,
+        }
+        paper = spec.paper_c2.get(col, {}) if kind == "static" else {}
+        per_task = []
+        for t in range(1, len(spec.task_names) + 1):
+            with_key = [r for r in recs if f"binary_reached_task{t}" in r["metrics"]]
+            rt = sum(1 for r in with_key if r["metrics"][f"binary_reached_task{t}"])
+            pct = fmt(m.get(f"pct_steps_until_binary_task{t}"))
+            per_task.append(f"T{t}: {pct} ({rt}/{len(with_key)})")
+        lines.append(
+            f"| {col} | {kind.replace('_', '-')} | {fmt(m.get('pct_steps_until_binary'))} | "
+            f"{reached}/{len(recs)} | {'; '.join(per_task)} | {_num(paper.get('pct'))} | "
+            f"{_num(ratio, '.2f')} | {_num(paper.get('flops'))} |"
+        )
     return lines, values
 
 
-def _num(v: float) -> str:
-    return "-" if not math.isfinite(v) else f"{v:g}"
+def _num(v: float | None, spec: str = "g") -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:{spec}}"
+
+
+def _plots(
+    spec: Experiment, rows: Iterable[tuple[Any, str]], records: Sequence[Any], out: Path
+) -> list[Path]:
+    """Heatmap and trajectory of repetition 0 (the lowest) of each (setting, gate) row."""
+    from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
+
+    plots: list[Path] = []
+    key, names = spec.setting_key, spec.task_names
+    for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
+        recs = sorted(_of(spec, records, setting, gate), key=lambda r: r["config"]["rep"])
+        if not recs:
+            continue
+        rec, traj = recs[0], recs[0].get("trajectory")
+        tag = gate if key is None else f"{gate}_{key}{setting}"
+        name = label(gate) + ("" if key is None else f", {key} = {setting}")
+        if rec.get("gate_weights"):
+            title = f"{spec.title}: expert weights, {name} (rep {rec['config']['rep']})"
+            path = out / "plots" / f"heatmap_{tag}.png"
+            plots.append(
+                plot_task_heatmap(rec["gate_weights"], path, title=title, task_names=names)
+            )
+        if traj and traj.get("steps"):
+            title = f"{spec.title}: gate weights during training, {name}"
+            path = out / "plots" / f"trajectory_{tag}.png"
+            plots.append(
+                plot_task_trajectories(
+                    traj["steps"], traj["weights"], path, title=title, task_names=names
+                )
+            )
+    return plots
 
 
 def write_report(results_dir: Path, spec: Experiment) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the plots of the experiment ``spec`` from the
     run records alone (and the cached reference predictors, :func:`load_reference`)."""
-    from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
-
     results_dir = Path(results_dir)
     all_records, others = RunStore(results_dir).load_planned()
     info = read_json(results_dir / "run_info.json")
@@ -267,57 +290,13 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
     records = current_records(
         finals, spec.setting_key, info.get("data"), selected, info.get("training")
     )
-    stale = len(finals) - len(records) + others
     tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
     summary_rows = summarize(records, group)
-    rows: dict[tuple[Any, str], Mapping[str, Any]] = {}
-    for row in summary_rows:
-        setting = row.get(spec.setting_key) if spec.setting_key else None
-        rows[(setting, row["gate"])] = row
+    rows = {(row.get(spec.setting_key or ""), row["gate"]): row for row in summary_rows}
     settings = sorted({k[0] for k in rows}, key=lambda v: (v is None, v))
     c2_lines, c2_values = table_c2(spec, rows, records, settings)
-
-    plots: list[Path] = []
-    plot_dir = results_dir / "plots"
-    for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
-        recs = sorted(
-            (
-                r
-                for r in records
-                if r["config"]["gate"] == gate
-                and (spec.setting_key is None or r["config"].get(spec.setting_key) == setting)
-            ),
-            key=lambda r: r["config"]["rep"],
-        )
-        if not recs:
-            continue
-        rec = recs[0]
-        tag = gate if spec.setting_key is None else f"{gate}_{spec.setting_key}{setting}"
-        name = label(gate) + (
-            "" if spec.setting_key is None else f", {spec.setting_key} = {setting}"
-        )
-        if rec.get("gate_weights"):
-            plots.append(
-                plot_task_heatmap(
-                    rec["gate_weights"],
-                    plot_dir / f"heatmap_{tag}.png",
-                    title=f"{spec.title}: expert weights, {name} (rep {rec['config']['rep']})",
-                    task_names=spec.task_names,
-                )
-            )
-        traj = rec.get("trajectory")
-        if traj and traj.get("steps"):
-            plots.append(
-                plot_task_trajectories(
-                    traj["steps"],
-                    traj["weights"],
-                    plot_dir / f"trajectory_{tag}.png",
-                    title=f"{spec.title}: gate weights during training, {name}",
-                    task_names=spec.task_names,
-                )
-            )
-
+    plots = _plots(spec, rows, records, results_dir)
     summary = {
         "experiment": spec.name,
         "group_by": group,
@@ -329,31 +308,35 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         "plots": [str(p.relative_to(results_dir)) for p in plots],
     }
     write_json(results_dir / "summary.json", summary)
-
-    run_lines: list[str] = []
-    if info:
-        train_s = sum(float(r["metrics"].get("train_seconds", 0.0)) for r in records)
-        run_lines += [
-            f"Command: `{info.get('command')}`  ",
-            f"Mode: **{info.get('mode')}**, repetitions per gate and setting: "
-            f"{info.get('repetitions')}, cumulative wall time of the sweep commands: "
-            f"{float(info.get('wall_seconds') or 0):.0f} s; training time of the summarised "
-            f"runs: {train_s:.0f} s.",
-            "",
-        ]
-        if info.get("mode") == "quick":
-            run_lines += [render("realdata_quick").strip(), ""]
-        if info.get("notes"):
-            run_lines += ["## Setup and choices", ""] + [f"- {n}" for n in info["notes"]] + [""]
     text = render(
         "realdata",
         title=spec.title,
-        run_info="".join(f"{line}\n" for line in run_lines),
+        run_info="".join(f"{line}\n" for line in _run_lines(info, records)),
         records=len(records),
         tune_records=tune_count,
-        stale=stale,
+        stale=len(finals) - len(records) + others,
         tables="\n".join(spec.tables(rows, settings, load_reference(results_dir))),
         table_c2="\n".join(c2_lines),
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )
     write_text(results_dir / "report.md", text.rstrip("\n") + "\n")
+
+
+def _run_lines(info: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The report's lines on the command (``run_info.json``) and its setup notes."""
+    if not info:
+        return []
+    train_s = sum(float(r["metrics"].get("train_seconds", 0.0)) for r in records)
+    lines = [
+        f"Command: `{info.get('command')}`  ",
+        f"Mode: **{info.get('mode')}**, repetitions per gate and setting: "
+        f"{info.get('repetitions')}, cumulative wall time of the sweep commands: "
+        f"{float(info.get('wall_seconds') or 0):.0f} s; training time of the summarised "
+        f"runs: {train_s:.0f} s.",
+        "",
+    ]
+    if info.get("mode") == "quick":
+        lines += [render("realdata_quick").strip(), ""]
+    if info.get("notes"):
+        lines += ["## Setup and choices", ""] + [f"- {n}" for n in info["notes"]] + [""]
+    return lines

@@ -28,7 +28,7 @@ from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, TrainConfig, evaluate, train
 from dselectk.variants import total_steps
 
-__all__ = ["train_one", "tune"]
+__all__ = ["overrides", "train_one", "tune"]
 
 
 def train_one(
@@ -117,56 +117,48 @@ def _better(exp: Experiment, a: float, b: float) -> bool:
     return a < b if exp.select == "min_loss" else a > b
 
 
+def overrides(args: Any) -> dict[str, Any]:
+    """The hyperparameters set by ``--epochs`` and ``--lr``."""
+    return {k: v for k, v in {"epochs": args.epochs, "lr": args.lr}.items() if v is not None}
+
+
 def tune(
     exp: Experiment,
+    args: Any,
     gate: str,
     setting: Any,
     data: Splits,
     store: RunStore,
-    *,
-    points: int,
-    trials: int,
-    base_seed: int,
-    data_cfg: Mapping[str, Any],
-    overrides: Mapping[str, Any],
     progress: bool,
 ) -> dict[str, Any]:
-    """Random grid search (Appendix D): ``points`` random grid points × ``trials`` runs each.
+    """Random grid search (Appendix D): ``--grid-points`` random grid points × ``--trials`` runs.
 
     Each trial is a resumable ``phase="tune"`` record. The point with the best mean validation
     metric wins; for Gumbel-softmax only points whose expected number of nonzeros is <= 4 are
-    eligible (as in the paper).
+    eligible (as in the paper). ``--epochs`` and ``--lr`` fix their axes of the grid.
     """
-    grid = {**exp.grid[gate]}
-    for k, v in overrides.items():
-        if v is not None:
-            grid[k] = [v]
+    base_seed, data_cfg = args.seed, data.config
+    grid = {**exp.grid[gate], **{k: [v] for k, v in overrides(args).items()}}
     pts = grid_points(grid, sort_keys=True)
-    pts = sample_points(pts, points, f"{exp.name}|{gate}|{json.dumps(setting)}|{base_seed}")
+    seed = f"{exp.name}|{gate}|{json.dumps(setting)}|{base_seed}"
+    pts = sample_points(pts, int(args.grid_points), seed)
     metric = "val_loss" if exp.select == "min_loss" else "val_mean_accuracy"
     best_hp, best_val = dict(exp.quick_hparams[gate]), math.nan
     for i, point in enumerate(pts):
         hp = {**exp.quick_hparams[gate], **point}
         vals, nnz = [], []
-        for trial in range(trials):
+        for trial in range(int(args.trials)):
             s = init_seed(base_seed, gate, setting, trial, f"tune{i}")
             cfg = record_config(exp, gate, setting, hp, trial, s, base_seed, data_cfg, "tune")
             path = store.path(run_id(cfg))
             if path.is_file():
-                rec = json.loads(path.read_text(encoding="utf-8"))
-                m = rec["metrics"]
+                m = json.loads(path.read_text(encoding="utf-8"))["metrics"]
             else:
+                desc = f"tune {gate} {i + 1}/{len(pts)} trial {trial + 1}"
                 m, _ = train_one(
-                    exp,
-                    gate,
-                    hp,
-                    setting,
-                    s,
-                    data,
-                    progress=progress,
-                    record_trajectory=False,
-                    desc=f"tune {gate} {i + 1}/{len(pts)} trial {trial + 1}",
-                )
+                    exp, gate, hp, setting, s, data, progress=progress, record_trajectory=False,
+                    desc=desc,
+                )  # fmt: skip
                 store.save(cfg, m)
             vals.append(m.get(metric, math.nan))
             nnz.append(m.get("expected_nonzeros", 0.0))
