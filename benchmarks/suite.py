@@ -3,6 +3,9 @@
 Items (``--only`` takes these names; each is a module of this package with a
 ``run(rep, dev, args)`` function):
 
+- ``small_batch``: per-example DSelect-k vs Top-k forward + backward at B = 1, 16, 256, 4096 on
+  1 and 2 threads, side by side; then (table ``contention``) on 2 threads beside 3 busy
+  processes, busy / idle (``--no-contention`` skips that part).
 - ``gate``: per-example DSelect-k forward + backward (B = 4096, p = 64, n = 128, k = 4) against
   the product-table formulation of the paper's formulas and against a Top-k gate, at
   initialisation and in a sparse regime (~30 % of the bits exactly 0 or 1).
@@ -16,7 +19,10 @@ Items (``--only`` takes these names; each is a module of this package with a
 - ``synthetic`` (only with ``--synthetic``): wall time of ``benchmarks/bench_synthetic.py``.
 
 Every table row holds our median, the baseline's median (measured interleaved in the same
-process), baseline / ours (> 1: we are faster) and the configuration. Results go to JSON.
+process), baseline / ours (> 1: we are faster) and the configuration. Results go to JSON, and
+each run appends one line to ``benchmarks/results/history.jsonl`` (machine, threads, load
+average, git commit, every row's ratio); ``python -m benchmarks.readme_tables`` prints the
+README's Markdown tables from its last line.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +44,7 @@ from benchmarks.timing import machine_facts
 from dselectk.runtime import tune_allocator
 
 REGISTRY: dict[str, str] = {
+    "small_batch": "benchmarks.small_batch",
     "gate": "benchmarks.gate",
     "bank": "benchmarks.bank",
     "mmoe": "benchmarks.mmoe",
@@ -46,6 +55,59 @@ REGISTRY: dict[str, str] = {
 }
 """Item name -> module with ``run(rep: Report, dev: torch.device, args) -> None``, in run order."""
 ITEMS = tuple(REGISTRY)
+HISTORY = REPO_ROOT / "benchmarks" / "results" / "history.jsonl"
+"""Where each suite run appends one JSON line (see :func:`history_entry`)."""
+
+
+def git_commit() -> str:
+    """The checkout's commit (short hash), with ``+dirty`` when tracked files differ; "" if none."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
+
+
+def history_entry(result: dict[str, Any]) -> dict[str, Any]:
+    """One history line from a device's result document: facts and every row, ratio first."""
+    try:
+        load_end = list(os.getloadavg())
+    except OSError:
+        load_end = []
+    items = {}
+    for item, table in result["items"].items():
+        items[item] = {
+            "title": table.get("title", ""),
+            "note": table.get("note", ""),
+            "rows": table["rows"],
+            "ratios": {r["case"]: r.get("ratio") for r in table["rows"]},
+        }
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": git_commit(),
+        "command": result["command"],
+        "quick": result["quick"],
+        "machine": result["machine"],
+        "torch_threads": result["machine"].get("torch_threads"),
+        "load_avg_end": load_end,
+        "wall_s": result["wall_s"],
+        "items": items,
+    }
+
+
+def append_history(path: Path, results: list[dict[str, Any]]) -> None:
+    """Append one line per device result to the JSON-lines history at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        for result in results:
+            fh.write(json.dumps(history_entry(result), default=str) + "\n")
 
 
 def run_suite(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -89,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=str(REPO_ROOT / "results" / "bench"), help="directory of the JSON result"
     )
     p.add_argument("--record", default="", help="also write the JSON to this path")
+    p.add_argument("--history", default=str(HISTORY), help="JSON-lines history this run appends to")
+    p.add_argument("--no-history", action="store_true", help="do not append to the history")
+    p.add_argument(
+        "--no-contention", action="store_true", help="small_batch: skip the busy-process part"
+    )
+    p.add_argument(
+        "--small-batches", type=int, nargs="+", default=None, help="small_batch: batch sizes"
+    )
+    p.add_argument("--small-reps", type=int, default=0, help="small_batch: timed rounds")
     return p
 
 
@@ -121,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(text)
         print(f"recorded: {args.record}")
+    if not args.no_history:
+        append_history(Path(args.history), results)
+        print(f"history: {args.history}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_registry_modules_import_and_define_run() -> None:
     suite = importlib.import_module("benchmarks.suite")
     assert tuple(suite.REGISTRY) == suite.ITEMS
     assert set(suite.ITEMS) == {
-        "gate", "bank", "mmoe", "conditional", "memory", "scaling", "synthetic"
+        "small_batch", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "synthetic"
     }  # fmt: skip
     for item, module in suite.REGISTRY.items():
         mod = importlib.import_module(module)
@@ -82,3 +82,56 @@ def test_quick_suite_single_item(tmp_path: Path) -> None:
     assert "== memory:" in res.stdout
     (path,) = tmp_path.glob("bench-cpu-quick-*.json")
     assert "memory" in json.loads(path.read_text())["items"]
+
+
+def test_small_batch_item_writes_history_and_readme_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The suite in a tiny mode (B = 1, 2 rounds, no busy processes): the table, the JSON
+    history line (machine, threads, load, commit, ratios) and the Markdown made from it."""
+    suite = importlib.import_module("benchmarks.suite")
+    readme_tables = importlib.import_module("benchmarks.readme_tables")
+    history = tmp_path / "history.jsonl"
+    argv = ["--quick", "--only", "small_batch", "--small-batches", "1", "--small-reps", "2"]
+    argv += ["--no-contention", "--out", str(tmp_path), "--history", str(history)]
+    threads = torch.get_num_threads()
+    suite.main(argv)
+    suite.main(argv)
+    assert torch.get_num_threads() == threads
+    assert "== small_batch:" in capsys.readouterr().out
+    lines = history.read_text().splitlines()
+    assert len(lines) == 2  # appended, not overwritten
+    entry = json.loads(lines[-1])
+    assert {"time", "commit", "machine", "torch_threads", "load_avg_end", "items"} <= set(entry)
+    assert "load_avg_1m" in entry["machine"]
+    ratios = entry["items"]["small_batch"]["ratios"]
+    assert "B=1 threads=1" in ratios and all(r > 0 for r in ratios.values())
+    md = readme_tables.tables(readme_tables.load_entry(history))
+    assert "| batch, threads | DSelect-k | Top-k |" in md and "| 1, 1 |" in md
+    readme_tables.main(["--history", str(history)])
+    assert "**small_batch**" in capsys.readouterr().out
+
+
+def test_history_entry_of_other_items() -> None:
+    suite = importlib.import_module("benchmarks.suite")
+    readme_tables = importlib.import_module("benchmarks.readme_tables")
+    result = {
+        "command": "python -m benchmarks",
+        "quick": True,
+        "machine": {"cpu": "x", "torch_threads": 2, "load_avg_1m": 1.0},
+        "wall_s": 1.0,
+        "items": {"gate": {"title": "t", "note": "", "rows": [
+            {"case": "c", "ours_ms": 1.0, "base_ms": 2.0, "ratio": 2.0, "config": "B=1"}
+        ]}},
+    }  # fmt: skip
+    entry = suite.history_entry(result)
+    assert entry["items"]["gate"]["ratios"] == {"c": 2.0}
+    assert "| c | 1 ms | 2 ms | 2.00× | B=1 |" in readme_tables.tables(entry)
+
+
+@pytest.mark.slow
+def test_busy_processes_start_and_stop() -> None:
+    small_batch = importlib.import_module("benchmarks.small_batch")
+    with small_batch.Busy(1) as busy:
+        assert all(p.is_alive() for p in busy.procs)
+    assert not any(p.is_alive() for p in busy.procs)

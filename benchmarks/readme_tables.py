@@ -1,0 +1,100 @@
+"""Print the README's speed tables (Markdown) from the last line of the benchmark history.
+
+``python -m benchmarks.readme_tables [--history PATH] [--entry -1]``: one table per item of that
+suite run (``python -m benchmarks``), each with the run's machine, threads, load average and
+commit, so the README's numbers come from one command instead of being typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite import HISTORY
+
+__all__ = ["load_entry", "main", "tables"]
+
+
+def load_entry(path: Path, index: int = -1) -> dict[str, Any]:
+    """The ``index``-th JSON line of the history at ``path`` (default: the last)."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit(f"{path} holds no benchmark run yet: run python -m benchmarks first")
+    return dict(json.loads(lines[index]))
+
+
+def _ms(v: Any) -> str:
+    return f"{v:.3g} ms" if isinstance(v, (int, float)) else "–"
+
+
+def _ratio(v: Any) -> str:
+    return f"{v:.2f}×" if isinstance(v, (int, float)) else "–"
+
+
+def _small_batch(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| batch, threads | DSelect-k | Top-k | Top-k / DSelect-k | DSelect-k, step on 1 thread |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.get('B')}, {r.get('threads')} | {_ms(r['ours_ms'])} | {_ms(r.get('base_ms'))} "
+            f"| {_ratio(r.get('ratio'))} | {_ms(r.get('ours_1t_ms'))} |"
+        )
+    return out
+
+
+def _contention(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| gate | batch | idle | beside busy processes | busy / idle |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r.get('gate')} | {r.get('B')} | {_ms(r.get('base_ms'))} | {_ms(r['ours_ms'])} "
+            f"| {_ratio(r.get('ratio'))} |"
+        )
+    return out
+
+
+def _generic(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| case | ours | baseline | baseline / ours | config |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['case']} | {_ms(r.get('ours_ms'))} | {_ms(r.get('base_ms'))} "
+            f"| {_ratio(r.get('ratio'))} | {r.get('config', '')} |"
+        )
+    return out
+
+
+def tables(entry: dict[str, Any]) -> str:
+    """The Markdown of one history entry: a facts line, then one table per item."""
+    m = entry.get("machine", {})
+    facts = (
+        f"_{entry.get('command', 'python -m benchmarks')}_ on {m.get('cpu', '?')} "
+        f"({m.get('cpu_count', '?')} cores), {m.get('torch_threads', '?')} torch threads, "
+        f"load average {m.get('load_avg_1m', '?')} at the start, torch {m.get('torch', '?')}, "
+        f"commit {entry.get('commit') or '?'}, {entry.get('time', '')}"
+    )
+    parts = [facts, ""]
+    for item, table in entry.get("items", {}).items():
+        rows = table.get("rows", [])
+        parts.append(f"**{item}**: {table.get('title', '')}")
+        if table.get("note"):
+            parts.append(f"({table['note']})")
+        parts.append("")
+        fmt = {"small_batch": _small_batch, "contention": _contention}.get(item, _generic)
+        parts.extend(fmt(rows))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.readme_tables", description=__doc__)
+    p.add_argument("--history", default=str(HISTORY), help="the suite's JSON-lines history")
+    p.add_argument("--entry", type=int, default=-1, help="which line (default: the last)")
+    args = p.parse_args(argv)
+    print(tables(load_entry(Path(args.history), args.entry)))
+
+
+if __name__ == "__main__":
+    main()

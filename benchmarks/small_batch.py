@@ -1,0 +1,170 @@
+"""Item ``small_batch``: DSelect-k vs Top-k at every batch size, threads, and beside busy processes.
+
+Per-example gates, p = 64, n = 128, k = 4, forward + backward (float32), at B = 1, 16, 256, 4096
+on 1 and 2 intra-op threads (as many as the CPU has), DSelect-k and Top-k timed interleaved in
+one process. Ratio = Top-k / DSelect-k (>= 1: DSelect-k at least as fast). A third column times
+the DSelect-k step wrapped in ``dselectk.runtime.intra_op_threads(1)`` (what a user can do for
+small batches on a shared machine).
+
+Contention (on by default, ``--no-contention`` skips it): the same measurement on 2 threads
+after starting 3 processes that spin on the CPU (``multiprocessing``), stopped afterwards; rows
+give busy / idle medians (the idle ones from the table above, same process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from benchmarks.common import Report, dselect_out, fwd_bwd, topk_out
+from benchmarks.timing import compare
+from dselectk.gates import DSelectK, TopKGate
+from dselectk.runtime import intra_op_threads
+
+P, N, K = 64, 128, 4
+BATCHES = (1, 16, 256, 4096)
+BUSY_PROCESSES = 3
+
+
+def _spin(stop: Any) -> None:  # pragma: no cover - runs in a child process
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+class Busy:
+    """Context manager: ``n`` processes spinning on the CPU while the block runs."""
+
+    def __init__(self, n: int = BUSY_PROCESSES) -> None:
+        self.n = n
+        self.ctx = mp.get_context("spawn")
+        self.stop = self.ctx.Event()
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> Busy:
+        for _ in range(self.n):
+            proc = self.ctx.Process(target=_spin, args=(self.stop,), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        time.sleep(0.5)  # let them start spinning
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def _guarded(step: Any) -> Any:
+    def run() -> None:
+        with intra_op_threads(1):
+            step()
+
+    return run
+
+
+def measure(
+    batches: tuple[int, ...], threads: int, reps: int, dev: torch.device
+) -> dict[int, dict[str, dict[str, float]]]:
+    """B -> compare() timings of ``dselect``, ``topk`` and ``dselect_1t`` on ``threads``."""
+    out = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in batches:
+            torch.manual_seed(0)
+            x = torch.randn(b, P, device=dev)
+            g = torch.randn(b, N, device=dev)
+            gate = DSelectK(N, K, in_features=P, entropy_reg=0.1).to(dev)
+            topk = TopKGate(N, K, in_features=P).to(dev)
+            ours = fwd_bwd(partial(dselect_out, gate, x), g)
+            fns = {
+                "dselect": ours,
+                "topk": fwd_bwd(partial(topk_out, topk, x), g),
+                "dselect_1t": _guarded(ours),
+            }
+            n = reps if b < 4096 else max(3, reps // 3)
+            out[b] = compare(fns, dev, reps=n, warmup=2)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
+
+
+def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
+    batches = tuple(getattr(args, "small_batches", None) or BATCHES)
+    reps = getattr(args, "small_reps", 0) or (15 if args.quick else 40)
+    cores = os.cpu_count() or 1
+    thread_list = [t for t in (1, 2) if t <= max(cores, 1)] if dev.type == "cpu" else [1]
+    rows = []
+    idle: dict[int, dict[int, dict[str, dict[str, float]]]] = {}
+    for threads in thread_list:
+        load = _load()
+        idle[threads] = t = measure(batches, threads, reps, dev)
+        for b in batches:
+            d, tk, d1 = (t[b][name]["median_ms"] for name in ("dselect", "topk", "dselect_1t"))
+            rows.append(
+                {
+                    "case": f"B={b} threads={threads}",
+                    "ours_ms": d,
+                    "base_ms": tk,
+                    "ratio": tk / d,
+                    "ours_1t_ms": d1,
+                    "config": f"B={b} threads={threads} load={load}",
+                    "B": b,
+                    "threads": threads,
+                    "load_avg_1m": load,
+                }
+            )
+    rep.table(
+        "small_batch",
+        "per-example gate fwd+bwd, DSelect-k vs Top-k (p=64, n=128, k=4), ratio = topk/ours",
+        rows,
+        "target: ratio >= 1 at every B and threads; B = 4096 on 1 thread <= 5 ms",
+    )
+    if getattr(args, "no_contention", False) or dev.type != "cpu" or 2 not in idle:
+        return
+    with Busy(BUSY_PROCESSES):
+        load = _load()
+        busy = measure(batches, 2, reps, dev)
+        load_after = _load()
+    crow = []
+    for b in batches:
+        for name in ("dselect", "topk", "dselect_1t"):
+            i_ms, b_ms = idle[2][b][name]["median_ms"], busy[b][name]["median_ms"]
+            crow.append(
+                {
+                    "case": f"{name} B={b} busy/idle",
+                    "ours_ms": b_ms,
+                    "base_ms": i_ms,
+                    "ratio": b_ms / i_ms,
+                    "config": f"threads=2 busy={BUSY_PROCESSES} load={load}->{load_after}",
+                    "B": b,
+                    "gate": name,
+                    "threads": 2,
+                    "load_avg_1m": load,
+                }
+            )
+    rep.table(
+        "contention",
+        f"2 threads beside {BUSY_PROCESSES} busy processes: ours ms = busy, base ms = idle, "
+        "ratio = busy/idle",
+        crow,
+        "target: DSelect-k busy/idle <= 2.5 at every B",
+    )
