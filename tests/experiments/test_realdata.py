@@ -26,6 +26,7 @@ from dselectk.layers.cnn import (
     load_from_reference,
     make_reference_cnn,
 )
+from dselectk.monitor import GateMonitor, flops_ratio, training_expert_flops
 from dselectk.training import History
 
 # --------------------------------------------------------------------------------------------
@@ -170,13 +171,13 @@ def test_movielens_model_shapes_and_loss_combination() -> None:
 
 def test_table_c2_flops_hand_checked() -> None:
     # steps of batch 128, 128, 64 needing 8, 2 and 2 experts per example; F = 100 FLOPs
-    assert rd.training_expert_flops([8, 2, 2], [128, 128, 64], 100.0) == pytest.approx(
+    assert training_expert_flops([8, 2, 2], [128, 128, 64], 100.0) == pytest.approx(
         3 * 100 * (8 * 128 + 2 * 128 + 2 * 64)
     )
-    assert rd.flops_ratio([2.0, 4.0], [3.0, 3.0]) == pytest.approx(1.0)
-    assert math.isnan(rd.flops_ratio([], [1.0]))
+    assert flops_ratio([2.0, 4.0], [3.0, 3.0]) == pytest.approx(1.0)
+    assert math.isnan(flops_ratio([], [1.0]))
     # experts needed per example from the gate weights of a step
-    mon = rd.GateMonitor(torch.nn.Identity())
+    mon = GateMonitor(torch.nn.Identity())
     static = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])  # union {0, 1}
     per_example = torch.tensor(
         [
@@ -197,7 +198,7 @@ def test_table_c2_flops_hand_checked() -> None:
 def test_monitor_detects_binary_dselect_k() -> None:
     torch.manual_seed(0)
     model = ml.build_model("dselect_k_static", ml.QUICK_HPARAMS["dselect_k_static"], _ml_meta())
-    mon = rd.GateMonitor(model, check_every=1)
+    mon = GateMonitor(model, check_every=1)
     x = torch.zeros(2, 24, dtype=torch.int64)
     assert mon.binary_fraction(x) == 0.0
     gate = mon.gates[0]

@@ -1,29 +1,20 @@
 """Shared code of the real-data experiments (Sections 4.1–4.2, Appendices C.3, C.4, D.1, D.2).
 
 A recipe (:mod:`dselectk.experiments.movielens`, :mod:`dselectk.experiments.multi_mnist`)
-describes its experiment as an :class:`Experiment`: how to load the data, build a model for a
-gate, which losses, hyperparameters and report apply. This package runs it:
+describes its experiment as an :class:`Experiment` (data, models, losses, hyperparameters,
+report tables); this package, which never imports the recipes, runs it:
 
-* ``spec`` — the gates (:data:`VARIANTS`: typed variants, static or per-example),
-  :class:`Splits`, :class:`Experiment`, the run config :class:`RealDataConfig`, record identity;
-* ``train`` — one run (:func:`train_one`) and the ``--full`` random grid search (:func:`tune`);
-* ``recipe`` — the flags, one (setting, gate) cell, and :func:`run_experiment`, which runs (or
-  resumes) the sweep settings × gates × repetitions on the shared runner
-  (:mod:`dselectk.experiments.runner`, ``--jobs`` worker processes);
-* ``report`` — ``summary.json``, ``report.md`` and the PNG plots, rebuilt from the run records
-  alone (:func:`write_report`, prose in ``templates/realdata.md``).
-
-Every finished run is one JSON record (:class:`~dselectk.experiments.records.RunStore`), keyed
-by the hash of its resolved config, written atomically: an interrupted sweep restarted with the
-same command skips finished runs and never leaves partial records. This package never imports
-the recipes: each recipe's :class:`Experiment` carries its own paper tables.
+* ``spec`` — the gates (:data:`VARIANTS`), :class:`Splits`, :class:`Experiment`, the run config
+  :class:`RealDataConfig`, record identity;
+* ``train`` — one run (:func:`train_one`, observed by :class:`dselectk.monitor.GateMonitor`) and
+  the ``--full`` random grid search;
+* ``recipe`` — the flags, one (setting, gate) cell and :func:`run_experiment`: the sweep settings
+  × gates × repetitions on the shared runner (resumable: one record per finished run);
+* ``plan`` — the cost printed by ``--dry-run`` and before ``--full``;
+* ``report`` — ``summary.json``, ``report.md`` and the plots, from the records alone.
 """
 
-from dselectk.experiments.realdata.recipe import (
-    add_common_arguments,
-    config_of,
-    run_experiment,
-)
+from dselectk.experiments.realdata.recipe import add_common_arguments, config_of, run_experiment
 from dselectk.experiments.realdata.report import (
     fmt,
     gate_rows,
@@ -42,19 +33,16 @@ from dselectk.experiments.realdata.spec import (
     label,
 )
 from dselectk.experiments.realdata.train import train_one
-from dselectk.monitor import GateMonitor, flops_ratio, training_expert_flops
 
 __all__ = [
     "VARIANTS",
     "Experiment",
     "GateChoice",
-    "GateMonitor",
     "RealDataConfig",
     "Splits",
     "TaskData",
     "add_common_arguments",
     "config_of",
-    "flops_ratio",
     "fmt",
     "gate_rows",
     "label",
@@ -62,7 +50,6 @@ __all__ = [
     "run_experiment",
     "template_notes",
     "train_one",
-    "training_expert_flops",
     "training_note",
     "write_report",
 ]
