@@ -279,7 +279,9 @@ def experiment() -> rd.Experiment:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``dselectk reproduce movielens``."""
     rd.add_common_arguments(p, "results/movielens")
-    p.add_argument("--variant", choices=["ml-100k", "ml-1m"], default="ml-1m", help="(the paper's)")
+    p.add_argument(
+        "--variant", choices=["ml-100k", "ml-1m"], default="ml-1m", help="ml-1m: the paper's"
+    )
     p.add_argument(
         "--alphas", type=probability, nargs="+", default=None, help="α values (quick 0.5, full all)"
     )

@@ -84,7 +84,11 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
     p.add_argument(
-        "--gates", nargs="+", default=None, choices=list(VARIANTS), help="gates (default: all)"
+        "--gates",
+        nargs="+",
+        default=None,
+        choices=list(VARIANTS),
+        help="gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
     )
     p.add_argument(
         "--full", action="store_true", help="paper protocol: Appendix D grid search, 100 reps"
