@@ -105,3 +105,29 @@ def test_intra_op_threads_restores() -> None:
     with pytest.raises(RuntimeError), intra_op_threads(1):
         raise RuntimeError
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("broadcast_max", [0, 2**40])
+@pytest.mark.parametrize("m", [1, 2, 5, 6])
+def test_fused_kernel_combine_both_ways(
+    monkeypatch: pytest.MonkeyPatch, broadcast_max: int, m: int
+) -> None:
+    """The fused kernel's combine as multiply-add loops (large problems) and as one broadcast
+    product (small ones): the composed formulas' values and gradients either way."""
+    from dselectk import _kernels
+
+    monkeypatch.setattr(_kernels, "_BROADCAST_MAX_ELEMENTS", broadcast_max)
+    alpha, z = _inputs(6, 3, m, seed=2)
+    gamma = torch.tensor(0.8, dtype=F64)
+    w, ent = _DSelectFused.apply(z, alpha, gamma)[:2]
+    p = DF.smooth_step(z, 0.8)
+    ref_w = (torch.softmax(alpha, -1).unsqueeze(-1) * DF.selector(p)).sum(-2)
+    ref_e = DF.selector_entropy(p)
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(ent, ref_e)
+    g_w, g_e = torch.randn_like(w), torch.randn_like(ent)
+    got = torch.autograd.grad([w, ent], (alpha, z), [g_w, g_e])
+    ref = torch.autograd.grad([ref_w, ref_e], (alpha, z), [g_w, g_e])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    assert gradcheck(lambda a, zz: _DSelectFused.apply(zz, a, gamma)[:2], (alpha, z))
