@@ -3,7 +3,9 @@
 A cell is one (gate, T) pair: select its hyperparameters (the paper's grid search under
 ``--full``, else the shipped tuning record), then train the missing final repetitions, one
 record each. The shared runner (:mod:`dselectk.experiments.runner`) resumes, parallelises the
-cells over worker processes (``--jobs``) and writes ``selected_hparams.json``.
+cells over worker processes (``--jobs``) and writes ``selected_hparams.json``. On 2 cores, 2
+one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x faster than one
+two-thread process; batches of 100 repetitions were 1.6x faster on 2 threads than on 1.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ from dselectk.experiments.args import (
     config_from_args,
     int_at_least,
     nonnegative_float,
-    out_dir,
     positive_float,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
-    add_executor_arguments,
+    add_run_arguments,
     executor_from_args,
     missing,
     run_recipe,
@@ -69,7 +70,7 @@ def warmup_fraction(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
-    p.add_argument("--out", type=out_dir, default=Path("results/synthetic"), help="results folder")
+    add_run_arguments(p, out="results/synthetic", threads=0, jobs=0, cells="(gate, T) cells")
     p.add_argument(
         "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
     )
@@ -111,30 +112,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--max-points", type=POS, default=None, help="--full: grid points sampled")
-    p.add_argument(
-        "--threads",
-        type=NONNEG,
-        default=0,
-        help="torch CPU threads (default 0: torch's default, all cores; batches of 100 "
-        "repetitions were 1.6x faster on 2 threads than on 1, batches of 5 the same)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=NONNEG,
-        default=0,
-        help="worker processes, each running whole (gate, T) cells with its share of the cores "
-        "(--threads each if given); default 0: cores / --threads of them, at most one per cell. On "
-        "2 cores, 2 one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x "
-        "faster than one two-thread process",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="log routing telemetry once per epoch to OUT/telemetry/ (binary S(Z), experts per "
-        "task, selector collisions; TensorBoard if installed, else JSON lines)",
-    )
-    add_executor_arguments(p)
 
 
 @dataclass(frozen=True)
