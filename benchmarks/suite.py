@@ -16,6 +16,8 @@ Items (``--only`` takes these names; each is a module of this package with a
   at inference vs a dense model of only the selected experts (and vs all experts).
 - ``memory``: peak memory of the per-example gate at B = 4096, n = 1024, k = 4 (subprocess).
 - ``scaling``: gate cost against n and B.
+- ``moe``: the token MoE block (``SparseMoEFeedForward``, Top-k router) forward + backward vs a
+  straightforward grouped loop and Hugging Face's ``MixtralSparseMoeBlock``.
 - ``synthetic`` (only with ``--synthetic``): wall time of ``benchmarks/bench_synthetic.py``.
 
 Every table row holds our median, the baseline's median (measured interleaved in the same
@@ -51,6 +53,7 @@ REGISTRY: dict[str, str] = {
     "conditional": "benchmarks.conditional",
     "memory": "benchmarks.memory",
     "scaling": "benchmarks.scaling",
+    "moe": "benchmarks.moe",
     "synthetic": "benchmarks.synthetic",
 }
 """Item name -> module with ``run(rep: Report, dev: torch.device, args) -> None``, in run order."""

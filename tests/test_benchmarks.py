@@ -28,7 +28,8 @@ def test_registry_modules_import_and_define_run() -> None:
     suite = importlib.import_module("benchmarks.suite")
     assert tuple(suite.REGISTRY) == suite.ITEMS
     assert set(suite.ITEMS) == {
-        "small_batch", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "synthetic"
+        "small_batch", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "moe",
+        "synthetic",
     }  # fmt: skip
     for item, module in suite.REGISTRY.items():
         mod = importlib.import_module(module)

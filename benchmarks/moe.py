@@ -1,0 +1,112 @@
+"""Item ``moe``: the token MoE block's forward + backward against two baselines, same routing.
+
+``SparseMoEFeedForward`` (router ``topk``, k = 2, GELU experts d_model -> d_ff -> d_model, no
+balance loss) against
+
+- ``grouped``: the straightforward implementation: the same Top-k router module, then a Python
+  loop over the experts (``torch.where`` on the top-k indices, the expert's two ``nn.Linear`` on
+  its rows, ``index_add_`` of the weighted result), as most tutorials write it;
+- ``hf``: Hugging Face's ``MixtralSparseMoeBlock`` (softmax top-k router, SwiGLU experts with
+  ``intermediate_size = 2 d_ff / 3`` so that its three matrices cost the two of ours), when
+  ``transformers`` is importable.
+
+Rows: ours' median, the baseline's median (interleaved), baseline / ours (> 1: we are faster)
+and tokens/s. Float32, on the suite's thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from benchmarks.common import Report, row
+from benchmarks.timing import compare
+from dselectk.gates import TopKGate
+from dselectk.layers.token_moe import SparseMoEFeedForward
+
+
+class GroupedMoE(nn.Module):
+    """A straightforward top-k MoE FFN: loop over experts, ``index_add_`` back (see above)."""
+
+    def __init__(self, router: TopKGate, d_model: int, d_ff: int, n: int, k: int) -> None:
+        super().__init__()
+        self.router, self.k = router, k
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+            for _ in range(n)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        w = self.router(flat).weights  # (N, n)
+        top_w, top_e = w.topk(self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            tok, pos = torch.where(top_e == e)
+            if tok.numel():
+                out.index_add_(0, tok, expert(flat[tok]) * top_w[tok, pos, None])
+        return out.reshape(x.shape)
+
+
+def _hf_block(d_model: int, d_ff: int, n: int, k: int) -> nn.Module | None:
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except Exception:  # not installed, or an API change: the row is skipped
+        return None
+    cfg = MixtralConfig(
+        hidden_size=d_model,
+        intermediate_size=max(1, 2 * d_ff // 3),
+        num_local_experts=n,
+        num_experts_per_tok=k,
+    )
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+    return block
+
+
+def _step(fn: Any, x: Tensor, g: Tensor) -> Any:
+    def run() -> None:
+        out = fn(x)
+        y = out.output if hasattr(out, "output") else out
+        y.backward(g)
+
+    return run
+
+
+def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
+    d_model, d_ff, n, k = 256, 512, 8, 2
+    reps = 5 if args.quick else 15
+    rows = []
+    for tokens in (256, 2048) if args.quick else (256, 2048, 8192):
+        torch.manual_seed(0)
+        ours = SparseMoEFeedForward(d_model, d_ff, n, "topk", k, balance_loss_weight=0.0).to(dev)
+        assert isinstance(ours.router, TopKGate)
+        grouped = GroupedMoE(ours.router, d_model, d_ff, n, k).to(dev)
+        x = torch.randn(1, tokens, d_model, device=dev, requires_grad=True)
+        g = torch.randn_like(x)
+        fns = {"ours": _step(ours, x, g), "grouped": _step(grouped, x, g)}
+        hf = _hf_block(d_model, d_ff, n, k)
+        if hf is not None:
+            fns["hf"] = _step(hf.to(dev), x, g)
+        t = compare(fns, dev, reps=reps, warmup=2)
+        cfg = {"tokens": tokens, "d_model": d_model, "d_ff": d_ff, "n": n, "k": k}
+        tok_s = tokens / (t["ours"]["median_ms"] / 1e3)
+        for base in ("grouped", "hf"):
+            if base in t:
+                r = row(f"N={tokens}: vs {base}", t, "ours", base, **cfg)
+                r["ours_tokens_per_s"] = tok_s
+                r["base_tokens_per_s"] = tokens / (t[base]["median_ms"] / 1e3)
+                rows.append(r)
+    rep.table(
+        "moe",
+        "SparseMoEFeedForward fwd+bwd (top-k router, k=2) vs a grouped loop and HF Mixtral",
+        rows,
+        "target: >= 1.5x the Hugging Face block (ratio = base/ours); hf: SwiGLU, FLOP-matched",
+    )
