@@ -30,6 +30,7 @@ __all__ = [
 EXPERIMENTS: dict[str, str] = {
     "synthetic": "dselectk.experiments.synthetic",
     "recovery": "dselectk.experiments.recovery",
+    "selection": "dselectk.experiments.selection",
     "movielens": "dselectk.experiments.movielens",
     "multi-mnist": "dselectk.experiments.multi_mnist",
     "multi-fashion": "dselectk.experiments.multi_mnist",

@@ -1,0 +1,105 @@
+"""``dselectk reproduce selection``: a tiny end-to-end run through the CLI, the protocol before
+the results, paired seeds, flag validation, the test set and the frozen search-only gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dselectk.cli import main
+from dselectk.experiments.recovery import RecoveryData
+from dselectk.experiments.selection import ARMS, PROTOCOL
+from dselectk.experiments.selection.report import paired
+from dselectk.experiments.selection.study import SEED_RANGE, HeldOutData, data_seed, init_seed
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("selection")
+    argv = ["reproduce", "selection", "--out", str(out), "--shapes", "16/2", "--reps", "2",
+            "--epochs", "1", "--lrs", "0.1", "0.01", "--no-progress", "--jobs", "1"]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+
+
+def test_end_to_end_report(tiny: Path) -> None:
+    summary = json.loads((tiny / "summary.json").read_text())
+    rows = summary["shapes"]["16/2"]["rows"]
+    assert {r["arm"] for r in rows} == set(ARMS)
+    for r in rows:
+        assert r["metrics"]["recovered"]["n"] == 2
+        assert (r["metrics"]["probe_passes"]["mean"] > 0) == (ARMS[r["arm"]].search is not None)
+    assert summary["retrain_same_selection"] == summary["tests"] == 2 * len(ARMS)
+    pairs = {(p["arm"], p["against"]) for p in summary["shapes"]["16/2"]["paired"]}
+    assert ("dselect_k_search", "search_only") in pairs
+    assert ("dselect_k_search", "topk_search") in pairs
+    text = (tiny / "report.md").read_text()
+    assert PROTOCOL.splitlines()[0] in text and "Verdict" in text
+    assert text.index("## Protocol") < text.index(PROTOCOL.splitlines()[-1]) < text.index("| arm |")
+    (tiny / "report.md").unlink()
+    assert main(["report", str(tiny)]) == 0
+    assert (tiny / "report.md").read_text() == text
+
+
+def test_seeds_are_paired_across_arms(tiny: Path) -> None:
+    recs = _records(tiny)
+    assert len(recs) == len(ARMS) * 2 * 3  # 2 reps × (2 lrs + the test retrain)
+    by_rep: dict[int, set] = {}
+    for r in recs:
+        c = r["config"]
+        by_rep.setdefault(c["rep"], set()).add((c["init_seed"], c["shuffle_seed"], c["data_seed"]))
+        assert SEED_RANGE[0] <= c["data_seed"] <= SEED_RANGE[1]
+    assert all(len(v) == 1 for v in by_rep.values())  # every arm, lr and phase: one seed per rep
+    assert len({next(iter(v)) for v in by_rep.values()}) == 2
+    assert init_seed(0) != init_seed(1)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--shapes", "16/5"], ["--shapes", "16x4"], ["--shapes", "8/0"], ["--reps", "1"],
+     ["--arms", "nope"], ["--lrs", "0"], ["--epochs", "0"]],
+)  # fmt: skip
+def test_flag_validation(flags: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["reproduce", "selection", "--out", str(tmp_path / "o"), *flags])
+    assert e.value.code == 2
+
+
+def test_dry_run_prints_plan_and_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "o"
+    assert main(["reproduce", "selection", "--out", str(out), "--full", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "Plan:" in text and "64/6" in text and "CPU-minutes" in text
+    assert text.index("## Protocol") < text.index("Plan:")
+    assert not out.exists()
+
+
+def test_test_set_has_the_generating_model() -> None:
+    base = RecoveryData(data_seed(16, 2), 500, 500, num_true=2)
+    test = HeldOutData(base, n_test=300)
+    assert torch.equal(test.labels(base.x_train), base.y_train)
+    assert torch.equal(test.labels(base.x_val), base.y_val)
+    assert test.x_val.shape == (300, base.x_train.shape[1])
+    assert not torch.equal(test.x_val[:300], base.x_val[:300])
+
+
+def test_search_only_gate_is_frozen() -> None:
+    gate = ARMS["search_only"].build(16, hparams={"gamma": 10.0}, k=2, num_gates=3)
+    assert all(not p.requires_grad for p in gate.parameters())
+    assert ARMS["search_only"].identity()["gate_frozen"] is True
+    assert any(p.requires_grad for p in ARMS["dselect_k_search"].build(16, k=2).parameters())
+
+
+def test_paired_differences() -> None:
+    p = paired({0: 3.0, 1: 2.0, 2: 1.0, 3: 4.0}, {0: 1.0, 1: 2.0, 2: 2.0})
+    assert (p["n"], p["win"], p["tie"], p["loss"]) == (3, 1, 1, 1)
+    assert p["mean"] == pytest.approx(1 / 3)
