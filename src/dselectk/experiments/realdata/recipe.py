@@ -1,11 +1,8 @@
-"""The real-data sweep over the shared runner: flags, one (setting, gate) cell, the command.
+"""The real-data sweep on the shared runner: flags, one (setting, gate) cell, the command.
 
-A cell is one (setting, gate) pair (e.g. (α = 0.5, static DSelect-k)): select its
-hyperparameters (the random grid search of Appendix D under ``--full``, else the recipe's quick
-defaults), then train the missing final repetitions, one record each. The shared runner
-(:mod:`dselectk.experiments.runner`) resumes, runs the cells in worker processes (``--jobs``)
-and writes ``selected_hparams.json``; :func:`run_experiment` then writes ``run_info.json`` and the
-recipe's report.
+A cell selects its hyperparameters (the Appendix D random grid search under ``--full``, else
+the recipe's quick defaults), then trains the missing final repetitions, one record each;
+:func:`run_experiment` then writes ``run_info.json`` and the recipe's report.
 """
 
 from __future__ import annotations

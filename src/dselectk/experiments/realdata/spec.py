@@ -1,10 +1,5 @@
-"""What a real-data experiment is: its gates, its data splits and its :class:`Experiment` spec.
-
-A recipe (:mod:`dselectk.experiments.movielens`, :mod:`dselectk.experiments.multi_mnist`) fills
-an :class:`Experiment`: how to load the data, build a model for a gate, which losses, optimizer
-and hyperparameters apply, and how its report is written. The shared code of this package
-(training, tuning, the sweep, the report tables) only sees the spec, never the recipes.
-"""
+"""What a real-data experiment is: its gates (:data:`VARIANTS`), :class:`Splits` and the
+:class:`Experiment` a recipe fills; the shared code only sees the spec, never the recipes."""
 
 from __future__ import annotations
 
