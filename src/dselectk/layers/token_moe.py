@@ -42,11 +42,12 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate, check_nonnegative, check_positive_int
 from dselectk.gates.registry import GATES, make_gate
-from dselectk.layers.experts import StackedMLP
+from dselectk.layers.experts import _ACTIVATIONS, StackedMLP
 
 __all__ = ["Routing", "SparseMoEFeedForward", "TokenMoEOutput", "balance_loss"]
 
@@ -79,6 +80,34 @@ class Routing(NamedTuple):
     """(n,) pairs per expert before capacity (what the balance loss's f counts)."""
     dropped: int
     """Pairs dropped by the capacity limit."""
+
+
+def _grouped_mlp(experts: StackedMLP, x: Tensor, counts: list[int]) -> Tensor:
+    """``experts.forward_grouped(x, counts)`` for autograd: the same matmuls, cheaper backward.
+
+    Slicing member e's weight (``w[e]``) and rows (``h[a:b]``) once per member gives each
+    slice its own backward node, which allocates a zero tensor of the whole stacked weight
+    (resp. of all rows) and adds it up, E times per layer: 35 % of the block's forward + backward
+    (measured, 2048 tokens, 8 experts, 1 thread). ``unbind`` and ``split`` have one backward
+    node each (a ``stack`` resp. a ``cat``).
+    """
+    tracked = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in experts.parameters())
+    )
+    if not tracked:  # the no-grad path writes into one buffer: already cheap
+        return experts.forward_grouped(x, counts)
+    act = _ACTIVATIONS[experts.activation]
+    last = len(experts.weights) - 1
+    used = [e for e, c in enumerate(counts) if c]
+    h = x
+    for i, (w, b) in enumerate(zip(experts.weights, experts.biases)):
+        ws, bs, hs = w.unbind(0), b.unbind(0), h.split(counts)
+        h = torch.cat([torch.addmm(bs[e], hs[e], ws[e]) for e in used]) if used else h @ w[0]
+        if i < last or experts.final_activation:
+            h = act(h)
+            if experts.dropout > 0:
+                h = F.dropout(h, experts.dropout, experts.training)
+    return h
 
 
 def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
@@ -212,7 +241,7 @@ class SparseMoEFeedForward(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.d_model)
         r = self.route(flat)
-        y = self.experts.forward_grouped(flat[r.token], r.counts)  # (P, d): one matmul/expert
+        y = _grouped_mlp(self.experts, flat[r.token], r.counts)  # (P, d): one matmul/expert
         y = y * r.pair_weight.unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(flat).index_add(0, r.token, y)
         aux = r.gate_aux
