@@ -58,6 +58,11 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         row["label"] = arm.label if arm else row["arm"]
         row["search"] = bool(arm and arm.search)
         s["rows"].append(row)
+    for row in summarize(tune, ["shape", "arm", "lr"]):  # recovered at every lr (robustness)
+        rec = row["metrics"]["recovered"]
+        shapes[_key(row["shape"])].setdefault("by_lr", {}).setdefault(row["arm"], {})[
+            f"{row['lr']:g}"
+        ] = rec["mean"]
     pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
     for key, s in shapes.items():
         order = list(ARMS)
@@ -116,7 +121,9 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
             lines.append(f"- {name}: not run.")
             continue
         d, se = p["mean"], p["se"] if math.isfinite(p["se"]) else 0.0
-        call = "ahead" if d > 2 * se else "behind" if d < -2 * se else "no difference within 2 s.e."
+        call = (
+            "ahead" if d > 2 * se else "behind" if d < -2 * se else "no difference (|Δ| ≤ 2 s.e.)"
+        )
         ahead.append(call == "ahead")
         lines.append(
             f"- {name} (recovered, paired over {p['n']} shape × repetition pairs): "
@@ -161,6 +168,13 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             "| arm | against | mean ± s.e. | win/tie/loss |",
             "|---|---|---|---|",
             *_paired_rows(s),
+            "",
+            "Recovered at every learning rate of the grid (tuning runs; the selection reads no "
+            "data, so this is no test-set peek): "
+            + "; ".join(
+                f"{a} " + ", ".join(f"{lr}: {v:.2f}" for lr, v in by.items())
+                for a, by in s.get("by_lr", {}).items()
+            ),
             "",
         ]
     wall = summary.get("wall_seconds")

@@ -220,7 +220,8 @@ def run_cell(
     for c in cfgs:
         rec = json.loads(store.path(run_id(c)).read_text(encoding="utf-8"))
         loss.setdefault(c["lr"], []).append(rec["metrics"]["val_loss"])
-    lr = min(loss, key=lambda v: (sum(loss[v]) / len(loss[v]), v))
+    mean = {v: sum(ls) / len(ls) for v, ls in loss.items()}
+    lr = min(loss, key=lambda v: (mean[v] if math.isfinite(mean[v]) else math.inf, v))
     tests = [_record(name, shape, hp, lr, r, "test") for r in range(config.reps)]
     todo = missing(store, tests)
     if todo:
