@@ -182,6 +182,16 @@ SMALL_MAX_ELEMENTS = 8192
 FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 
 
+def _capturing() -> bool:
+    """Whether a tracer, exporter or compiler is recording the ops (not plain eager mode)."""
+    return (
+        torch.jit.is_tracing()
+        or torch.onnx.is_in_onnx_export()
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+    )
+
+
 def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
     """DSelect-k weights over all N = 2**M codes and the per-selector entropies, fused.
 
@@ -218,7 +228,10 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     if isinstance(gamma, Tensor) and gamma.requires_grad:
         kernel = None
     elif entries < FUSED_MIN_ELEMENTS:
-        kernel = _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
+        # Tracing, exporting and compiling record shapes from the small kernel's reshapes
+        # (a fixed batch): the composed formulas keep the batch dynamic there.
+        small = entries <= SMALL_MAX_ELEMENTS and not _capturing()
+        kernel = _DSelectSmall if small else None
     else:
         kernel = _DSelectFused
     if kernel is None:
