@@ -33,6 +33,16 @@ __all__ = ["PARALLEL_MIN_ELEMENTS", "exit_with_parent", "intra_op_threads", "tun
 PARALLEL_MIN_ELEMENTS = 2**22
 
 
+# What to set on a shared or busy machine (measured with ``python -m benchmarks --only
+# small_batch``, 2-core EPYC, 3 busy processes): the package's DSelect-k kernels already run
+# small problems on one thread, but the ops around them (the gate's nn.Linear and its backward,
+# the rest of a model) still open 2-thread parallel regions, and a per-example gate step at
+# B = 16 took 141 ms there against 2.6 ms with the whole step inside ``intra_op_threads(1)``
+# (Top-k: 244 ms). So for small batches beside other processes, train on one thread
+# (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``, or this context manager around the step);
+# give a process several threads only when its ops are large and the cores are its own.
+
+
 @contextmanager
 def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterator[int]:
     """Run the enclosed torch ops on at most ``threads`` intra-op threads, then restore.
