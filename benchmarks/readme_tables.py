@@ -69,10 +69,12 @@ def _generic(rows: list[dict[str, Any]]) -> list[str]:
 def tables(entry: dict[str, Any]) -> str:
     """The Markdown of one history entry: a facts line, then one table per item."""
     m = entry.get("machine", {})
+    load = m.get("load_avg_1m", "?")
+    load = f"{load:.2f}" if isinstance(load, (int, float)) else load
     facts = (
         f"_{entry.get('command', 'python -m benchmarks')}_ on {m.get('cpu', '?')} "
         f"({m.get('cpu_count', '?')} cores), {m.get('torch_threads', '?')} torch threads, "
-        f"load average {m.get('load_avg_1m', '?')} at the start, torch {m.get('torch', '?')}, "
+        f"load average {load} at the start, torch {m.get('torch', '?')}, "
         f"commit {entry.get('commit') or '?'}, {entry.get('time', '')}"
     )
     parts = [facts, ""]
