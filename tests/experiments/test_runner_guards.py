@@ -88,3 +88,23 @@ def test_ctrl_c_is_one_line_and_keeps_finished_runs(
     assert len(err) == 1 and "interrupted" in err[0] and "run the same command" in err[0]
     with pytest.raises(KeyboardInterrupt):  # --debug shows the traceback
         main(["--debug", *REC, "--gates", "topk", "--out", str(tmp_path)])
+
+
+def test_core_install_writes_the_report_without_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without matplotlib (the core install) a study and `dselectk report` still finish: the
+    report is written without plots, and one line says how to get them."""
+    from dselectk.plots import _mpl
+
+    def missing() -> None:
+        raise ImportError(_mpl.MISSING)
+
+    monkeypatch.setattr(_mpl, "pyplot", missing)
+    monkeypatch.setattr(_mpl, "_NOTED", [])
+    out = tmp_path / "rec"
+    assert main([*REC, "--gates", "topk", "--out", str(out)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dselectk: plots skipped: {_mpl.MISSING}"]
+    assert (out / "report.md").is_file() and not list(out.rglob("*.png"))
+    assert main(["report", str(out)]) == 0

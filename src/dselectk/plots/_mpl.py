@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ParamSpec
 
-__all__ = ["MISSING", "plt", "pyplot"]
+__all__ = ["MISSING", "optional_plot", "plt", "pyplot"]
+
+P = ParamSpec("P")
+_NOTED: list[bool] = []
 
 MISSING = (
     "plotting needs matplotlib, which the core install of dselectk does not include: "
@@ -34,3 +41,23 @@ class _LazyPyplot:
 
 
 plt: Any = _LazyPyplot()
+
+
+def optional_plot(draw: Callable[P, Path]) -> Callable[P, Path | None]:
+    """A plot a report may go without: without matplotlib it draws nothing, returns None and
+    says once per process, in one line, how to get the plots (the report is still written:
+    the core install's promise)."""
+
+    @functools.wraps(draw)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> Path | None:
+        try:
+            return draw(*args, **kwargs)
+        except ImportError as e:
+            if str(e) != MISSING:
+                raise
+            if not _NOTED:
+                _NOTED.append(True)
+                print(f"dselectk: plots skipped: {MISSING}", file=sys.stderr)
+            return None
+
+    return wrapper

@@ -253,7 +253,7 @@ def _plots(
     """Heatmap and trajectory of repetition 0 (the lowest) of each (setting, gate) row."""
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
 
-    plots: list[Path] = []
+    plots: list[Path | None] = []
     key, names = spec.setting_key, spec.task_names
     for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
         recs = sorted(_of(spec, records, setting, gate), key=lambda r: r["config"]["rep"])
@@ -276,7 +276,7 @@ def _plots(
                     traj["steps"], traj["weights"], path, title=title, task_names=names
                 )
             )
-    return plots
+    return [p for p in plots if p is not None]  # None: matplotlib is not installed
 
 
 def write_report(results_dir: Path, spec: Experiment) -> None:

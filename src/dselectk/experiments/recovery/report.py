@@ -102,7 +102,8 @@ def write_report(
                     zoom_steps=max(1, traj["steps"][-1] // 10),
                 )
             )
-    write_text(results_dir / "report.md", _markdown(summary, plots))
+    drawn = [p for p in plots if p is not None]  # None: matplotlib is not installed
+    write_text(results_dir / "report.md", _markdown(summary, drawn))
 
 
 def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:

@@ -267,7 +267,8 @@ def write_report(
         ]
         if notes:
             source += ". " + "; ".join(notes)
-    write_text(results_dir / "report.md", _markdown(summary, source, plots))
+    drawn = [p for p in plots if p is not None]  # None: matplotlib is not installed
+    write_text(results_dir / "report.md", _markdown(summary, source, drawn))
 
 
 def _nan(v: Any) -> float:
