@@ -183,13 +183,12 @@ FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 
 
 def _capturing() -> bool:
-    """Whether a tracer, exporter or compiler is recording the ops (not plain eager mode)."""
-    return (
-        torch.jit.is_tracing()
-        or torch.onnx.is_in_onnx_export()
-        or torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
-    )
+    """Whether a tracer or exporter records the ops into a graph for other batch sizes.
+
+    (``torch.compile`` is not one: it guards on the shapes and takes the eager path's kernels,
+    so compiled and eager numbers stay identical.)
+    """
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
 def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
@@ -228,8 +227,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     if isinstance(gamma, Tensor) and gamma.requires_grad:
         kernel = None
     elif entries < FUSED_MIN_ELEMENTS:
-        # Tracing, exporting and compiling record shapes from the small kernel's reshapes
-        # (a fixed batch): the composed formulas keep the batch dynamic there.
+        # Tracing and exporting record shapes from the small kernel's reshapes (a fixed
+        # batch): the composed formulas keep the batch dynamic there.
         small = entries <= SMALL_MAX_ELEMENTS and not _capturing()
         kernel = _DSelectSmall if small else None
     else:
