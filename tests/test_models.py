@@ -236,3 +236,16 @@ def test_stacked_mlp_forward_grouped_equals_member_forward(grad: bool, sizes: li
         bank.forward_grouped(x, counts[:3])
     with pytest.raises(ValueError, match="sum\\(counts\\)"):
         bank.forward_grouped(x[:-1], counts)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_stacked_mlp_forward_grouped_with_no_rows(grad: bool) -> None:
+    """No row routed to any member (e.g. an empty batch of tokens): an empty output, and under
+    autograd zero gradients instead of torch.cat on an empty list."""
+    bank = StackedMLP(3, P, [5, 2])
+    with torch.set_grad_enabled(grad):
+        out = bank.forward_grouped(torch.zeros(0, P), [0, 0, 0])
+    assert out.shape == (0, 2)
+    if grad:
+        grads = torch.autograd.grad(out.sum(), list(bank.parameters()))
+        assert all(bool((g == 0).all()) for g in grads)

@@ -168,3 +168,21 @@ def test_block_arguments() -> None:
     assert block(torch.randn(3, D)).output.shape == (3, D)
     with pytest.raises(ValueError, match=r"\(\.\.\., 6\)"):
         block(torch.randn(3, D + 1))
+
+
+@pytest.mark.parametrize("router", ["dselect_k", "topk"])
+def test_nan_token_gives_nan_not_zeros_and_zero_tokens_work(router: str) -> None:
+    from dselectk.layers import SparseMoEFeedForward
+
+    torch.manual_seed(0)
+    moe = SparseMoEFeedForward(16, 32, 4, router=router, k=2)
+    x = torch.randn(3, 16)
+    x[1, 0] = float("nan")
+    out = moe(x).output
+    assert bool(out[1].isnan().all())  # it used to be exact zeros: a silent wrong result
+    assert bool(torch.isfinite(out[[0, 2]]).all())
+    torch.testing.assert_close(out[[0, 2]], moe(x[[0, 2]]).output)
+    empty = torch.zeros(0, 16, requires_grad=True)
+    res = moe(empty)
+    assert res.output.shape == (0, 16)
+    res.output.sum().backward()  # zero tokens: no crash, forward or backward

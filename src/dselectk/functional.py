@@ -224,8 +224,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
     kernel: type[_DSelectSmall] | type[_DSelectFused] | None
-    if isinstance(gamma, Tensor) and gamma.requires_grad:
-        kernel = None
+    if (isinstance(gamma, Tensor) and gamma.requires_grad) or entries == 0:
+        kernel = None  # (no gates at all, e.g. zero tokens: the composed formulas' empty result)
     elif entries < FUSED_MIN_ELEMENTS:
         # Tracing and exporting record shapes from the small kernel's reshapes (a fixed
         # batch): the composed formulas keep the batch dynamic there.

@@ -140,7 +140,8 @@ class StackedMLP(nn.Module):
                     if c:
                         parts.append(torch.addmm(b[member], h[start : start + c], w[member]))
                     start += c
-                h = torch.cat(parts)
+                # no rows at all: an empty block that still belongs to the graph
+                h = torch.cat(parts) if parts else h @ w[0] + b[0]
             else:
                 out = h.new_empty(h.shape[0], w.shape[2])
                 start = 0

@@ -244,6 +244,10 @@ class SparseMoEFeedForward(nn.Module):
         y = _grouped_mlp(self.experts, flat[r.token], r.counts)  # (P, d): one matmul/expert
         y = y * r.pair_weight.unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(flat).index_add(0, r.token, y)
+        # A token whose router weights are not finite (a NaN input) is routed to no expert;
+        # its output must say so (NaN), not read as a valid zero. One masked add, no sync.
+        bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
+        out = out + torch.where(bad, torch.nan, 0.0).to(out.dtype)
         aux = r.gate_aux
         if self.balance_loss_weight > 0:
             aux = aux + self.balance_loss_weight * balance_loss(r.weights, r.routed)
