@@ -4,6 +4,7 @@ Importing this package does not import matplotlib (the ``experiments`` extra); d
 without it raises an ImportError that says ``pip install 'dselectk[experiments]'``.
 """
 
+from dselectk.plots._mpl import optional_plot
 from dselectk.plots.core import (
     plot_metric_panels,
     plot_metric_vs,
@@ -11,4 +12,10 @@ from dselectk.plots.core import (
     plot_weight_heatmap,
 )
 
-__all__ = ["plot_metric_panels", "plot_metric_vs", "plot_trajectories", "plot_weight_heatmap"]
+__all__ = [
+    "optional_plot",
+    "plot_metric_panels",
+    "plot_metric_vs",
+    "plot_trajectories",
+    "plot_weight_heatmap",
+]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dselectk.plots._mpl import optional_plot, plt
+from dselectk.plots._mpl import plt
 
 __all__ = ["plot_metric_panels", "plot_metric_vs", "plot_trajectories", "plot_weight_heatmap"]
 
@@ -34,7 +34,6 @@ def _draw_series(
         ax.plot(np.asarray(xs, dtype=float), np.asarray(ys, dtype=float), "k--", label=label)
 
 
-@optional_plot
 def plot_metric_vs(
     series: Mapping[str, Series],
     path: str | Path,
@@ -74,7 +73,6 @@ def plot_metric_vs(
     return _save(fig, path)
 
 
-@optional_plot
 def plot_metric_panels(
     panels: Sequence[Mapping[str, Any]],
     path: str | Path,
@@ -111,7 +109,6 @@ def plot_metric_panels(
     return _save(fig, path)
 
 
-@optional_plot
 def plot_trajectories(
     steps: Sequence[int],
     weights: Sequence[Sequence[float]] | np.ndarray,
@@ -159,7 +156,6 @@ def plot_trajectories(
     return _save(fig, path)
 
 
-@optional_plot
 def plot_weight_heatmap(
     weights: Sequence[Sequence[float]] | np.ndarray,
     path: str | Path,

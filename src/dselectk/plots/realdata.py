@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dselectk.plots._mpl import optional_plot, plt
+from dselectk.plots._mpl import plt
 
 __all__ = ["plot_task_heatmap", "plot_task_trajectories"]
 
 
-@optional_plot
 def plot_task_heatmap(
     weights: Sequence[Sequence[float]] | np.ndarray,
     path: str | Path,
@@ -57,7 +56,6 @@ def plot_task_heatmap(
     return _save(fig, path)
 
 
-@optional_plot
 def plot_task_trajectories(
     steps: Sequence[int],
     weights: Sequence[Sequence[Sequence[float]]] | np.ndarray,

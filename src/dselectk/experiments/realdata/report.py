@@ -251,7 +251,10 @@ def _plots(
     spec: Experiment, rows: Iterable[tuple[Any, str]], records: Sequence[Any], out: Path
 ) -> list[Path]:
     """Heatmap and trajectory of repetition 0 (the lowest) of each (setting, gate) row."""
+    from dselectk.plots import optional_plot
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
+
+    heatmap, trajectories = optional_plot(plot_task_heatmap), optional_plot(plot_task_trajectories)
 
     plots: list[Path | None] = []
     key, names = spec.setting_key, spec.task_names
@@ -265,16 +268,12 @@ def _plots(
         if rec.get("gate_weights"):
             title = f"{spec.title}: expert weights, {name} (rep {rec['config']['rep']})"
             path = out / "plots" / f"heatmap_{tag}.png"
-            plots.append(
-                plot_task_heatmap(rec["gate_weights"], path, title=title, task_names=names)
-            )
+            plots.append(heatmap(rec["gate_weights"], path, title=title, task_names=names))
         if traj and traj.get("steps"):
             title = f"{spec.title}: gate weights during training, {name}"
             path = out / "plots" / f"trajectory_{tag}.png"
             plots.append(
-                plot_task_trajectories(
-                    traj["steps"], traj["weights"], path, title=title, task_names=names
-                )
+                trajectories(traj["steps"], traj["weights"], path, title=title, task_names=names)
             )
     return [p for p in plots if p is not None]  # None: matplotlib is not installed
 

@@ -47,7 +47,9 @@ def write_report(
     results_dir: Path, *, wall_seconds: float | None = None, command: str | None = None
 ) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the trajectory plots from the records."""
-    from dselectk.plots import plot_trajectories
+    from dselectk.plots import optional_plot, plot_trajectories
+
+    trajectories = optional_plot(plot_trajectories)  # draws nothing on the core install
 
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()
@@ -93,7 +95,7 @@ def write_report(
             title = f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)"
             path = results_dir / f"trajectory_{row['gate']}.png"
             plots.append(
-                plot_trajectories(
+                trajectories(
                     traj["steps"],
                     traj["weights"],
                     path,

@@ -147,7 +147,16 @@ def write_report(
     results_dir: Path, *, wall_seconds: float | None = None, command: str | None = None
 ) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the PNG plots from the run records alone."""
-    from dselectk.plots import plot_metric_panels, plot_metric_vs, plot_weight_heatmap
+    from dselectk.plots import (
+        optional_plot,
+        plot_metric_panels,
+        plot_metric_vs,
+        plot_weight_heatmap,
+    )
+
+    # a report goes without plots on the core install (no matplotlib): one line says so
+    draw_panels, versus = optional_plot(plot_metric_panels), optional_plot(plot_metric_vs)
+    heatmap = optional_plot(plot_weight_heatmap)
 
     results_dir = Path(results_dir)
     records, others = RunStore(results_dir).load_planned()
@@ -218,13 +227,11 @@ def write_report(
             },
         ]
         plots.append(
-            plot_metric_panels(
-                panels, results_dir / "fig_c1.png", xlabel="number of tasks", logx=True
-            )
+            draw_panels(panels, results_dir / "fig_c1.png", xlabel="number of tasks", logx=True)
         )
         for i, name in enumerate(["mse", "jaccard_related", "jaccard_unrelated"]):
             plots.append(
-                plot_metric_vs(
+                versus(
                     panels[i]["series"],
                     results_dir / f"{name}_vs_tasks.png",
                     xlabel="number of tasks",
@@ -241,7 +248,7 @@ def write_report(
                 best = max(cands, key=lambda r: r["config"]["num_tasks"])
                 t = best["config"]["num_tasks"]
                 plots.append(
-                    plot_weight_heatmap(
+                    heatmap(
                         best["weights"],
                         results_dir / f"weights_{g}_T{t}.png",
                         title=f"{_label(g)}, T = {t}, repetition 0",
