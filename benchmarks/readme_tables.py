@@ -90,12 +90,33 @@ def tables(entry: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the part between the README's two markers replaced by ``block``."""
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"the README has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{block}\n{END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.readme_tables", description=__doc__)
     p.add_argument("--history", default=str(HISTORY), help="the suite's JSON-lines history")
     p.add_argument("--entry", type=int, default=-1, help="which line (default: the last)")
+    p.add_argument(
+        "--readme", default=None, help="write the tables into this file between its markers"
+    )
     args = p.parse_args(argv)
-    print(tables(load_entry(Path(args.history), args.entry)))
+    block = tables(load_entry(Path(args.history), args.entry))
+    if args.readme is None:
+        print(block)
+        return
+    path = Path(args.readme)
+    path.write_text(replace_block(path.read_text(encoding="utf-8"), block), encoding="utf-8")
+    print(f"wrote the tables of {args.history} into {path}")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,12 @@ def test_small_batch_item_writes_history_and_readme_tables(
     assert "| batch, threads | DSelect-k | Top-k |" in md and "| 1, 1 |" in md
     readme_tables.main(["--history", str(history)])
     assert "**small_batch**" in capsys.readouterr().out
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- benchmarks:begin -->\nold\n<!-- benchmarks:end -->\nrest\n")
+    readme_tables.main(["--history", str(history), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- benchmarks:begin -->\n") and text.endswith("rest\n")
+    assert "old" not in text and "| batch, threads | DSelect-k | Top-k |" in text
 
 
 def test_history_entry_of_other_items() -> None:
