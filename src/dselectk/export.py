@@ -1,11 +1,15 @@
 """Deployment: ONNX and ``torch.export`` with verification, and freezing a converged model.
 
 * :func:`to_onnx` writes an ONNX file and :func:`export_program` returns a
-  :class:`torch.export.ExportedProgram`; both **verify** the result on fresh random inputs at
-  several batch sizes against PyTorch eager and raise :class:`ExportVerificationError` when
-  they differ (a wrong graph is never returned silently). Models are exported in eval mode
-  (gates with training-time randomness, noisy Top-k and Gumbel-softmax, export their
-  deterministic eval behaviour).
+  :class:`torch.export.ExportedProgram`; both **verify** the result on fresh random (finite)
+  inputs at several batch sizes, up to :data:`VERIFY_BATCH_SIZES`' 1024, against PyTorch eager
+  and raise :class:`ExportVerificationError` when they differ or when either gives a NaN or
+  an infinity the other does not (a wrong graph is never returned silently). Models are
+  exported in eval mode (gates with training-time randomness, noisy Top-k and
+  Gumbel-softmax, export their deterministic eval behaviour). An example input holding NaN or
+  inf is refused (:class:`ValueError`). The ONNX file is written beside ``path`` under a
+  temporary name, verified, then renamed over ``path``: a failed export leaves an earlier
+  file at ``path`` as it was.
 * :func:`freeze` turns a model whose static gates have converged (binary S(Z)) into an
   inference model holding only the experts some task uses, each static gate replaced by its
   fixed weights; outputs are unchanged.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -35,6 +40,7 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
 from dselectk.gates.fixed import FixedGate
+from dselectk.io import HOST
 from dselectk.layers.experts import ExpertList, StackedMLP
 from dselectk.models.moe import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput
 
@@ -51,8 +57,11 @@ __all__ = [
 
 #: ONNX opset of :func:`to_onnx` (torch 2.13's default)
 DEFAULT_OPSET = 20
-#: batch sizes of the fresh inputs the exported model is checked on
-VERIFY_BATCH_SIZES = (16, 7, 1)
+#: batch sizes of the fresh inputs the exported model is checked on (a large one too: a
+#: graph whose dynamic batch carries a size guard fails there, not in a user's hands)
+VERIFY_BATCH_SIZES = (16, 7, 1, 1024)
+#: batches up to this size get fresh random rows; larger ones repeat those rows
+FRESH_MAX_ROWS = 64
 
 Inputs = Tensor | Sequence[Tensor]
 Sampler = Callable[[int], Sequence[Tensor]]
@@ -93,7 +102,20 @@ def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
         raise TypeError("example_inputs must be a tensor or a sequence of tensors (batch first)")
     if len({a.shape[0] for a in args}) != 1:
         raise ValueError("all example inputs must have the same batch size (dim 0)")
+    _check_finite(args, "example_inputs")
     return args
+
+
+def _check_finite(args: Sequence[Tensor], name: str) -> None:
+    """ValueError when a floating tensor of ``args`` holds NaN or inf (naming ``name[i]``)."""
+    for i, a in enumerate(args):
+        if a.is_floating_point() or a.is_complex():
+            bad = int((~torch.isfinite(a)).sum())
+            if bad:
+                raise ValueError(
+                    f"{name}[{i}] holds {bad} non-finite value(s) (NaN or inf): export is "
+                    "traced and verified on finite inputs only; pass finite example inputs"
+                )
 
 
 def fresh_inputs(example: Sequence[Tensor], batch: int, generator: torch.Generator) -> list[Tensor]:
@@ -118,6 +140,42 @@ def fresh_inputs(example: Sequence[Tensor], batch: int, generator: torch.Generat
     return out
 
 
+def _verify_inputs(
+    args: Sequence[Tensor],
+    batch: int,
+    gen: torch.Generator,
+    sampler: Sampler | None,
+    drawn: list[list[Tensor]],
+) -> list[Tensor]:
+    """Finite inputs for the check at ``batch``: the sampler's, or :func:`fresh_inputs`.
+
+    A batch above :data:`FRESH_MAX_ROWS` repeats the rows drawn for the smaller batches
+    (``drawn``, appended to here): it checks that the graph takes that many rows and computes
+    each as at a small batch, without drawing new near-ties of ill-conditioned gates (e.g.
+    softmax over huge logits) whose float32 rounding differs between runtimes.
+    """
+    if sampler is not None:
+        xs = list(sampler(batch))
+        _check_finite(xs, f"input_sampler({batch})")
+        return xs
+    if batch > FRESH_MAX_ROWS:
+        if not drawn:
+            drawn.append(_verify_inputs(args, VERIFY_BATCH_SIZES[0], gen, None, []))
+        pool = [torch.cat(cols) for cols in zip(*drawn)]
+        reps = -(-batch // pool[0].shape[0])
+        return [p.repeat(reps, *([1] * (p.dim() - 1)))[:batch] for p in pool]
+    xs = fresh_inputs(args, batch, gen)
+    for i, x in enumerate(xs):
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise ValueError(
+                f"fresh inputs like example_inputs[{i}] overflow {x.dtype} (its mean or spread "
+                "is too large); pass input_sampler= to verify on your own inputs"
+            )
+    if batch:
+        drawn.append(xs)
+    return xs
+
+
 def _trace_example(args: tuple[Tensor, ...], dynamic_batch: bool) -> tuple[Tensor, ...]:
     """The example to trace: batch >= 2 for a dynamic batch (exporters specialise 0 and 1)."""
     if dynamic_batch and args[0].shape[0] < 2:
@@ -127,22 +185,39 @@ def _trace_example(args: tuple[Tensor, ...], dynamic_batch: bool) -> tuple[Tenso
 
 def _compare(
     got: Sequence[Any], want: Sequence[Tensor], atol: float, rtol: float, where: str
-) -> None:
+) -> float:
+    """The largest difference of the finite outputs; ExportVerificationError beyond the
+    tolerance, and on any NaN (NaN never equals NaN: a check on NaN proves nothing) or any
+    infinity the other side does not give with the same sign."""
     if len(got) != len(want):
         raise ExportVerificationError(f"{where}: {len(got)} outputs, PyTorch gives {len(want)}")
+    worst = 0.0
     for i, (g, w) in enumerate(zip(got, want)):
         g_t = torch.as_tensor(g).to(w.device, w.dtype)
         if g_t.shape != w.shape:
             raise ExportVerificationError(
                 f"{where}: output {i} has shape {tuple(g_t.shape)}, PyTorch {tuple(w.shape)}"
             )
-        err = (g_t - w).abs()
-        bad = err > atol + rtol * w.abs()
-        if bool(bad.any()) or not bool(torch.isfinite(g_t).eq(torch.isfinite(w)).all()):
+        fin_g, fin_w = torch.isfinite(g_t), torch.isfinite(w)
+        nonfinite = (~fin_g | ~fin_w) & (g_t != w)  # NaN anywhere, or inf against another value
+        if bool(nonfinite.any()):
+            raise ExportVerificationError(
+                f"{where}: output {i} is not finite on finite inputs (PyTorch eager: "
+                f"{int((~fin_w).sum())} NaN/inf value(s), the exported model: "
+                f"{int((~fin_g).sum())}, {int(nonfinite.sum())} not matching); a comparison "
+                "with NaN or inf proves nothing, so the exported graph is not accepted"
+            )
+        both = fin_g & fin_w
+        err = torch.where(both, g_t - w, torch.zeros_like(w)).abs()
+        bad = err > atol + rtol * torch.where(both, w, torch.zeros_like(w)).abs()
+        if err.numel():
+            worst = max(worst, float(err.max()))
+        if bool(bad.any()):
             raise ExportVerificationError(
                 f"{where}: output {i} differs from PyTorch by up to {float(err.max()):.3g} "
                 f"(atol={atol:g}, rtol={rtol:g}); the exported graph is wrong for new inputs"
             )
+    return worst
 
 
 def verify(
@@ -159,15 +234,18 @@ def verify(
     """Check ``run(inputs)`` against ``model`` in eval mode on fresh inputs at ``batch_sizes``.
 
     Returns the largest absolute difference; raises :class:`ExportVerificationError` beyond
-    ``atol + rtol·|expected|`` (or when ``run`` fails).
+    ``atol + rtol·|expected|``, on a NaN or an unmatched infinity in either output (or when
+    ``run`` fails). The inputs are finite: a non-finite example input or sampled input is
+    refused with :class:`ValueError`.
     """
     args = _as_tuple(example_inputs)
     gen = torch.Generator().manual_seed(seed)
     wrapped = _Predictions(model)
     worst = 0.0
+    drawn: list[list[Tensor]] = []
     with _eval(model), torch.no_grad():
         for b in batch_sizes:
-            xs = list(input_sampler(b)) if input_sampler else fresh_inputs(args, b, gen)
+            xs = _verify_inputs(args, b, gen, input_sampler, drawn)
             want = wrapped(*xs)
             try:
                 got = run(xs)
@@ -175,9 +253,7 @@ def verify(
                 raise ExportVerificationError(
                     f"batch {b}: the exported model fails on fresh inputs: {e}"
                 ) from e
-            _compare(got, want, atol, rtol, f"batch {b}")
-            for g, w in zip(got, want):
-                worst = max(worst, float((torch.as_tensor(g).to(w.dtype) - w).abs().max()))
+            worst = max(worst, _compare(got, want, atol, rtol, f"batch {b}"))
     return worst
 
 
@@ -238,8 +314,9 @@ def to_onnx(
             needs onnxscript) or ``"torchscript"`` (the tracing exporter, ``dynamo=False``).
         verify_export: run the file with onnxruntime on fresh inputs at ``batch_sizes`` (only
             the example's batch size when ``dynamic_batch=False``) and compare with PyTorch
-            eager; on a mismatch the file is deleted and :class:`ExportVerificationError` is
-            raised.
+            eager; on a mismatch :class:`ExportVerificationError` is raised and nothing is
+            written (the export goes to a temp file beside ``path``, renamed over ``path`` once
+            verified: an earlier file at ``path`` is kept as it was).
         atol, rtol: tolerance of the comparison.
         input_sampler: ``batch -> inputs``, to verify on your own data instead of random inputs
             shaped like the example (see :func:`fresh_inputs`).
@@ -251,6 +328,67 @@ def to_onnx(
     ort = _require_onnx()
     args = _as_tuple(example_inputs)
     path = Path(path)
+    if exporter not in ("dynamo", "torchscript"):
+        raise ValueError(f"exporter must be 'dynamo' or 'torchscript', got {exporter!r}")
+    with _temp_beside(path) as tmp:
+        _write_onnx(model, args, tmp, opset, dynamic_batch, exporter, input_names, output_names)
+        if verify_export:
+            sizes = batch_sizes if dynamic_batch else (args[0].shape[0],)
+            try:
+                session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+            except Exception as e:  # an invalid graph (shapes, types)
+                raise ExportVerificationError(
+                    f"onnxruntime cannot load the exported model (nothing written to {path}): {e}"
+                ) from e
+            feeds = [i.name for i in session.get_inputs()]
+
+            def run(xs: list[Tensor]) -> list[Any]:
+                return session.run(None, {n: x.cpu().numpy() for n, x in zip(feeds, xs)})
+
+            try:
+                verify(
+                    run, model, args, batch_sizes=sizes, atol=atol, rtol=rtol,
+                    input_sampler=input_sampler,
+                )  # fmt: skip
+            except ExportVerificationError as e:
+                raise ExportVerificationError(
+                    f"{e} (nothing written to {path}; a file already there is kept)"
+                ) from e
+        os.replace(tmp, path)
+    return path
+
+
+@contextlib.contextmanager
+def _temp_beside(path: Path) -> Iterator[Path]:
+    """A fresh temp file name in ``path``'s folder (as :mod:`dselectk.io` names them), removed
+    afterwards unless it was renamed: the export is written there and moved over ``path`` only
+    once it is verified, so a failure never touches a file already at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.{HOST}-{os.getpid()}.", suffix=".tmp"
+    )
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(name, 0o666 & ~umask)  # mkstemp makes 0600 files; a written file gets the usual mode
+    tmp = Path(name)
+    try:
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_onnx(
+    model: nn.Module,
+    args: tuple[Tensor, ...],
+    path: Path,
+    opset: int,
+    dynamic_batch: bool,
+    exporter: str,
+    input_names: Sequence[str] | None,
+    output_names: Sequence[str] | None,
+) -> None:
+    """Export ``model`` (eval mode, predictions as a tuple) to the ONNX file ``path``."""
     wrapped = _Predictions(model)
     with _eval(model), torch.no_grad():
         n_out = len(wrapped(*args))
@@ -274,7 +412,7 @@ def to_onnx(
                 )
                 assert program is not None
                 program.save(str(path))
-            elif exporter == "torchscript":
+            else:
                 axes = {n: {0: "batch"} for n in names + outs} if dynamic_batch else None
                 torch.onnx.export(
                     wrapped,
@@ -286,31 +424,6 @@ def to_onnx(
                     output_names=outs,
                     dynamic_axes=axes,
                 )
-            else:
-                raise ValueError(f"exporter must be 'dynamo' or 'torchscript', got {exporter!r}")
-    if verify_export:
-        sizes = batch_sizes if dynamic_batch else (args[0].shape[0],)
-        try:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        except Exception as e:  # an invalid graph (shapes, types)
-            path.unlink(missing_ok=True)
-            raise ExportVerificationError(
-                f"onnxruntime cannot load the exported model ({path} deleted): {e}"
-            ) from e
-        feeds = [i.name for i in session.get_inputs()]
-
-        def run(xs: list[Tensor]) -> list[Any]:
-            return session.run(None, {n: x.cpu().numpy() for n, x in zip(feeds, xs)})
-
-        try:
-            verify(
-                run, model, args, batch_sizes=sizes, atol=atol, rtol=rtol,
-                input_sampler=input_sampler,
-            )  # fmt: skip
-        except ExportVerificationError as e:
-            path.unlink(missing_ok=True)
-            raise ExportVerificationError(f"{e} ({path} deleted)") from e
-    return path
 
 
 def _dynamic_shapes(n_inputs: int) -> tuple[tuple[dict[int, Any], ...]]:

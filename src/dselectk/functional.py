@@ -224,13 +224,15 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
     kernel: type[_DSelectSmall] | type[_DSelectFused] | None
-    if (isinstance(gamma, Tensor) and gamma.requires_grad) or entries == 0:
-        kernel = None  # (no gates at all, e.g. zero tokens: the composed formulas' empty result)
+    if (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or entries == 0:
+        # Tracing and exporting: the composed formulas at every size. A branch on the size
+        # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
+        # FUSED_MIN_ELEMENTS records a guard: an exported program refused batches above 256)
+        # would tie the graph to the example's batch. Zero entries (no gates at all, e.g.
+        # zero tokens): the composed formulas' empty result.
+        kernel = None
     elif entries < FUSED_MIN_ELEMENTS:
-        # Tracing and exporting record shapes from the small kernel's reshapes (a fixed
-        # batch): the composed formulas keep the batch dynamic there.
-        small = entries <= SMALL_MAX_ELEMENTS and not _capturing()
-        kernel = _DSelectSmall if small else None
+        kernel = _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
     else:
         kernel = _DSelectFused
     if kernel is None:
