@@ -44,11 +44,16 @@ are what the gate's :meth:`~dselectk.gates.base.Gate.diagnostics` returns:
                        ``sparsity_reg``): this gate's value when the bank holds one per gate
 =====================  ======================================================================
 
-A JSON-lines record is ``{"step": s, "epoch": e, "wall_time": t, "gates": {name: {metric:
-value}}}`` (``load`` and ``routed`` as lists; non-finite numbers as ``null``), one line per
-logged step, flushed as it is written, so an interrupted run keeps what was logged. TensorBoard
-gets one scalar per tag ``<gate name>/<metric>``, lists as ``<gate name>/load/expert<i>`` and
-``<gate name>/routed/expert<i>``, at ``global_step = s``, flushed at every record.
+A JSON-lines record is ``{"run": r, "step": s, "epoch": e, "wall_time": t, "gates": {name:
+{metric: value}}}`` (``load`` and ``routed`` as lists; non-finite numbers as ``null``), one line
+per logged step, flushed as it is written, so an interrupted run keeps what was logged. ``run``
+is the :class:`RoutingTelemetry` object's :attr:`~RoutingTelemetry.run_id` (start time, host,
+pid and a random part; or the one you pass): runs logging into one folder append to the same
+``routing.jsonl`` and stay apart by it (:func:`read_jsonl` groups a file's records by run).
+TensorBoard gets one scalar per tag ``<gate name>/<metric>``, lists as
+``<gate name>/load/expert<i>`` and ``<gate name>/routed/expert<i>``, at ``global_step = s``,
+flushed at every record; each run writes its own event file, whose name ends in
+``.<run id>``.
 
 Example::
 
@@ -62,7 +67,9 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -72,7 +79,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate, check_positive_int, hyperparameters
-from dselectk.io import json_safe
+from dselectk.io import HOST, json_safe
 from dselectk.training import Callback, History
 
 __all__ = [
@@ -83,6 +90,8 @@ __all__ = [
     "flatten_record",
     "gate_names",
     "gate_stats",
+    "new_run_id",
+    "read_jsonl",
     "tensorboard_available",
 ]
 
@@ -187,6 +196,24 @@ def flatten_record(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def new_run_id() -> str:
+    """A run id unique across runs, hosts and processes: ``<UTC start>-<host>-<pid>-<random>``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{stamp}-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def read_jsonl(path: str | Path) -> dict[str | None, list[dict[str, Any]]]:
+    """The records of a ``routing.jsonl`` grouped by run id, in file order (runs in order of
+    their first record; records written before run ids existed under ``None``)."""
+    runs: dict[str | None, list[dict[str, Any]]] = {}
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                runs.setdefault(rec.get("run"), []).append(rec)
+    return runs
+
+
 class JsonlWriter:
     """Appends one JSON object per record to ``path`` (line-buffered, flushed at every record)."""
 
@@ -226,9 +253,10 @@ def tensorboard_available() -> bool:
 class TensorBoardWriter:
     """Writes each record's scalars (:func:`flatten_record`) to TensorBoard event files."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, run_id: str | None = None) -> None:
         self.log_dir = Path(log_dir)
-        self._writer = _summary_writer_class()(log_dir=str(self.log_dir))
+        suffix = {} if run_id is None else {"filename_suffix": f".{run_id}"}
+        self._writer = _summary_writer_class()(log_dir=str(self.log_dir), **suffix)
 
     def write(self, record: Mapping[str, Any]) -> None:
         step, wall = int(record["step"]), record.get("wall_time")
@@ -284,6 +312,9 @@ class RoutingTelemetry(Callback):
         keep_records: keep every record in :attr:`records` (small: a few numbers per gate).
         module: measure this module (gate names relative to it) instead of the model the
             training loop passes (e.g. the model inside a wrapper that ``train`` drives).
+        run_id: this run's id, written into every record (``"run"``) and the TensorBoard event
+            file's name (default :func:`new_run_id`: start time, host, pid, random); several
+            runs logging into one ``log_dir`` stay apart by it.
 
     Under DDP only rank 0 measures and writes (the probe runs on the unwrapped module, no
     collectives). :meth:`log` measures and writes one record now (e.g. after training).
@@ -300,8 +331,18 @@ class RoutingTelemetry(Callback):
         forward: Callable[[nn.Module, Any], Any] | None = None,
         keep_records: bool = True,
         module: nn.Module | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.every = check_positive_int("every", every)
+        if run_id is None:
+            run_id = new_run_id()
+        elif not isinstance(run_id, str) or not run_id or run_id != run_id.strip():
+            raise ValueError(f"run_id must be a non-empty string without edge spaces: {run_id!r}")
+        elif any(c in run_id for c in "/\\\0"):
+            raise ValueError(
+                f"run_id must not hold '/', '\\' or NUL (a file name part): {run_id!r}"
+            )
+        self.run_id: str = run_id
         self.probe_size = check_positive_int("probe_size", probe_size)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -329,7 +370,7 @@ class RoutingTelemetry(Callback):
                 )
         self.backend = backend
         if backend in ("tensorboard", "both"):
-            self.writers.append(TensorBoardWriter(self.log_dir))
+            self.writers.append(TensorBoardWriter(self.log_dir, run_id=self.run_id))
         if backend in ("jsonl", "both"):
             self.writers.append(JsonlWriter(self.log_dir / JSONL_NAME))
 
@@ -385,6 +426,7 @@ class RoutingTelemetry(Callback):
                 continue
             gates.update(zip(gate_names(name, gate), stats))
         record: dict[str, Any] = {
+            "run": self.run_id,
             "step": int(step),
             "epoch": epoch,
             "wall_time": time.time(),
