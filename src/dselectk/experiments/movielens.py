@@ -13,6 +13,7 @@ choices where the paper is silent are explained in the report (``templates/movie
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,48 @@ class MovieLensConfig(rd.RealDataConfig):
         return self.alphas
 
 
+#: ratings (positives) of each variant: the GroupLens releases
+RATINGS = {"ml-100k": 100_000, "ml-1m": 1_000_209}
+#: bytes per example of the loaded data: user and item ids (int64), two float32 labels, side
+#: features (age, gender, occupation int64; 18 float32 genres), held twice while the loader's
+#: arrays are packed into tensors
+BYTES_PER_EXAMPLE = 2 * (8 + 8 + 4 + 4 + 3 * 8 + 18 * 4)
+#: the share of the machine's memory a data set may take
+MEMORY_FRACTION = 0.5
+
+
+def data_bytes(variant: str, neg_ratio: int, side: bool = True) -> int:
+    """Estimated memory of the negative-sampled data set (every split): each rating and its
+    ``neg_ratio`` sampled negatives are one example each."""
+    per = BYTES_PER_EXAMPLE - (0 if side else 2 * (3 * 8 + 18 * 4))
+    return RATINGS.get(variant, RATINGS["ml-1m"]) * (1 + int(neg_ratio)) * per
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, or None where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(config: MovieLensConfig, total: int | None = None) -> None:
+    """Refuse, before loading, a ``--neg-ratio`` whose data set would not fit in memory
+    (:data:`MEMORY_FRACTION` of ``total``, default the machine's): a ValueError naming the
+    flag and the estimate."""
+    total = physical_memory() if total is None else total
+    need = data_bytes(config.variant, config.neg_ratio, not config.no_side_features)
+    if total is None or need <= MEMORY_FRACTION * total:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"argument --neg-ratio {config.neg_ratio}: the {config.variant} training data would "
+        f"take about {need / gib:.1f} GiB ({RATINGS.get(config.variant, 0):,} ratings x "
+        f"{1 + config.neg_ratio} examples each), more than {MEMORY_FRACTION:.0%} of this "
+        f"machine's {total / gib:.1f} GiB; lower --neg-ratio"
+    )
+
+
 def load_data(args: MovieLensConfig) -> rd.Splits:
     """The two-task MovieLens splits of the run config, with their data config (the files'
     checksums included: a run made from other data never counts as done)."""
@@ -296,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
     config = rd.config_of(
         MovieLensConfig, args, QUICK_GATES, alphas=tuple(float(a) for a in alphas)
     )
+    check_memory(config)  # before loading: a --neg-ratio that cannot fit is refused at once
     return rd.run_experiment(experiment(), config, executor_from_args(args, threads=args.threads))
 
 

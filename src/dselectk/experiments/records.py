@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,15 @@ from dselectk._testing import pause_point
 __all__ = [
     "PLAN_FILE",
     "RunStore",
+    "diverged",
     "environment",
     "format_mean_se",
     "mean_se",
     "run_id",
     "summarize",
     "tracking",
+    "wall_line",
+    "wall_time",
 ]
 
 
@@ -252,12 +256,31 @@ def format_mean_se(
     return f"{mean:.{digits}f} ± {float(se) * scale:.{digits}f}"
 
 
+def diverged(record: Mapping[str, Any], metrics: Sequence[str]) -> bool:
+    """Whether a run diverged: its record says so (``"diverged": true``), or one of the
+    ``metrics`` is missing or not finite (NaN is saved as JSON null)."""
+    if record.get("diverged"):
+        return True
+    values = record.get("metrics", {})
+    for m in metrics:
+        v = values.get(m)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return True
+    return False
+
+
 def summarize(
-    records: Iterable[Mapping[str, Any]], group_by: Sequence[str]
+    records: Iterable[Mapping[str, Any]],
+    group_by: Sequence[str],
+    *,
+    finite: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per distinct value of the config keys ``group_by``, with mean/se/n of each metric.
 
-    Only numeric scalar metrics are summarised.
+    Only numeric scalar metrics are summarised (the mean of the finite values). With
+    ``finite`` (metric names a run must have finite), each row also counts its ``runs`` and
+    how many of them ``diverged`` (:func:`diverged`), so a run lost to NaN stays visible; the
+    means are then over the runs that did not diverge.
     """
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
@@ -268,7 +291,105 @@ def summarize(
         row: dict[str, Any] = {k: json.loads(v) for k, v in zip(group_by, key)}
         names = sorted(
             {m for r in recs for m, v in r["metrics"].items() if isinstance(v, (int, float))}
+            | set(finite or ())  # present with n = 0 when every run of the row diverged
         )
-        row["metrics"] = {m: mean_se([r["metrics"].get(m, math.nan) for r in recs]) for m in names}
+        ok = recs if finite is None else [r for r in recs if not diverged(r, finite)]
+        row["metrics"] = {m: mean_se([r["metrics"].get(m, math.nan) for r in ok]) for m in names}
+        if finite is not None:
+            row["runs"] = len(recs)
+            row["diverged"] = len(recs) - len(ok)
         rows.append(row)
     return rows
+
+
+def _plan_digest(results_dir: Path) -> str | None:
+    """Digest of the run ids in ``plan.json`` (which runs the last command consists of)."""
+    try:
+        runs = json.loads((results_dir / PLAN_FILE).read_text(encoding="utf-8"))["runs"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return hashlib.sha256(json.dumps(sorted(runs)).encode()).hexdigest()[:16]
+
+
+def wall_time(
+    results_dir: str | Path,
+    previous: Mapping[str, Any],
+    wall_seconds: float | None,
+    command: str | None,
+    records: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The wall time of the commands that produced a folder's summarised runs, for its summary.
+
+    A command that continues the previous one (the same plan: a resume, a Slurm re-attach, a
+    rerun) adds its time to the previous summary's, so a resume never overwrites 421 s by the
+    2 s it took to find everything done. A command with another plan starts a new total; the
+    planned ``records`` written before it started (by earlier commands, whose time is not known
+    here) are counted as ``runs_untimed``. ``wall_seconds`` None (``dselectk report``) keeps the
+    previous summary's value.
+
+    Returns:
+        ``{"seconds": total, "commands": [{"command", "seconds"}...], "plan": digest,
+        "runs_untimed": n}``, or None as ``seconds`` when nothing was timed.
+    """
+    results_dir = Path(results_dir)
+    prev = previous.get("wall_time")
+    if not isinstance(prev, Mapping):  # an older summary: only the last command's time
+        old = previous.get("wall_seconds")
+        prev = {
+            "seconds": old,
+            "commands": [{"command": previous.get("command"), "seconds": old}]
+            if isinstance(old, (int, float))
+            else [],
+            "plan": None,
+            "runs_untimed": 0,
+        }
+    if wall_seconds is None:
+        return dict(prev)
+    plan = _plan_digest(results_dir)
+    same = (plan is not None and prev.get("plan") == plan) or (
+        prev.get("plan") is None and command is not None and previous.get("command") == command
+    )
+    this = {"command": command, "seconds": float(wall_seconds)}
+    if same and prev.get("commands"):
+        commands = [*prev["commands"], this]
+        untimed = int(prev.get("runs_untimed") or 0)
+    else:
+        commands = [this]
+        start = time.time() - float(wall_seconds) - 1.0
+        runs = results_dir / "runs"
+        untimed = 0
+        for r in records:
+            try:
+                if (runs / f"{r.get('run_id')}.json").stat().st_mtime < start:
+                    untimed += 1
+            except OSError:
+                pass
+    total = sum(float(c["seconds"]) for c in commands if isinstance(c.get("seconds"), (int, float)))
+    return {"seconds": total, "commands": commands, "plan": plan, "runs_untimed": untimed}
+
+
+def wall_line(summary: Mapping[str, Any], runs: int | None = None) -> str:
+    """One line for a report: what the recorded wall time covers (see :func:`wall_time`)."""
+    wt = summary.get("wall_time")
+    if not isinstance(wt, Mapping):
+        wall = summary.get("wall_seconds")
+        return f"Wall time: {wall:.0f} s (last command)" if wall else "Wall time: not recorded"
+    total, commands = wt.get("seconds"), wt.get("commands") or []
+    if total is None or not commands:
+        return "Wall time: not recorded"
+    if len(commands) == 1:
+        text = f"Wall time: {total:.0f} s (one command)"
+    else:
+        last = commands[-1].get("seconds") or 0.0
+        text = (
+            f"Wall time: {total:.0f} s, summed over the {len(commands)} commands that produced "
+            f"these runs (resumes included; the last one {last:.0f} s)"
+        )
+    untimed = int(wt.get("runs_untimed") or 0)
+    if untimed:
+        of = f" of {runs}" if runs is not None else ""
+        text += (
+            f"; {untimed}{of} runs were recorded by earlier commands with other settings, "
+            "whose time is not included"
+        )
+    return text

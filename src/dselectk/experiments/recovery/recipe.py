@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +26,7 @@ from dselectk.experiments.recovery.model import (
     RecoveryData,
     train_reps,
 )
-from dselectk.experiments.recovery.report import print_table, write_report
+from dselectk.experiments.recovery.report import diverged_lrs, print_table, write_report
 from dselectk.experiments.runner import Recipe, add_run_arguments, cell_str, missing, run_recipe
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
@@ -176,7 +178,11 @@ def run_cell(
         telemetry_dir=telemetry,
     )
     for j, i in enumerate(todo):
-        store.save(cfgs[i], metrics[j], **({"trajectory": trajs[j]} if j in trajs else {}))
+        extra: dict[str, Any] = {"trajectory": trajs[j]} if j in trajs else {}
+        loss = metrics[j].get("val_loss")
+        if loss is None or not math.isfinite(float(loss)):
+            extra["diverged"] = True  # counted in the report; its lr is never selected
+        store.save(cfgs[i], metrics[j], **extra)
     return selection
 
 
@@ -204,4 +210,21 @@ def recipe(config: RecoveryConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every variant × learning rate × repetition, then write the report."""
     config = config_from_args(RecoveryConfig, args)
-    return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
+    code = run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
+    return code or diverged_exit(Path(config.out))
+
+
+def diverged_exit(out: Path) -> int:
+    """1, with one line naming the learning rates, when runs of the written report diverged."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return 0
+    bad = diverged_lrs(json.loads(path.read_text(encoding="utf-8")))
+    if not bad:
+        return 0
+    print(
+        f"dselectk: runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
+        "counts them and the selection skips those learning rates; lower --lrs",
+        file=sys.stderr,
+    )
+    return 1

@@ -4,21 +4,53 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    diverged,
+    format_mean_se,
+    summarize,
+    wall_line,
+    wall_time,
+)
 from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, NUM_TRUE, VARIANTS, K
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
-__all__ = ["PAPER", "print_table", "write_report"]
+__all__ = ["FINITE", "PAPER", "diverged_lrs", "print_table", "write_report"]
 
 #: true experts recovered by the paper's tuned model, at the paper's shape
 PAPER = {"dselect_k": 4, "topk": 1}
 PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": K}
 _fmt = format_mean_se
+#: metrics a run must have finite, else it counts as diverged
+FINITE = ("val_loss",)
+
+
+def diverged_lrs(summary: Mapping[str, Any]) -> list[str]:
+    """``gate lr=X (d of n)`` of every (gate, learning rate) with diverged runs."""
+    return [
+        f"{r['gate']} lr={r['lr']:g} ({r['diverged']} of {r['runs']})"
+        for r in summary.get("rows", [])
+        if r.get("diverged")
+    ]
+
+
+def _skipped_text(summary: Mapping[str, Any]) -> str:
+    """One line on the learning rates the selection skipped (diverged runs), or ''."""
+    skipped = summary.get("skipped_lrs") or {}
+    parts = [f"{g}: {', '.join(f'{lr:g}' for lr in lrs)}" for g, lrs in sorted(skipped.items())]
+    none = summary.get("no_selection") or []
+    text = ""
+    if parts:
+        text = f"Learning rates skipped by the selection (runs diverged): {'; '.join(parts)}."
+    if none:
+        text += f" No learning rate without diverged runs for {', '.join(none)}: not selected."
+    return text.strip()
 
 
 def _shape_text(shape: Mapping[str, int]) -> str:
@@ -28,9 +60,10 @@ def _shape_text(shape: Mapping[str, int]) -> str:
 def _selected_row(summary: Mapping[str, Any], r: Mapping[str, Any]) -> str:
     m, paper = r["metrics"], PAPER.get(r["gate"]) if summary["shape"] == PAPER_SHAPE else None
     return (
-        f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} | "
-        f"{r['recovered_histogram']} | {_fmt(m['val_accuracy'], 3)} | "
-        f"{_fmt(m['experts_selected'])} | {'–' if paper is None else f'{paper}/{NUM_TRUE}'} |"
+        f"| {r['label']} | {r['lr']:g} | {_fmt(m.get('recovered'))} | "
+        f"{_fmt(m.get('all_recovered'))} | {r['recovered_histogram']} | "
+        f"{_fmt(m.get('val_accuracy'), 3)} | {_fmt(m.get('experts_selected'))} | "
+        f"{'–' if paper is None else f'{paper}/{NUM_TRUE}'} |"
     )
 
 
@@ -41,6 +74,11 @@ def print_table(summary: Mapping[str, Any]) -> None:
     print(f"| gate | lr | recovered of {n} | all {n} | histogram | val acc | selected | paper |")
     for row in summary["selected"]:
         print(_selected_row(summary, row))
+    bad = diverged_lrs(summary)
+    if bad:
+        print(f"diverged runs (non-finite validation loss): {', '.join(bad)}")
+    if _skipped_text(summary):
+        print(_skipped_text(summary))
 
 
 def write_report(
@@ -60,31 +98,49 @@ def write_report(
     except json.JSONDecodeError:
         prev = {}
     shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
-    rows, trajs = summarize(records, ["gate", "lr"]), {}
+    rows, trajs = summarize(records, ["gate", "lr"], finite=FINITE), {}
     for row in rows:
         row["label"] = VARIANTS[row["gate"]].label if row["gate"] in VARIANTS else row["gate"]
         key = (row["gate"], row["lr"])
         mine = [r for r in records if (r["config"]["gate"], r["config"]["lr"]) == key]
         row["recovered_histogram"] = [0] * (shape["true"] + 1)
         for r in mine:
-            row["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
+            if not diverged(r, FINITE):
+                row["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
         trajs[key] = next((r["trajectory"] for r in mine if r.get("trajectory")), None)
-    # Tuning: the learning rate with the lowest mean validation loss, per variant.
-    selected = [
-        min((r for r in rows if r["gate"] == g), key=lambda r: r["metrics"]["val_loss"]["mean"])
-        for g in sorted({r["gate"] for r in rows})
-    ]
+    # Tuning: the learning rate with the lowest mean validation loss, per variant; a learning
+    # rate with a diverged run is skipped (its mean would be over the survivors only).
+    selected, skipped, no_selection = [], {}, []
+    for g in sorted({r["gate"] for r in rows}):
+        mine_rows = [r for r in rows if r["gate"] == g]
+        ok = [
+            r
+            for r in mine_rows
+            if not r["diverged"] and math.isfinite(r["metrics"]["val_loss"]["mean"])
+        ]
+        if len(ok) < len(mine_rows):
+            skipped[g] = sorted(r["lr"] for r in mine_rows if r not in ok)
+        if ok:
+            selected.append(min(ok, key=lambda r: r["metrics"]["val_loss"]["mean"]))
+        else:
+            no_selection.append(g)
+    wall = wall_time(results_dir, prev, wall_seconds, command, records)
     summary = {
         "experiment": EXPERIMENT,
         "shape": shape,
         "group_by": ["gate", "lr"],
         "rows": rows,
         "selected": selected,
-        "selection": "per gate, the learning rate with the lowest mean validation loss",
+        "selection": "per gate, the learning rate with the lowest mean validation loss, of "
+        "those without diverged runs",
+        "skipped_lrs": skipped,
+        "no_selection": no_selection,
+        "diverged": sum(int(r.get("diverged", 0)) for r in rows),
         "paper": PAPER,
         "records": len(records),
         "records_not_summarised": others,
-        "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
+        "wall_seconds": wall["seconds"],
+        "wall_time": wall,
         "command": command or prev.get("command"),
     }
     write_json(results_dir / "summary.json", summary)
@@ -109,10 +165,12 @@ def write_report(
 
 
 def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
-    shape, wall = summary["shape"], summary.get("wall_seconds")
+    shape = summary["shape"]
     all_rows = [
-        f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_fmt(m['all_recovered'])} "
-        f"| {_fmt(m['val_loss'], 4)} | {_fmt(m['val_accuracy'], 3)} | {m['recovered']['n']} |"
+        f"| {r['label']} | {r['lr']:g} | {_fmt(m.get('recovered'))} | "
+        f"{_fmt(m.get('all_recovered'))} | {_fmt(m.get('val_loss'), 4)} | "
+        f"{_fmt(m.get('val_accuracy'), 3)} | {(m.get('recovered') or {}).get('n', 0)} | "
+        f"{r.get('diverged', 0)} |"
         for r in summary["rows"]
         for m in [r["metrics"]]
     ]
@@ -137,8 +195,16 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
     return render(
         "recovery",
         command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=f"Wall time: {wall:.0f} s  " if wall else "Wall time: not recorded  ",
+        wall_line=wall_line(summary, summary["records"]) + "  ",
         records=summary["records"],
+        diverged=(
+            f" **{summary['diverged']} of them diverged** (non-finite validation loss: "
+            f'{", ".join(diverged_lrs(summary))}); counted in the "diverged" column, left '
+            "out of the means."
+            if summary.get("diverged")
+            else " None diverged."
+        ),
+        skipped=_skipped_text(summary),
         others=others_note(summary.get("records_not_summarised", 0)),
         shape=_shape_text(shape),
         experts=shape["experts"],

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from dselectk.experiments.runner import (
     missing,
     run_recipe,
 )
-from dselectk.experiments.synthetic.report import print_table, write_report
+from dselectk.experiments.synthetic.report import diverged_cells, print_table, write_report
 from dselectk.experiments.synthetic.spec import (
     DEFAULT_GATES,
     VARIANTS,
@@ -227,6 +230,9 @@ def run_cell(
         w = model.eval_weights()
         for i, (r, s) in enumerate(chunk):
             extra: dict[str, Any] = {"train_seconds": elapsed / len(chunk)}
+            mse = metrics[int(hp["epochs"])][i].get("test_mse")
+            if mse is None or not math.isfinite(float(mse)):
+                extra["diverged"] = True  # counted in the report, never averaged
             if r == 0:
                 extra["weights"] = [[round(float(x), 4) for x in row] for row in w[i]]
             store.save(config(r, s), metrics[int(hp["epochs"])][i], **extra)
@@ -272,4 +278,21 @@ def run(args: argparse.Namespace) -> int:
             what = f"--experts {config.experts}" if config.experts else f"T/4 = {e} at --tasks {t}"
             raise ValueError(f"--k {config.k}: more than the model's experts ({what})")
     threads = int(getattr(args, "threads", 0) or 0)
-    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
+    code = run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
+    return code or diverged_exit(Path(config.out))
+
+
+def diverged_exit(out: Path) -> int:
+    """1, with one line naming the cells, when runs of the written report diverged; else 0."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return 0
+    bad = diverged_cells(json.loads(path.read_text(encoding="utf-8")))
+    if not bad:
+        return 0
+    print(
+        f"dselectk: runs diverged (non-finite test MSE) in {', '.join(bad)}; the report counts "
+        'them (column "diverged"); lower --lr or check the settings',
+        file=sys.stderr,
+    )
+    return 1

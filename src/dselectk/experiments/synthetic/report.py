@@ -11,7 +11,13 @@ from typing import Any
 
 from dselectk.data.synthetic import TASKS_PER_GROUP
 from dselectk.experiments.metrics import expected_random_jaccard
-from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    format_mean_se,
+    summarize,
+    wall_line,
+    wall_time,
+)
 from dselectk.experiments.synthetic.spec import (
     ALL_GATES,
     EXPERIMENT,
@@ -23,7 +29,7 @@ from dselectk.experiments.synthetic.spec import (
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
-__all__ = ["print_table", "write_report"]
+__all__ = ["FINITE", "diverged_cells", "print_table", "write_report"]
 
 
 METRICS = [
@@ -33,6 +39,19 @@ METRICS = [
     ("experts_per_task", "experts/task"),
     ("frac_tasks_binary", "tasks with binary S(Z)"),
 ]
+
+
+#: metrics a run must have finite, else it counts as diverged
+FINITE = ("test_mse",)
+
+
+def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
+    """``gate/T (d of n)`` of every row with diverged runs (non-finite metrics)."""
+    return [
+        f"{r['gate']}/{r['num_tasks']} ({r['diverged']} of {r['runs']})"
+        for r in summary.get("rows", [])
+        if r.get("diverged")
+    ]
 
 
 def _label(gate: str) -> str:
@@ -49,7 +68,7 @@ def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
 
 def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     final = [r for r in records if r["config"].get("phase") == "final"]
-    rows = summarize(final, ["gate", "num_tasks"])
+    rows = summarize(final, ["gate", "num_tasks"], finite=FINITE)
     for row in rows:
         hps = {
             json.dumps(r["config"]["hparams"], sort_keys=True)
@@ -86,7 +105,7 @@ def print_table(summary: Mapping[str, Any]) -> None:
     rows = summary["rows"]
     head = (
         f"{'gate':<32}{'T':>5}  {'test MSE':>16}  {'J related':>14}  {'J unrel.':>14}  "
-        f"{'exp/task':>8}  {'n':>4}"
+        f"{'exp/task':>8}  {'n':>4}  {'diverged':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -96,8 +115,11 @@ def print_table(summary: Mapping[str, Any]) -> None:
             f"{r['label']:<32}{r['num_tasks']:>5}  {_fmt(m.get('test_mse'), 3):>16}  "
             f"{_fmt(m.get('related_jaccard'), 2):>14}  {_fmt(m.get('unrelated_jaccard'), 2):>14}  "
             f"{_fmt(m.get('experts_per_task'), 1).split(' ')[0]:>8}  "
-            f"{m.get('test_mse', {}).get('n', 0):>4}"
+            f"{m.get('test_mse', {}).get('n', 0):>4}  {r.get('diverged', 0):>8}"
         )
+    bad = diverged_cells(summary)
+    if bad:
+        print(f"diverged runs (non-finite test MSE, left out of the means): {', '.join(bad)}")
 
 
 def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
@@ -132,8 +154,9 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
         f"- **{_label(gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
         f"i.e. {rel_txt} ({claim}) → {verdict}.{caveat}"
     )
-    jd, jk = d["related_jaccard"]["mean"], k["related_jaccard"]["mean"]
-    if jd is not None and jk:
+    jd = (d.get("related_jaccard") or {}).get("mean")
+    jk = (k.get("related_jaccard") or {}).get("mean")
+    if jd is not None and jk and math.isfinite(jd) and math.isfinite(jk):
         rel = (jd - jk) / jk
         v = _verdict(t, rel >= PAPER["related_jaccard_improvement_128"])
         lines.append(
@@ -169,7 +192,7 @@ def write_report(
             prev = json.loads((results_dir / "summary.json").read_text())
         except json.JSONDecodeError:
             prev = {}
-    wall = wall_seconds if wall_seconds is not None else prev.get("wall_seconds")
+    wall = wall_time(results_dir, prev, wall_seconds, command, final)
     cmd = command or prev.get("command")
     tasks = sorted({r["num_tasks"] for r in rows})
     random_ref = {t: expected_random_jaccard(*_shape(rows, t)) for t in tasks}
@@ -179,9 +202,11 @@ def write_report(
         "rows": rows,
         "random_gate_expected_jaccard": {str(t): v for t, v in random_ref.items()},
         "records": len(final),
+        "diverged": sum(int(r.get("diverged", 0)) for r in rows),
         "tune_records": tune_count,
         "records_not_summarised": others,
-        "wall_seconds": wall,
+        "wall_seconds": wall["seconds"],
+        "wall_time": wall,
         "command": cmd,
         "paper": PAPER,
     }
@@ -205,7 +230,8 @@ def write_report(
 
     ref = {"random gate (expected)": (tasks, [random_ref[t] for t in tasks])}
     plots = []
-    if rows:
+    finite_mse = any(math.isfinite(_nan(r["metrics"]["test_mse"].get("mean"))) for r in rows)
+    if rows and finite_mse:  # no plot of nothing but diverged runs (log scale of NaN)
         panels: list[dict[str, Any]] = [
             {
                 "series": series("test_mse"),
@@ -293,7 +319,8 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
             f"{_fmt(m.get('test_mse_soft'), 4)} | "
             f"{_fmt(m.get('related_jaccard'))} | {_fmt(m.get('unrelated_jaccard'))} | "
             f"{_fmt(m.get('experts_per_task'), 2)} | {_fmt(m.get('frac_tasks_k_experts'), 2)} | "
-            f"{_fmt(m.get('frac_tasks_binary'), 2)} | {m.get('test_mse', {}).get('n', 0)} |"
+            f"{_fmt(m.get('frac_tasks_binary'), 2)} | {m.get('test_mse', {}).get('n', 0)} | "
+            f"{r.get('diverged', 0)} |"
         )
     seen: dict[str, set[str]] = {}
     for r in rows:
@@ -317,14 +344,19 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         if remedies
         else "Only the paper-faithful DSelect-k (paper init) ran here. "
     )
-    wall = summary.get("wall_seconds")
+    div = int(summary.get("diverged") or 0)
     return render(
         "synthetic",
         command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=f"Wall time of the sweep: {wall:.0f} s  "
-        if wall
-        else "Wall time: not recorded  ",
+        wall_line=wall_line(summary, summary["records"]) + "  ",
         records=summary["records"],
+        diverged=(
+            f" **{div} of them diverged** (non-finite test MSE: "
+            f"{', '.join(diverged_cells(summary))}); they are counted in the table's "
+            '"diverged" column and left out of its means.'
+            if div
+            else " None diverged."
+        ),
         shape="; ".join(
             "T = {}: {} experts, k = {}".format(t, *_shape(rows, int(t)))
             for t in summary["random_gate_expected_jaccard"]
@@ -352,7 +384,7 @@ def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     comp = []
     abl = sorted((r for r in rows if r["gate"] == "ablation_entropy"), key=lambda r: r["num_tasks"])
     if abl:
-        es = [r["metrics"]["experts_per_task"]["mean"] for r in abl]
+        es = [_nan((r["metrics"].get("experts_per_task") or {}).get("mean")) for r in abl]
         t0 = abl[0]["num_tasks"]
         comp.append(
             f"- **Ablation (Entropy) distinct experts per task** (k = {_shape(rows, t0)[1]}): "
