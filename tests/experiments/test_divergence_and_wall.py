@@ -140,3 +140,15 @@ def test_movielens_neg_ratio_beyond_memory_is_refused_before_loading(
     cfg = ml.MovieLensConfig(out=tmp_path, gates=("topk",), variant="ml-1m", neg_ratio=1)
     ml.check_memory(cfg, total=16 * 2**30)  # the paper's setting fits
     assert ml.data_bytes("ml-1m", 1000) > 100 * ml.data_bytes("ml-1m", 1)
+
+
+def test_synthetic_grid_search_skips_diverged_configurations(tmp_path: Path) -> None:
+    from dselectk.data.synthetic import generate_data
+    from dselectk.experiments.synthetic.train import tune
+
+    data = generate_data(0, 300, 300, 300)
+    grid: dict[str, list[float]] = {"lr": [1e30, 1e-3], "epochs": [2]}
+    cfg = {"seed": 0, "n_train": 300, "n_eval": 300}
+    store = RunStore(tmp_path)
+    choice = tune("topk", 16, data, store, grid=grid, trials=1, data_cfg=cfg, progress=False)
+    assert choice["hparams"]["lr"] == 1e-3 and choice["configs_diverged"] == 1

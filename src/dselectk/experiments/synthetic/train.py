@@ -281,13 +281,17 @@ def tune(
         prev = scores.get(key, (0.0, True, {"n": 0}))
         n = prev[2]["n"] + 1
         binary = prev[1] and bool(m.get("all_binary", 1.0))  # gates that binarize only
-        scores[key] = (prev[0] + m["val_mse"], binary, {"n": n, "hparams": c["hparams"]})
+        val = m.get("val_mse")  # a diverged trial (NaN, saved as null) makes its config inf
+        val = float(val) if isinstance(val, (int, float)) and math.isfinite(val) else math.inf
+        scores[key] = (prev[0] + val, binary, {"n": n, "hparams": c["hparams"]})
     ranked = sorted(scores.values(), key=lambda s: s[0] / s[2]["n"])
-    best = ([s for s in ranked if s[1]] or ranked)[0]
+    finite = [s for s in ranked if math.isfinite(s[0])] or ranked
+    best = ([s for s in finite if s[1]] or finite)[0]
     return {
         "hparams": best[2]["hparams"],
         "val_mse": best[0] / best[2]["n"],
         "binary": bool(best[1]),
         "configs_tried": len(scores),
         "configs_binary": sum(1 for s in scores.values() if s[1]),
+        "configs_diverged": sum(1 for s in scores.values() if not math.isfinite(s[0])),
     }
