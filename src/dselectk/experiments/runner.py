@@ -95,6 +95,8 @@ class Recipe:
         report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
         prepare: ``(out, executor) -> bool``, called before the sweep (load and check data,
             print a plan); False stops there with exit code 0 (a dry run).
+        diverged: ``summary -> message | None``: one line naming the diverged runs of the
+            written summary; a message makes the command exit 1 after its report.
     """
 
     cells: Sequence[Hashable]
@@ -107,6 +109,7 @@ class Recipe:
     print_table: Callable[[Mapping[str, Any]], None] | None = None
     report_jobs: bool = False
     prepare: Callable[[Path, Executor], bool] | None = None
+    diverged: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 def add_run_arguments(
@@ -284,4 +287,8 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     recipe.print_table(summary)
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
+    message = recipe.diverged(summary) if recipe.diverged is not None else None
+    if message:
+        print(f"dselectk: {message}", file=sys.stderr)
+        return 1
     return 0

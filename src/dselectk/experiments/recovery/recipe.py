@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -204,27 +204,22 @@ def recipe(config: RecoveryConfig) -> Recipe:
         cell_str,
         write_report=write_report,
         print_table=print_table,
+        diverged=_diverged,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every variant × learning rate × repetition, then write the report."""
     config = config_from_args(RecoveryConfig, args)
-    code = run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
-    return code or diverged_exit(Path(config.out))
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
 
 
-def diverged_exit(out: Path) -> int:
-    """1, with one line naming the learning rates, when runs of the written report diverged."""
-    path = out / "summary.json"
-    if not path.is_file():
-        return 0
-    bad = diverged_lrs(json.loads(path.read_text(encoding="utf-8")))
+def _diverged(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the learning rates whose runs diverged, or None."""
+    bad = diverged_lrs(summary)
     if not bad:
-        return 0
-    print(
-        f"dselectk: runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
-        "counts them and the selection skips those learning rates; lower --lrs",
-        file=sys.stderr,
+        return None
+    return (
+        f"runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
+        "counts them and the selection skips those learning rates; lower --lrs"
     )
-    return 1

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,6 +265,7 @@ def recipe(config: SyntheticConfig) -> Recipe:
         cost=_cell_cost,
         write_report=write_report,
         print_table=print_table,
+        diverged=_diverged,
     )
 
 
@@ -278,21 +278,15 @@ def run(args: argparse.Namespace) -> int:
             what = f"--experts {config.experts}" if config.experts else f"T/4 = {e} at --tasks {t}"
             raise ValueError(f"--k {config.k}: more than the model's experts ({what})")
     threads = int(getattr(args, "threads", 0) or 0)
-    code = run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
-    return code or diverged_exit(Path(config.out))
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
 
 
-def diverged_exit(out: Path) -> int:
-    """1, with one line naming the cells, when runs of the written report diverged; else 0."""
-    path = out / "summary.json"
-    if not path.is_file():
-        return 0
-    bad = diverged_cells(json.loads(path.read_text(encoding="utf-8")))
+def _diverged(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the cells whose runs diverged, or None."""
+    bad = diverged_cells(summary)
     if not bad:
-        return 0
-    print(
-        f"dselectk: runs diverged (non-finite test MSE) in {', '.join(bad)}; the report counts "
-        'them (column "diverged"); lower --lr or check the settings',
-        file=sys.stderr,
+        return None
+    return (
+        f"runs diverged (non-finite test MSE) in {', '.join(bad)}; the report counts "
+        'them (column "diverged"); lower --lr or check the settings'
     )
-    return 1
