@@ -337,6 +337,9 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         except TrainingDivergedError as e:
             msg = str(e)
         (Path(out_dir) / f"rank{rank}.txt").write_text(msg)
+        # both ranks reach teardown before either destroys the group: destroying it while the
+        # other rank's gloo work is still pending aborted a rank once in CI (SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
