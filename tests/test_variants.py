@@ -36,7 +36,7 @@ def test_checks_name_the_argument_and_the_range() -> None:
         spec.hparams["gamma"].check(-1.0, "--gamma")
     with pytest.raises(ValueError, match=r"init: expected one of 'paper', 'spread'"):
         spec.check({"init": "distinct"})
-    with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['diversity'"):
+    with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['distinct', 'diversity'"):
         spec.check({"lr": 0.1})
     with pytest.raises(ValueError, match="entropy_reg"):
         make_gate("dselect_k", 8, k=2, entropy_reg=float("nan"))
@@ -156,7 +156,7 @@ def test_hyperparameter_flags_come_from_the_declarations(
 
     p = argparse.ArgumentParser()
     names = add_hparam_arguments(p, ["dselect_k", "ablation_annealing"])
-    assert names == ["diversity", "entropy_reg", "gamma", "init", "init_std", "temperature", "xi"]
+    assert names == ["distinct", "diversity", "entropy_reg", "gamma", "init", "init_std", "temperature", "xi"]
     args = p.parse_args(["--gamma", "5", "--init", "spread", "--temperature", "1e-3"])
     assert (args.gamma, args.init, args.temperature, args.xi) == (5.0, "spread", 1e-3, None)
     for bad, msg in [

@@ -26,6 +26,7 @@ __all__ = [
     "binary_entropy",
     "code_collisions",
     "code_table",
+    "distinct_codes",
     "dselect_k_fused",
     "dselect_k_weights",
     "entropy",
@@ -329,6 +330,54 @@ def code_collisions(codes: Tensor, num_experts: int) -> Tensor:
     valid = (codes < num_experts).unsqueeze(-1)
     upper = torch.ones(k, k, dtype=torch.bool, device=codes.device).triu(1)
     return (same & valid & upper).sum((-1, -2)).float().mean(0)
+
+
+def distinct_codes(z: Tensor, num_experts: int) -> Tensor:
+    """Z with the fewest, least confident bits negated so that the K selectors of every gate
+    have distinct codes that are experts (ours, not the paper's; ``DSelectK(distinct=True)``).
+
+    Selector i's code is its sign pattern (bit m is 1 where z_m > 0, as S(z_m) > 1/2). Selectors
+    are taken in order i = 1..K; selector i keeps its code unless an earlier selector holds it or
+    it is no expert (>= n), and otherwise moves to the free expert code c that is cheapest to
+    reach: the one minimising Σ_m |z_im| over the bits m where c differs from its code (ties: the
+    smallest code). Moving negates those entries, z_im -> -z_im, so S(z_im) -> 1 - S(z_im): a
+    reflection of the selector's law, which keeps r(S(z)) a product of independent bits and the
+    gradient an exact ±1 per entry. Once S(Z) is binary the gate selects exactly K distinct
+    experts.
+
+    Continuity: when selector i's code walks into an earlier selector's code by one bit crossing
+    zero, that bit is the least confident one and is negated at |z_im| = 0, where S is 1/2
+    either way: no jump. The law does jump where the choice of negated bits changes (equal
+    costs) or where an earlier selector moves onto a later one's code, as Top-k jumps at ties.
+
+    Args:
+        z: (..., K, M) encoding variables (any leading shape: static, bank, per example).
+        num_experts: n, with K <= n <= 2**M.
+
+    Returns:
+        (..., K, M), ``z`` times a ±1 mask (no gradient through the mask).
+    """
+    k, m = z.shape[-2], z.shape[-1]
+    if k > num_experts:
+        raise ValueError(f"distinct codes need K <= n, got K={k} selectors for n={num_experts}")
+    codes = 1 << m
+    table = (
+        (torch.arange(codes, device=z.device).unsqueeze(-1) >> torch.arange(m, device=z.device)) & 1
+    ).to(z.dtype)  # (C, M)
+    with torch.no_grad():
+        a = z.abs()
+        own = (z > 0).to(z.dtype)  # (..., K, M)
+        # cost(c) = Σ_m a_m [own_m != c_m] = Σ a·own + a @ c - 2 (a·own) @ c
+        cost = (a * own).sum(-1, keepdim=True) + (a - 2 * a * own) @ table.t()  # (..., K, C)
+        taken = torch.zeros((*cost.shape[:-2], codes), dtype=torch.bool, device=z.device)
+        taken[..., num_experts:] = True
+        flips = []
+        for i in range(k):
+            best = cost[..., i, :].masked_fill(taken, math.inf).argmin(-1)  # (...,)
+            taken = taken | (best.unsqueeze(-1) == torch.arange(codes, device=z.device))
+            flips.append(own[..., i, :] != table[best])  # (..., M)
+        sign = 1 - 2 * torch.stack(flips, -2).to(z.dtype)
+    return z * sign
 
 
 def keep_topk(logits: Tensor, k: int) -> Tensor:

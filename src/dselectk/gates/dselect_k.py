@@ -77,6 +77,12 @@ class DSelectK(Gate):
             (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every S(Z_ij) starts
             strictly inside (0, 1); "spread": as "paper" plus an offset of ±γ/4 per bit towards
             a distinct random code per selector (S = 0.84 or 0.16).
+        distinct: (ours) give the K selectors distinct expert codes by construction: before the
+            smooth-step, a selector whose code (sign pattern of its z) an earlier selector holds,
+            or that is no expert, has its least confident bits negated to reach the nearest free
+            expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
+            selects exactly k distinct experts (per example: for every input). Default False
+            (the paper's gate).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -100,6 +106,7 @@ class DSelectK(Gate):
         xi: float = 1.0,
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
+        distinct: bool = False,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -122,6 +129,9 @@ class DSelectK(Gate):
         self.entropy_reg = entropy_reg
         self.diversity = diversity
         self.init = init
+        if not isinstance(distinct, bool):
+            raise TypeError(f"distinct must be a bool, got {distinct!r}")
+        self.distinct = distinct
         self._build_logits()
         self._init_parameters()
 
@@ -228,8 +238,14 @@ class DSelectK(Gate):
         return super().__getattr__(name)
 
     # -- math -----------------------------------------------------------------------------
+    def _codes_z(self, z: Tensor) -> Tensor:
+        """Z as the gate uses it: with ``distinct``, each selector moved off the codes of the
+        earlier ones (:func:`~dselectk.functional.distinct_codes`)."""
+        return DF.distinct_codes(z, self.num_experts) if self.distinct else z
+
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
+        z = self._codes_z(z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
@@ -263,7 +279,7 @@ class DSelectK(Gate):
     def bits(self, x: Tensor | None = None) -> Tensor:
         """S(Z) (static, (K, M) or (T, K, M)) or S(Wx) per example ((B, [T,] K, M))."""
         _, z = self.split_logits(self.compute_logits(x))
-        return DF.smooth_step(z, self._per_gate(self._gamma, 2))
+        return DF.smooth_step(self._codes_z(z), self._per_gate(self._gamma, 2))
 
     @torch.no_grad()
     def binary_fraction(self, x: Tensor | None = None) -> float:
@@ -356,6 +372,8 @@ class DSelectK(Gate):
         extra = ""  # today's repr when the diversity penalty is off
         if type(self).diversity.is_nonzero(self):
             extra = f", diversity={format_hyperparameter(self.diversity)}"
+        if self.distinct:
+            extra += ", distinct=True"
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"

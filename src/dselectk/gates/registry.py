@@ -234,6 +234,12 @@ register_gate(
             choices=("paper", "spread"),
             doc="initialisation (paper, or spread: selectors lean to distinct experts)",
         ),
+        HParam(
+            "distinct",
+            bool,
+            False,
+            doc="selectors moved to distinct expert codes by their least confident bits (ours)",
+        ),
     ],
     summary="DSelect-k (§3): k binary-encoded selectors, cubic smooth-step",
 )

@@ -158,14 +158,16 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
     """Bits per byte of the next-byte targets ``y`` (W, L) given the inputs ``x`` (W, L), and
     the routing over those tokens: ``load`` (per layer, the fraction of the dispatched
     (token, expert) pairs on each expert), ``load_max_over_mean`` (worst layer),
-    ``experts_per_token`` (nonzero weights) and, for routers that binarize (DSelect-k), the
-    fraction of tokens whose bits are binary (overall and per layer; None otherwise)."""
+    ``experts_per_token`` (nonzero weights), ``dispatched_experts_per_token`` (distinct experts
+    a token is sent to: nonzero weights among its ``k`` largest, at most ``k``) and, for routers
+    that binarize (DSelect-k), the fraction of tokens whose bits are binary (overall and per
+    layer; None otherwise)."""
     model.eval()
     layers = model.moe_layers
     n = int(layers[0].num_experts)
     loads = [torch.zeros(n) for _ in layers]
     binary = [0.0 for _ in layers]
-    nonzero = 0.0
+    nonzero = dispatched = 0.0
     inputs: list[Tensor] = []
     hooks = [m.router.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for m in layers]
     total, tokens = 0.0, 0
@@ -179,7 +181,9 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
             for j, moe in enumerate(layers):
                 assert moe.last_stats is not None
                 loads[j] += moe.last_stats["load"].float()
-                nonzero += float((moe.router(inputs[j]).weights > 0).sum())
+                w = moe.router(inputs[j]).weights
+                nonzero += float((w > 0).sum())
+                dispatched += float((w.topk(min(moe.k, n), -1).values > 0).sum())
                 if moe.router.binarizes:  # tokens whose bits are all 0 or 1
                     binary[j] += float(moe.router.binary_entries(inputs[j]).all(-1).sum())
     finally:
@@ -193,6 +197,7 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
         "load": fractions,
         "load_max_over_mean": max(max(f) * n for f in fractions),
         "experts_per_token": nonzero / (tokens * len(loads)),
+        "dispatched_experts_per_token": dispatched / (tokens * len(loads)),
         "binary_token_fraction": sum(binary) / (tokens * len(loads)) if binarizes else None,
         "binary_token_fraction_per_layer": [b / tokens for b in binary] if binarizes else None,
     }

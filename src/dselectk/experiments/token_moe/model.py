@@ -29,7 +29,14 @@ __all__ = ["ROUTERS", "Corpus", "build_model", "load_corpus", "train_run"]
 EXPERIMENT = "token-moe"
 #: the routers compared (``--gates``); DSelect-k takes the study's ``gamma`` and ``entropy_reg``
 ROUTERS = variant_table(
-    Variant("dselect_k", "dselect_k", "DSelect-k (per token)"), Variant("topk", "topk", "Top-k")
+    Variant("dselect_k", "dselect_k", "DSelect-k (per token)"),
+    Variant("topk", "topk", "Top-k"),
+    Variant(
+        "dselect_k_distinct",
+        "dselect_k",
+        "DSelect-k, distinct codes (ours)",
+        options={"distinct": True},
+    ),
 )
 #: optimizer steps the step timer leaves out (warm-up)
 WARMUP_STEPS = 10

@@ -61,6 +61,7 @@ class TokenMoEConfig:
     out: Path
     gates: tuple[str, ...] = tuple(ROUTERS)
     seeds: int = 3
+    first_seed: int = 0
     telemetry: bool = False
     corpus_bytes: int = _flag(1_500_000, int_at_least(1))
     val_fraction: float = 0.1
@@ -103,7 +104,7 @@ class TokenMoEConfig:
         return {name: getattr(self, name) for name in DEFAULTS}
 
 
-_SETTINGS = dataclasses.fields(TokenMoEConfig)[4:]  # after out, gates, seeds, telemetry
+_SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, first_seed, telemetry
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 
@@ -114,6 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gates", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
+    )
+    p.add_argument(
+        "--first-seed",
+        type=int_at_least(0),
+        default=0,
+        help="seeds run: first-seed, first-seed + 1, ... (default 0)",
     )
     for f in _SETTINGS:
         if f.metadata:
@@ -136,12 +143,13 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
     cfgs = [
         {"experiment": EXPERIMENT, "router": router, "seed": s, "hparams": dict(sorted(hp.items())),
          "corpus": data}
-        for s in range(config.seeds)
+        for s in range(config.first_seed, config.first_seed + config.seeds)
     ]  # fmt: skip
     for i in missing(store, cfgs):
-        tel = Path(config.out) / "telemetry" / f"{router}-seed{i}" if config.telemetry else None
+        seed = config.first_seed + i
+        tel = Path(config.out) / "telemetry" / f"{router}-seed{seed}" if config.telemetry else None
         metrics = train_run(
-            ROUTERS[router], hp, corpus, i, progress=progress, desc=f"{router} seed {i}",
+            ROUTERS[router], hp, corpus, seed, progress=progress, desc=f"{router} seed {seed}",
             telemetry_dir=tel,
         )  # fmt: skip
         store.save(

@@ -30,6 +30,7 @@ def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
 #: the table's columns: metric (``val_bpc``: validation bits per byte), decimals, heading
 _COLUMNS = (
     ("val_bpc", 4, "val bits/byte"),
+    ("dispatched_experts_per_token", 3, "experts/token"),
     ("load_max_over_mean", 2, "max load/mean"),
     ("binary_token_fraction", 3, "binary tokens"),
     ("ms_per_step", 1, "ms/step"),
@@ -121,7 +122,8 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
 def _markdown(summary: Mapping[str, Any]) -> str:
     rows, loads = [], []
     columns = [("val_bpc", 4), ("train_loss", 3), ("load_max_over_mean", 2)]
-    columns += [("experts_per_token", 2), ("binary_token_fraction", 3), ("ms_per_step", 1)]
+    columns += [("dispatched_experts_per_token", 3), ("experts_per_token", 2)]
+    columns += [("binary_token_fraction", 3), ("ms_per_step", 1)]
     for r in summary["rows"]:
         m = r["metrics"]
         cells = " | ".join(_fmt(m.get(k), d) for k, d in columns)
