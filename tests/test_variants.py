@@ -156,7 +156,16 @@ def test_hyperparameter_flags_come_from_the_declarations(
 
     p = argparse.ArgumentParser()
     names = add_hparam_arguments(p, ["dselect_k", "ablation_annealing"])
-    assert names == ["distinct", "diversity", "entropy_reg", "gamma", "init", "init_std", "temperature", "xi"]
+    assert names == [
+        "distinct",
+        "diversity",
+        "entropy_reg",
+        "gamma",
+        "init",
+        "init_std",
+        "temperature",
+        "xi",
+    ]
     args = p.parse_args(["--gamma", "5", "--init", "spread", "--temperature", "1e-3"])
     assert (args.gamma, args.init, args.temperature, args.xi) == (5.0, "spread", 1e-3, None)
     for bad, msg in [
