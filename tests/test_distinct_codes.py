@@ -201,3 +201,51 @@ def test_export_equals_eager(tmp_path: Path, binary: bool, onnx: bool) -> None:
         x = torch.randn(b, 6)
         with torch.no_grad():
             torch.testing.assert_close(run(x), model(x).output, atol=1e-5, rtol=1e-5)
+
+
+# -- straight-through bits (DSelectK(straight_through=True)) --------------------------------
+
+
+def test_straight_through_smooth_step_values_and_gradient() -> None:
+    t = torch.tensor([-3.0, -0.5, -0.2, 0.0, 0.3, 0.5, 2.0], requires_grad=True)
+    s = DF.smooth_step_straight_through(t, 1.0)
+    torch.testing.assert_close(s, DF.smooth_step(t, 1.0))
+    (g,) = torch.autograd.grad(s.sum(), t)
+    inside = t.detach().abs() < 0.5
+    (exact,) = torch.autograd.grad(DF.smooth_step(t, 1.0).sum(), t)
+    torch.testing.assert_close(g[inside], exact[inside])
+    torch.testing.assert_close(g[~inside], torch.full_like(g[~inside], 1.5))
+
+
+def test_straight_through_gate_same_values_gradient_where_flat() -> None:
+    torch.manual_seed(0)
+    st = make_gate("dselect_k", 8, k=2, in_features=6, straight_through=True, entropy_reg=0.1)
+    exact = make_gate("dselect_k", 8, k=2, in_features=6, entropy_reg=0.1)
+    with torch.no_grad():
+        st.proj.weight[2:].normal_(0, 50.0)  # binary bits: the exact gradient is zero
+    exact.load_state_dict(st.state_dict())
+    x = torch.randn(64, 6)
+    x = x[exact.binary_entries(x).all(-1)]
+    a, b = st(x), exact(x)
+    torch.testing.assert_close(a.weights, b.weights)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    with torch.no_grad():
+        torch.testing.assert_close(st(x).weights, exact(x).weights)  # no-grad: the fused path
+    (a.weights[:, 3] - a.weights[:, 5]).sum().backward()
+    (b.weights[:, 3] - b.weights[:, 5]).sum().backward()
+    assert st.proj.weight.grad is not None and exact.proj.weight.grad is not None
+    assert float(exact.proj.weight.grad[2:].abs().sum()) == 0.0  # flat: the paper's gate stops
+    assert float(st.proj.weight.grad[2:].abs().sum()) > 0.0  # the selection still learns
+
+
+def test_straight_through_is_exact_where_smooth() -> None:
+    torch.manual_seed(1)
+    st = make_gate("dselect_k", 5, k=3, in_features=4, straight_through=True).double()
+    exact = make_gate("dselect_k", 5, k=3, in_features=4).double()
+    exact.load_state_dict(st.state_dict())
+    x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    assert st.binary_fraction(x) == 0.0
+    (ga,) = torch.autograd.grad(st(x).weights[:, 1].sum(), x)
+    (gb,) = torch.autograd.grad(exact(x).weights[:, 1].sum(), x)
+    torch.testing.assert_close(ga, gb)
+    assert torch.autograd.gradcheck(lambda x: st(x).weights, (x,))

@@ -37,6 +37,12 @@ ROUTERS = variant_table(
         "DSelect-k, distinct codes (ours)",
         options={"distinct": True},
     ),
+    Variant(
+        "dselect_k_distinct_st",
+        "dselect_k",
+        "DSelect-k, distinct codes, straight-through (ours)",
+        options={"distinct": True, "straight_through": True},
+    ),
 )
 #: optimizer steps the step timer leaves out (warm-up)
 WARMUP_STEPS = 10
@@ -130,12 +136,14 @@ def train_run(
     progress: bool,
     desc: str,
     telemetry_dir: Path | None = None,
+    callbacks: list[Callback] | None = None,
 ) -> dict[str, Any]:
     """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics.
 
     With ``telemetry_dir``, routing telemetry (:class:`~dselectk.telemetry.RoutingTelemetry`:
     binary fraction, experts per token, load, selector collisions, per router) is logged there
-    20 times over the run (TensorBoard if installed, else JSON lines).
+    20 times over the run (TensorBoard if installed, else JSON lines). ``callbacks`` are
+    passed on to :func:`~dselectk.training.train` (e.g. a diagnosis that watches the routers).
     """
     torch.manual_seed(seed)
     model = build_model(variant, hp)
@@ -145,7 +153,7 @@ def train_run(
     x, y = random_windows(corpus.train, seq, steps * int(hp["batch_size"]), g)
     data = TaskData(x, [y])
     timer = _StepTimer()
-    callbacks: list[Any] = [timer]
+    callbacks = [timer, *(callbacks or [])]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(

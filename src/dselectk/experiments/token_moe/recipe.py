@@ -141,8 +141,8 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
     data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
     data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
     cfgs = [
-        {"experiment": EXPERIMENT, "router": router, "seed": s, "hparams": dict(sorted(hp.items())),
-         "corpus": data}
+        {"experiment": EXPERIMENT, "router": router, "variant": ROUTERS[router].identity(),
+         "seed": s, "hparams": dict(sorted(hp.items())), "corpus": data}
         for s in range(config.first_seed, config.first_seed + config.seeds)
     ]  # fmt: skip
     for i in missing(store, cfgs):
