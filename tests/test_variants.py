@@ -163,6 +163,7 @@ def test_hyperparameter_flags_come_from_the_declarations(
         "gamma",
         "init",
         "init_std",
+        "straight_through",
         "temperature",
         "xi",
     ]
