@@ -43,6 +43,8 @@ import torch
 
 from benchmarks.common import REPO_ROOT, Report
 from benchmarks.timing import machine_facts
+from dselectk.experiments.args import int_at_least
+from dselectk.experiments.args import out_dir as out_folder
 from dselectk.runtime import tune_allocator
 
 REGISTRY: dict[str, str] = {
@@ -139,19 +141,35 @@ def run_suite(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     }
 
 
+def _device(text: str) -> str:
+    """An argparse type: cpu, cuda, cuda:N or all (a typo is refused before any timing)."""
+    name = text.strip()
+    if name in ("cpu", "cuda", "all") or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or all, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The suite's command line."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short pass (about 2 minutes on 2 cores)")
     p.add_argument(
-        "--device", default="cpu", help="cpu, cuda (cuda:0, ...) or all (cpu, then cuda if present)"
+        "--device",
+        type=_device,
+        default="cpu",
+        help="cpu, cuda (cuda:0, ...) or all (cpu, then cuda if present)",
     )
     p.add_argument("--only", nargs="+", choices=ITEMS, help="run only these items")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument(
+        "--threads", type=int_at_least(0), default=0, help="torch intra-op threads (0: default)"
+    )
     p.add_argument("--compile", action="store_true", help="also time torch.compile(step)")
     p.add_argument("--synthetic", action="store_true", help="also run bench_synthetic.py")
     p.add_argument(
-        "--out", default=str(REPO_ROOT / "results" / "bench"), help="directory of the JSON result"
+        "--out",
+        type=out_folder,
+        default=REPO_ROOT / "results" / "bench",
+        help="directory of the JSON result",
     )
     p.add_argument("--record", default="", help="also write the JSON to this path")
     p.add_argument("--history", default=str(HISTORY), help="JSON-lines history this run appends to")
@@ -160,9 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-contention", action="store_true", help="small_batch: skip the busy-process part"
     )
     p.add_argument(
-        "--small-batches", type=int, nargs="+", default=None, help="small_batch: batch sizes"
+        "--small-batches",
+        type=int_at_least(1),
+        nargs="+",
+        default=None,
+        help="small_batch: batch sizes",
     )
-    p.add_argument("--small-reps", type=int, default=0, help="small_batch: timed rounds")
+    p.add_argument(
+        "--small-reps",
+        type=int_at_least(0),
+        default=0,
+        help="small_batch: timed rounds (0: default)",
+    )
     return p
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import tempfile
@@ -22,8 +24,11 @@ T = TypeVar("T")
 
 __all__ = [
     "add_hparam_arguments",
+    "check_fits",
     "check_out_dir",
     "config_from_args",
+    "existing_file",
+    "file_digest",
     "finite_float",
     "hparam_type",
     "int_at_least",
@@ -31,6 +36,7 @@ __all__ = [
     "out_dir",
     "positive_float",
     "probability",
+    "read_json_object",
 ]
 
 
@@ -112,7 +118,8 @@ def check_out_dir(path: str | Path) -> Path:
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
     """A recipe's frozen run config from the parsed flags: each field of the dataclass ``cls``
-    takes the flag of its name (lists become tuples, so the config is hashable), or ``values``.
+    takes the flag of its name (lists become tuples without repeats, so the config is
+    hashable), or ``values``.
 
     Raises:
         TypeError: a field without a default has no flag and no value (a recipe bug).
@@ -127,7 +134,8 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T
             continue
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag --{f.name.replace('_', '-')}")
-        kw[f.name] = tuple(value) if isinstance(value, list) else value
+        # lists become tuples, repeated values once (``--gates topk topk`` is one cell)
+        kw[f.name] = tuple(dict.fromkeys(value)) if isinstance(value, list) else value
     return cls(**kw)
 
 
@@ -137,6 +145,78 @@ def out_dir(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a results folder, got an empty path")
     return Path(text)
+
+
+def existing_file(text: str) -> Path:
+    """An argparse type: a readable file (an empty path, a missing file or a folder is refused
+    when the flags are parsed, not after the data has loaded)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file, got an empty path")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder, expected a file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it ({e.strerror or e})") from None
+    return path
+
+
+def file_digest(path: str | Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a file's bytes (its content's identity)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def read_json_object(path: str | Path, flag: str) -> tuple[dict[str, Any], str]:
+    """The JSON object in the file ``path`` given by ``flag``, and its content digest.
+
+    Raises:
+        ValueError: one line naming the flag and the file: missing, a folder, unreadable, not
+            JSON, or JSON but not an object.
+    """
+    where = f"{flag} {path}"
+    try:
+        data = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise ValueError(f"{where}: is a folder, expected a JSON file") from None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read it ({e.strerror or e})") from None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj, hashlib.sha256(data).hexdigest()[:16]
+
+
+#: the share of the machine's memory a data set may take
+MEMORY_FRACTION = 0.5
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, or None where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits(need: float, what: str, total: int | None = None) -> None:
+    """Refuse, before allocating, ``need`` bytes that scale with flags: a ValueError naming
+    ``what`` (the flags and values) and the estimate when it exceeds :data:`MEMORY_FRACTION` of
+    ``total`` (default the machine's memory)."""
+    total = physical_memory() if total is None else total
+    if total is None or need <= MEMORY_FRACTION * total:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"{what}: about {need / gib:.1f} GiB of data, more than {MEMORY_FRACTION:.0%} of this "
+        f"machine's {total / gib:.1f} GiB; lower them"
+    )
 
 
 def hparam_type(h: HParam) -> Callable[[str], Any]:

@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
     alphas = args.alphas if args.alphas is not None else (ALPHAS if args.full else QUICK_ALPHAS)
     config = rd.config_of(
-        MovieLensConfig, args, QUICK_GATES, alphas=tuple(float(a) for a in alphas)
+        MovieLensConfig, args, QUICK_GATES, alphas=tuple(dict.fromkeys(float(a) for a in alphas))
     )
     check_memory(config)  # before loading: a --neg-ratio that cannot fit is refused at once
     return rd.run_experiment(experiment(), config, executor_from_args(args, threads=args.threads))

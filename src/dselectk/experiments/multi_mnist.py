@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from dselectk.experiments import realdata as rd
-from dselectk.experiments.args import int_at_least
+from dselectk.experiments.args import check_fits, int_at_least
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
@@ -228,8 +228,25 @@ def run(args: argparse.Namespace) -> int:
         n_val=n_val,
         n_test=n_test,
     )
+    check_memory(config)  # before loading: image counts that cannot fit are refused at once
     executor = executor_from_args(args, threads=args.threads)
     return rd.run_experiment(experiment(name), config, executor)
+
+
+#: bytes per composed image while the splits are built: the uint8 36x36 image, its float32
+#: copy and the flattened float32 rows the models read
+BYTES_PER_IMAGE = 36 * 36 * (1 + 4 + 4)
+
+
+def check_memory(config: MultiMNISTConfig, total: int | None = None) -> None:
+    """Refuse, before loading, ``--n-train/--n-val/--n-test`` whose images would not fit in
+    memory (:func:`~dselectk.experiments.args.check_fits`; ``total``: the machine's)."""
+    n = config.n_train + config.n_val + config.n_test
+    what = (
+        f"arguments --n-train/--n-val/--n-test ({config.n_train:,} + {config.n_val:,} + "
+        f"{config.n_test:,} images)"
+    )
+    check_fits(n * BYTES_PER_IMAGE, what, total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +274,8 @@ def _tables(
     for g in rd.VARIANTS:
         if (None, g) in rows:
             m = rows[(None, g)]["metrics"]
-            md.append(f"- {rd.label(g)}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
+            name = rd.diverged_label(rows[(None, g)])
+            md.append(f"- {name}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
     return md
 
 

@@ -28,11 +28,14 @@ from dselectk._testing import pause_point
 
 __all__ = [
     "PLAN_FILE",
+    "SWEEP_FILE",
     "RunStore",
     "diverged",
     "environment",
     "format_mean_se",
     "mean_se",
+    "partial_line",
+    "read_object",
     "run_id",
     "summarize",
     "tracking",
@@ -91,6 +94,9 @@ def environment() -> dict[str, Any]:
 
 #: which runs the last command of a results folder consists of
 PLAN_FILE = "plan.json"
+#: the state of the last sweep started in a results folder: its cells, the cells and runs
+#: finished so far, and whether it finished (a report made before it did says it is partial)
+SWEEP_FILE = "sweep.json"
 _TRACKED: set[str] | None = None
 
 
@@ -184,17 +190,110 @@ class RunStore:
 
         Summaries use these only, so runs made with different settings are never averaged
         together. A folder without ``plan.json`` (written by older versions) gives all records.
+        While a sweep has not finished (:meth:`sweep_status`: Slurm jobs still running, an
+        interrupted command), its runs so far are given: those of its finished cells and the
+        records written since it started.
         """
         records = self.load()
+        status = self.sweep_status()
+        if status is not None:
+            mine = [r for r in records if r.get("run_id") in status["_ids"]]
+            return mine, len(records) - len(mine)
         plan = self.root / PLAN_FILE
         if not plan.is_file():
             return records, 0
         try:
-            planned = set(json.loads(plan.read_text(encoding="utf-8"))["runs"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            planned = json.loads(plan.read_text(encoding="utf-8"))["runs"]
+            planned = {str(x) for x in planned}
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{plan}: not a valid plan file ({e})") from None
         mine = [r for r in records if r.get("run_id") in planned]
         return mine, len(records) - len(mine)
+
+    # -- the state of a sweep ----------------------------------------------------------------
+    def begin_sweep(self, command: str, cells: Sequence[str], planned_runs: int | None) -> None:
+        """Record that a sweep of ``cells`` starts (``planned_runs``: its final runs, when the
+        recipe can count them up front)."""
+        state = {
+            "command": command,
+            "cells": list(cells),
+            "planned_runs": planned_runs,
+            "started": time.time(),
+            "finished": False,
+            "cells_done": [],
+            "runs_done": [],
+        }
+        _io.write_json(self.root / SWEEP_FILE, state)
+
+    def sweep_cell_done(self, cell: str, runs: Iterable[str]) -> None:
+        """Record that a cell of the running sweep finished, with its runs."""
+        state = self._sweep_state()
+        if state is None:
+            return
+        if cell not in state["cells_done"]:
+            state["cells_done"].append(cell)
+        state["runs_done"] = sorted(set(state["runs_done"]) | set(runs))
+        _io.write_json(self.root / SWEEP_FILE, state)
+
+    def end_sweep(self) -> None:
+        """Record that the running sweep finished (its ``plan.json`` is written)."""
+        state = self._sweep_state()
+        if state is None:
+            return
+        state["finished"] = True
+        state["ended"] = time.time()
+        _io.write_json(self.root / SWEEP_FILE, state)
+
+    def _sweep_state(self) -> dict[str, Any] | None:
+        path = self.root / SWEEP_FILE
+        if not path.is_file():
+            return None
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(state, dict):
+                raise TypeError("not an object")
+            state["cells"] = [str(c) for c in state["cells"]]
+            state["cells_done"] = [str(c) for c in state.get("cells_done", [])]
+            state["runs_done"] = [str(r) for r in state.get("runs_done", [])]
+            state["started"] = float(state["started"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a valid sweep state ({e})") from None
+        return state
+
+    def sweep_status(self) -> dict[str, Any] | None:
+        """None when the last sweep of this folder finished (or none was recorded); else how
+        far it got: ``command``, ``cells``, ``cells_done``, ``planned_runs`` (final runs, None
+        when unknown), ``recorded`` (its final-run records so far) and ``_ids`` (its run ids
+        so far: the finished cells' runs and every record written since it started)."""
+        state = self._sweep_state()
+        if state is None or state.get("finished"):
+            return None
+        ids = set(state["runs_done"])
+        if self.runs.is_dir():
+            for p in self.runs.glob("*.json"):
+                try:
+                    if p.stat().st_mtime >= state["started"]:
+                        ids.add(p.stem)
+                except OSError:
+                    pass
+        recorded = 0
+        for rid in ids:
+            try:
+                rec = json.loads((self.runs / f"{rid}.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            cfg = rec.get("config") if isinstance(rec, dict) else None
+            if isinstance(cfg, dict) and cfg.get("phase", "final") == "final":
+                recorded += 1
+        return {
+            "command": state.get("command"),
+            "cells": len(state["cells"]),
+            "cells_done": len(set(state["cells_done"]) & set(state["cells"])),
+            "cells_missing": [c for c in state["cells"] if c not in state["cells_done"]],
+            "planned_runs": state.get("planned_runs"),
+            "recorded": recorded,
+            "_ids": ids,
+        }
 
     def write_plan(self, run_ids: Iterable[str], command: str) -> Path:
         """Record which runs the current command consists of (see :meth:`load_planned`)."""
@@ -209,9 +308,20 @@ class RunStore:
             return records
         for p in sorted(self.runs.glob("*.json")):
             try:
-                records.append(json.loads(p.read_text(encoding="utf-8")))
-            except json.JSONDecodeError as e:
+                rec = json.loads(p.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{p}: not a valid run record ({e})") from None
+            except IsADirectoryError:
+                raise ValueError(f"{p}: a folder where a run record belongs") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{p}: not a valid run record (a JSON {type(rec).__name__})")
+            for key in ("config", "metrics"):
+                if not isinstance(rec.get(key), dict):
+                    raise ValueError(
+                        f"{p}: not a valid run record ({key!r} missing or not an object); "
+                        "move it away or delete it, then rerun"
+                    )
+            records.append(rec)
         return records
 
 
@@ -366,6 +476,35 @@ def wall_time(
                 pass
     total = sum(float(c["seconds"]) for c in commands if isinstance(c.get("seconds"), (int, float)))
     return {"seconds": total, "commands": commands, "plan": plan, "runs_untimed": untimed}
+
+
+def read_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object. For the
+    files a report only adds from (the previous ``summary.json``, ``selected_hparams.json``):
+    the report is rebuilt from the records, a garbled extra never stops it."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def partial_line(status: Mapping[str, Any]) -> str:
+    """One line saying a report is partial (see :meth:`RunStore.sweep_status`)."""
+    planned = status.get("planned_runs")
+    runs = (
+        f"{status['recorded']} of {planned} planned final runs recorded"
+        if planned
+        else f"{status['recorded']} final runs recorded so far"
+    )
+    missing = status.get("cells_missing") or []
+    more = f", missing {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}"
+    return (
+        f"PARTIAL: the sweep `{status.get('command')}` has not finished (Slurm jobs still "
+        f"running, or the command was interrupted): {runs}, "
+        f"{status['cells_done']} of {status['cells']} cells finished{more if missing else ''}; "
+        "run the same command again to finish it"
+    )
 
 
 def wall_line(summary: Mapping[str, Any], runs: int | None = None) -> str:

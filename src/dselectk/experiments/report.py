@@ -12,15 +12,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from pathlib import Path
 
-from dselectk.experiments.records import RunStore
+from dselectk.experiments.records import RunStore, partial_line
+from dselectk.io import write_json, write_text
 
 __all__ = [
     "EXPERIMENTS",
     "add_arguments",
     "experiment_module",
     "experiment_name",
+    "mark_partial",
     "rebuild",
     "run",
 ]
@@ -77,16 +80,59 @@ def rebuild(results_dir: Path) -> str:
             "from them, so the existing summary.json and report.md are left as they are"
         )
     name = experiment_name(results_dir)
+    if name not in EXPERIMENTS:
+        raise ValueError(
+            f"{results_dir}: records of an unknown experiment {name!r}; expected one of "
+            f"{', '.join(EXPERIMENTS)}"
+        )
     module = importlib.import_module(experiment_module(name))
     write = getattr(module, "write_report", None)
     if write is None:
         raise ValueError(f"{module.__name__} has no write_report(results_dir)")
     write(results_dir)
+    mark_partial(results_dir)
     return name
+
+
+def mark_partial(results_dir: Path) -> str | None:
+    """When the folder's last sweep has not finished (Slurm jobs still running, an interrupted
+    command, cells missing), say so at the top of ``report.md`` and in ``summary.json``
+    (``"partial"``: how many of the planned runs are recorded); returns that line, or None."""
+    results_dir = Path(results_dir)
+    status = RunStore(results_dir).sweep_status()
+    if status is None:
+        return None
+    line = partial_line(status)
+    summary_path, report_path = results_dir / "summary.json", results_dir / "report.md"
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except ValueError:
+            summary = None
+        if isinstance(summary, dict):
+            summary["partial"] = {k: v for k, v in status.items() if not k.startswith("_")}
+            summary["partial"]["line"] = line
+            write_json(summary_path, summary)
+    if report_path.is_file():
+        text = report_path.read_text(encoding="utf-8")
+        head, sep, rest = text.partition("\n")
+        if head.startswith("# "):
+            text = f"{head}\n\n> **{line}.**\n{sep}{rest}"
+        else:
+            text = f"> **{line}.**\n\n{text}"
+        write_text(report_path, text)
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dselectk report DIR``."""
-    name = rebuild(args.dir)  # a ValueError is a user error: the CLI prints it, exit code 2
-    print(f"rebuilt the {name} report: {Path(args.dir) / 'report.md'}")
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        what = "is a file" if directory.exists() else "no such folder"
+        raise ValueError(f"{directory}: {what}, expected a results folder")
+    name = rebuild(directory)  # a ValueError is a user error: the CLI prints it, exit code 2
+    print(f"rebuilt the {name} report: {directory / 'report.md'}")
+    status = RunStore(directory).sweep_status()
+    if status is not None:
+        print(f"dselectk: {partial_line(status)}", file=sys.stderr)
     return 0

@@ -97,6 +97,8 @@ class Recipe:
             print a plan); False stops there with exit code 0 (a dry run).
         diverged: ``summary -> message | None``: one line naming the diverged runs of the
             written summary; a message makes the command exit 1 after its report.
+        planned_runs: ``(config, cell) -> int``: the final runs a cell will record (None:
+            unknown); a report made before the sweep finished says how many are recorded.
     """
 
     cells: Sequence[Hashable]
@@ -110,6 +112,7 @@ class Recipe:
     report_jobs: bool = False
     prepare: Callable[[Path, Executor], bool] | None = None
     diverged: Callable[[Mapping[str, Any]], str | None] | None = None
+    planned_runs: Callable[[Any, Any], int] | None = None
 
 
 def add_run_arguments(
@@ -220,14 +223,23 @@ def run_sweep(
     def save() -> None:
         write_json(path, {n: selected[n] for n in names if n in selected})
 
+    store = RunStore(out)
+
     def on_cell(name: str, selection: dict[str, Any], cell_runs: Iterable[str]) -> None:
+        cell_runs = set(cell_runs)
         selected[name] = selection
         runs.update(cell_runs)
         save()
+        store.sweep_cell_done(name, cell_runs)
 
+    planned = None
+    if recipe.planned_runs is not None:
+        planned = sum(int(recipe.planned_runs(config, c)) for c in recipe.cells)
+    store.begin_sweep(command, names, planned)  # until end_sweep, reports say "partial"
     executor.run(recipe, config, out, on_cell)
     save()
-    RunStore(out).write_plan(runs, command)
+    store.write_plan(runs, command)
+    store.end_sweep()
     return {n: selected[n] for n in names}
 
 

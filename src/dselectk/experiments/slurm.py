@@ -339,13 +339,19 @@ def run_slurm(
     if to_submit:
         executor = make_executor(folder, opts)
         threads = opts.cpus
-        jobs = executor.map_array(
-            cell_job,
-            [recipe] * len(to_submit),
-            [config] * len(to_submit),
-            [cells[n] for n in to_submit],
-            [threads] * len(to_submit),
-        )
+        try:
+            jobs = executor.map_array(
+                cell_job,
+                [recipe] * len(to_submit),
+                [config] * len(to_submit),
+                [cells[n] for n in to_submit],
+                [threads] * len(to_submit),
+            )
+        except Exception as e:  # sbatch refused (no controller, bad partition, bad --slurm-*)
+            if type(e).__name__ != "FailedJobError":
+                raise
+            why = _last_line(str(e))
+            raise OSError(f"--executor slurm: the submission failed: {why}") from None
         now = time.time()
         for name, job in zip(to_submit, jobs):
             entry = {"job_id": str(job.job_id), "cell": name, "key": key, "submitted": now}

@@ -16,6 +16,8 @@ report tables); this package, which never imports the recipes, runs it:
 
 from dselectk.experiments.realdata.recipe import add_common_arguments, config_of, run_experiment
 from dselectk.experiments.realdata.report import (
+    diverged_cells,
+    diverged_label,
     fmt,
     gate_rows,
     paper_numbers,
@@ -43,6 +45,8 @@ __all__ = [
     "TaskData",
     "add_common_arguments",
     "config_of",
+    "diverged_cells",
+    "diverged_label",
     "fmt",
     "gate_rows",
     "label",

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -164,6 +164,8 @@ def run_cell(
 
 
 def _done_message(desc: str, m: dict[str, Any]) -> str:
+    if "diverged_at_step" in m:
+        return f"[{desc}] diverged at step {m['diverged_at_step']} (recorded as diverged)"
     msg = f"[{desc}] test loss {m['test_loss']:.4f}"
     if "test_mean_accuracy" in m:
         msg += f", mean acc {m['test_mean_accuracy']:.4f}"
@@ -234,6 +236,22 @@ def write_report(
     print((out / "report.md").read_text(encoding="utf-8"))
 
 
+def _diverged(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the (setting, gate) cells whose runs diverged, or None."""
+    bad = rd_report.diverged_cells(summary)
+    if not bad:
+        return None
+    return (
+        f"runs diverged (non-finite test or validation loss) in {', '.join(bad)}; the report "
+        "counts them beside their gate and leaves them out of the means; lower --lr or check "
+        "the settings"
+    )
+
+
+def _planned_runs(exp: Experiment, config: RealDataConfig, cell: tuple[Any, str]) -> int:
+    return _repetitions(exp, config)
+
+
 def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
     """The (setting, gate) cells of the config (settings outer, gates inner) for the shared
     runner, with the experiment's data, preparation and report."""
@@ -247,6 +265,8 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
         write_report=functools.partial(write_report, exp, config),
         print_table=_printed,  # the whole report was printed
         prepare=functools.partial(prepare, exp, config),
+        diverged=_diverged,
+        planned_runs=functools.partial(_planned_runs, exp),
     )
 
 

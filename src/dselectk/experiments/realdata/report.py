@@ -16,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.realdata.spec import VARIANTS, Experiment, label
-from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.realdata.spec import FINITE, VARIANTS, Experiment, label
+from dselectk.experiments.records import RunStore, diverged, format_mean_se, summarize
 from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
 from dselectk.monitor import flops_ratio
@@ -25,6 +25,8 @@ from dselectk.monitor import flops_ratio
 __all__ = [
     "cached_reference",
     "current_records",
+    "diverged_cells",
+    "diverged_label",
     "fmt",
     "gate_rows",
     "load_reference",
@@ -106,7 +108,7 @@ def gate_rows(
         if (setting, gate) not in rows:
             continue
         m, p = rows[(setting, gate)]["metrics"], paper.get(gate)
-        cells = [label(gate)]
+        cells = [diverged_label(rows[(setting, gate)])]
         for metric, scale, digits, i, pfmt, se in columns:
             cells.append(fmt(m.get(metric), scale, digits))
             if p is None or p[i] is None:
@@ -114,6 +116,26 @@ def gate_rows(
             else:
                 cells.append(f"{p[i]:{pfmt}}" + (f" ± {p[i + 1]:{pfmt}}" if se else ""))
         out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def diverged_label(row: Mapping[str, Any]) -> str:
+    """A table row's gate label, with ``**d of n runs diverged**`` when some runs of the row
+    diverged (non-finite losses: left out of the row's means)."""
+    text = label(str(row.get("gate")))
+    if row.get("diverged"):
+        text += f" (**{row['diverged']} of {row.get('runs', '?')} runs diverged**)"
+    return text
+
+
+def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
+    """``gate[/key=setting] (d of n)`` of every summary row with diverged runs."""
+    key = (summary.get("group_by") or ["gate"])[0]
+    out = []
+    for r in summary.get("rows", []):
+        if r.get("diverged"):
+            cell = r["gate"] if key == "gate" else f"{r['gate']}/{key}={r.get(key)}"
+            out.append(f"{cell} ({r['diverged']} of {r.get('runs', '?')})")
     return out
 
 
@@ -235,6 +257,8 @@ def table_c2(
             rt = sum(1 for r in with_key if r["metrics"][f"binary_reached_task{t}"])
             pct = fmt(m.get(f"pct_steps_until_binary_task{t}"))
             per_task.append(f"T{t}: {pct} ({rt}/{len(with_key)})")
+        if rows[(setting, dk)].get("diverged"):
+            col += f" (**{rows[(setting, dk)]['diverged']} of {len(recs)} runs diverged**)"
         lines.append(
             f"| {col} | {kind.replace('_', '-')} | {fmt(m.get('pct_steps_until_binary'))} | "
             f"{reached}/{len(recs)} | {'; '.join(per_task)} | {_num(paper.get('pct'))} | "
@@ -291,7 +315,7 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
     )
     tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
-    summary_rows = summarize(records, group)
+    summary_rows = summarize(records, group, finite=FINITE)
     rows = {(row.get(spec.setting_key or ""), row["gate"]): row for row in summary_rows}
     settings = sorted({k[0] for k in rows}, key=lambda v: (v is None, v))
     c2_lines, c2_values = table_c2(spec, rows, records, settings)
@@ -302,7 +326,11 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         "rows": summary_rows,
         "table_c2": c2_values,
         "records": len(records),
+        "diverged": sum(int(r.get("diverged", 0)) for r in summary_rows),
         "tune_records": tune_count,
+        "tune_diverged": sum(
+            1 for r in all_records if r["config"].get("phase") == "tune" and diverged(r, FINITE)
+        ),
         "run_info": info,
         "plots": [str(p.relative_to(results_dir)) for p in plots],
     }
@@ -312,6 +340,7 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         title=spec.title,
         run_info="".join(f"{line}\n" for line in _run_lines(info, records)),
         records=len(records),
+        diverged=_diverged_sentence(summary),
         tune_records=tune_count,
         stale=len(finals) - len(records) + others,
         tables="\n".join(spec.tables(rows, settings, load_reference(results_dir))),
@@ -319,6 +348,22 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )
     write_text(results_dir / "report.md", text.rstrip("\n") + "\n")
+
+
+def _diverged_sentence(summary: Mapping[str, Any]) -> str:
+    """The report's sentence on diverged runs (final and tuning)."""
+    n, tune = int(summary.get("diverged") or 0), int(summary.get("tune_diverged") or 0)
+    text = ""
+    if n:
+        text += (
+            f" **{n} of them diverged** (non-finite losses: {', '.join(diverged_cells(summary))});"
+            " the tables name them beside their gate and leave them out of the means."
+        )
+    else:
+        text += " None diverged."
+    if tune:
+        text += f" **{tune} tuning runs diverged** (their grid points were never selected)."
+    return text
 
 
 def _run_lines(info: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -16,6 +16,7 @@ from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
 __all__ = [
+    "FINITE",
     "MODEL_HPARAMS",
     "VARIANTS",
     "Experiment",
@@ -194,6 +195,11 @@ class RealDataConfig:
     def settings(self) -> tuple[Any, ...]:
         """The values of the experiment's ``setting_key`` (``(None,)`` when it has none)."""
         return (None,)
+
+
+#: metrics a finished run must have finite, else it counts as diverged (the reports count such
+#: runs in every table and leave them out of the means; the command exits 1)
+FINITE = ("test_loss", "val_loss")
 
 
 def data_key(exp: Experiment, config: Any) -> tuple[Any, ...]:

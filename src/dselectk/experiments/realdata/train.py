@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dselectk.experiments.realdata.spec import Experiment, Splits, init_seed, record_config
+from dselectk._train_checks import TrainingDivergedError
+from dselectk.experiments.realdata.spec import (
+    FINITE,
+    Experiment,
+    Splits,
+    init_seed,
+    record_config,
+)
 from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
 from dselectk.layers.init import init_module_
@@ -28,7 +35,26 @@ from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, TrainConfig, evaluate, train
 from dselectk.variants import total_steps
 
-__all__ = ["overrides", "train_one", "tune"]
+__all__ = ["FINITE", "diverged_metrics", "overrides", "train_one", "tune"]
+
+
+def diverged_metrics(
+    error: BaseException, train_seconds: float, num_tasks: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (metrics, extra) of a run whose training diverged: its losses NaN (JSON null), the
+    step and the error in the record, ``"diverged": true`` (see
+    :func:`dselectk.experiments.records.diverged`)."""
+    metrics: dict[str, Any] = {
+        "train_seconds": train_seconds,
+        "steps": int(getattr(error, "step", 0) or 0),
+        "diverged_at_step": int(getattr(error, "step", 0) or 0),
+        "test_loss": math.nan,
+        "val_loss": math.nan,
+    }
+    for t in range(num_tasks):
+        metrics[f"test_loss_task{t + 1}"] = math.nan
+        metrics[f"val_loss_task{t + 1}"] = math.nan
+    return metrics, {"diverged": True, "diverged_error": str(error).splitlines()[0][:300]}
 
 
 def train_one(
@@ -81,7 +107,10 @@ def train_one(
     opt = make_reference_optimizer(
         exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
     )
-    hist = train(model, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
+    try:
+        hist = train(model, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
+    except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
+        return diverged_metrics(e, time.perf_counter() - t0, len(weights))
     train_seconds = time.perf_counter() - t0
     test = evaluate(model, data.test, list(exp.losses))
     val = evaluate(model, data.val, list(exp.losses))
@@ -100,6 +129,9 @@ def train_one(
         accs = [a for a in res["accuracy"] if math.isfinite(a)]
         if accs:
             metrics[f"{split}_mean_accuracy"] = sum(accs) / len(accs)
+    if not all(math.isfinite(float(metrics[k])) for k in FINITE):
+        # the model trained to finite losses, then evaluated to NaN or inf: diverged too
+        return metrics, {"diverged": True}
     gm, extra = gate_metrics(model, data.test.x)
     metrics.update(gm)
     flops = exp.expert_flops(hparams, data.meta) if monitor.needed_per_step else 0.0
@@ -155,14 +187,17 @@ def tune(
                 m = json.loads(path.read_text(encoding="utf-8"))["metrics"]
             else:
                 desc = f"tune {gate} {i + 1}/{len(pts)} trial {trial + 1}"
-                m, _ = train_one(
+                m, more = train_one(
                     exp, gate, hp, setting, s, data, progress=progress, record_trajectory=False,
                     desc=desc,
                 )  # fmt: skip
-                store.save(cfg, m)
+                flag = {k: more[k] for k in ("diverged", "diverged_error") if k in more}
+                store.save(cfg, m, **flag)
             vals.append(m.get(metric, math.nan))
             nnz.append(m.get("expected_nonzeros", 0.0))
-        v = mean_se(vals)["mean"]
+        finite = all(v is not None and math.isfinite(float(v)) for v in vals)
+        # a point with a diverged trial is never selected (its mean would hide the failure)
+        v = mean_se(vals)["mean"] if finite else math.nan
         if float(np.mean(nnz)) > 4.0:  # only Gumbel-softmax has expected nonzeros
             continue
         if _better(exp, float(v), float(best_val)):

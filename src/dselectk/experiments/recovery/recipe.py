@@ -12,7 +12,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import config_from_args, int_at_least, positive_float
+from dselectk.experiments.args import (
+    config_from_args,
+    existing_file,
+    file_digest,
+    int_at_least,
+    positive_float,
+    read_json_object,
+)
 from dselectk.experiments.executors import executor_from_args
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
@@ -43,7 +50,7 @@ _FLAGS: list[tuple[str, Any, Any, str | None, str]] = [
     ("--epochs", POS, None, None, "override the epochs"),
     ("--seed", NONNEG, 0, None, "base seed (init, shuffling)"),
     ("--data-seed", NONNEG, 0, None, "seed of the generated data"),
-    ("--tuned", Path, None, None, "tuning record to use (default: tuned_recovery.json)"),
+    ("--tuned", existing_file, None, None, "tuning record to use (default: tuned_recovery.json)"),
     ("--record-every", NONNEG, 10, None, "trajectory sampling (steps)"),
 ]
 
@@ -111,13 +118,36 @@ class RecoveryConfig:
 
 def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str, Any]:
     """The variant's hyperparameters: the :data:`BASE_HPARAMS` its gate declares, then its entry
-    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked."""
+    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked.
+
+    Raises:
+        ValueError: ``path`` is not a readable JSON object with an ``hparams`` object, or has
+            no entry for the variant (``hparams.<its tuned name>``): a user's file never falls
+            back silently to the built-in values.
+    """
     src = resources.files("dselectk.experiments").joinpath("tuned_recovery.json")
-    text = Path(path).read_text(encoding="utf-8") if path else src.read_text(encoding="utf-8")
-    entry = json.loads(text).get("hparams", {}).get(variant.tuned_name, {})
+    if path:
+        rec, _ = read_json_object(path, "--tuned")
+        where = f"--tuned {path}"
+    else:
+        rec, where = json.loads(src.read_text(encoding="utf-8")), src.name
+    table = rec.get("hparams")
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ValueError(f'{where}: expected {{"hparams": {{variant: {{name: value}}}}}}')
+    if path and variant.tuned_name not in table:
+        raise ValueError(
+            f"{where}: no hyperparameters for {variant.name} (hparams.{variant.tuned_name}); "
+            f"it has {sorted(table) or 'none'}"
+        )
+    entry = table.get(variant.tuned_name, {})
     base = {k: v for k, v in BASE_HPARAMS.items() if k in (*TRAINER_HPARAMS, *variant.spec.hparams)}
-    where = f"{Path(path).name if path else src.name}: hparams.{variant.tuned_name}"
-    return variant.check_hparams({**base, **entry}, where)
+    return variant.check_hparams({**base, **entry}, f"{where}: hparams.{variant.tuned_name}")
+
+
+def tuned_source(path: str | Path | None) -> str:
+    """What the report credits for the hyperparameters: the shipped file, or the user's file
+    by name and content digest."""
+    return f"--tuned {path} (sha256 {file_digest(path)})" if path else "tuned_recovery.json"
 
 
 def _init_seed(seed: int, rep: int) -> int:
@@ -155,7 +185,8 @@ def run_cell(
     hp = tuned_hparams(variant, config.tuned)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
-    selection = {"hparams": hp, "lrs": [float(v) for v in lrs], "source": "tuned_recovery.json"}
+    lr_list = [float(v) for v in lrs]
+    selection = {"hparams": hp, "lrs": lr_list, "source": tuned_source(config.tuned)}
     jobs = [(lr, r, _init_seed(config.seed, r)) for lr in lrs for r in range(reps)]
     cfgs = [_record_config(config, variant, {**hp, "lr": float(lr)}, r, s) for lr, r, s in jobs]
     todo = missing(store, cfgs)
@@ -194,6 +225,11 @@ def _data_key(config: RecoveryConfig) -> tuple[int, int]:
     return config.data_seed, config.true_experts
 
 
+def _planned_runs(config: RecoveryConfig, gate: str) -> int:
+    reps = config.reps if config.reps is not None else (100 if config.full else 20)
+    return reps * len(config.lrs or (LRS if config.full else LRS[:3]))
+
+
 def recipe(config: RecoveryConfig) -> Recipe:
     """One cell per variant, for the shared runner."""
     return Recipe(
@@ -205,12 +241,15 @@ def recipe(config: RecoveryConfig) -> Recipe:
         write_report=write_report,
         print_table=print_table,
         diverged=_diverged,
+        planned_runs=_planned_runs,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every variant × learning rate × repetition, then write the report."""
     config = config_from_args(RecoveryConfig, args)
+    for gate in config.gates:  # a bad or incomplete --tuned is refused before any training
+        tuned_hparams(VARIANTS[gate], config.tuned)
     return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from dselectk.experiments.records import (
     RunStore,
     diverged,
     format_mean_se,
+    read_object,
     summarize,
     wall_line,
     wall_time,
@@ -81,6 +81,17 @@ def print_table(summary: Mapping[str, Any]) -> None:
         print(_skipped_text(summary))
 
 
+def _hparams_source(results_dir: Path) -> str:
+    """Where the variants' hyperparameters came from (``selected_hparams.json``'s sources: the
+    shipped file, or a ``--tuned`` file named with its content digest)."""
+    sel = read_object(results_dir / "selected_hparams.json")
+    sources = {
+        str(v.get("source")) for v in sel.values() if isinstance(v, dict) and v.get("source")
+    }
+    named = sorted(f"`{s}`" if s == "tuned_recovery.json" else s for s in sources)
+    return "; ".join(named) or "the shipped `tuned_recovery.json`"
+
+
 def write_report(
     results_dir: Path, *, wall_seconds: float | None = None, command: str | None = None
 ) -> None:
@@ -92,11 +103,7 @@ def write_report(
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()
     records = [r for r in planned if r["config"].get("phase") == "final"]
-    prev_path = results_dir / "summary.json"
-    try:
-        prev = json.loads(prev_path.read_text()) if prev_path.is_file() else {}
-    except json.JSONDecodeError:
-        prev = {}
+    prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
     shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
     rows, trajs = summarize(records, ["gate", "lr"], finite=FINITE), {}
     for row in rows:
@@ -128,6 +135,7 @@ def write_report(
     summary = {
         "experiment": EXPERIMENT,
         "shape": shape,
+        "hparams_source": _hparams_source(results_dir),
         "group_by": ["gate", "lr"],
         "rows": rows,
         "selected": selected,
@@ -211,6 +219,7 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
         true=shape["true"],
         random=shape["experts"] - shape["true"],
         k=shape["k"],
+        tuned_source=summary.get("hparams_source") or "the shipped `tuned_recovery.json`",
         selected_rows="\n".join(_selected_row(summary, r) for r in summary["selected"]),
         all_rows="\n".join(all_rows),
         claims="\n".join(claims),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -11,7 +10,14 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from dselectk.experiments.records import RunStore, format_mean_se, mean_se, run_id, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    format_mean_se,
+    mean_se,
+    read_object,
+    run_id,
+    summarize,
+)
 from dselectk.experiments.selection.study import ARMS, BASELINES, EXPERIMENT, PROTOCOL
 from dselectk.experiments.templates import others_note
 from dselectk.io import write_json, write_text
@@ -202,8 +208,7 @@ def write_report(
     """Rebuild ``summary.json`` and ``report.md`` from the records."""
     results_dir = Path(results_dir)
     records, others = RunStore(results_dir).load_planned()
-    prev_path = results_dir / "summary.json"
-    prev = json.loads(prev_path.read_text()) if prev_path.is_file() else {}
+    prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
     summary = {
         "experiment": EXPERIMENT,
         "protocol": PROTOCOL,

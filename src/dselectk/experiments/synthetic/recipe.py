@@ -21,7 +21,9 @@ from typing import Any
 
 from dselectk.data.synthetic import SyntheticData, generate_data
 from dselectk.experiments.args import (
+    check_fits,
     config_from_args,
+    existing_file,
     int_at_least,
     nonnegative_float,
     positive_float,
@@ -41,6 +43,7 @@ from dselectk.experiments.synthetic.spec import (
     K,
     init_seed,
     load_tuned,
+    missing_tuned_cells,
     record_config,
     resolve_hparams,
     with_ramps,
@@ -52,6 +55,9 @@ __all__ = ["SyntheticConfig", "add_arguments", "recipe", "run", "run_cell"]
 
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
+#: bytes per generated row while the data is built: 10 features and 128 task targets in float64
+#: and float32, the experts' outputs of one group (estimate, rounded up)
+DATA_BYTES_PER_ROW = 4096
 
 
 def task_count(text: str) -> int:
@@ -111,7 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--n-train", type=POS, default=100_000, help="training rows (paper 100k)")
     p.add_argument("--n-eval", type=POS, default=20_000, help="validation = test rows (20k)")
-    p.add_argument("--tuned", type=Path, default=None, help="tuning record to use")
+    p.add_argument(
+        "--tuned",
+        type=existing_file,
+        default=None,
+        help="tuning record to use (every --gates x --tasks cell needs an entry: its T or "
+        '"default")',
+    )
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument("--max-points", type=POS, default=None, help="--full: grid points sampled")
 
@@ -254,6 +266,10 @@ def _cell_cost(cell: tuple[str, int]) -> float:
     return float(cell[1])  # the largest T first: long cells should not end up last
 
 
+def _planned_runs(args: SyntheticConfig, cell: tuple[str, int]) -> int:
+    return args.reps if args.reps is not None else (100 if args.full else 5)
+
+
 def recipe(config: SyntheticConfig) -> Recipe:
     """The (gate, T) cells of the command line, for the shared runner."""
     return Recipe(
@@ -266,6 +282,7 @@ def recipe(config: SyntheticConfig) -> Recipe:
         write_report=write_report,
         print_table=print_table,
         diverged=_diverged,
+        planned_runs=_planned_runs,
     )
 
 
@@ -277,6 +294,24 @@ def run(args: argparse.Namespace) -> int:
         if config.k > e:
             what = f"--experts {config.experts}" if config.experts else f"T/4 = {e} at --tasks {t}"
             raise ValueError(f"--k {config.k}: more than the model's experts ({what})")
+    # the generated data (float64 while built, all 128 tasks) before any allocation
+    rows = config.n_train + 2 * config.n_eval
+    what = f"arguments --n-train/--n-eval ({config.n_train:,} + 2 x {config.n_eval:,} rows)"
+    check_fits(rows * DATA_BYTES_PER_ROW, what)
+    if config.tuned is not None and config.full:
+        raise ValueError(
+            f"--tuned {config.tuned}: --full selects the hyperparameters by its own grid "
+            "search; drop one of the two"
+        )
+    if config.tuned is not None:
+        # refused up front: a cell without an entry would silently train with the built-in
+        # settings while the report credits the file
+        absent = missing_tuned_cells(load_tuned(config.tuned), config.gates, config.tasks)
+        if absent:
+            raise ValueError(
+                f"--tuned {config.tuned}: no hyperparameters for {', '.join(absent)} (give each "
+                'gate an entry for these T or a "default" one, or drop --tuned)'
+            )
     threads = int(getattr(args, "threads", 0) or 0)
     return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
 

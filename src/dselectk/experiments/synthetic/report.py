@@ -14,6 +14,7 @@ from dselectk.experiments.metrics import expected_random_jaccard
 from dselectk.experiments.records import (
     RunStore,
     format_mean_se,
+    read_object,
     summarize,
     wall_line,
     wall_time,
@@ -186,12 +187,7 @@ def write_report(
     rows = _summary_rows(records)
     final = [r for r in records if r["config"].get("phase") == "final"]
     tune_count = sum(1 for r in records if r["config"].get("phase") == "tune")
-    prev = {}
-    if (results_dir / "summary.json").is_file():
-        try:
-            prev = json.loads((results_dir / "summary.json").read_text())
-        except json.JSONDecodeError:
-            prev = {}
+    prev = read_object(results_dir / "summary.json")
     wall = wall_time(results_dir, prev, wall_seconds, command, final)
     cmd = command or prev.get("command")
     tasks = sorted({r["num_tasks"] for r in rows})
@@ -281,8 +277,8 @@ def write_report(
                         row_groups=[i // TASKS_PER_GROUP for i in range(t)],
                     )
                 )
-    sel_path = results_dir / "selected_hparams.json"
-    sel = json.loads(sel_path.read_text(encoding="utf-8")) if sel_path.is_file() else {}
+    sel = read_object(results_dir / "selected_hparams.json")  # {} when missing or garbled
+    sel = {k: v for k, v in sel.items() if isinstance(v, dict)}
     sources = sorted({str(v.get("source")) for v in sel.values()} - {"None"})
     source = "; ".join(sources) or str(load_tuned().get("source", "tuned_synthetic.json"))
     if tune_count:

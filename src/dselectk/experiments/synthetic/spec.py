@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dselectk.experiments.args import read_json_object
 from dselectk.variants import Ramp, SearchPlan, Variant, variant_table
 
 EXPERIMENT = "synthetic"
@@ -119,31 +120,58 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
     final phase can be rerun with the selections of an earlier grid search. Every entry is
     checked against its variant's declared hyperparameters (ValueError naming the file)."""
     where = "tuned_synthetic.json" if path is None else f"--tuned {path}"
+    digest = None
     if path is None:
         text = resources.files("dselectk.experiments").joinpath("tuned_synthetic.json").read_text()
         rec = dict(json.loads(text))
     else:
-        try:
-            rec = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: cannot read a JSON tuning record ({e})") from e
-        if not isinstance(rec, dict):
-            raise ValueError(f"{where}: expected a JSON object")
+        rec, digest = read_json_object(path, "--tuned")
     if "hparams" not in rec:
         per_gate: dict[str, dict[str, Any]] = {}
         for key, sel in rec.items():
             gate, _, t = str(key).partition("/")
-            if not t.isdigit() or not isinstance(sel, dict) or "hparams" not in sel:
+            if (
+                not t.isdigit()
+                or not isinstance(sel, dict)
+                or not isinstance(sel.get("hparams"), dict)
+            ):
                 raise ValueError(
                     f"{where}: expected a tuning record (with 'hparams') or a "
                     f"selected_hparams.json ('gate/T' keys), found key {key!r}"
                 )
             per_gate.setdefault(gate, {})[t] = dict(sel["hparams"])
         rec = {"source": f"selections of {path}", "hparams": per_gate}
+    table = rec["hparams"]
+    if not isinstance(table, dict) or not all(
+        isinstance(per_t, dict) and all(isinstance(hp, dict) for hp in per_t.values())
+        for per_t in table.values()
+    ):
+        raise ValueError(
+            f"{where}: 'hparams' must map gate -> T (or \"default\") -> {{hyperparameter: value}}"
+        )
+    if digest is not None:  # the report credits the file by its content, not only its name
+        rec = {**rec, "source": f"{rec.get('source', 'tuning record')} (--tuned {path}, "
+               f"sha256 {digest})", "sha256": digest}  # fmt: skip
     for gate, per_t in rec["hparams"].items():
         for t, hp in per_t.items():
             variant_of(gate).check_hparams(hp, f"{where}: {gate}/{t}")
     return rec
+
+
+def missing_tuned_cells(
+    tuned: Mapping[str, Any], gates: Sequence[str], tasks: Sequence[int]
+) -> list[str]:
+    """The ``gate/T`` cells of a command for which the tuning record ``tuned`` has no entry
+    (neither ``T`` nor ``"default"``, under the gate's name or the name it is tuned as)."""
+    table = tuned.get("hparams", {})
+    out = []
+    for gate in gates:
+        v = variant_of(gate)
+        per_gate = table.get(v.name) or table.get(v.tuned_name) or {}
+        out += [
+            f"{gate}/{t}" for t in tasks if str(t) not in per_gate and "default" not in per_gate
+        ]
+    return out
 
 
 def resolve_hparams(
