@@ -163,7 +163,6 @@ def test_hyperparameter_flags_come_from_the_declarations(
         "gamma",
         "init",
         "init_std",
-        "straight_through",
         "temperature",
         "xi",
     ]

@@ -36,7 +36,6 @@ __all__ = [
     "selector_entropy",
     "selector_naive",
     "smooth_step",
-    "smooth_step_straight_through",
     "topk_softmax",
     "unused_code_penalty",
 ]
@@ -89,16 +88,6 @@ def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
     # exact in floating point (0.5 * 1.0 ± 0.5) and gives a zero gradient outside.
     s = (t / gamma).clamp(-0.5, 0.5)
     return s * (1.5 - 2.0 * s * s) + 0.5
-
-
-def smooth_step_straight_through(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
-    """S(t) (:func:`smooth_step`, the same values) whose gradient outside [-γ/2, γ/2], where
-    S is flat, is S's slope at 0, 1.5/γ, instead of 0 (a straight-through estimator, Bengio et
-    al. 2013; ours, not the paper's). Inside the interval the gradient is S's own."""
-    s = smooth_step(t, gamma)
-    flat = (t.detach().abs() >= 0.5 * gamma).to(t.dtype)
-    slope = 1.5 * t / gamma
-    return s + flat * (slope - slope.detach())
 
 
 def code_table(num_experts: int, *, device: torch.device | None = None) -> Tensor:

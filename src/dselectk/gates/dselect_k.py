@@ -83,10 +83,6 @@ class DSelectK(Gate):
             expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
-        straight_through: (ours) in training, the bits' gradient where the smooth-step is flat
-            (|z| >= γ/2) is its slope at 0 instead of 0
-            (:func:`~dselectk.functional.smooth_step_straight_through`), so a binary selection
-            keeps learning, as Top-k's ranking does; values unchanged. Default False.
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -111,7 +107,6 @@ class DSelectK(Gate):
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
         distinct: bool = False,
-        straight_through: bool = False,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -137,9 +132,6 @@ class DSelectK(Gate):
         if not isinstance(distinct, bool):
             raise TypeError(f"distinct must be a bool, got {distinct!r}")
         self.distinct = distinct
-        if not isinstance(straight_through, bool):
-            raise TypeError(f"straight_through must be a bool, got {straight_through!r}")
-        self.straight_through = straight_through
         self._build_logits()
         self._init_parameters()
 
@@ -254,8 +246,6 @@ class DSelectK(Gate):
     def gate(self, logits: Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
         z = self._codes_z(z)
-        if self.straight_through and torch.is_grad_enabled():
-            return self._gate_straight_through(alpha, z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
@@ -267,23 +257,6 @@ class DSelectK(Gate):
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         aux = self._reduce_aux(per_gate)
         if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
-            aux = aux + self._reduce_aux(self.diversity_penalty(z))
-        return GateOutput(weights, aux)
-
-    def _gate_straight_through(self, alpha: Tensor, z: Tensor) -> GateOutput:
-        """:meth:`gate`'s values (composed formulas) with the straight-through bits of
-        :func:`~dselectk.functional.smooth_step_straight_through` in the mixture; the entropy
-        and penalties keep the exact bits (their gradient still vanishes once binary)."""
-        gamma = self._per_gate(self._gamma, 2)
-        p = DF.smooth_step(z, gamma)
-        p_st = DF.smooth_step_straight_through(z, gamma)
-        mix = torch.softmax(alpha, dim=-1).unsqueeze(-1) * DF.selector(p_st)  # (*lead, K, N)
-        weights = mix.sum(-2)[..., : self.num_experts]
-        per_gate = self._entropy_reg * DF.selector_entropy(p).sum(dim=-1)
-        if self.num_experts < 2**self.num_bits and self.xi > 0:
-            per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
-        aux = self._reduce_aux(per_gate)
-        if type(self).diversity.is_nonzero(self):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(weights, aux)
 
@@ -401,8 +374,7 @@ class DSelectK(Gate):
             extra = f", diversity={format_hyperparameter(self.diversity)}"
         if self.distinct:
             extra += ", distinct=True"
-        if self.straight_through:
-            extra += ", straight_through=True"
+
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"

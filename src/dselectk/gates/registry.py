@@ -240,12 +240,6 @@ register_gate(
             False,
             doc="selectors moved to distinct expert codes by their least confident bits (ours)",
         ),
-        HParam(
-            "straight_through",
-            bool,
-            False,
-            doc="straight-through gradient where the smooth-step is flat (ours)",
-        ),
     ],
     summary="DSelect-k (§3): k binary-encoded selectors, cubic smooth-step",
 )

@@ -49,6 +49,7 @@ class MoEBlock(nn.Module):
         d_ff: int,
         k: int,
         balance_loss_weight: float,
+        renormalize: bool = False,
     ) -> None:
         super().__init__()
         self.heads = heads
@@ -56,7 +57,13 @@ class MoEBlock(nn.Module):
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         gate = router()
         self.moe = SparseMoEFeedForward(
-            d_model, d_ff, gate.num_experts, gate, k=k, balance_loss_weight=balance_loss_weight
+            d_model,
+            d_ff,
+            gate.num_experts,
+            gate,
+            k=k,
+            balance_loss_weight=balance_loss_weight,
+            renormalize=renormalize,
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,6 +91,8 @@ class CharMoETransformer(nn.Module):
         d_ff: hidden width of each expert.
         k: experts per token.
         balance_loss_weight: weight of each layer's Switch balance loss.
+        renormalize: rescale a token's kept weights to sum to 1 when the top-k cut drops some
+            (:class:`~dselectk.layers.SparseMoEFeedForward`).
     """
 
     def __init__(
@@ -97,6 +106,7 @@ class CharMoETransformer(nn.Module):
         d_ff: int = 128,
         k: int = 2,
         balance_loss_weight: float = 0.01,
+        renormalize: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("heads", heads), ("layers", layers)):
@@ -107,7 +117,8 @@ class CharMoETransformer(nn.Module):
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
         self.blocks = nn.ModuleList(
-            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight) for _ in range(layers)
+            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight, renormalize)
+            for _ in range(layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB)

@@ -38,10 +38,10 @@ ROUTERS = variant_table(
         options={"distinct": True},
     ),
     Variant(
-        "dselect_k_distinct_st",
+        "dselect_k_diversity",
         "dselect_k",
-        "DSelect-k, distinct codes, straight-through (ours)",
-        options={"distinct": True, "straight_through": True},
+        "DSelect-k, diversity μ = 0.1 (ours)",
+        options={"diversity": 0.1},
     ),
 )
 #: optimizer steps the step timer leaves out (warm-up)
@@ -99,7 +99,16 @@ def load_corpus(
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
     gate's hyperparameters found in ``hp``)."""
-    shape = ("seq_len", "d_model", "heads", "layers", "d_ff", "k", "balance_loss_weight")
+    shape = (
+        "seq_len",
+        "d_model",
+        "heads",
+        "layers",
+        "d_ff",
+        "k",
+        "balance_loss_weight",
+        "renormalize",
+    )
     router = partial(
         variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hp["d_model"]
     )

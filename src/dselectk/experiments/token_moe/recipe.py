@@ -35,7 +35,7 @@ from dselectk.experiments.token_moe.model import (
     train_run,
 )
 from dselectk.experiments.token_moe.report import print_table, write_report
-from dselectk.gates.registry import gate_spec
+from dselectk.gates.registry import HParam, gate_spec
 
 __all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "recipe", "run", "run_cell"]
 
@@ -79,6 +79,11 @@ class TokenMoEConfig:
     gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), " (DSelect-k's γ)")
     entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)")
     val_windows: int = _flag(2048, int_at_least(1))
+    renormalize: bool = _flag(
+        False,
+        hparam_type(HParam("renormalize", bool, False)),
+        " (true: a token's kept weights rescaled to sum to 1 when the top-k cut drops some)",
+    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
