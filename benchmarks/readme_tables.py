@@ -66,6 +66,26 @@ def _generic(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _steps(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, (int, float)) else "–"
+
+
+def _train_step(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| model, threads | case | ours steps/s | baseline steps/s | ours / baseline | load |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        case = r["case"].split(": ", 1)[-1]
+        load = f"{r.get('load_avg_1m', '?')} → {r.get('load_avg_1m_after', '?')}"
+        out.append(
+            f"| {r.get('model')}, {r.get('threads')} | {case} "
+            f"| {_steps(r.get('ours_steps_per_s'))} | {_steps(r.get('base_steps_per_s'))} "
+            f"| {_ratio(r.get('ratio'))} | {load} |"
+        )
+    return out
+
+
 def tables(entry: dict[str, Any]) -> str:
     """The Markdown of one history entry: a facts line, then one table per item."""
     m = entry.get("machine", {})
@@ -84,7 +104,12 @@ def tables(entry: dict[str, Any]) -> str:
         if table.get("note"):
             parts.append(f"({table['note']})")
         parts.append("")
-        fmt = {"small_batch": _small_batch, "contention": _contention}.get(item, _generic)
+        formats = {
+            "small_batch": _small_batch,
+            "contention": _contention,
+            "train_step": _train_step,
+        }
+        fmt = formats.get(item, _generic)
         parts.extend(fmt(rows))
         parts.append("")
     return "\n".join(parts)

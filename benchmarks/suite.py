@@ -18,6 +18,9 @@ Items (``--only`` takes these names; each is a module of this package with a
 - ``scaling``: gate cost against n and B.
 - ``moe``: the token MoE block (``SparseMoEFeedForward``, Top-k router) forward + backward vs a
   straightforward grouped loop and Hugging Face's ``MixtralSparseMoeBlock``.
+- ``train_step``: full training steps (fwd + bwd + Adam) of the paper's MovieLens MMoE and of the
+  C.1 model vs a plain PyTorch MMoE with dense softmax gates, steps/s and their ratio (with
+  ``--compile``, ``torch.compile`` of both models too).
 - ``synthetic`` (only with ``--synthetic``): wall time of ``benchmarks/bench_synthetic.py``.
 
 Every table row holds our median, the baseline's median (measured interleaved in the same
@@ -56,6 +59,7 @@ REGISTRY: dict[str, str] = {
     "memory": "benchmarks.memory",
     "scaling": "benchmarks.scaling",
     "moe": "benchmarks.moe",
+    "train_step": "benchmarks.train_step",
     "synthetic": "benchmarks.synthetic",
 }
 """Item name -> module with ``run(rep: Report, dev: torch.device, args) -> None``, in run order."""
@@ -163,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int_at_least(0), default=0, help="torch intra-op threads (0: default)"
     )
-    p.add_argument("--compile", action="store_true", help="also time torch.compile(step)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="mmoe, train_step: also time torch.compile (minutes on 2 cores)",
+    )
     p.add_argument("--synthetic", action="store_true", help="also run bench_synthetic.py")
     p.add_argument(
         "--out",
@@ -189,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_at_least(0),
         default=0,
         help="small_batch: timed rounds (0: default)",
+    )
+    p.add_argument(
+        "--step-reps",
+        type=int_at_least(0),
+        default=0,
+        help="train_step: timed rounds (0: default, quick 10, else 40)",
     )
     return p
 

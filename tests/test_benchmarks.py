@@ -29,7 +29,7 @@ def test_registry_modules_import_and_define_run() -> None:
     assert tuple(suite.REGISTRY) == suite.ITEMS
     assert set(suite.ITEMS) == {
         "small_batch", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "moe",
-        "synthetic",
+        "train_step", "synthetic",
     }  # fmt: skip
     for item, module in suite.REGISTRY.items():
         mod = importlib.import_module(module)
@@ -134,6 +134,55 @@ def test_history_entry_of_other_items() -> None:
     entry = suite.history_entry(result)
     assert entry["items"]["gate"]["ratios"] == {"c": 2.0}
     assert "| c | 1 ms | 2 ms | 2.00× | B=1 |" in readme_tables.tables(entry)
+
+
+def test_train_step_item_rows_history_and_readme_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``train_step`` in its quickest form (1 thread, 2 rounds): one row per (model, case) with
+    both steps/s, their ratio, threads and load, in the history and in the README table."""
+    suite = importlib.import_module("benchmarks.suite")
+    readme_tables = importlib.import_module("benchmarks.readme_tables")
+    history = tmp_path / "history.jsonl"
+    argv = ["--quick", "--only", "train_step", "--threads", "1", "--step-reps", "2"]
+    threads = torch.get_num_threads()
+    try:
+        suite.main([*argv, "--out", str(tmp_path), "--history", str(history)])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "== train_step:" in out and "steps/s" in out
+    table = json.loads(history.read_text().splitlines()[-1])["items"]["train_step"]
+    rows = table["rows"]
+    assert {r["model"] for r in rows} == {"movielens", "c1"}
+    assert {r["threads"] for r in rows} == {1}
+    for r in rows:
+        assert {"ours_steps_per_s", "base_steps_per_s", "ratio", "load_avg_1m"} <= set(r)
+        assert r["ratio"] == pytest.approx(r["ours_steps_per_s"] / r["base_steps_per_s"])
+        assert r["ours_steps_per_s"] > 0 and r["base_steps_per_s"] > 0
+    assert set(table["ratios"]) == {r["case"] for r in rows} and len(rows) == 4
+    md = readme_tables.tables(readme_tables.load_entry(history))
+    assert "| model, threads | case | ours steps/s | baseline steps/s |" in md
+    assert "| movielens, 1 |" in md and "| c1, 1 |" in md
+
+
+def test_train_step_baselines_match_the_library_shapes() -> None:
+    """The plain baselines take the same inputs and give the same output shapes as ours."""
+    ts = importlib.import_module("benchmarks.train_step")
+    dev = torch.device("cpu")
+    x, ys = ts.movielens_batch(4, dev)
+    assert x.dtype == torch.int64 and x.shape == (4, 5 + ts.ML_META["side"][3])
+    ours_out = ts._outputs(ts.movielens_model("dselect_k_static", dev)(x))
+    base_out = ts.PlainMovieLensMMoE(**ts.ML_META)(x)
+    assert [o.shape for o in ours_out[0]] == [o.shape for o in base_out[0]] == [(4, 1)] * 2
+    assert torch.isfinite(ts.movielens_loss(*base_out, ys))
+    ours = ts.c1_model(dev)
+    xc, yc = ts.c1_batch(dev)
+    pred, _ = ours(xc)
+    base_pred, _ = ts.PlainC1MoE(ts.C1_TASKS, ours.num_experts)(xc)
+    assert pred.shape == (1, *base_pred.shape) and base_pred.shape == yc.T.shape
+    n_ours = sum(p.numel() for p in ours.experts.parameters())
+    assert n_ours == sum(p.numel() for p in ts.PlainC1MoE(8, ours.num_experts).experts.parameters())
 
 
 @pytest.mark.slow
