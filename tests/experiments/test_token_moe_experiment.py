@@ -33,7 +33,7 @@ def test_tiny_run_records_and_report(tmp_path: Path) -> None:
     argv = ["reproduce", "token-moe", "--out", str(out), "--seeds", "1", "--steps", "15",
             "--batch-size", "8", "--d-model", "16", "--d-ff", "16", "--num-experts", "4",
             "--corpus-bytes", "40000", "--seq-len", "16", "--val-windows", "16",
-            "--jobs", "1", "--no-progress"]  # fmt: skip
+            "--jobs", "1", "--no-progress", "--gates", "dselect_k", "topk"]  # fmt: skip
     assert main(argv) == 0
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     assert {r["config"]["router"] for r in records} == {"dselect_k", "topk"}
@@ -59,7 +59,8 @@ def test_telemetry_flag_logs_routing_per_run(tmp_path: Path) -> None:
     argv = ["reproduce", "token-moe", "--out", str(out), "--seeds", "1", "--steps", "20",
             "--batch-size", "8", "--d-model", "16", "--d-ff", "16", "--num-experts", "4",
             "--corpus-bytes", "40000", "--seq-len", "16", "--val-windows", "16",
-            "--jobs", "1", "--no-progress", "--telemetry"]  # fmt: skip
+            "--jobs", "1", "--no-progress", "--telemetry",
+            "--gates", "dselect_k", "topk"]  # fmt: skip
     assert main(argv) == 0
     runs = sorted(p.name for p in (out / "telemetry").iterdir())
     assert runs == ["dselect_k-seed0", "topk-seed0"]
@@ -74,7 +75,7 @@ def test_telemetry_flag_logs_routing_per_run(tmp_path: Path) -> None:
 
 
 def test_routers_are_variants() -> None:
-    assert list(TM.ROUTERS) == ["dselect_k", "topk"]
+    assert list(TM.ROUTERS) == ["dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity"]
     hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0)
     dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].router
     assert (
@@ -84,6 +85,11 @@ def test_routers_are_variants() -> None:
     )
     top = TM.build_model(TM.ROUTERS["topk"], hp).moe_layers[1].router
     assert not top.binarizes and top.k == 2 and top.num_experts == 4
+    assert not dk.distinct and float(dk.diversity) == 0.0  # the paper's gate
+    distinct = TM.build_model(TM.ROUTERS["dselect_k_distinct"], hp).moe_layers[0].router
+    assert distinct.distinct and float(distinct.gamma) == 2.0
+    diverse = TM.build_model(TM.ROUTERS["dselect_k_diversity"], hp).moe_layers[0].router
+    assert math.isclose(float(diverse.diversity), 0.1, rel_tol=1e-6) and not diverse.distinct
 
 
 _TINY = ["reproduce", "token-moe", "--seeds", "1", "--steps", "15", "--batch-size", "8",

@@ -39,11 +39,11 @@ _COLUMNS = (
 
 def print_table(summary: Mapping[str, Any]) -> None:
     """One-screen table: per router, validation bits per byte and routing figures."""
-    print(f"{'router':<24}" + "".join(f"{h:>18}" for _, _, h in _COLUMNS) + f"{'n':>4}")
+    print(f"{'router':<40}" + "".join(f"{h:>18}" for _, _, h in _COLUMNS) + f"{'n':>4}")
     for row in summary["rows"]:
         m = row["metrics"]
         cells = "".join(f"{_fmt(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
-        print(f"{row['label']:<24}{cells}{m['val_bpc']['n']:>4}")
+        print(f"{row['label']:<40}{cells}{m['val_bpc']['n']:>4}")
 
 
 def write_report(
@@ -99,24 +99,32 @@ def write_report(
 
 
 def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
+    """Every router against Top-k: means, and the paired difference by seed when 2+ seeds."""
     by = {r["router"]: r["metrics"]["val_bpc"] for r in rows}
-    if "dselect_k" not in by or "topk" not in by:
-        return "Only one router was run: no comparison."
-    d, t = by["dselect_k"]["mean"], by["topk"]["mean"]
+    if "topk" not in by or len(by) < 2:
+        return "No Top-k baseline beside another router: no comparison."
     vals: dict[tuple[str, int], float] = {(g, s): v for s, g, v in per_seed}
-    seeds = sorted({s for _, s in vals if ("dselect_k", s) in vals and ("topk", s) in vals})
-    diffs = [vals[("dselect_k", s)] - vals[("topk", s)] for s in seeds]
-    winner = "DSelect-k" if d < t else "Top-k"
-    text = f"Lower validation bits per byte: **{winner}** (DSelect-k {d:.4f}, Top-k {t:.4f})."
-    if len(diffs) >= 2:
-        mean = sum(diffs) / len(diffs)
-        se = (sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
-        wins = sum(x < 0 for x in diffs)
-        text += (
-            f" Paired by seed, DSelect-k − Top-k = {mean:+.4f} ± {se:.4f} (standard error, "
-            f"{len(diffs)} seeds; DSelect-k lower on {wins} of {len(diffs)})."
-        )
-    return text
+    lines = []
+    for router in (r for r in by if r != "topk"):
+        d, t = by[router]["mean"], by["topk"]["mean"]
+        seeds = sorted({s for g, s in vals if g == router and ("topk", s) in vals})
+        diffs = [vals[(router, s)] - vals[("topk", s)] for s in seeds]
+        text = f"- {_label(router)}: {d:.4f} against Top-k's {t:.4f}"
+        if len(diffs) >= 2:
+            mean = sum(diffs) / len(diffs)
+            se = (sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+            wins = sum(x < 0 for x in diffs)
+            within = (
+                "within"
+                if abs(mean) <= se
+                else ("better by more than" if mean < 0 else "worse by more than")
+            )
+            text += (
+                f"; paired by seed, {mean:+.4f} ± {se:.4f} (standard error, {len(diffs)} seeds; "
+                f"lower on {wins} of {len(diffs)}): {within} one standard error"
+            )
+        lines.append(text + ".")
+    return "Validation bits per byte (lower is better):\n\n" + "\n".join(lines)
 
 
 def _markdown(summary: Mapping[str, Any]) -> str:
