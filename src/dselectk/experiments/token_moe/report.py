@@ -59,7 +59,11 @@ def write_report(
     planned, others = RunStore(results_dir).load_planned()  # this command's runs only
     records = [r for r in planned if r["config"].get("experiment") == EXPERIMENT]
     for r in records:  # derived scalars for the summary
-        r["metrics"]["ms_per_step"] = 1000 * r["metrics"]["seconds_per_step"]
+        m, hp = r["metrics"], r["config"]["hparams"]
+        m["ms_per_step"] = 1000 * m["seconds_per_step"]
+        m["tokens_per_second"] = hp["batch_size"] * hp["seq_len"] / m["seconds_per_step"]
+        loads = torch.tensor(m["load"], dtype=torch.float64)  # (layer, expert) fractions
+        m["load_cv"] = float((loads.std(-1, correction=0) / loads.mean(-1)).max())
     prev: dict[str, Any] = {}
     if (results_dir / "summary.json").is_file():
         try:
@@ -131,7 +135,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
     rows, loads = [], []
     columns = [("val_bpc", 4), ("train_loss", 3), ("load_max_over_mean", 2)]
     columns += [("dispatched_experts_per_token", 3), ("experts_per_token", 2)]
-    columns += [("binary_token_fraction", 3), ("ms_per_step", 1)]
+    columns += [("load_cv", 2), ("binary_token_fraction", 3), ("tokens_per_second", 0)]
     for r in summary["rows"]:
         m = r["metrics"]
         cells = " | ".join(_fmt(m.get(k), d) for k, d in columns)
