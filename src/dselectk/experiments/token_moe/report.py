@@ -62,8 +62,8 @@ def write_report(
         m, hp = r["metrics"], r["config"]["hparams"]
         m["ms_per_step"] = 1000 * m["seconds_per_step"]
         m["tokens_per_second"] = hp["batch_size"] * hp["seq_len"] / m["seconds_per_step"]
-        loads = torch.tensor(m["load"], dtype=torch.float64)  # (layer, expert) fractions
-        m["load_cv"] = float((loads.std(-1, correction=0) / loads.mean(-1)).max())
+        frac = torch.tensor(m["load"], dtype=torch.float64)  # (layer, expert) fractions
+        m["load_cv"] = float((frac.std(-1, correction=0) / frac.mean(-1)).max())
     prev: dict[str, Any] = {}
     if (results_dir / "summary.json").is_file():
         try:
