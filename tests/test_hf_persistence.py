@@ -231,6 +231,34 @@ def test_loading_keeps_loaded_tensors_and_from_pretrained_options(tmp_path: Path
     assert all(r.gate_module.proj.weight.dtype == torch.float64 for r in _routers(loaded))
 
 
+@pytest.mark.parametrize("where", ["cpu", "auto", "disk-offload"])
+def test_device_map_loads_the_same_model(where: str, tmp_path: Path) -> None:
+    """``device_map`` (accelerate) builds the model on the meta device and places or offloads
+    its modules; a DSelect-k model comes back with the same logits, also with a layer on disk."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(_config("mixtral"))
+    hf.replace_routers(model, "dselect_k", gamma=2.0)
+    _train(model, steps=1)
+    model.save_pretrained(tmp_path / "m")
+    kwargs: dict[str, Any] = {"device_map": where}
+    if where == "disk-offload":
+        layers = model.config.num_hidden_layers
+        dm = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "model.rotary_emb")}
+        dm.update({"lm_head": "cpu", **{f"model.layers.{i}": "cpu" for i in range(layers - 1)}})
+        dm[f"model.layers.{layers - 1}"] = "disk"
+        kwargs = {"device_map": dm, "offload_folder": str(tmp_path / "offload")}
+    loaded = hf.from_pretrained(transformers.MixtralForCausalLM, tmp_path / "m", **kwargs)
+    assert type(loaded).__name__ == "DSelectKMixtralForCausalLM"
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=_ids()).logits, model(input_ids=_ids()).logits, rtol=0, atol=0
+        )
+    if where == "disk-offload":
+        assert "disk" in loaded.hf_device_map.values()
+
+
 def test_plain_transformers_load(tmp_path: Path) -> None:
     """Plain transformers (no dselectk) loads the folder with its own routers, freshly
     initialised (a load report lists them as MISSING and the gates as UNEXPECTED); the config
