@@ -13,7 +13,6 @@ choices where the paper is silent are explained in the report (``templates/movie
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 from dselectk.data.movielens import MovieLensSplit
 from dselectk.data.movielens.baselines import reference_metrics
 from dselectk.experiments import realdata as rd
-from dselectk.experiments.args import int_at_least, probability
+from dselectk.experiments.args import check_fits, int_at_least, physical_memory, probability
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import make_towers
 from dselectk.layers.embedding import MovieLensEmbedding
@@ -173,8 +172,6 @@ RATINGS = {"ml-100k": 100_000, "ml-1m": 1_000_209}
 #: features (age, gender, occupation int64; 18 float32 genres), held twice while the loader's
 #: arrays are packed into tensors
 BYTES_PER_EXAMPLE = 2 * (8 + 8 + 4 + 4 + 3 * 8 + 18 * 4)
-#: the share of the machine's memory a data set may take
-MEMORY_FRACTION = 0.5
 
 
 def data_bytes(variant: str, neg_ratio: int, side: bool = True) -> int:
@@ -184,29 +181,17 @@ def data_bytes(variant: str, neg_ratio: int, side: bool = True) -> int:
     return RATINGS.get(variant, RATINGS["ml-1m"]) * (1 + int(neg_ratio)) * per
 
 
-def physical_memory() -> int | None:
-    """The machine's memory in bytes, or None where the platform does not say."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 def check_memory(config: MovieLensConfig, total: int | None = None) -> None:
     """Refuse, before loading, a ``--neg-ratio`` whose data set would not fit in memory
-    (:data:`MEMORY_FRACTION` of ``total``, default the machine's): a ValueError naming the
-    flag and the estimate."""
+    (:func:`~dselectk.experiments.args.check_fits`'s share of ``total``, default the machine's):
+    a ValueError naming the flag and the estimate."""
     total = physical_memory() if total is None else total
     need = data_bytes(config.variant, config.neg_ratio, not config.no_side_features)
-    if total is None or need <= MEMORY_FRACTION * total:
-        return
-    gib = 2**30
-    raise ValueError(
-        f"argument --neg-ratio {config.neg_ratio}: the {config.variant} training data would "
-        f"take about {need / gib:.1f} GiB ({RATINGS.get(config.variant, 0):,} ratings x "
-        f"{1 + config.neg_ratio} examples each), more than {MEMORY_FRACTION:.0%} of this "
-        f"machine's {total / gib:.1f} GiB; lower --neg-ratio"
+    what = (
+        f"argument --neg-ratio {config.neg_ratio}: the {config.variant} training data "
+        f"({RATINGS.get(config.variant, 0):,} ratings x {1 + config.neg_ratio} examples each)"
     )
+    check_fits(need, what, total)
 
 
 def load_data(args: MovieLensConfig) -> rd.Splits:
