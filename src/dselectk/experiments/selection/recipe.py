@@ -10,8 +10,10 @@ from dselectk.experiments.args import int_at_least, positive_float
 from dselectk.experiments.executors import executor_from_args
 from dselectk.experiments.recovery.model import BATCH_SIZE
 from dselectk.experiments.runner import Recipe, add_run_arguments, run_recipe
+from dselectk.experiments.selection import c1 as C1
 from dselectk.experiments.selection import study as S
 from dselectk.experiments.selection.report import print_table, write_report
+from dselectk.experiments.synthetic.spec import GATE_GRID, TRAINER_GRID
 
 __all__ = ["add_arguments", "config_of", "plan_text", "recipe", "run"]
 
@@ -19,6 +21,8 @@ __all__ = ["add_arguments", "config_of", "plan_text", "recipe", "run"]
 #: 2 cores (fitted on two 32/3 cells of the quick form): per training call, steps × (A + B·members)
 #: + probe passes × (C + D·members); an estimate, not a promise
 A, B, C, D = 0.01, 0.0002, 0.02, 0.002
+#: C.1: seconds per step, E + F · members · T/32 (a rough estimate, see :func:`_c1_cost`)
+E, F = 0.002, 0.0008
 
 
 def shape_arg(text: str) -> tuple[int, int]:
@@ -45,8 +49,13 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                     help=f"repetitions (quick {S.QUICK_REPS}, full {S.FULL_REPS})")),
     ("--lrs", dict(type=positive_float, nargs="+", default=None,
                    help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)")),
-    ("--epochs", dict(type=int_at_least(1), default=None, help="override the 50 epochs")),
-    ("--full", dict(action="store_true", help="every shape, 100 repetitions, 5 lrs")),
+    ("--epochs", dict(type=int_at_least(1), default=None,
+                      help="recovery: override the 50 epochs (equal-budget arms add theirs)")),
+    ("--tasks", dict(nargs="*", type=int, choices=(16, 32, 64, 128), default=None, metavar="T",
+                     help="Appendix C.1 cells at T tasks (quick: 32; --full: 32 64 128); "
+                     "'--tasks' alone: none")),
+    ("--full", dict(action="store_true", help="every shape, 100 repetitions, 5 lrs; C.1 at "
+                    "T = 32, 64, 128 on the paper's splits over its whole grid")),
     ("--dry-run", dict(action="store_true", help="print the plan and its cost, run nothing")),
 ]  # fmt: skip
 
@@ -63,20 +72,17 @@ def config_of(args: argparse.Namespace) -> S.SelectionConfig:
     return S.SelectionConfig(
         out=args.out,
         arms=tuple(args.arms),
-        shapes=tuple(args.shapes or (S.FULL_SHAPES if full else S.QUICK_SHAPES)),
+        shapes=tuple(S.FULL_SHAPES if full else S.QUICK_SHAPES)
+        if args.shapes is None
+        else tuple(args.shapes),
         reps=args.reps or (S.FULL_REPS if full else S.QUICK_REPS),
         lrs=tuple(args.lrs or (S.FULL_LRS if full else S.QUICK_LRS)),
         epochs=args.epochs,
+        tasks=tuple(
+            (S.FULL_TASKS if full else S.QUICK_TASKS) if args.tasks is None else args.tasks
+        ),
+        c1=C1.FULL if full else C1.QUICK,
     )
-
-
-def _max_probe_passes(arm: Any, n: int, k: int) -> int:
-    """Upper bound of a run's probe passes: per search, 1 + sweeps (2) × k selectors × n."""
-    plan = arm.search
-    if plan is None:
-        return 0
-    searches = len(set(plan.at) | ({plan.binarize} if plan.binarize else set()))
-    return searches * (1 + 2 * k * n)
 
 
 def plan_text(config: S.SelectionConfig) -> str:
@@ -86,35 +92,67 @@ def plan_text(config: S.SelectionConfig) -> str:
     runs = probe = 0
     sec = 0.0
     lines = [S.PROTOCOL, "Plan:"]
-    for arm_name, n, t in S.cells(config):
-        bound = _max_probe_passes(S.ARMS[arm_name], n, t)
+    c1_sec = c1_runs = 0.0
+    for arm_name, study, n, t in S.cells(config):
+        if study == "c1":
+            runs_, sec_ = _c1_cost(config, arm_name, n)
+            c1_runs, c1_sec = c1_runs + runs_, c1_sec + sec_
+            continue
+        bound = S.max_probe_passes(S.ARMS[arm_name], n, t)
         for members in (config.reps * len(config.lrs), config.reps):  # tuning, test retrain
             runs += members
             probe += members * bound
             sec += steps * (A + B * members) + bound * (C + D * members)
     lines += [
         f"  arms {', '.join(config.arms)}",
-        f"  shapes {' '.join(f'{n}/{t}' for n, t in config.shapes)} (data seeds "
+        f"  recovery shapes {' '.join(f'{n}/{t}' for n, t in config.shapes)} (data seeds "
         f"{', '.join(str(S.data_seed(n, t)) for n, t in config.shapes)})",
         f"  {config.reps} repetitions × lrs {list(config.lrs)} + the selected lr's test retrain",
         f"  {len(S.cells(config))} cells, {int(runs)} runs, {epochs} epochs ({steps} steps) each",
         f"  probe passes at most {int(probe):,} (member × candidate evaluations)",
-        f"  estimated cost {sec / 60:.0f} CPU-minutes on one core (about {sec / 120:.0f} min "
+        f"  C.1 at T = {', '.join(map(str, config.tasks)) or 'none'}: {int(c1_runs)} runs "
+        f"(tuning trials × sampled configurations, then {config.c1.reps} repetitions), "
+        f"{config.c1.n_train:,} training examples",
+        f"  estimated cost {(sec + c1_sec) / 60:.0f} CPU-minutes on one core "
+        f"(about {(sec + c1_sec) / 120:.0f} min "
         "on 2 idle cores); split over cells by --executor slurm",
     ]
     return "\n".join(lines)
 
 
-def _load_data(config: S.SelectionConfig) -> None:
-    return None  # each cell generates its shape's data (cheap)
+def _c1_cost(config: S.SelectionConfig, arm_name: str, tasks: int) -> tuple[int, float]:
+    """Runs and estimated seconds of a C.1 cell: tuning members × their epochs, then the
+    repetitions at the grid's mean epochs, each step costing E + F·members·T/32."""
+    arm, sz = S.C1_ARMS[arm_name], config.c1
+    grid = {**TRAINER_GRID, **GATE_GRID[arm.gate]}
+    points = math.prod(len(v) for k, v in grid.items() if k != "epochs")
+    epochs = grid["epochs"]
+    steps = math.ceil(sz.n_train / BATCH_SIZE)
+    dependent = bool(arm.schedules) or arm.search is not None
+    if sz.points is not None:
+        points = min(points, sz.points)
+    members = points * sz.trials * (len(epochs) if dependent else 1)
+    tune_epochs = sum(epochs) / len(epochs) if dependent else max(epochs)
+    scale = tasks / 32
+    sec = steps * tune_epochs * (E * (len(epochs) if dependent else 1) + F * members * scale)
+    sec += steps * sum(epochs) / len(epochs) * (E + F * sz.reps * scale)
+    return members * (1 if dependent else len(epochs)) + sz.reps, sec
 
 
-def _data_key(config: S.SelectionConfig) -> int:
-    return 0
+def _load_data(config: S.SelectionConfig) -> Any:
+    """The C.1 data when the command has C.1 cells (recovery cells make their own, cheaply)."""
+    return C1.load(config.c1) if config.tasks else None
 
 
-def _cost(cell: tuple[str, int, int]) -> float:
-    return _max_probe_passes(S.ARMS[cell[0]], cell[1], cell[2]) + 1
+def _data_key(config: S.SelectionConfig) -> Any:
+    return (config.c1, bool(config.tasks))
+
+
+def _cost(cell: S.Cell) -> float:
+    arm, study, a, b = cell
+    if study == "c1":
+        return 10_000.0 * a  # the largest cells first
+    return S.max_probe_passes(S.ARMS[arm], a, b) + 1
 
 
 def recipe(config: S.SelectionConfig) -> Recipe:

@@ -18,7 +18,14 @@ from dselectk.experiments.records import (
     run_id,
     summarize,
 )
-from dselectk.experiments.selection.study import ARMS, BASELINES, EXPERIMENT, PROTOCOL
+from dselectk.experiments.selection.study import (
+    ARMS,
+    BASELINES,
+    C1_ARMS,
+    EXPERIMENT,
+    PROTOCOL,
+    SEARCH_ARMS,
+)
 from dselectk.experiments.templates import others_note
 from dselectk.io import write_json, write_text
 
@@ -54,7 +61,42 @@ def _by_rep(records: Sequence[Mapping[str, Any]], arm: str, shape: str) -> dict[
     }
 
 
+def _c1_by_rep(records: Sequence[Mapping[str, Any]], arm: str, t: int) -> dict[int, float]:
+    """Test MSE per repetition, negated (so that a positive difference is a win)."""
+    return {
+        r["config"]["rep"]: -float(r["metrics"]["test_mse"])
+        for r in records
+        if r["config"]["arm"] == arm and r["config"]["num_tasks"] == t
+    }
+
+
+def _c1_summary(tests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per T: one row per arm (selected hyperparameters, test metrics), paired differences of
+    test MSE against the best no-search arm (lowest mean validation MSE) and the verdict
+    pairs."""
+    out: dict[str, Any] = {}
+    for row in summarize(tests, ["num_tasks", "arm", "hparams"]):
+        s = out.setdefault(str(row["num_tasks"]), {"tasks": row["num_tasks"], "rows": []})
+        arm = C1_ARMS.get(row["arm"])
+        row["label"] = arm.label if arm else row["arm"]
+        s["rows"].append(row)
+    order = list(ARMS)
+    for s in out.values():
+        s["rows"].sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99)
+        base = [r for r in s["rows"] if r["arm"] in BASELINES]
+        best = min(base, key=lambda r: r["metrics"]["val_mse"]["mean"])["arm"] if base else None
+        s["best_baseline"], s["paired"] = best, []
+        pairs = [(r["arm"], best) for r in s["rows"] if best and r["arm"] != best]
+        for a, b in [*pairs, *VERDICT_PAIRS]:
+            p = paired(_c1_by_rep(tests, a, s["tasks"]), _c1_by_rep(tests, b, s["tasks"]))
+            if p["n"]:
+                s["paired"].append({"arm": a, "against": b, **p})
+    return out
+
+
 def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    c1 = [r for r in records if r["config"].get("study") == "c1"]
+    records = [r for r in records if r["config"].get("study") != "c1"]
     tests = [r for r in records if r["config"].get("phase") == "test"]
     tune = [r for r in records if r["config"].get("phase") == "tune"]
     shapes: dict[str, Any] = {}
@@ -64,17 +106,23 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         row["label"] = arm.label if arm else row["arm"]
         row["search"] = bool(arm and arm.search)
         s["rows"].append(row)
+    val: dict[tuple[str, str, float], float] = {}
     for row in summarize(tune, ["shape", "arm", "lr"]):  # recovered at every lr (robustness)
         rec = row["metrics"]["recovered"]
         shapes[_key(row["shape"])].setdefault("by_lr", {}).setdefault(row["arm"], {})[
             f"{row['lr']:g}"
         ] = rec["mean"]
+        val[(_key(row["shape"]), row["arm"], row["lr"])] = row["metrics"]["val_loss"]["mean"]
     pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
     for key, s in shapes.items():
         order = list(ARMS)
         s["rows"].sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99)
         base = [r for r in s["rows"] if r["arm"] in BASELINES]
-        best = max(base, key=lambda r: r["metrics"]["recovered"]["mean"])["arm"] if base else None
+        best = (  # chosen on validation: the lowest mean validation loss at the selected lr
+            min(base, key=lambda r: val.get((key, r["arm"], r["lr"]), math.inf))["arm"]
+            if base
+            else None
+        )
         s["best_baseline"], s["paired"] = best, []
         for r in s["rows"]:
             if best is not None and r["arm"] != best:
@@ -95,8 +143,20 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     verdict = {
         k: paired(dict(enumerate(v)), dict.fromkeys(range(len(v)), 0.0)) for k, v in pooled.items()
     }
+    c1_tasks = _c1_summary(c1)
+    c1_pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
+    for s in c1_tasks.values():
+        for p in s["paired"]:
+            name = f"{p['arm']} - {p['against']}"
+            if name in c1_pooled and (p["arm"], p["against"]) in VERDICT_PAIRS:
+                c1_pooled[name] += p["diffs"]
+    c1_verdict = {
+        k: paired(dict(enumerate(v)), dict.fromkeys(range(len(v)), 0.0))
+        for k, v in c1_pooled.items()
+    }
     return {"shapes": shapes, "pooled": verdict, "tests": len(tests), "tune": len(tune),
-            "retrain_same_selection": same}  # fmt: skip
+            "retrain_same_selection": same, "c1": c1_tasks, "c1_pooled": c1_verdict,
+            "c1_tests": len(c1)}  # fmt: skip
 
 
 def _pct(m: Mapping[str, Any] | None) -> str:
@@ -120,40 +180,112 @@ def _paired_rows(s: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _verdict(summary: Mapping[str, Any]) -> list[str]:
-    lines, ahead = [], []
-    for name, p in summary["pooled"].items():
+def _calls(pooled: Mapping[str, Any], what: str, sign: float, digits: int) -> list[tuple[str, str]]:
+    """(line, call) per verdict pair; ``sign`` turns the stored difference into the metric's."""
+    out = []
+    for name, p in pooled.items():
         if not p["n"]:
-            lines.append(f"- {name}: not run.")
+            out.append((f"- {name}: not run.", "not run"))
             continue
         d, se = p["mean"], p["se"] if math.isfinite(p["se"]) else 0.0
-        call = (
-            "ahead" if d > 2 * se else "behind" if d < -2 * se else "no difference (|Δ| ≤ 2 s.e.)"
-        )
-        ahead.append(call == "ahead")
-        lines.append(
-            f"- {name} (recovered, paired over {p['n']} shape × repetition pairs): "
-            f"{d:+.2f} ± {se:.2f}, win/tie/loss {p['win']}/{p['tie']}/{p['loss']}: {call}."
-        )
+        call = "ahead" if d > 2 * se else "behind" if d < -2 * se else "no difference"
+        out.append((
+            f"- {name} ({what}, paired over {p['n']} setting × repetition pairs): "
+            f"{sign * d:+.{digits}f} ± {se:.{digits}f}, win/tie/loss "
+            f"{p['win']}/{p['tie']}/{p['loss']}: "
+            + ("no difference (|Δ| ≤ 2 s.e.)" if call == "no difference" else call) + ".",
+            call,
+        ))  # fmt: skip
+    return out
+
+
+def _verdict(summary: Mapping[str, Any]) -> list[str]:
+    rec = _calls(summary["pooled"], "recovered experts", 1.0, 2)
+    c1 = _calls(summary.get("c1_pooled", {}), "C.1 test MSE, negative: lower", -1.0, 4)
+    lines = ["Expert recovery:", *[x for x, _ in rec]]
     rows = [r for s in summary["shapes"].values() for r in s["rows"]]
-    passes = {
-        a: mean_se([r["metrics"]["probe_passes"]["mean"] for r in rows if r["arm"] == a])
-        for a in ("dselect_k_search", "search_only", "topk_search")
-    }
+    rows += [r for s in summary.get("c1", {}).values() for r in s["rows"]]
+    passes = {a: mean_se([r["metrics"]["probe_passes"]["mean"] for r in rows if r["arm"] == a])
+              for a in SEARCH_ARMS}  # fmt: skip
     text = ", ".join(f"{a} {m['mean']:.0f}" for a, m in passes.items() if m["n"])
-    lines.append(f"- Probe passes per run, mean over shapes: {text}.")
-    if ahead and all(ahead):
+    if c1 and any(call != "not run" for _, call in c1):
+        lines += ["", "Appendix C.1:", *[x for x, _ in c1]]
+    lines.append(f"- Probe passes per run, mean over settings: {text}.")
+    studies = {"expert recovery": [c for _, c in rec if c != "not run"],
+               "Appendix C.1": [c for _, c in c1 if c != "not run"]}  # fmt: skip
+    adds = [k for k, cs in studies.items() if cs and all(c == "ahead" for c in cs)]
+    ran = [k for k, cs in studies.items() if cs]
+    if ran and len(adds) == len(ran):
         lines.append(
-            "- **Verdict: DSelect-k's smooth phase adds recovered experts beyond the search** "
-            "(ahead of both search-only and Top-k + search by more than 2 s.e.)."
+            "- **Verdict: DSelect-k's smooth phase adds to the search** (DSelect-k + search is "
+            "ahead of both search-only and Top-k + search by more than 2 s.e. in "
+            + " and ".join(ran)
+            + ")."
         )
-    elif ahead:
+    elif ran:
+        calls = [c for k in ran for c in studies[k]]
+        ahead, behind = calls.count("ahead"), calls.count("behind")
+        where = (f" It is ahead of both in {' and '.join(adds)} only; not in "
+                 + " and ".join(k for k in ran if k not in adds) + ".") if adds else ""  # fmt: skip
         lines.append(
-            "- **Verdict: this study does not show that DSelect-k's smooth phase adds "
-            "anything beyond the search** (it is not ahead of both search-only and Top-k + "
-            "search by more than 2 s.e.); compare the probe passes above for its cost."
+            "- **Verdict: this study does not show that DSelect-k's smooth phase adds anything "
+            "beyond the search in every setting**: of its comparisons with search-only and "
+            f"Top-k + search, {ahead} ahead, {behind} behind, {len(calls) - ahead - behind} "
+            f"within 2 s.e.{where} Where it adds nothing, the search is a gate-agnostic tool "
+            "for every searchable static gate (compare the probe passes above for its cost)."
         )
-    return lines  # fmt: skip
+    return lines
+
+
+def _c1_rows(s: Mapping[str, Any]) -> list[str]:
+    out = []
+    for r in s["rows"]:
+        m, hp = r["metrics"], r["hparams"]
+        sel = ", ".join(
+            f"{k} {hp[k]:g}"
+            for k in ("lr", "epochs", "gamma", "entropy_reg")
+            if k in hp and not (r["arm"] == "search_only" and k == "entropy_reg")
+        )
+        out.append(
+            f"| {r['label']} | {sel} | {_fmt(m['test_mse'], 4)} | {_fmt(m['related_jaccard'])} "
+            f"| {_fmt(m['unrelated_jaccard']) if 'unrelated_jaccard' in m else '–'} "
+            f"| {_fmt(m['experts_per_task'])} "
+            f"| {_pct(m['frac_tasks_k_experts'])} | {_pct(m.get('frac_tasks_binary'))} "
+            f"| {m['probe_passes']['mean']:.0f} | {m['probe_share']['mean']:.2f} "
+            f"| {m['test_mse']['n']} |"
+        )  # fmt: skip
+    return out
+
+
+def _c1_paired_rows(s: Mapping[str, Any]) -> list[str]:
+    return [
+        f"| {p['arm']} | {p['against']} | {-p['mean']:+.4f} ± {p['se']:.4f} "
+        f"| {p['win']}/{p['tie']}/{p['loss']} |"
+        for p in s["paired"]
+    ]
+
+
+def _c1_tables(summary: Mapping[str, Any]) -> list[str]:
+    out = []
+    for s in summary.get("c1", {}).values():
+        out += [
+            f"### Appendix C.1, T = {s['tasks']} tasks, {s['tasks'] // 4} experts, k = 4",
+            "",
+            "| arm | selected on validation | test MSE | related Jaccard | unrelated Jaccard | "
+            "experts per task | tasks with k | tasks binary | probe passes | "
+            "probe/train examples | n |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *_c1_rows(s),
+            "",
+            "Paired differences of test MSE (arm − against; negative: the arm is better; "
+            f"win: lower MSE; best no-search arm on validation: {s['best_baseline']}):",
+            "",
+            "| arm | against | test MSE difference ± s.e. | win/tie/loss |",
+            "|---|---|---|---|",
+            *_c1_paired_rows(s),
+            "",
+        ]
+    return out
 
 
 def _markdown(summary: Mapping[str, Any]) -> str:
@@ -183,6 +315,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             ),
             "",
         ]
+    tables += _c1_tables(summary)
     wall = summary.get("wall_seconds")
     text = resources.files("dselectk.experiments.templates").joinpath("selection.md")
     tail = text.read_text(encoding="utf-8").split("<!-- results -->")[1]
@@ -194,6 +327,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             wall_line=f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded",
             tune=summary["tune"],
             tests=summary["tests"],
+            c1_tests=summary.get("c1_tests", 0),
             same=summary["retrain_same_selection"],
             others=others_note(summary.get("records_not_summarised", 0)),
             tables="\n".join(tables),
@@ -230,4 +364,8 @@ def print_table(summary: Mapping[str, Any]) -> None:
         )
         print("\n".join(_rows(s)))
         print("\n".join(_paired_rows(s)))
+    for s in summary.get("c1", {}).values():
+        print(f"\nC.1 T = {s['tasks']}")
+        print("\n".join(_c1_rows(s)))
+        print("\n".join(_c1_paired_rows(s)))
     print("\n".join(_verdict(summary)))

@@ -17,6 +17,7 @@ from dselectk.experiments.recovery import VARIANTS, RecoveryData, train_reps
 from dselectk.experiments.recovery.model import BATCH_SIZE, FEATURES, UNITS, expert_outputs
 from dselectk.experiments.recovery.recipe import tuned_hparams
 from dselectk.experiments.runner import missing
+from dselectk.experiments.selection import c1 as C1
 from dselectk.gates.base import Gate
 from dselectk.search import SwapSearch
 from dselectk.variants import SearchPlan, Variant, variant_table
@@ -31,6 +32,7 @@ QUICK_SHAPES = ((16, 2), (16, 4), (32, 3))
 FULL_SHAPES = tuple((n, t) for n in (16, 32, 64) for t in (2, 3, 4, 6) if t <= n // 4)
 QUICK_LRS, FULL_LRS = (1e-1, 1e-2, 1e-3), (1e-1, 1e-2, 1e-3, 1e-4, 1e-5)
 QUICK_REPS, FULL_REPS = 8, 100
+QUICK_TASKS, FULL_TASKS = (32,), (32, 64, 128)  # Appendix C.1's T
 
 #: searches started by a CountedPlan in this process (probe passes are read from them)
 _SEARCHES: list[SwapSearch] = []
@@ -68,12 +70,19 @@ def _counted(v: Variant) -> Variant:
     return replace(v, search=CountedPlan(s.at, s.binarize, s.refit, s.probe))
 
 
+def _budget(v: Variant, label: str) -> Variant:
+    """A no-search arm given the search's probe examples as extra epochs (:func:`budget_epochs`)."""
+    return replace(v, name=f"{v.name}_budget", label=label)
+
+
 _DSK_SEARCH = _counted(VARIANTS["dselect_k_search"])
 #: the arms, in report order; "search" says whether the swap search (refit scoring) runs
 ARMS = variant_table(
     VARIANTS["dselect_k"],
     VARIANTS["topk"],
     VARIANTS["comet"],
+    _budget(VARIANTS["topk"], "Top-k, equal budget (probe examples as extra epochs)"),
+    _budget(VARIANTS["comet"], "COMET, equal budget (probe examples as extra epochs)"),
     _DSK_SEARCH,
     _counted(VARIANTS["topk_search"]),
     FrozenGateVariant(
@@ -81,10 +90,42 @@ ARMS = variant_table(
         _DSK_SEARCH.options, search=_DSK_SEARCH.search, tuned_as="dselect_k",
     ),
 )  # fmt: skip
-BASELINES = ("dselect_k", "topk", "comet")
+BASELINES = ("dselect_k", "topk", "comet", "topk_budget", "comet_budget")
+BUDGET_ARMS = ("topk_budget", "comet_budget")
+SEARCH_ARMS = ("dselect_k_search", "topk_search", "search_only")
+#: the arms of the C.1 cells (the budget arms are recovery's only: C.1's no-search arms are
+#: tuned over epochs up to 100 already, see the protocol)
+C1_ARMS = C1.arms(ARMS, _counted)
 #: COMET's tree gate has no discrete selection to search (Gate.searchable False): no COMET +
 #: search arm.
 NOT_RUN = {"comet + search": "COMET's gate is not searchable (dselectk.search refuses it)"}
+
+
+def max_probe_passes(arm: Variant, n: int, k: int) -> int:
+    """Upper bound of a run's probe passes: per search, 1 + sweeps (2) × k selectors × n."""
+    plan = arm.search
+    if plan is None:
+        return 0
+    searches = len(set(plan.at) | ({plan.binarize} if plan.binarize else set()))
+    return searches * (1 + 2 * k * n)
+
+
+def budget_epochs(epochs: int, n: int, k: int) -> int:
+    """Epochs of an equal-budget arm at shape n/k: ``epochs`` plus the largest search arm's
+    probe examples (upper bound, :func:`max_probe_passes` × the probe size) as training epochs,
+    rounded up. A probe example costs a forward of the mixture on precomputed expert outputs,
+    a training example a forward, a backward and an optimizer step: the charge favours the
+    no-search arms."""
+    probe = max(max_probe_passes(ARMS[a], n, k) for a in SEARCH_ARMS) * SearchPlan.probe
+    return epochs + math.ceil(probe / N_TRAIN)
+
+
+def _sizes_text(z: C1.C1Sizes) -> str:
+    points = "every configuration" if z.points is None else f"{z.points} random configurations"
+    return (
+        f"{z.n_train:,}/{z.n_val:,}/{z.n_test:,} train/validation/test examples, {points} "
+        f"of the gate's axes per arm, {z.trials} trials each, {z.reps} test repetitions"
+    )
 
 
 def _protocol() -> str:
@@ -94,6 +135,9 @@ def _protocol() -> str:
     head = text.read_text(encoding="utf-8").split("<!-- results -->")[0]
     return Template(head).substitute(
         arms=", ".join(f"`{a}`" for a in ARMS), not_run=NOT_RUN["comet + search"],
+        c1_seed=C1.DATA_SEED, quick_tasks=list(QUICK_TASKS), full_tasks=list(FULL_TASKS),
+        budget=", ".join(f"{n}/{t}: {budget_epochs(50, n, t)}" for n, t in FULL_SHAPES),
+        c1_quick=_sizes_text(C1.QUICK), c1_full=_sizes_text(C1.FULL),
         quick_lrs=list(QUICK_LRS), full_lrs=list(FULL_LRS), n_test=f"{N_TEST:,}",
         seed_lo=SEED_RANGE[0], seed_hi=SEED_RANGE[1], probe=SearchPlan.probe,
     ).strip()  # fmt: skip
@@ -136,7 +180,8 @@ class HeldOutData:
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """What a ``reproduce selection`` command computes."""
+    """What a ``reproduce selection`` command computes: recovery at ``shapes`` and Appendix C.1
+    at ``tasks`` (either may be empty)."""
 
     out: Path
     arms: tuple[str, ...] = tuple(ARMS)
@@ -144,29 +189,45 @@ class SelectionConfig:
     reps: int = QUICK_REPS
     lrs: tuple[float, ...] = QUICK_LRS
     epochs: int | None = None
+    tasks: tuple[int, ...] = QUICK_TASKS
+    c1: C1.C1Sizes = C1.QUICK
 
     def __post_init__(self) -> None:
         for n, t in self.shapes:
             if not 1 <= t <= n // 4:
                 raise ValueError(f"argument --shapes: {n}/{t}: need 1 <= true <= experts/4")
             data_seed(n, t)
+        bad = [t for t in self.tasks if t not in (16, 32, 64, 128)]
+        if bad:
+            raise ValueError(f"argument --tasks: {bad}: choose from 16, 32, 64, 128")
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"argument --arms: unknown {unknown}; choose from {list(ARMS)}")
+        if not self.shapes and not self.tasks:
+            raise ValueError("arguments --shapes/--tasks: nothing to run (both empty)")
 
 
-def cells(config: SelectionConfig) -> list[tuple[str, int, int]]:
-    return [(a, n, t) for n, t in config.shapes for a in config.arms]
+#: a cell: (arm, "recovery", experts, true) or (arm, "c1", tasks, k)
+Cell = tuple[str, str, int, int]
 
 
-def cell_name(cell: tuple[str, int, int]) -> str:
-    return f"{cell[0]}/{cell[1]}x{cell[2]}"
+def cells(config: SelectionConfig) -> list[Cell]:
+    rec = [(a, "recovery", n, t) for n, t in config.shapes for a in config.arms]
+    c1 = [(a, "c1", t, C1.K) for t in config.tasks for a in config.arms if a in C1_ARMS]
+    return rec + c1
 
 
-def _hparams(config: SelectionConfig, arm: Variant) -> dict[str, Any]:
+def cell_name(cell: Cell) -> str:
+    arm, study, a, b = cell
+    return f"{arm}/{a}x{b}" if study == "recovery" else f"{arm}/c1-T{a}"
+
+
+def _hparams(config: SelectionConfig, arm: Variant, shape: tuple[int, int]) -> dict[str, Any]:
     hp = tuned_hparams(arm)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
+    if arm.name in BUDGET_ARMS:
+        hp["epochs"] = budget_epochs(int(hp["epochs"]), *shape)
     return hp
 
 
@@ -181,32 +242,54 @@ def _record(arm: str, shape: tuple[int, int], hp: dict, lr: float, rep: int, pha
     }  # fmt: skip
 
 
-def _train(arm: Variant, hp: dict, data: Any, jobs: list, shape: tuple[int, int], desc: str,
-           progress: bool) -> list[dict[str, float]]:  # fmt: skip
+def _counting(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the probe passes of the searches it ran (every candidate evaluation scores
+    every member of the vectorised bank)."""
     _SEARCHES.clear()
-    metrics, _ = train_reps(
-        arm, {**hp, "lr": float(jobs[0][0])}, data, [init_seed(r) for _, r in jobs],
-        shuffle_seed=STUDY_SEED, experts=shape[0], k=shape[1], lrs=[lr for lr, _ in jobs],
-        record_every=0, progress=progress, desc=desc,
-    )  # fmt: skip
+    out = fn()
     passes = sum(res.evaluations for s in _SEARCHES for res in s.results)
     _SEARCHES.clear()
+    return out, passes
+
+
+def _train(arm: Variant, hp: dict, data: Any, jobs: list, shape: tuple[int, int], desc: str,
+           progress: bool) -> list[dict[str, float]]:  # fmt: skip
+    metrics, passes = _counting(
+        lambda: train_reps(
+            arm, {**hp, "lr": float(jobs[0][0])}, data, [init_seed(r) for _, r in jobs],
+            shuffle_seed=STUDY_SEED, experts=shape[0], k=shape[1], lrs=[lr for lr, _ in jobs],
+            record_every=0, progress=progress, desc=desc,
+        )[0]
+    )  # fmt: skip
     steps = int(hp["epochs"]) * math.ceil(N_TRAIN / BATCH_SIZE)
     for m in metrics:
-        m["probe_passes"] = float(passes)  # every candidate evaluation scores every member
+        m["probe_passes"] = float(passes)
         m["probe_share"] = passes * SearchPlan.probe / (steps * BATCH_SIZE)
     return metrics
 
 
-def run_cell(
-    config: SelectionConfig, cell: tuple[str, int, int], data: Any, progress: bool
-) -> dict:
-    """Tune (every lr × repetition, validation loss), then retrain the selected lr and
-    evaluate it once on the test set."""
-    name, n, t = cell
-    arm, store, shape = ARMS[name], RunStore(config.out), (n, t)
-    base = RecoveryData(data_seed(n, t), N_TRAIN, N_VAL, num_true=t)
-    hp = _hparams(config, arm)
+def _c1_record(arm: str, tasks: int, sizes: C1.C1Sizes, hp: dict, rep: int) -> dict:
+    return {
+        "experiment": EXPERIMENT, "study": "c1", "phase": "test", "arm": arm,
+        "variant": C1_ARMS[arm].identity(), "num_tasks": tasks, "num_experts": tasks // 4,
+        "k": C1.K, "hparams": dict(sorted(hp.items())), "rep": rep, "init_seed": init_seed(rep),
+        "shuffle_seed": STUDY_SEED, "data": C1.data_cfg(sizes),
+    }  # fmt: skip
+
+
+def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> dict:
+    """Tune on validation, then retrain the selection and evaluate it once on the test set."""
+    name, study, a, b = cell
+    store = RunStore(config.out)
+    if study == "c1":
+        return C1.run_c1_cell(
+            C1_ARMS[name], a, data, config.c1, store, init_seed=init_seed, study_seed=STUDY_SEED,
+            record=lambda hp, r: _c1_record(name, a, config.c1, hp, r), train_counted=_counting,
+            progress=progress,
+        )  # fmt: skip
+    arm, shape = ARMS[name], (a, b)
+    base = RecoveryData(data_seed(a, b), N_TRAIN, N_VAL, num_true=b)
+    hp = _hparams(config, arm, shape)
     jobs = [(lr, r) for lr in config.lrs for r in range(config.reps)]
     cfgs = [_record(name, shape, hp, lr, r, "tune") for lr, r in jobs]
     todo = missing(store, cfgs)

@@ -65,6 +65,8 @@ TRAINER_GRID: dict[str, list[float]] = {"lr": [1e-3, 1e-2, 1e-1], "epochs": [25,
 GATE_GRID: dict[str, dict[str, list[float]]] = {
     "dselect_k": {"gamma": [5.0, 10.0, 15.0], "entropy_reg": [0.001, 0.005, 0.01, 0.1]},
     "topk": {},
+    # not in the paper (COMET came later); its γ and λ mean what DSelect-k's do: the same axes
+    "comet": {"gamma": [5.0, 10.0, 15.0], "entropy_reg": [0.001, 0.005, 0.01, 0.1]},
     "ablation_entropy": {"entropy_reg": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 100.0]},
     "ablation_annealing": {
         "temperature": [1e-6, 1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 5e-3, 1e-2]
