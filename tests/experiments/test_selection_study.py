@@ -22,9 +22,9 @@ from dselectk.experiments.selection.study import (
     SEED_RANGE,
     HeldOutData,
     SelectionConfig,
-    _hparams,
     budget_epochs,
     data_seed,
+    hparams_of,
     init_seed,
     max_probe_passes,
 )
@@ -130,7 +130,7 @@ def test_budget_arms_get_the_probe_examples_as_epochs(tmp_path: Path) -> None:
         base = 50 if epochs is None else 1
         for a in ARMS:
             want = budget_epochs(base, 16, 2) if a in BUDGET_ARMS else base
-            assert _hparams(cfg, ARMS[a], (16, 2))["epochs"] == want
+            assert hparams_of(cfg, ARMS[a], (16, 2))["epochs"] == want
     # 1 epoch + the largest search arm's bound of probe passes x 2048 probe inputs / 10,000
     bound = max(max_probe_passes(ARMS[a], 16, 2) for a in ("dselect_k_search", "topk_search"))
     assert budget_epochs(1, 16, 2) == 1 + -(-bound * 2048 // 10_000) > 50

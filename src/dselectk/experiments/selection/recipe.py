@@ -88,7 +88,8 @@ def config_of(args: argparse.Namespace) -> S.SelectionConfig:
 def plan_text(config: S.SelectionConfig) -> str:
     """The plan (cells, runs) and its cost estimate."""
     epochs = config.epochs or 50
-    steps = epochs * math.ceil(S.N_TRAIN / BATCH_SIZE)
+    per_epoch = math.ceil(S.N_TRAIN / BATCH_SIZE)
+    steps = epochs * per_epoch
     runs = probe = 0
     sec = 0.0
     lines = [S.PROTOCOL, "Plan:"]
@@ -99,16 +100,18 @@ def plan_text(config: S.SelectionConfig) -> str:
             c1_runs, c1_sec = c1_runs + runs_, c1_sec + sec_
             continue
         bound = S.max_probe_passes(S.ARMS[arm_name], n, t)
+        arm_steps = S.hparams_of(config, S.ARMS[arm_name], (n, t))["epochs"] * per_epoch
         for members in (config.reps * len(config.lrs), config.reps):  # tuning, test retrain
             runs += members
             probe += members * bound
-            sec += steps * (A + B * members) + bound * (C + D * members)
+            sec += arm_steps * (A + B * members) + bound * (C + D * members)
     lines += [
         f"  arms {', '.join(config.arms)}",
         f"  recovery shapes {' '.join(f'{n}/{t}' for n, t in config.shapes)} (data seeds "
         f"{', '.join(str(S.data_seed(n, t)) for n, t in config.shapes)})",
         f"  {config.reps} repetitions × lrs {list(config.lrs)} + the selected lr's test retrain",
-        f"  {len(S.cells(config))} cells, {int(runs)} runs, {epochs} epochs ({steps} steps) each",
+        f"  {len(S.cells(config))} cells, {int(runs)} runs, {epochs} epochs ({steps} steps) each "
+        f"(equal-budget arms: more, protocol item 5)",
         f"  probe passes at most {int(probe):,} (member × candidate evaluations)",
         f"  C.1 at T = {', '.join(map(str, config.tasks)) or 'none'}: {int(c1_runs)} runs "
         f"(tuning trials × sampled configurations, then {config.c1.reps} repetitions), "

@@ -222,7 +222,7 @@ def cell_name(cell: Cell) -> str:
     return f"{arm}/{a}x{b}" if study == "recovery" else f"{arm}/c1-T{a}"
 
 
-def _hparams(config: SelectionConfig, arm: Variant, shape: tuple[int, int]) -> dict[str, Any]:
+def hparams_of(config: SelectionConfig, arm: Variant, shape: tuple[int, int]) -> dict[str, Any]:
     hp = tuned_hparams(arm)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
@@ -289,7 +289,7 @@ def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> 
         )  # fmt: skip
     arm, shape = ARMS[name], (a, b)
     base = RecoveryData(data_seed(a, b), N_TRAIN, N_VAL, num_true=b)
-    hp = _hparams(config, arm, shape)
+    hp = hparams_of(config, arm, shape)
     jobs = [(lr, r) for lr in config.lrs for r in range(config.reps)]
     cfgs = [_record(name, shape, hp, lr, r, "tune") for lr, r in jobs]
     todo = missing(store, cfgs)
