@@ -130,6 +130,7 @@ class MultiMNISTConfig(rd.RealDataConfig):
     n_train: int = QUICK_SIZES[0]
     n_val: int = QUICK_SIZES[1]
     n_test: int = QUICK_SIZES[2]
+    gamma: float | None = None
 
 
 def load_data(args: MultiMNISTConfig) -> rd.Splits:

@@ -51,9 +51,11 @@ __all__ = [
     "add_common_arguments",
     "build_recipe",
     "config_of",
+    "declares_gamma",
     "load",
     "run_cell",
     "run_experiment",
+    "with_gamma",
     "with_training_defaults",
 ]
 
@@ -92,6 +94,13 @@ def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     )
     p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every run")
     p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
+    p.add_argument(
+        "--gamma",
+        type=positive_float,
+        default=None,
+        help="override the smooth-step γ of the gates that declare one (DSelect-k; quick default "
+        "or --full grid axis); part of every such run's hyperparameters",
+    )
     p.add_argument("--grid-points", type=POS, default=20, help="--full: grid points per cell")
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
     p.add_argument(
@@ -178,6 +187,30 @@ def _cell_name(exp: Experiment, cell: tuple[Any, str]) -> str:
     return cell_key(exp, cell[1], cell[0])
 
 
+def declares_gamma(gate: str) -> bool:
+    """The gate declares the hyperparameter ``gamma`` (what ``--gamma`` overrides)."""
+    variant = VARIANTS[gate].variant if gate in VARIANTS else None
+    return variant is not None and "gamma" in variant.spec.hparams
+
+
+def with_gamma(exp: Experiment, gamma: float | None) -> Experiment:
+    """``exp`` with ``--gamma``: the quick default and the ``--full`` grid axis of ``gamma`` set
+    to that value for the gates that declare ``gamma`` (the others, and ``None``, unchanged).
+    γ is then in every such run's ``hparams``, so records with different γ never mix."""
+    if gamma is None:
+        return exp
+    g = float(gamma)
+    quick = {
+        gate: {**hp, "gamma": g} if declares_gamma(gate) else hp
+        for gate, hp in exp.quick_hparams.items()
+    }
+    grid = {
+        gate: {**axes, "gamma": [g]} if declares_gamma(gate) else axes
+        for gate, axes in exp.grid.items()
+    }
+    return dataclasses.replace(exp, quick_hparams=quick, grid=grid)
+
+
 def with_training_defaults(exp: Experiment, config: Any) -> Experiment:
     """``exp`` with the config's ``init`` and ``optimizer_defaults`` (kept when absent)."""
     return dataclasses.replace(
@@ -254,8 +287,8 @@ def _planned_runs(exp: Experiment, config: RealDataConfig, cell: tuple[Any, str]
 
 def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
     """The (setting, gate) cells of the config (settings outer, gates inner) for the shared
-    runner, with the experiment's data, preparation and report."""
-    exp = with_training_defaults(exp, config)
+    runner, with the experiment's data, preparation and report (``--gamma`` applied)."""
+    exp = with_gamma(with_training_defaults(exp, config), getattr(config, "gamma", None))
     return Recipe(
         cells=list(itertools.product(config.settings, config.gates)),
         run_cell=functools.partial(run_cell, exp),
