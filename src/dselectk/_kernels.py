@@ -6,12 +6,18 @@ out backward pass (tested against the composed formulas):
 
 * :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
   :func:`dselectk.functional.dselect_k_fused`;
+* :class:`_DSelectSmall`: the same numbers for small problems (few calls), on CPU float32 and
+  float64 computed on the host in NumPy (:mod:`dselectk.runtime`), and
+  :class:`_DSelectSmallGate`: a small per-example or static DSelect-k gate's whole step (logits
+  in; weights and entropy loss out) in one node on the host, used by
+  :class:`dselectk.gates.DSelectK`;
 * :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies, used by
   :class:`dselectk.gates.SoftmaxSelectorGate`.
 
 It depends on torch and :mod:`dselectk.runtime` only (no import of :mod:`dselectk.functional` or
 :mod:`dselectk.gates`), so both can import it without a cycle. The DSelect-k kernels run their
-ops on one thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why).
+ops on one thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why). The
+kernels here bypass ``Function.apply``'s per-call argument binding (:func:`_apply`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dselectk.runtime import intra_op_threads
+from dselectk.runtime import (
+    _host_entropy_grad,
+    _host_gate,
+    _host_gate_grad,
+    _host_small,
+    _host_small_grads,
+    _HostSaved,
+    intra_op_threads,
+)
 
 __all__: list[str] = []
 
@@ -207,6 +221,22 @@ class _DSelectFused(torch.autograd.Function):
         return g_z, _batch_first(g_alpha), None
 
 
+def _apply(cls: Any, args: tuple[Any, ...]) -> Any:
+    """``cls.apply(*args)`` without ``Function.apply``'s per-call Python work.
+
+    ``torch.autograd.Function.apply`` binds the arguments to ``forward``'s signature with
+    ``inspect`` for every call of a ``setup_context`` Function (tens of µs, as much as the small
+    kernel's arithmetic); the kernels here take positional arguments only, so outside torch.func
+    transforms they go straight to the C++ ``apply`` (with dead functorch wrappers unwrapped, as
+    ``Function.apply`` does).
+    """
+    if torch._C._are_functorch_transforms_active():
+        return torch.autograd.Function.apply.__func__(cls, *args)  # type: ignore[attr-defined]
+    unwrap = torch._C._functorch.unwrap_if_dead
+    args = tuple(unwrap(a) if isinstance(a, Tensor) else a for a in args)
+    return super(torch.autograd.Function, cls).apply(*args)
+
+
 # -- small per-example / static DSelect-k kernel ---------------------------------------------
 #
 # The same q̃ and entropies for small problems (a few examples), where the cost is the number of
@@ -257,8 +287,14 @@ class _DSelectSmall(torch.autograd.Function):
 
     generate_vmap_rule = True
 
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # see _apply
+        return _apply(cls, args)
+
     @staticmethod
-    def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+    def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Any, ...]:
+        if _host_ok(z, alpha) and gamma.device.type == "cpu":  # see dselectk.runtime
+            return _host_small(z, alpha, gamma)
         with intra_op_threads(1):  # small problems only: one thread (see dselectk.runtime)
             return _DSelectSmall._forward(z, alpha, gamma)
 
@@ -280,8 +316,12 @@ class _DSelectSmall(torch.autograd.Function):
         return out, ent, s, pq, log_pq, r, a
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         ctx.set_materialize_grads(False)
+        if isinstance(output[2], _HostSaved):
+            ctx.host = output[2]
+            return
+        ctx.host = None
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(inputs[2], *output[2:])
 
@@ -290,6 +330,12 @@ class _DSelectSmall(torch.autograd.Function):
     def backward(
         ctx: Any, g_out: Tensor | None, g_ent: Tensor | None, *_: Any
     ) -> tuple[Tensor | None, Tensor | None, None]:
+        host = ctx.host
+        if host is not None:
+            if g_out is None and g_ent is None:
+                return None, None, None
+            g_z, g_alpha = _host_small_grads(host, g_out, g_ent)
+            return g_z, g_alpha, None
         with intra_op_threads(1):
             return _DSelectSmall._backward(ctx, g_out, g_ent)
 
@@ -325,6 +371,83 @@ class _DSelectSmall(torch.autograd.Function):
         d = s * s
         g_s = d.mul_(-6.0).add_(1.5).mul_(g_p.reshape(m, g, k)).div_(gam)  # (M, G, K)
         return g_s.reshape(m, g * k).t().reshape(g, k, m), g_alpha, None
+
+
+_HOST_DTYPES = (torch.float32, torch.float64)
+
+
+def _host_ok(*tensors: Tensor) -> bool:
+    """Whether the small kernels may compute on the host (:mod:`dselectk.runtime`, NumPy): CPU
+    float32/float64 tensors of one dtype, eager (no torch.func transform, no graph capture or
+    compilation)."""
+    t = tensors[0]
+    return (
+        t.device.type == "cpu"
+        and t.dtype in _HOST_DTYPES
+        and all(u.device.type == "cpu" and u.dtype == t.dtype for u in tensors[1:])
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+
+
+class _DSelectSmallGate(torch.autograd.Function):
+    """A DSelect-k gate's whole step on the host: (logits (G, K(1+M)), γ (0-d or (G,)), λ, K,
+    lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
+
+    The NumPy small kernel (see the comment above) on the gate's logits, and the entropy term
+    of the auxiliary loss as :class:`dselectk.gates.DSelectK` computes it (the same ATen calls
+    on the same entropies: λ Σ_i h_i per gate, summed over the gates and, per example, divided
+    by the batch): one autograd node instead of the logits' two slices, the small kernel and
+    four loss nodes, with one grad of the logits (no zero-filled grads of the α and Z slices).
+    Bit for bit what the gate computes through :func:`dselectk.functional.dselect_k_fused`
+    (values and gradients). For CPU float32/float64 only (:func:`_host_ok`); the gate checks.
+    """
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # see _apply
+        return _apply(cls, args)
+
+    @staticmethod
+    def forward(
+        logits: Tensor,
+        gamma: Tensor,
+        lam: Tensor,
+        k: int,
+        lead: tuple[int, ...],
+        per_example: bool,
+    ) -> tuple[Any, ...]:
+        out, ent, saved = _host_gate(logits, gamma, k)
+        per_gate = lam * ent.view(*lead, k).sum(dim=-1)
+        aux = per_gate.sum() / lead[0] if per_example else per_gate.sum()
+        return out.view(*lead, -1), aux, saved
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.host = output[2]
+        ctx.k, ctx.lead, ctx.per_example = inputs[3], inputs[4], inputs[5]
+        ctx.dtype = inputs[0].dtype
+        ctx.save_for_backward(inputs[2])  # λ (an in-place change before backward raises)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+        none = (None,) * 5
+        if g_w is None and g_aux is None:
+            return (None, *none)
+        lead = ctx.lead
+        g_ent = None
+        if g_aux is not None:  # the loss nodes' backward, op for op: / batch, expand, * λ
+            (lam,) = ctx.saved_tensors
+            divisor = lead[0] if ctx.per_example else 1
+            if lam.dim() == 0:
+                g_ent = _host_entropy_grad(g_aux, lam, divisor, ctx.dtype)
+            else:
+                g_gate = g_aux / divisor if ctx.per_example else g_aux
+                g_gate = (g_gate.expand(lead) * lam).to(ctx.dtype)
+                g_ent = g_gate.reshape(math.prod(lead), 1).numpy()
+        return (_host_gate_grad(ctx.host, g_w, g_ent, ctx.k), *none)
 
 
 # -- softmax-selector ablation gate -----------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dselectk._kernels import _DSelectFused, _DSelectSmall
+from dselectk._kernels import _DSelectFused, _DSelectSmall, _host_ok
 
 __all__ = [
     "binary_entropy",
@@ -173,8 +173,9 @@ def dselect_k_weights(
 
 #: at or below this many selector entries (gates × K × 2**M), :func:`dselect_k_fused` calls the
 #: small-problem kernel (``_DSelectSmall``: ~35 ATen calls in one autograd node; the cost of a
-#: few examples is the number of calls). Its work is O(N·M²) per selector, so larger problems go
-#: to the composed formulas or the fused kernel (see ``benchmarks/small_batch.py``)
+#: few examples is the number of calls; on CPU float32/float64 NumPy calls, cheaper still, see
+#: :mod:`dselectk.runtime`). Its work is O(N·M²) per selector, so larger problems go to the
+#: composed formulas or the fused kernel (see ``benchmarks/small_batch.py``)
 SMALL_MAX_ELEMENTS = 8192
 
 #: below this many selector entries, :func:`dselect_k_fused` does not call the fused kernel
@@ -190,6 +191,31 @@ def _capturing() -> bool:
     so compiled and eager numbers stay identical.)
     """
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
+
+
+def _small_on_host(entries: int, logits: Tensor, gamma: Tensor) -> bool:
+    """Whether :func:`dselect_k_fused` would give a problem of ``entries`` selector entries to
+    the small kernel, and that kernel would compute in NumPy (CPU float32/float64, eager): then
+    :class:`~dselectk.gates.DSelectK` may take the whole gate to the host in one node
+    (``_DSelectSmallGate``), with the same numbers."""
+    return (  # the size last: under graph capture, a comparison with a dynamic size is a guard
+        not _capturing()
+        and _host_ok(logits)
+        and gamma.device.type == "cpu"
+        and not gamma.requires_grad
+        and 0 < entries <= SMALL_MAX_ELEMENTS
+        and entries < FUSED_MIN_ELEMENTS
+    )
+
+
+def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    out, ent = _DSelectSmall.apply(z, alpha, gamma)[:2]
+    return out, ent
+
+
+#: the small kernel outside a compiled graph (see :func:`dselect_k_fused`); torch's own lazy
+#: form of ``torch.compiler.disable`` (which would import torch._dynamo with this module: 1.6 s)
+_small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
 
 
 def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
@@ -252,7 +278,12 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
         alpha = alpha.expand(*lead, alpha.shape[-1])
     if z.shape[:-2] != lead:
         z = z.expand(*lead, *z.shape[-2:])
-    out, ent = kernel.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
+    if kernel is _DSelectSmall and torch.compiler.is_compiling():
+        # Eager, as a graph break: on the CPU the small kernel computes in NumPy, so compiled
+        # and eager numbers stay identical (a traced copy would take the ATen kernel).
+        out, ent = _small_eager(z.reshape(-1, k, m), alpha.reshape(-1, k), g)
+    else:
+        out, ent = kernel.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
     return out.view(*lead, out.shape[-1]), ent.reshape(*lead, k)
 
 

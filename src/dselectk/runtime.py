@@ -8,6 +8,9 @@ For the small, allocation-heavy models of this package that is 20-30 % of a step
 the per-example gate benchmark 11.2 -> 7.8 ms fwd+bwd). PyTorch's CPU tuning guide recommends
 swapping the allocator (jemalloc, tcmalloc) for the same reason; :func:`tune_allocator` gets most
 of the gain with glibc's own ``mallopt``, without a dependency.
+
+This module also holds the host (NumPy) arithmetic of the small DSelect-k kernels (private
+helpers, see the comment at ``_host_forward``): how a few examples run fastest on the CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["PARALLEL_MIN_ELEMENTS", "exit_with_parent", "intra_op_threads", "tune_allocator"]
@@ -65,6 +70,215 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
         yield max(1, limit)
     finally:
         torch.set_num_threads(before)
+
+
+# -- host arithmetic of the small DSelect-k kernel ---------------------------------------------
+#
+# At a few examples the cost of the small DSelect-k kernel (dselectk._kernels._DSelectSmall) is
+# its calls, not its arithmetic: an ATen call costs 2-6 µs of dispatch (more with a Python
+# number argument), a NumPy ufunc on a few hundred numbers about 1 µs. So for CPU float32 and
+# float64 tensors (eager, outside torch.func transforms and graph capture; the kernels decide)
+# the small kernel computes here, in NumPy, on zero-copy views of the tensors.
+#
+# The selector law is a product of two halves: the K selectors' laws over the high
+# M_hi = M - M_lo bits (H = 2**M_hi codes) and over the low M_lo = floor(M/2) bits times σ(α)
+# (L = 2**M_lo entries), each gathered from one table of factors and multiplied along F factors,
+# so the combine is one batched (H, K) @ (K, L) product per gate and its backward two. The
+# backward of the halves' products takes the product of the other F - 1 factors (a second
+# gather; exact at zero factors, no division) and sums the factors' grads back onto the table
+# rows with one product against a constant 0/1 matrix. The table holds, per selector, 1 - S(z_j)
+# and S(z_j) of every bit j (rows 2j and 2j + 1), σ(α) (row 2M) and, when M is even, a row of
+# ones (the high half's pad): σ(α) is a factor of the low half, so its gradient comes out of the
+# same product as the bits'. Same numbers as the ATen small kernel to float rounding (the
+# products are associated differently), tested.
+
+_HOST_TABLES: dict[tuple[int, object], tuple[Any, ...]] = {}
+
+
+class _HostSaved:
+    """What the host small kernel keeps for its backward (a non-tensor output of the node)."""
+
+    __slots__ = ("arrays", "gam")
+
+    def __init__(self, arrays: tuple[Any, ...], gam: Any) -> None:
+        self.arrays = arrays
+        self.gam = gam
+
+
+def _host_tables(m: int, dtype: Any) -> tuple[Any, ...]:
+    """Constant tables of the host kernel for M bits (cached per M and NumPy dtype).
+
+    Returns:
+        ``idx`` (H + L, F): the table row of each factor of the H high-half codes, then of the
+        L low-half codes; ``others`` (H + L, F, F - 1): the rows of the other F - 1 factors;
+        ``onehot`` (rows, (H + L)·F): a 1 where factor (c, f) reads row ``idx[c, f]``;
+        ``rows``, H, L and the dtype's smallest normal number.
+    """
+    key = (m, dtype)
+    tables = _HOST_TABLES.get(key)
+    if tables is None:
+        m_lo = m // 2
+        m_hi = m - m_lo
+        f = max(m_hi, m_lo + 1)
+        rows = 2 * m + 1 + (1 if m_hi < f else 0)
+        h, lo = 2**m_hi, 2**m_lo
+        idx = np.full((h + lo, f), 2 * m + 1, dtype=np.intp)  # padded with the ones row
+        bits_hi = (np.arange(h)[:, None] >> np.arange(m_hi)) & 1
+        bits_lo = (np.arange(lo)[:, None] >> np.arange(m_lo)) & 1
+        idx[:h, :m_hi] = 2 * (m_lo + np.arange(m_hi)) + bits_hi
+        idx[h:, :m_lo] = 2 * np.arange(m_lo) + bits_lo
+        idx[h:, m_lo] = 2 * m  # σ(α)
+        keep = ~np.eye(f, dtype=bool)
+        others = np.stack([idx[:, keep[j]] for j in range(f)], axis=1)  # (H + L, F, F - 1)
+        onehot = np.zeros((rows, (h + lo) * f), dtype=dtype)
+        onehot[idx.reshape(-1), np.arange((h + lo) * f)] = 1
+        tables = (idx, others, onehot, rows, h, lo, np.finfo(dtype).tiny)
+        _HOST_TABLES[key] = tables
+    return tables
+
+
+def _host_gamma(gamma: torch.Tensor, dtype: torch.dtype) -> Any:
+    """γ for the host kernel: a Python float (one γ; NumPy rounds it to the arrays' dtype, as
+    ``gamma.to(z)`` does) or a (G, 1) array of the z dtype (one per gate)."""
+    if gamma.dim() == 0:
+        return float(gamma)
+    return gamma.detach().to(dtype).numpy().reshape(-1, 1)
+
+
+def _host_forward(z: Any, alpha: Any, gam: Any) -> tuple[Any, Any, tuple[Any, ...]]:
+    """q̃ (G, N), entropies (G, K) and the saved arrays, from z (G, K, M), α (G, K) arrays."""
+    g, k, m = z.shape
+    gk = g * k
+    idx, _, _, rows, h, _, tiny = _host_tables(m, z.dtype)
+    tb = np.empty((rows, g, k), dtype=z.dtype)  # the factor table, selectors innermost
+    s = np.divide(z.transpose(2, 0, 1), gam, order="C")  # (M, G, K)
+    np.maximum(s, -0.5, out=s)
+    np.minimum(s, 0.5, out=s)
+    p = tb[1 : 2 * m : 2]
+    np.multiply(s, s, out=p)  # s (1.5 - 2 s²) + 0.5, op for op
+    p *= -2.0
+    p += 1.5
+    p *= s
+    p += 0.5
+    np.subtract(1.0, p, out=tb[0 : 2 * m : 2])
+    e = alpha - np.maximum.reduce(alpha, axis=1, keepdims=True)
+    np.exp(e, out=e)
+    np.divide(e, np.add.reduce(e, axis=1, keepdims=True), out=tb[2 * m])  # σ(α)
+    if rows > 2 * m + 1:
+        tb[2 * m + 1] = 1.0
+    pq = tb[: 2 * m]
+    log_pq = np.maximum(pq, tiny)  # log(1 - p), log p of every bit, clamped as the formulas do
+    np.log(log_pq, out=log_pq)
+    ent = np.add.reduce(pq * log_pq, axis=0)
+    np.negative(ent, out=ent)
+    flat = tb.reshape(rows, gk)
+    r = np.multiply.reduce(np.take(flat, idx, axis=0), axis=1)  # (H + L, G·K)
+    r_hi = r[:h].reshape(h, g, k).transpose(1, 0, 2)  # (G, H, K)
+    r_lo = r[h:].reshape(-1, g, k).transpose(1, 2, 0)  # (G, K, L): the low half times σ(α)
+    out = np.matmul(r_hi, r_lo).reshape(g, -1)  # code = high · L + low
+    return out, ent, (s, flat, log_pq, r)
+
+
+def _host_backward(
+    arrays: tuple[Any, ...], gam: Any, g_out: Any | None, g_ent: Any | None
+) -> tuple[Any, Any | None]:
+    """Grads of z, laid out (M, G, K), and of α (G, K) (None without ``g_out``).
+
+    ``g_out`` (G, N), ``g_ent`` broadcastable to (G, K) (e.g. (G, 1) or a 0-d array), or None.
+    """
+    s, flat, log_pq, r = arrays
+    m, g, k = s.shape
+    gk = g * k
+    _, others, onehot, _, h, lo, _ = _host_tables(m, s.dtype)
+    g_alpha = None
+    dent = log_pq.reshape(m, 2, g, k)  # d h(p) / dp = log(1 - p) - log p (clamped logs)
+    if g_out is not None:
+        g3 = g_out.reshape(g, h, lo)
+        g_r = np.empty((h + lo, g, k), dtype=s.dtype)
+        np.matmul(g3, r[h:].reshape(lo, g, k).transpose(1, 0, 2), out=g_r[:h].transpose(1, 0, 2))
+        g_hi = r[:h].reshape(h, g, k).transpose(1, 0, 2)
+        np.matmul(g3.transpose(0, 2, 1), g_hi, out=g_r[h:].transpose(1, 0, 2))
+        g_f = np.multiply.reduce(np.take(flat, others, axis=0), axis=2)  # the other factors
+        g_f *= g_r.reshape(h + lo, 1, gk)
+        g_tb = np.matmul(onehot, g_f.reshape(-1, gk))  # (rows, G·K)
+        g_p = np.subtract(g_tb[1 : 2 * m : 2], g_tb[0 : 2 * m : 2]).reshape(m, g, k)
+        g_a = g_tb[2 * m].reshape(g, k)
+        a = flat[2 * m].reshape(g, k)
+        g_alpha = a * (g_a - np.add.reduce(g_a * a, axis=1, keepdims=True))  # softmax backward
+        if g_ent is not None:
+            g_p += g_ent * (dent[:, 0] - dent[:, 1])
+    else:
+        assert g_ent is not None
+        g_p = g_ent * (dent[:, 0] - dent[:, 1])
+    # dS/dz = (1.5 - 6 s²) / γ, exactly 0 at |s| = 1/2 (so the clamp needs no mask).
+    d = s * s
+    d *= -6.0
+    d += 1.5
+    d *= g_p
+    d /= gam
+    return d, g_alpha
+
+
+def _host_small(z: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor) -> tuple[Any, ...]:
+    """``_DSelectSmall``'s forward on the host: q̃ (G, N), entropies (G, K), saved state."""
+    gam = _host_gamma(gamma, z.dtype)
+    out, ent, arrays = _host_forward(z.detach().numpy(), alpha.detach().numpy(), gam)
+    return torch.from_numpy(out), torch.from_numpy(ent), _HostSaved(arrays, gam)
+
+
+def _host_small_grads(
+    saved: _HostSaved, g_out: torch.Tensor | None, g_ent: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_DSelectSmall``'s backward on the host: grads of z (G, K, M) and α (G, K) (or None)."""
+    d, g_alpha = _host_backward(
+        saved.arrays,
+        saved.gam,
+        None if g_out is None else g_out.detach().numpy(),
+        None if g_ent is None else g_ent.detach().numpy(),
+    )
+    g_z = torch.from_numpy(np.ascontiguousarray(d.transpose(1, 2, 0)))
+    return g_z, None if g_alpha is None else torch.from_numpy(g_alpha)
+
+
+def _host_gate(
+    logits: torch.Tensor, gamma: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, _HostSaved]:
+    """The host kernel on a gate's logits (G, K(1+M)): q̃ (G, N), entropies (G, K), state."""
+    g, c = logits.shape
+    x = logits.detach().numpy()
+    gam = _host_gamma(gamma, logits.dtype)
+    out, ent, arrays = _host_forward(x[:, k:].reshape(g, k, c // k - 1), x[:, :k], gam)
+    return torch.from_numpy(out), torch.from_numpy(ent), _HostSaved(arrays, gam)
+
+
+def _host_entropy_grad(
+    g_aux: torch.Tensor, lam: torch.Tensor, divisor: int, dtype: torch.dtype
+) -> Any:
+    """The grad of each selector's entropy from the grad of λ Σ h / divisor, for one λ (0-d):
+    the loss nodes' backward (``/ divisor``, ``* λ``, the cast to the entropies' dtype) done on
+    0-d arrays, the same IEEE operations in the same dtypes, so the same number."""
+    ga = g_aux.detach().numpy()  # the loss's dtype: λ's and the entropies' promotion
+    if divisor != 1:
+        ga = ga / np.asarray(divisor, dtype=ga.dtype)
+    v = ga * lam.detach().numpy().astype(ga.dtype)
+    return np.asarray(v, dtype=np.float32 if dtype == torch.float32 else np.float64)
+
+
+def _host_gate_grad(
+    saved: _HostSaved, g_w: torch.Tensor | None, g_ent: Any | None, k: int
+) -> torch.Tensor:
+    """The grad of the gate's logits (G, K(1+M)) from the grads of q̃ and of the entropies."""
+    d, g_alpha = _host_backward(
+        saved.arrays,
+        saved.gam,
+        None if g_w is None else g_w.detach().reshape(saved.arrays[0].shape[1], -1).numpy(),
+        g_ent,
+    )
+    m, g, _ = d.shape
+    grad = np.empty((g, k * (1 + m)), dtype=d.dtype)
+    grad[:, :k] = 0.0 if g_alpha is None else g_alpha
+    grad[:, k:].reshape(g, k, m)[...] = d.transpose(1, 2, 0)
+    return torch.from_numpy(grad)
 
 
 _M_TRIM_THRESHOLD = -1

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
+from dselectk._kernels import _DSelectSmallGate
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -244,6 +245,9 @@ class DSelectK(Gate):
         return DF.distinct_codes(z, self.num_experts) if self.distinct else z
 
     def gate(self, logits: Tensor) -> GateOutput:
+        out = self._gate_on_host(logits)
+        if out is not None:
+            return out
         alpha, z = self.split_logits(logits)
         z = self._codes_z(z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
@@ -259,6 +263,28 @@ class DSelectK(Gate):
         if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(weights, aux)
+
+    def _gate_on_host(self, logits: Tensor) -> GateOutput | None:
+        """:meth:`gate` in one autograd node on the host (``_DSelectSmallGate``) for small CPU
+        problems, bit for bit its numbers; None where it does not apply (then :meth:`gate`
+        computes as written)."""
+        k, m, n = self.k, self.num_bits, self.num_experts
+        if self.distinct or (n < 2**m and self.xi > 0):
+            return None
+        lead = logits.shape[:-1]
+        if not DF._small_on_host(math.prod(lead) * k * 2**m, logits, self._gamma):
+            return None
+        gamma = self._gamma
+        if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+            gamma = gamma.expand(lead).reshape(-1)
+        w, aux, _ = _DSelectSmallGate.apply(
+            logits.reshape(-1, logits.shape[-1]), gamma, self._entropy_reg, k, lead, not self.static
+        )
+        if n < 2**m:
+            w = w[..., :n]
+        if type(self).diversity.is_nonzero(self):
+            aux = aux + self._reduce_aux(self.diversity_penalty(self.split_logits(logits)[1]))
+        return GateOutput(w, aux)
 
     def diversity_penalty(self, z: Tensor) -> Tensor:
         """μ Σ_{i<j} ⟨r_i, r_j⟩ of each gate (see the class docstring), shape (*lead,).
