@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from dselectk import _kernels
+from dselectk import _kernels, runtime
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmall, _DSelectSmallGate
+from dselectk._kernels import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
 from dselectk.gates import DSelectK
 
 F64 = torch.float64
@@ -53,9 +53,19 @@ def _run(alpha: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor, outs: tuple[
 @pytest.mark.parametrize(("g", "k", "m"), [(1, 1, 1), (3, 2, 2), (5, 3, 3), (2, 4, 6), (4, 4, 7)])
 @pytest.mark.parametrize("per_gate", [False, True])
 @pytest.mark.parametrize("outs", [(0, 1), (0,), (1,)])
+@pytest.mark.parametrize("table_matmul", [True, False])
 def test_host_small_kernel_matches_aten_kernel(
-    monkeypatch: pytest.MonkeyPatch, g: int, k: int, m: int, per_gate: bool, outs: tuple[int, ...]
+    monkeypatch: pytest.MonkeyPatch,
+    g: int,
+    k: int,
+    m: int,
+    per_gate: bool,
+    outs: tuple[int, ...],
+    table_matmul: bool,
 ) -> None:
+    """Both ways of summing the factors' grads onto the table (a 0/1 product, per-bit sums)."""
+    if not table_matmul:
+        monkeypatch.setattr(runtime, "_HOST_MATMUL_MAX_SELECTORS", 0)
     alpha, z = _inputs(g, k, m)
     gamma = torch.rand(g, dtype=F64) + 0.5 if per_gate else torch.tensor(0.7, dtype=F64)
     assert _kernels._host_ok(z, alpha)
@@ -109,14 +119,15 @@ def _gate_outputs(gate: DSelectK, x: torch.Tensor | None, seed: int = 3) -> list
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of the one-node gates (with or without the linear layer inside)."""
     calls: list[int] = []
-    orig = _DSelectSmallGate.apply
+    for cls in (_DSelectSmallGate, _DSelectSmallGateLinear):
 
-    def spy(*args: Any) -> Any:
-        calls.append(1)
-        return orig(*args)
+        def spy(*args: Any, _orig: Any = cls.apply) -> Any:
+            calls.append(1)
+            return _orig(*args)
 
-    monkeypatch.setattr(_DSelectSmallGate, "apply", spy)
+        monkeypatch.setattr(cls, "apply", spy)
     return calls
 
 
@@ -129,6 +140,8 @@ CASES = [
     (32, 3, None, 4, 0.05, [0.3, 1.0, 2.0, 0.8], [0.0, 0.1, 0.5, 1.0], 1.0),
     (5, 2, 4, None, 0.2, 1.0, 0.0, 0.0),  # n < 2**M without the unused-code penalty
     (2, 1, 3, None, 0.2, 1.0, 0.0, 1.0),  # M = 1
+    (128, 4, 6, None, 0.1, 0.7, 0.0, 1.0, 20),  # above SMALL_MAX_ELEMENTS (else: fused kernel)
+    (64, 2, 5, 3, [0.0, 0.2, 1.0], [0.5, 1.0, 3.0], 0.0, 1.0, 30),
 ]
 
 
@@ -137,14 +150,14 @@ CASES = [
 def test_gate_host_path_matches_composed_path(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, case: tuple[Any, ...]
 ) -> None:
-    n, k, p, t, lam, gamma, mu, xi = case
+    n, k, p, t, lam, gamma, mu, xi, *batch = case
     torch.manual_seed(0)
     gate = DSelectK(n, k, in_features=p, num_gates=t, xi=xi).to(dtype)
     gate.entropy_reg, gate.gamma, gate.diversity = lam, gamma, mu
     with torch.no_grad():
         for par in gate.parameters():
             par.mul_(30.0)  # a mix of binary and fractional bits
-    x = None if p is None else torch.randn(6, p, dtype=dtype)
+    x = None if p is None else torch.randn(*(batch or [6]), p, dtype=dtype)
     calls = _spy(monkeypatch)
     got = _gate_outputs(gate, x)
     assert calls == [1]
@@ -199,14 +212,19 @@ def test_gate_host_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
     DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(3, 4))  # distinct codes: as written
     DSelectK(5, 2, in_features=4)(torch.randn(3, 4))  # the unused-code penalty: as written
-    big = DF.SMALL_MAX_ELEMENTS // (2 * 8) + 1
-    gate(torch.randn(big, 4))  # too large for the small kernel
+    limit = DF.HOST_GATE_MAX_ELEMENTS // (2 * 8)
+    gate(torch.randn(DF.SMALL_MAX_ELEMENTS // (2 * 8) + 1, 4))  # above the small kernel's size
+    gate(torch.randn(limit, 4))
+    assert calls == [1, 1, 1]
+    gate(torch.randn(limit + 1, 4))  # too large
     gate.half()(torch.randn(3, 4).half())  # not float32/float64
-    assert calls == [1]
+    assert calls == [1, 1, 1]
     with monkeypatch.context() as mp:
-        mp.setattr(DF, "FUSED_MIN_ELEMENTS", 0)  # the fused kernel everywhere: as written
+        mp.setattr(DF, "FUSED_MIN_ELEMENTS", 0)  # the fused kernel everywhere: as written ...
         gate.float()(torch.randn(3, 4))
-    assert calls == [1]
+        assert calls == [1, 1, 1]
+        gate(torch.randn(limit, 4))  # ... up to the small kernel's size
+    assert calls == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("per_example", [False, True])

@@ -382,12 +382,12 @@ def _host_ok(*tensors: Tensor) -> bool:
     compilation)."""
     t = tensors[0]
     return (
-        t.device.type == "cpu"
+        t.is_cpu
         and t.dtype in _HOST_DTYPES
-        and all(u.device.type == "cpu" and u.dtype == t.dtype for u in tensors[1:])
+        and all(u.is_cpu and u.dtype == t.dtype for u in tensors[1:])
         and not torch._C._are_functorch_transforms_active()
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()  # also torch.export and the dynamo ONNX export
+        and not torch.jit.is_tracing()  # also the TorchScript ONNX export
     )
 
 
@@ -418,9 +418,7 @@ class _DSelectSmallGate(torch.autograd.Function):
         per_example: bool,
     ) -> tuple[Any, ...]:
         out, ent, saved = _host_gate(logits, gamma, k)
-        per_gate = lam * ent.view(*lead, k).sum(dim=-1)
-        aux = per_gate.sum() / lead[0] if per_example else per_gate.sum()
-        return out.view(*lead, -1), aux, saved
+        return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -436,18 +434,84 @@ class _DSelectSmallGate(torch.autograd.Function):
         none = (None,) * 5
         if g_w is None and g_aux is None:
             return (None, *none)
-        lead = ctx.lead
-        g_ent = None
-        if g_aux is not None:  # the loss nodes' backward, op for op: / batch, expand, * λ
-            (lam,) = ctx.saved_tensors
-            divisor = lead[0] if ctx.per_example else 1
-            if lam.dim() == 0:
-                g_ent = _host_entropy_grad(g_aux, lam, divisor, ctx.dtype)
-            else:
-                g_gate = g_aux / divisor if ctx.per_example else g_aux
-                g_gate = (g_gate.expand(lead) * lam).to(ctx.dtype)
-                g_ent = g_gate.reshape(math.prod(lead), 1).numpy()
+        g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, ctx.saved_tensors[0])
         return (_host_gate_grad(ctx.host, g_w, g_ent, ctx.k), *none)
+
+
+def _entropy_loss(
+    ent: Tensor, lam: Tensor, k: int, lead: tuple[int, ...], per_example: bool
+) -> Tensor:
+    """λ Σ_i h_i per gate, summed over the gates (per example: / batch), as the gate writes it."""
+    per_gate = lam * ent.view(*lead, k).sum(dim=-1)
+    return per_gate.sum() / lead[0] if per_example else per_gate.sum()
+
+
+def _entropy_grad(ctx: Any, g_aux: Tensor, lam: Tensor) -> Any:
+    """The grad of each selector's entropy (an array broadcastable to (G, K)) from the grad of
+    :func:`_entropy_loss`: its nodes' backward, op for op (/ batch, expand, * λ, cast)."""
+    lead = ctx.lead
+    divisor = lead[0] if ctx.per_example else 1
+    if lam.dim() == 0:
+        return _host_entropy_grad(g_aux, lam, divisor, ctx.dtype)
+    g_gate = g_aux / divisor if ctx.per_example else g_aux
+    g_gate = (g_gate.expand(lead) * lam).to(ctx.dtype)
+    return g_gate.reshape(math.prod(lead), 1).numpy()
+
+
+class _DSelectSmallGateLinear(torch.autograd.Function):
+    """:class:`_DSelectSmallGate` with the gate's linear layer in the node: (x (B, p), weight,
+    bias or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
+
+    The logits are ``F.linear``'s ATen call on 2-D inputs (``addmm``, ``mm`` without a bias),
+    and the grads of x, weight and bias the calls of autograd's backward of it (``grad @ W``,
+    ``grad.t() @ x``, ``grad.sum(0)``): the same numbers as the layer and
+    :class:`_DSelectSmallGate` in two nodes, without the layer's module call, view and three
+    backward nodes. Used by :class:`dselectk.gates.DSelectK` for a plain ``nn.Linear`` (no hooks,
+    no autocast).
+    """
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # see _apply
+        return _apply(cls, args)
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        gamma: Tensor,
+        lam: Tensor,
+        k: int,
+        lead: tuple[int, ...],
+        per_example: bool,
+    ) -> tuple[Any, ...]:
+        wt = weight.t()
+        logits = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        out, ent, saved = _host_gate(logits.view(math.prod(lead), -1), gamma, k)
+        return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.host = output[2]
+        ctx.k, ctx.lead, ctx.per_example = inputs[5], inputs[6], inputs[7]
+        ctx.dtype = inputs[0].dtype
+        ctx.save_for_backward(inputs[4], inputs[0], inputs[1])  # λ, x, weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+        none = (None,) * 5
+        if g_w is None and g_aux is None:
+            return (None, None, None, *none)
+        lam, x, weight = ctx.saved_tensors
+        g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
+        g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)  # grad of logits
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g_x = g.mm(weight) if need_x else None
+        g_weight = g.t().mm(x) if need_w else None
+        g_bias = g.sum(0) if need_b else None
+        return (g_x, g_weight, g_bias, *none)
 
 
 # -- softmax-selector ablation gate -----------------------------------------------------------

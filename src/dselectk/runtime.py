@@ -82,17 +82,17 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
 #
 # The selector law is a product of two halves: the K selectors' laws over the high
 # M_hi = M - M_lo bits (H = 2**M_hi codes) and over the low M_lo = floor(M/2) bits times σ(α)
-# (L = 2**M_lo entries), each gathered from one table of factors and multiplied along F factors,
-# so the combine is one batched (H, K) @ (K, L) product per gate and its backward two. The
-# backward of the halves' products takes the product of the other F - 1 factors (a second
-# gather; exact at zero factors, no division) and sums the factors' grads back onto the table
-# rows with one product against a constant 0/1 matrix. The table holds, per selector, 1 - S(z_j)
-# and S(z_j) of every bit j (rows 2j and 2j + 1), σ(α) (row 2M) and, when M is even, a row of
-# ones (the high half's pad): σ(α) is a factor of the low half, so its gradient comes out of the
-# same product as the bits'. Same numbers as the ATen small kernel to float rounding (the
-# products are associated differently), tested.
+# (L = 2**M_lo entries), each gathered from one table of factors and multiplied along F factors
+# (prefix products), so the combine is one batched (H, K) @ (K, L) product per gate and its
+# backward two. The backward of the halves' products takes the product of the other F - 1
+# factors (prefix times suffix products: exact at zero factors, no division) and sums the
+# factors' grads back onto the table rows with one product against a constant 0/1 matrix. The
+# table holds, per selector, 1 - S(z_j) and S(z_j) of every bit j (rows j and M + j), σ(α) (row
+# 2M) and, when M is even, a row of ones (the high half's pad): σ(α) is a factor of the low
+# half, so its gradient comes out of the same product as the bits'. Same numbers as the ATen
+# small kernel to float rounding (the products are associated differently), tested.
 
-_HOST_TABLES: dict[tuple[int, object], tuple[Any, ...]] = {}
+_HOST_TABLES: dict[tuple[int, str], tuple[Any, ...]] = {}
 
 
 class _HostSaved:
@@ -109,12 +109,11 @@ def _host_tables(m: int, dtype: Any) -> tuple[Any, ...]:
     """Constant tables of the host kernel for M bits (cached per M and NumPy dtype).
 
     Returns:
-        ``idx`` (H + L, F): the table row of each factor of the H high-half codes, then of the
-        L low-half codes; ``others`` (H + L, F, F - 1): the rows of the other F - 1 factors;
-        ``onehot`` (rows, (H + L)·F): a 1 where factor (c, f) reads row ``idx[c, f]``;
-        ``rows``, H, L and the dtype's smallest normal number.
+        ``idx`` (F, H + L): the table row of factor f of each of the H high-half codes, then of
+        the L low-half codes; ``onehot`` (rows, F·(H + L)): a 1 where factor (f, c) reads row
+        ``idx[f, c]``; ``rows``, H, L and the dtype's smallest normal number.
     """
-    key = (m, dtype)
+    key = (m, dtype.char)  # (hashing a NumPy dtype is slow)
     tables = _HOST_TABLES.get(key)
     if tables is None:
         m_lo = m // 2
@@ -122,17 +121,15 @@ def _host_tables(m: int, dtype: Any) -> tuple[Any, ...]:
         f = max(m_hi, m_lo + 1)
         rows = 2 * m + 1 + (1 if m_hi < f else 0)
         h, lo = 2**m_hi, 2**m_lo
-        idx = np.full((h + lo, f), 2 * m + 1, dtype=np.intp)  # padded with the ones row
-        bits_hi = (np.arange(h)[:, None] >> np.arange(m_hi)) & 1
-        bits_lo = (np.arange(lo)[:, None] >> np.arange(m_lo)) & 1
-        idx[:h, :m_hi] = 2 * (m_lo + np.arange(m_hi)) + bits_hi
-        idx[h:, :m_lo] = 2 * np.arange(m_lo) + bits_lo
-        idx[h:, m_lo] = 2 * m  # σ(α)
-        keep = ~np.eye(f, dtype=bool)
-        others = np.stack([idx[:, keep[j]] for j in range(f)], axis=1)  # (H + L, F, F - 1)
-        onehot = np.zeros((rows, (h + lo) * f), dtype=dtype)
-        onehot[idx.reshape(-1), np.arange((h + lo) * f)] = 1
-        tables = (idx, others, onehot, rows, h, lo, np.finfo(dtype).tiny)
+        idx = np.full((f, h + lo), 2 * m + 1, dtype=np.intp)  # padded with the ones row
+        bits_hi = (np.arange(h) >> np.arange(m_hi)[:, None]) & 1  # (M_hi, H)
+        bits_lo = (np.arange(lo) >> np.arange(m_lo)[:, None]) & 1
+        idx[:m_hi, :h] = m_lo + np.arange(m_hi)[:, None] + m * bits_hi
+        idx[:m_lo, h:] = np.arange(m_lo)[:, None] + m * bits_lo
+        idx[m_lo, h:] = 2 * m  # σ(α)
+        onehot = np.zeros((rows, f * (h + lo)), dtype=dtype)
+        onehot[idx.reshape(-1), np.arange(f * (h + lo))] = 1
+        tables = (idx, onehot, rows, h, lo, np.finfo(dtype).tiny)
         _HOST_TABLES[key] = tables
     return tables
 
@@ -149,18 +146,18 @@ def _host_forward(z: Any, alpha: Any, gam: Any) -> tuple[Any, Any, tuple[Any, ..
     """q̃ (G, N), entropies (G, K) and the saved arrays, from z (G, K, M), α (G, K) arrays."""
     g, k, m = z.shape
     gk = g * k
-    idx, _, _, rows, h, _, tiny = _host_tables(m, z.dtype)
+    idx, _, rows, h, _, tiny = _host_tables(m, z.dtype)
     tb = np.empty((rows, g, k), dtype=z.dtype)  # the factor table, selectors innermost
     s = np.divide(z.transpose(2, 0, 1), gam, order="C")  # (M, G, K)
     np.maximum(s, -0.5, out=s)
     np.minimum(s, 0.5, out=s)
-    p = tb[1 : 2 * m : 2]
+    p = tb[m : 2 * m]
     np.multiply(s, s, out=p)  # s (1.5 - 2 s²) + 0.5, op for op
     p *= -2.0
     p += 1.5
     p *= s
     p += 0.5
-    np.subtract(1.0, p, out=tb[0 : 2 * m : 2])
+    np.subtract(1.0, p, out=tb[:m])
     e = alpha - np.maximum.reduce(alpha, axis=1, keepdims=True)
     np.exp(e, out=e)
     np.divide(e, np.add.reduce(e, axis=1, keepdims=True), out=tb[2 * m])  # σ(α)
@@ -171,12 +168,63 @@ def _host_forward(z: Any, alpha: Any, gam: Any) -> tuple[Any, Any, tuple[Any, ..
     np.log(log_pq, out=log_pq)
     ent = np.add.reduce(pq * log_pq, axis=0)
     np.negative(ent, out=ent)
-    flat = tb.reshape(rows, gk)
-    r = np.multiply.reduce(np.take(flat, idx, axis=0), axis=1)  # (H + L, G·K)
+    fct = np.take(tb.reshape(rows, gk), idx, axis=0)  # (F, H + L, G·K): the factors
+    pre = _cumprod(fct)  # products of the first 1, 2, ..., F factors
+    r = pre[-1]  # (H + L, G·K): the high half's laws, then the low half's times σ(α)
     r_hi = r[:h].reshape(h, g, k).transpose(1, 0, 2)  # (G, H, K)
-    r_lo = r[h:].reshape(-1, g, k).transpose(1, 2, 0)  # (G, K, L): the low half times σ(α)
+    r_lo = r[h:].reshape(-1, g, k).transpose(1, 2, 0)  # (G, K, L)
     out = np.matmul(r_hi, r_lo).reshape(g, -1)  # code = high · L + low
-    return out, ent, (s, flat, log_pq, r)
+    return out, ent, (s, tb, log_pq, fct, pre)
+
+
+#: up to this many selectors (G·K), the host kernel's backward sums the factors' grads onto the
+#: table rows with one product against its 0/1 matrix; above, one sum per bit (a BLAS product
+#: that large runs on several threads, which stall beside busy processes)
+_HOST_MATMUL_MAX_SELECTORS = 256
+
+
+def _table_grads(g_f: Any, m: int, h: int, onehot: Any) -> Any:
+    """Sum the factors' grads ``g_f`` (F, H + L, G·K) onto the rows of the factor table."""
+    gk = g_f.shape[-1]
+    if gk <= _HOST_MATMUL_MAX_SELECTORS:
+        return np.matmul(onehot, g_f.reshape(-1, gk))
+    m_lo = m // 2
+    g_tb = np.empty((onehot.shape[0], gk), dtype=g_f.dtype)  # a padding ones row is not read
+    g_bits = g_tb[: 2 * m].reshape(2, m, gk)  # (value, bit)
+    for j in range(m - m_lo):  # high bit m_lo + j: its value splits the H codes in two halves
+        g_bit = g_f[j, :h].reshape(-1, 2, 2**j, gk)
+        np.add.reduce(g_bit, axis=(0, 2), out=g_bits[:, m_lo + j])
+    for j in range(m_lo):
+        g_bit = g_f[j, h:].reshape(-1, 2, 2**j, gk)
+        np.add.reduce(g_bit, axis=(0, 2), out=g_bits[:, j])
+    np.add.reduce(g_f[m_lo, h:], axis=0, out=g_tb[2 * m])  # σ(α)
+    return g_tb
+
+
+def _cumprod(fct: Any) -> Any:
+    """Cumulative products along the first axis, one multiply per slice (``multiply.accumulate``
+    along a first axis goes number by number: 100x slower)."""
+    out = np.empty_like(fct)
+    out[0] = fct[0]
+    for j in range(1, fct.shape[0]):
+        np.multiply(out[j - 1], fct[j], out=out[j])
+    return out
+
+
+def _others(fct: Any, pre: Any) -> Any:
+    """The product of the other F - 1 factors of each factor (exact at zeros: no division),
+    from the factors (F, ...) and their prefix products."""
+    f = fct.shape[0]
+    out = np.empty_like(fct)
+    if f == 1:
+        out.fill(1.0)
+        return out
+    suf = _cumprod(fct[::-1])  # suf[i]: the product of the last i + 1
+    out[0] = suf[-2]
+    out[-1] = pre[-2]
+    if f > 2:
+        np.multiply(pre[: f - 2], suf[f - 3 :: -1], out=out[1:-1])
+    return out
 
 
 def _host_backward(
@@ -186,30 +234,30 @@ def _host_backward(
 
     ``g_out`` (G, N), ``g_ent`` broadcastable to (G, K) (e.g. (G, 1) or a 0-d array), or None.
     """
-    s, flat, log_pq, r = arrays
+    s, tb, log_pq, fct, pre = arrays
     m, g, k = s.shape
     gk = g * k
-    _, others, onehot, _, h, lo, _ = _host_tables(m, s.dtype)
+    _, onehot, _, h, lo, _ = _host_tables(m, s.dtype)
+    r = pre[-1]
     g_alpha = None
-    dent = log_pq.reshape(m, 2, g, k)  # d h(p) / dp = log(1 - p) - log p (clamped logs)
+    dent = log_pq.reshape(2, m, g, k)  # d h(p) / dp = log(1 - p) - log p (clamped logs)
     if g_out is not None:
         g3 = g_out.reshape(g, h, lo)
-        g_r = np.empty((h + lo, g, k), dtype=s.dtype)
-        np.matmul(g3, r[h:].reshape(lo, g, k).transpose(1, 0, 2), out=g_r[:h].transpose(1, 0, 2))
-        g_hi = r[:h].reshape(h, g, k).transpose(1, 0, 2)
-        np.matmul(g3.transpose(0, 2, 1), g_hi, out=g_r[h:].transpose(1, 0, 2))
-        g_f = np.multiply.reduce(np.take(flat, others, axis=0), axis=2)  # the other factors
-        g_f *= g_r.reshape(h + lo, 1, gk)
-        g_tb = np.matmul(onehot, g_f.reshape(-1, gk))  # (rows, G·K)
-        g_p = np.subtract(g_tb[1 : 2 * m : 2], g_tb[0 : 2 * m : 2]).reshape(m, g, k)
+        g_hi = np.matmul(g3, r[h:].reshape(lo, g, k).transpose(1, 0, 2))  # (G, H, K)
+        g_lo = np.matmul(g3.transpose(0, 2, 1), r[:h].reshape(h, g, k).transpose(1, 0, 2))
+        g_r = np.concatenate((g_hi.transpose(1, 0, 2), g_lo.transpose(1, 0, 2)))  # (H + L, G, K)
+        g_f = _others(fct, pre)
+        g_f *= g_r.reshape(h + lo, gk)
+        g_tb = _table_grads(g_f, m, h, onehot)  # (rows, G·K)
+        g_p = np.subtract(g_tb[m : 2 * m], g_tb[:m]).reshape(m, g, k)
         g_a = g_tb[2 * m].reshape(g, k)
-        a = flat[2 * m].reshape(g, k)
+        a = tb[2 * m]
         g_alpha = a * (g_a - np.add.reduce(g_a * a, axis=1, keepdims=True))  # softmax backward
         if g_ent is not None:
-            g_p += g_ent * (dent[:, 0] - dent[:, 1])
+            g_p += g_ent * (dent[0] - dent[1])
     else:
         assert g_ent is not None
-        g_p = g_ent * (dent[:, 0] - dent[:, 1])
+        g_p = g_ent * (dent[0] - dent[1])
     # dS/dz = (1.5 - 6 s²) / γ, exactly 0 at |s| = 1/2 (so the clamp needs no mask).
     d = s * s
     d *= -6.0

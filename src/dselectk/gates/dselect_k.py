@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmallGate
+from dselectk._kernels import _DSelectSmallGate, _DSelectSmallGateLinear
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -25,6 +25,21 @@ _INITS = ("paper", "spread")
 
 
 _STATIC_ONLY = "{name} is a parameter of static gates only (this gate is per-example); use bits(x)"
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks (its own or global module hooks)."""
+    _m = torch.nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _m._global_forward_hooks
+        or _m._global_forward_pre_hooks
+        or _m._global_backward_hooks
+        or _m._global_backward_pre_hooks
+    )
 
 
 class DSelectK(Gate):
@@ -264,6 +279,52 @@ class DSelectK(Gate):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(weights, aux)
 
+    def forward(self, x: Tensor | None = None) -> GateOutput:
+        out = self._forward_on_host(x)
+        return super().forward(x) if out is None else out
+
+    def _forward_on_host(self, x: Tensor | None) -> GateOutput | None:
+        """:meth:`forward` with the linear layer inside the host node
+        (``_DSelectSmallGateLinear``) for a per-example gate of this class on a (B, p) input
+        whose layer is a plain ``nn.Linear`` (no hooks, no autocast); None otherwise."""
+        proj = self._modules.get("proj")
+        if (
+            type(proj) is not nn.Linear
+            or not isinstance(x, Tensor)
+            or x.dim() != 2
+            or x.shape[1] != self.in_features
+            or self.check_finite
+            or type(self).gate is not DSelectK.gate  # a subclass's own math goes its own way
+            or type(self).compute_logits is not Gate.compute_logits
+            or _has_hooks(proj)
+            or torch.is_autocast_enabled("cpu")
+        ):
+            return None
+        k, m, n = self.k, self.num_bits, self.num_experts
+        if self.distinct or (n < 2**m and self.xi > 0):
+            return None
+        weight, bias = proj.weight, proj.bias
+        lead = (x.shape[0],) if self.num_gates is None else (x.shape[0], self.num_gates)
+        buffers = self._buffers
+        gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
+        assert gamma is not None and lam is not None
+        if not (
+            DF._small_on_host(math.prod(lead) * k * 2**m, x, gamma)
+            and weight.dtype == x.dtype
+            and weight.is_cpu
+            and (bias is None or (bias.dtype == x.dtype and bias.is_cpu))
+        ):
+            return None
+        if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+            gamma = gamma.expand(lead).reshape(-1)
+        w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+        if n < 2**m:
+            w = w[..., :n]
+        if type(self).diversity.is_nonzero(self):
+            z = self.split_logits(self.compute_logits(x))[1]
+            aux = aux + self._reduce_aux(self.diversity_penalty(z))
+        return GateOutput(w, aux)
+
     def _gate_on_host(self, logits: Tensor) -> GateOutput | None:
         """:meth:`gate` in one autograd node on the host (``_DSelectSmallGate``) for small CPU
         problems, bit for bit its numbers; None where it does not apply (then :meth:`gate`
@@ -272,13 +333,15 @@ class DSelectK(Gate):
         if self.distinct or (n < 2**m and self.xi > 0):
             return None
         lead = logits.shape[:-1]
-        if not DF._small_on_host(math.prod(lead) * k * 2**m, logits, self._gamma):
+        buffers = self._buffers  # (not through nn.Module.__getattr__: this is the hot path)
+        gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
+        assert gamma is not None and lam is not None
+        if not DF._small_on_host(math.prod(lead) * k * 2**m, logits, gamma):
             return None
-        gamma = self._gamma
         if gamma.dim() > 0:  # one γ per gate: flattened like the gates
             gamma = gamma.expand(lead).reshape(-1)
         w, aux, _ = _DSelectSmallGate.apply(
-            logits.reshape(-1, logits.shape[-1]), gamma, self._entropy_reg, k, lead, not self.static
+            logits.reshape(-1, logits.shape[-1]), gamma, lam, k, lead, not self.static
         )
         if n < 2**m:
             w = w[..., :n]
