@@ -25,6 +25,16 @@ the token unchanged by that expert). Priority goes to first choices: all pairs o
 token's largest weight) in token order, then rank 2, and so on (GShard's rule). Dropped pairs
 are counted in :attr:`SparseMoEFeedForward.last_stats`. ``None`` (default): no capacity limit.
 
+Expert choice (``routing="expert"``; Zhou et al., *Mixture-of-Experts with Expert Choice
+Routing*, NeurIPS 2022): the experts choose instead of the tokens. Each expert takes the
+``C = ceil(c · N · k / n)`` tokens of the batch with the largest router weight for it (c: the
+capacity factor, 1 if None; at most N), so every expert is exactly full and a token may go to
+none, one or many experts; the pair weight is the router's weight (use a router whose weights are
+probabilities over experts, e.g. ``"softmax"``). Note: which experts a token reaches depends on
+the other tokens of the batch, future ones included, so in a causal language model expert choice
+sees the batch (the paper's caveat for autoregressive decoding); its outputs are not those of a
+per-token router.
+
 Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), for every gate:
 ``balance = n · Σ_i f_i · P_i`` where f_i is the fraction of the (token, expert) pairs routed to
 expert i (before capacity drops; the f sum to 1, so balanced routing gives 1) and P_i the mean
@@ -139,7 +149,9 @@ class SparseMoEFeedForward(nn.Module):
             ``ceil(c · N · k / n)`` pairs of a batch of N tokens.
         balance_loss_weight: weight of the Switch balance loss in ``aux_loss`` (0: not computed).
         renormalize: rescale the kept weights of a token to sum to 1 when the top-k cut drops
-            some.
+            some (token routing only).
+        routing: "token" (each token picks its k experts) or "expert" (expert choice: each
+            expert picks its ``C = ceil(c · N · k / n)`` tokens; module docstring).
         activation: the experts' hidden activation ("gelu", "relu", ...).
         router_kwargs: extra arguments of the gate when ``router`` is a name (gamma, ...).
     """
@@ -161,8 +173,14 @@ class SparseMoEFeedForward(nn.Module):
         renormalize: bool = False,
         activation: str = "gelu",
         router_kwargs: dict[str, Any] | None = None,
+        routing: str = "token",
     ) -> None:
         super().__init__()
+        if routing not in ("token", "expert"):
+            raise ValueError(f"routing must be 'token' or 'expert', got {routing!r}")
+        if routing == "expert" and renormalize:
+            raise ValueError("renormalize applies to token routing only (routing='token')")
+        self.routing = routing
         self.d_model = check_positive_int("d_model", d_model)
         self.num_experts = check_positive_int("num_experts", num_experts, 2)
         self.k = check_positive_int("k", k)
@@ -198,15 +216,36 @@ class SparseMoEFeedForward(nn.Module):
         self.last_stats = None
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Pairs each expert takes from a batch of ``num_tokens`` tokens (None: no limit)."""
-        if self.capacity_factor is None:
-            return None
-        return max(1, math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts))
+        """Pairs each expert takes from a batch of ``num_tokens`` tokens (None: no limit; expert
+        choice: the tokens each expert takes, at most ``num_tokens``)."""
+        factor = self.capacity_factor
+        if factor is None:
+            if self.routing == "token":
+                return None
+            factor = 1.0
+        cap = max(1, math.ceil(factor * num_tokens * self.k / self.num_experts))
+        return min(cap, num_tokens) if self.routing == "expert" else cap
+
+    def _expert_choice(self, weights: Tensor, gate_aux: Tensor) -> Routing:
+        """Every expert takes the ``capacity`` tokens with its largest weights (zero weights
+        dispatch nothing); pairs come sorted by expert, then by weight."""
+        big_n, n = weights.shape
+        cap = self.capacity(big_n)
+        assert cap is not None
+        top_w, top_t = weights.t().topk(cap, dim=-1)  # (n, C)
+        flat_w, flat_t = top_w.reshape(-1), top_t.reshape(-1)
+        flat_e = torch.arange(n, device=weights.device).repeat_interleave(cap)
+        live = (flat_w > 0).nonzero().squeeze(1)
+        flat_w, flat_e, flat_t = flat_w[live], flat_e[live], flat_t[live]
+        routed = torch.bincount(flat_e, minlength=n)
+        return Routing(weights, gate_aux, flat_t, flat_e, flat_w, routed.tolist(), routed, 0)
 
     def route(self, x: Tensor) -> Routing:
         """Gate the (N, d_model) tokens and build the dispatch (sorted by expert)."""
         out = self.router(x)
         weights = out.weights  # (N, n)
+        if self.routing == "expert":
+            return self._expert_choice(weights, out.aux_loss)
         n, big_n = self.num_experts, weights.shape[0]
         k = min(self.k, n)
         top_w, top_e = weights.topk(k, dim=-1)  # (N, k), largest first: rank-major priority
@@ -272,4 +311,5 @@ class SparseMoEFeedForward(nn.Module):
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
             f"capacity_factor={self.capacity_factor}, "
             f"balance_loss_weight={self.balance_loss_weight:g}, renormalize={self.renormalize}"
+            + (", routing='expert'" if self.routing == "expert" else "")
         )

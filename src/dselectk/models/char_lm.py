@@ -50,6 +50,7 @@ class MoEBlock(nn.Module):
         k: int,
         balance_loss_weight: float,
         renormalize: bool = False,
+        routing: str = "token",
     ) -> None:
         super().__init__()
         self.heads = heads
@@ -64,6 +65,7 @@ class MoEBlock(nn.Module):
             k=k,
             balance_loss_weight=balance_loss_weight,
             renormalize=renormalize,
+            routing=routing,
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,6 +95,8 @@ class CharMoETransformer(nn.Module):
         balance_loss_weight: weight of each layer's Switch balance loss.
         renormalize: rescale a token's kept weights to sum to 1 when the top-k cut drops some
             (:class:`~dselectk.layers.SparseMoEFeedForward`).
+        routing: "token" or "expert" (expert choice over the batch's tokens; see
+            :class:`~dselectk.layers.SparseMoEFeedForward`).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class CharMoETransformer(nn.Module):
         k: int = 2,
         balance_loss_weight: float = 0.01,
         renormalize: bool = False,
+        routing: str = "token",
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("heads", heads), ("layers", layers)):
@@ -117,7 +122,7 @@ class CharMoETransformer(nn.Module):
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
         self.blocks = nn.ModuleList(
-            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight, renormalize)
+            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight, renormalize, routing)
             for _ in range(layers)
         )
         self.ln_f = nn.LayerNorm(d_model)

@@ -12,9 +12,23 @@ whose DSelect-k bits are binary, time per step. ``model``: corpus, routers, one 
 flags, run config, one cell per router; ``report``.
 """
 
-from dselectk.experiments.token_moe.model import ROUTERS, Corpus, build_model, load_corpus
+from dselectk.experiments.token_moe.model import (
+    DEFAULT_ROUTERS,
+    ROUTERS,
+    Corpus,
+    build_model,
+    load_corpus,
+)
 from dselectk.experiments.token_moe.recipe import DEFAULTS, TokenMoEConfig, add_arguments, run
 from dselectk.experiments.token_moe.report import print_table, write_report
 
-__all__ = ["DEFAULTS", "ROUTERS", "Corpus", "TokenMoEConfig", "add_arguments", "build_model"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_ROUTERS",
+    "ROUTERS",
+    "Corpus",
+    "TokenMoEConfig",
+    "add_arguments",
+    "build_model",
+]
 __all__ += ["load_corpus", "print_table", "run", "write_report"]

@@ -27,6 +27,20 @@ from dselectk.variants import Variant, variant_table
 __all__ = ["ROUTERS", "Corpus", "build_model", "load_corpus", "train_run"]
 
 EXPERIMENT = "token-moe"
+
+
+@dataclass(frozen=True)
+class Router(Variant):
+    """A router of the study: a gate variant, and who chooses (``routing``: "token", each token
+    its k experts; "expert", expert choice: each expert its k·N/n tokens of the batch)."""
+
+    routing: str = "token"
+
+    def identity(self) -> dict[str, Any]:
+        ident = super().identity()
+        return ident if self.routing == "token" else {**ident, "routing": self.routing}
+
+
 #: the routers compared (``--gates``); DSelect-k takes the study's ``gamma`` and ``entropy_reg``
 ROUTERS = variant_table(
     Variant("dselect_k", "dselect_k", "DSelect-k (per token)"),
@@ -43,7 +57,16 @@ ROUTERS = variant_table(
         "DSelect-k, diversity μ = 0.1 (ours)",
         options={"diversity": 0.1},
     ),
+    Router(
+        "expert_choice",
+        "softmax",
+        "Expert choice (Zhou et al. 2022; softmax router, capacity k·N/n)",
+        routing="expert",
+    ),
 )
+#: the routers a command runs without ``--gates`` (expert choice sees the whole batch, future
+#: tokens included: a competitor to run on purpose, not a default)
+DEFAULT_ROUTERS = ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
 #: optimizer steps the step timer leaves out (warm-up)
 WARMUP_STEPS = 10
 
@@ -112,7 +135,8 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     router = partial(
         variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hp["d_model"]
     )
-    return CharMoETransformer(router, **{name: hp[name] for name in shape})
+    routing = variant.routing if isinstance(variant, Router) else "token"
+    return CharMoETransformer(router, routing=routing, **{name: hp[name] for name in shape})
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:

@@ -27,6 +27,7 @@ from dselectk.experiments.runner import (
     run_recipe,
 )
 from dselectk.experiments.token_moe.model import (
+    DEFAULT_ROUTERS,
     EXPERIMENT,
     ROUTERS,
     WARMUP_STEPS,
@@ -59,7 +60,7 @@ class TokenMoEConfig:
     """
 
     out: Path
-    gates: tuple[str, ...] = tuple(ROUTERS)
+    gates: tuple[str, ...] = DEFAULT_ROUTERS
     seeds: int = 3
     first_seed: int = 0
     telemetry: bool = False
@@ -117,7 +118,13 @@ DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
     add_run_arguments(p, out="results/token_moe", threads=1, jobs=0, cells="routers")
-    p.add_argument("--gates", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
+    p.add_argument(
+        "--gates",
+        nargs="+",
+        default=list(DEFAULT_ROUTERS),
+        choices=list(ROUTERS),
+        help=f"routers (default: {' '.join(DEFAULT_ROUTERS)}; also expert_choice)",
+    )
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
     )
