@@ -111,11 +111,25 @@ def test_test_set_has_the_generating_model() -> None:
     assert not torch.equal(test.x_val[:300], base.x_val[:300])
 
 
-def test_search_only_gate_is_frozen() -> None:
+def test_search_only_freezes_the_selection_not_the_shares() -> None:
     gate = ARMS["search_only"].build(16, hparams={"gamma": 10.0}, k=2, num_gates=3)
-    assert all(not p.requires_grad for p in gate.parameters())
-    assert ARMS["search_only"].identity()["gate_frozen"] is True
-    assert any(p.requires_grad for p in ARMS["dselect_k_search"].build(16, k=2).parameters())
+    assert ARMS["search_only"].identity()["selection_frozen"] is True
+    assert "selection_frozen" not in ARMS["dselect_k_search"].identity()
+    torch.manual_seed(0)
+    (gate().weights * torch.randn(3, 16)).sum().backward()
+    grad = gate.logits.grad
+    assert grad is not None
+    assert torch.all(grad[:, 2:] == 0) and grad[:, :2].abs().sum() > 0  # Z frozen, α trains
+    before = gate.selection().clone()
+    opt = torch.optim.Adam(gate.parameters(), lr=0.5)
+    for _ in range(5):
+        opt.zero_grad()
+        (gate().weights * torch.randn(3, 16)).sum().backward()
+        opt.step()
+    assert torch.equal(gate.selection(), before)  # only the search moves the selection
+    free = ARMS["dselect_k_search"].build(16, hparams={"gamma": 10.0}, k=2, num_gates=3)
+    (free().weights * torch.randn(3, 16)).sum().backward()
+    assert free.logits.grad is not None and free.logits.grad[:, 2:].abs().sum() > 0
 
 
 def test_paired_differences() -> None:

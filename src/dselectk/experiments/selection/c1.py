@@ -49,8 +49,8 @@ FULL = C1Sizes(100_000, 20_000, 20_000, points=None, trials=5, reps=25)  # the p
 
 def arms(recovery_arms: dict[str, Variant], counted: Any) -> dict[str, Variant]:
     """The C.1 form of each arm (the same names as recovery's): C.1's search plans (refit
-    scoring; the swap search at recovery's fractions), counted; ``search_only`` freezes the gate
-    as in recovery."""
+    scoring; the swap search at recovery's fractions), counted; ``search_only`` freezes the
+    selection as in recovery."""
     search = counted(C1_VARIANTS["dselect_k_search"])
     table = {
         "dselect_k": C1_VARIANTS["dselect_k"],

@@ -50,18 +50,25 @@ class CountedPlan(SearchPlan):
 
 
 @dataclass(frozen=True)
-class FrozenGateVariant(Variant):
-    """A variant whose gate parameters do not train (requires_grad False): the optimizer
-    (one learning rate per repetition, shared by gate and head) never sees them, so only the
-    swap search moves the selection; the head still trains at the arm's learning rate."""
+class FrozenSelectionVariant(Variant):
+    """DSelect-k with its selection frozen: a gradient hook zeroes the gradient of the selector
+    logits Z (the bits: which experts), so Adam never moves them (zero moments, zero step) and
+    only the swap search changes the selection; the selector shares α (how much each selected
+    expert weighs) and the rest of the model train at the arm's learning rate."""
 
     def build(self, num_experts: int, *, hparams: Any = None, **structure: Any) -> Gate:
         gate = super().build(num_experts, hparams=hparams, **structure)
-        gate.requires_grad_(False)
+        logits = getattr(gate, "logits", None)
+        k = getattr(gate, "k", None)
+        if not (gate.static and gate.searchable and isinstance(logits, torch.Tensor) and k):
+            raise ValueError(f"{self.name}: needs a static DSelect-k gate, got {gate!r}")
+        mask = torch.ones(logits.shape[-1], dtype=logits.dtype)
+        mask[k:] = 0.0  # logits = [α (k), Z (k·m)] per gate
+        logits.register_hook(lambda grad: grad * mask.to(grad))
         return gate
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "gate_frozen": True}
+        return {**super().identity(), "selection_frozen": True}
 
 
 def _counted(v: Variant) -> Variant:
@@ -85,8 +92,9 @@ ARMS = variant_table(
     _budget(VARIANTS["comet"], "COMET, equal budget (probe examples as extra epochs)"),
     _DSK_SEARCH,
     _counted(VARIANTS["topk_search"]),
-    FrozenGateVariant(
-        "search_only", "dselect_k", "search only (DSelect-k's gate frozen at init) + swap search",
+    FrozenSelectionVariant(
+        "search_only", "dselect_k",
+        "search only (DSelect-k's selection frozen at init, shares trained) + swap search",
         _DSK_SEARCH.options, search=_DSK_SEARCH.search, tuned_as="dselect_k",
     ),
 )  # fmt: skip
