@@ -65,7 +65,7 @@ def test_host_small_kernel_matches_aten_kernel(
 ) -> None:
     """Both ways of summing the factors' grads onto the table (a 0/1 product, per-bit sums)."""
     if not table_matmul:
-        monkeypatch.setattr(runtime, "_HOST_MATMUL_MAX_SELECTORS", 0)
+        monkeypatch.setattr(runtime, "_HOST_MATMUL_MAX_MACS", 0)
     alpha, z = _inputs(g, k, m)
     gamma = torch.rand(g, dtype=F64) + 0.5 if per_gate else torch.tensor(0.7, dtype=F64)
     assert _kernels._host_ok(z, alpha)

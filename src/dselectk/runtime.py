@@ -177,16 +177,16 @@ def _host_forward(z: Any, alpha: Any, gam: Any) -> tuple[Any, Any, tuple[Any, ..
     return out, ent, (s, tb, log_pq, fct, pre)
 
 
-#: up to this many selectors (G·K), the host kernel's backward sums the factors' grads onto the
-#: table rows with one product against its 0/1 matrix; above, one sum per bit (a BLAS product
-#: that large runs on several threads, which stall beside busy processes)
-_HOST_MATMUL_MAX_SELECTORS = 256
+#: up to this many multiply-adds, the host kernel's backward sums the factors' grads onto the
+#: table rows with one product against its 0/1 matrix; above, one sum per bit (OpenBLAS runs a
+#: product above 4 · 65536 multiply-adds on several threads, which stall beside busy processes)
+_HOST_MATMUL_MAX_MACS = 2**18
 
 
 def _table_grads(g_f: Any, m: int, h: int, onehot: Any) -> Any:
     """Sum the factors' grads ``g_f`` (F, H + L, G·K) onto the rows of the factor table."""
     gk = g_f.shape[-1]
-    if gk <= _HOST_MATMUL_MAX_SELECTORS:
+    if onehot.size * gk <= _HOST_MATMUL_MAX_MACS:
         return np.matmul(onehot, g_f.reshape(-1, gk))
     m_lo = m // 2
     g_tb = np.empty((onehot.shape[0], gk), dtype=g_f.dtype)  # a padding ones row is not read

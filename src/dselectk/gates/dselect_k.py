@@ -295,6 +295,7 @@ class DSelectK(Gate):
             or x.shape[1] != self.in_features
             or self.check_finite
             or type(self).gate is not DSelectK.gate  # a subclass's own math goes its own way
+            or not self._own_layout()
             or type(self).compute_logits is not Gate.compute_logits
             or _has_hooks(proj)
             or torch.is_autocast_enabled("cpu")
@@ -325,12 +326,17 @@ class DSelectK(Gate):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(w, aux)
 
+    def _own_layout(self) -> bool:
+        """Whether the logits are laid out as DSelectK lays them out (the host nodes split them
+        themselves): not so for a subclass with its own :meth:`split_logits`."""
+        return type(self).split_logits is DSelectK.split_logits
+
     def _gate_on_host(self, logits: Tensor) -> GateOutput | None:
         """:meth:`gate` in one autograd node on the host (``_DSelectSmallGate``) for small CPU
         problems, bit for bit its numbers; None where it does not apply (then :meth:`gate`
         computes as written)."""
         k, m, n = self.k, self.num_bits, self.num_experts
-        if self.distinct or (n < 2**m and self.xi > 0):
+        if self.distinct or (n < 2**m and self.xi > 0) or not self._own_layout():
             return None
         lead = logits.shape[:-1]
         buffers = self._buffers  # (not through nn.Module.__getattr__: this is the hot path)
