@@ -47,12 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def experiment_name(results_dir: Path) -> str:
-    """The experiment stored in the run records (falls back to ``summary.json``).
+    """The experiment stored in the run records (falls back to ``summary.json``). A run made
+    by one experiment's code for another's study (the selection study's Appendix C.1 tuning runs
+    are synthetic runs) names that study in ``config["data"]["study"]``, which counts.
 
     Raises:
         ValueError: no records, or records of several experiments in one folder.
     """
-    names = {r["config"].get("experiment") for r in RunStore(results_dir).load()}
+    names = {
+        (r["config"].get("data") or {}).get("study") or r["config"].get("experiment")
+        for r in RunStore(results_dir).load()
+    }
     names.discard(None)
     if not names:
         summary = Path(results_dir) / "summary.json"

@@ -223,16 +223,22 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
             + ")."
         )
     elif ran:
-        calls = [c for k in ran for c in studies[k]]
-        ahead, behind = calls.count("ahead"), calls.count("behind")
-        where = (f" It is ahead of both in {' and '.join(adds)} only; not in "
-                 + " and ".join(k for k in ran if k not in adds) + ".") if adds else ""  # fmt: skip
+        named: dict[str, list[str]] = {"ahead": [], "no difference": [], "behind": []}
+        for study, pooled in (("expert recovery", rec), ("Appendix C.1", c1)):
+            for (_, call), pair in zip(pooled, VERDICT_PAIRS, strict=False):
+                if call != "not run":
+                    named[call].append(f"{pair[1]} in {study}")
+        parts = [
+            f"{call if call != 'no difference' else 'within 2 s.e. of'}: " + ", ".join(v)
+            for call, v in named.items()
+            if v
+        ]
         lines.append(
             "- **Verdict: this study does not show that DSelect-k's smooth phase adds anything "
-            "beyond the search in every setting**: of its comparisons with search-only and "
-            f"Top-k + search, {ahead} ahead, {behind} behind, {len(calls) - ahead - behind} "
-            f"within 2 s.e.{where} Where it adds nothing, the search is a gate-agnostic tool "
-            "for every searchable static gate (compare the probe passes above for its cost)."
+            "beyond the search in every setting.** DSelect-k + search is "
+            + "; ".join(p.replace("ahead:", "ahead of").replace("behind:", "behind") for p in parts)
+            + ". Where it adds nothing, the search is a gate-agnostic tool for every "
+            "searchable static gate (compare the probe passes above for its cost)."
         )
     return lines
 
@@ -328,6 +334,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             tune=summary["tune"],
             tests=summary["tests"],
             c1_tests=summary.get("c1_tests", 0),
+            c1_tune=summary.get("c1_tune", 0),
             same=summary["retrain_same_selection"],
             others=others_note(summary.get("records_not_summarised", 0)),
             tables="\n".join(tables),
@@ -347,6 +354,11 @@ def write_report(
         "experiment": EXPERIMENT,
         "protocol": PROTOCOL,
         **_summary([r for r in records if r["config"].get("experiment") == EXPERIMENT]),
+        "c1_tune": sum(
+            (r["config"].get("data") or {}).get("study") == EXPERIMENT
+            for r in records
+            if r["config"].get("experiment") != EXPERIMENT
+        ),
         "records_not_summarised": others,
         "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
         "command": command or prev.get("command"),
