@@ -457,6 +457,8 @@ def cases() -> list[Case]:
             "selection --lrs 0", [*SEL[:-3], "--lrs", "0", "--no-progress", "--out", "x"], "refuse"
         )
     )
+    add(Case("selection --tasks 48", [*SEL, "--tasks", "48", "--out", "x"], "refuse"))
+    add(Case("selection --tasks abc", [*SEL, "--tasks", "abc", "--out", "x"], "refuse"))
     # movielens
     add(Case("movielens ok", ml("--out", "ml"), "ok"))
     add(
@@ -511,8 +513,17 @@ def cases() -> list[Case]:
         )
     )
     add(Case("multi-mnist --data-dir missing", mm("--data-dir", "nowhere", "--out", "x"), "refuse"))
+    add(Case("multi-mnist --gamma 0", mm("--gamma", "0", "--out", "x"), "refuse"))
+    add(Case("multi-mnist --gamma nan", mm("--gamma", "nan", "--out", "x"), "refuse"))
     # token-moe (flags owned elsewhere: reported, not fixed here)
     add(Case("token-moe --val-windows 0", [*TOK, "--val-windows", "0", "--out", "x"], "refuse"))
+    add(
+        Case(
+            "token-moe expert_choice --renormalize true",
+            [*TOK[:3], "expert_choice", *TOK[4:], "--renormalize", "true", "--out", "x"],
+            "refuse",
+        )
+    )
     add(Case("token-moe --k 9 > experts", [*TOK, "--k", "9", "--out", "x"], "refuse"))
     add(Case("token-moe --lr nan", [*TOK, "--lr", "nan", "--out", "x"], "refuse"))
     add(Case("token-moe --seq-len 0", [*TOK, "--seq-len", "0", "--out", "x"], "refuse"))

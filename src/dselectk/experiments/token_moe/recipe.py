@@ -93,6 +93,11 @@ class TokenMoEConfig:
             )
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
+        expert_routed = [g for g in self.gates if ROUTERS[g].identity().get("routing") == "expert"]
+        if self.renormalize and expert_routed:
+            raise ValueError(
+                f"--renormalize true: applies to token routing only, not to --gates {expert_routed}"
+            )
         need = self.seq_len + 2  # a train window of seq_len + 1 bytes, a validation window
 
         def fits(n: int) -> bool:
