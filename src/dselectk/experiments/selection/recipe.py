@@ -21,8 +21,9 @@ __all__ = ["add_arguments", "config_of", "plan_text", "recipe", "run"]
 #: 2 cores (fitted on two 32/3 cells of the quick form): per training call, steps × (A + B·members)
 #: + probe passes × (C + D·members); an estimate, not a promise
 A, B, C, D = 0.01, 0.0002, 0.02, 0.002
-#: C.1: seconds per step, E + F · members · T/32 (a rough estimate, see :func:`_c1_cost`)
-E, F = 0.002, 0.0008
+#: C.1: seconds per step, E + F · members · T/32 (a rough estimate, see :func:`_c1_cost`;
+#: scaled to the quick T = 64 cells' 8 CPU-minutes on the idle development machine)
+E, F = 0.0007, 0.00027
 
 
 def shape_arg(text: str) -> tuple[int, int]:
@@ -52,7 +53,7 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--epochs", dict(type=int_at_least(1), default=None,
                       help="recovery: override the 50 epochs (equal-budget arms add theirs)")),
     ("--tasks", dict(nargs="*", type=int, choices=(16, 32, 64, 128), default=None, metavar="T",
-                     help="Appendix C.1 cells at T tasks (quick: 32; --full: 32 64 128); "
+                     help="Appendix C.1 cells at T tasks (quick: 32 64; --full: 32 64 128); "
                      "'--tasks' alone: none")),
     ("--full", dict(action="store_true", help="every shape, 100 repetitions, 5 lrs; C.1 at "
                     "T = 32, 64, 128 on the paper's splits over its whole grid")),
