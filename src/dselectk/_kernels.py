@@ -237,6 +237,15 @@ def _apply(cls: Any, args: tuple[Any, ...]) -> Any:
     return super(torch.autograd.Function, cls).apply(*args)
 
 
+class _PositionalFunction(torch.autograd.Function):
+    """A Function whose ``apply`` skips ``Function.apply``'s per-call signature binding
+    (:func:`_apply`); subclasses take positional arguments only."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        return _apply(cls, args)
+
+
 # -- small per-example / static DSelect-k kernel ---------------------------------------------
 #
 # The same q̃ and entropies for small problems (a few examples), where the cost is the number of
@@ -276,7 +285,7 @@ def _small_tables(
     return tables
 
 
-class _DSelectSmall(torch.autograd.Function):
+class _DSelectSmall(_PositionalFunction):
     """(z (G, K, M), α (G, K), γ (0-d or (G,))) -> (q̃ (G, N), entropies (G, K), *saved).
 
     Same numbers as :class:`_DSelectFused` (p = S(z) op for op, 1 - p as the composed
@@ -286,10 +295,6 @@ class _DSelectSmall(torch.autograd.Function):
     """
 
     generate_vmap_rule = True
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:  # see _apply
-        return _apply(cls, args)
 
     @staticmethod
     def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Any, ...]:
@@ -391,7 +396,7 @@ def _host_ok(*tensors: Tensor) -> bool:
     )
 
 
-class _DSelectSmallGate(torch.autograd.Function):
+class _DSelectSmallGate(_PositionalFunction):
     """A DSelect-k gate's whole step on the host: (logits (G, K(1+M)), γ (0-d or (G,)), λ, K,
     lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
 
@@ -403,10 +408,6 @@ class _DSelectSmallGate(torch.autograd.Function):
     Bit for bit what the gate computes through :func:`dselectk.functional.dselect_k_fused`
     (values and gradients). For CPU float32/float64 only (:func:`_host_ok`); the gate checks.
     """
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:  # see _apply
-        return _apply(cls, args)
 
     @staticmethod
     def forward(
@@ -458,7 +459,7 @@ def _entropy_grad(ctx: Any, g_aux: Tensor, lam: Tensor) -> Any:
     return g_gate.reshape(math.prod(lead), 1).numpy()
 
 
-class _DSelectSmallGateLinear(torch.autograd.Function):
+class _DSelectSmallGateLinear(_PositionalFunction):
     """:class:`_DSelectSmallGate` with the gate's linear layer in the node: (x (B, p), weight,
     bias or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
 
@@ -469,10 +470,6 @@ class _DSelectSmallGateLinear(torch.autograd.Function):
     backward nodes. Used by :class:`dselectk.gates.DSelectK` for a plain ``nn.Linear`` (no hooks,
     no autocast).
     """
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:  # see _apply
-        return _apply(cls, args)
 
     @staticmethod
     def forward(

@@ -223,20 +223,16 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
             + ")."
         )
     elif ran:
-        named: dict[str, list[str]] = {"ahead": [], "no difference": [], "behind": []}
+        lead = {"ahead": "ahead of ", "no difference": "within 2 s.e. of: ", "behind": "behind "}
+        named: dict[str, list[str]] = {call: [] for call in lead}
         for study, pooled in (("expert recovery", rec), ("Appendix C.1", c1)):
             for (_, call), pair in zip(pooled, VERDICT_PAIRS, strict=False):
                 if call != "not run":
                     named[call].append(f"{pair[1]} in {study}")
-        parts = [
-            f"{call if call != 'no difference' else 'within 2 s.e. of'}: " + ", ".join(v)
-            for call, v in named.items()
-            if v
-        ]
         lines.append(
             "- **Verdict: this study does not show that DSelect-k's smooth phase adds anything "
             "beyond the search in every setting.** DSelect-k + search is "
-            + "; ".join(p.replace("ahead:", "ahead of").replace("behind:", "behind") for p in parts)
+            + "; ".join(lead[call] + ", ".join(v) for call, v in named.items() if v)
             + ". Where it adds nothing, the search is a gate-agnostic tool for every "
             "searchable static gate (compare the probe passes above for its cost)."
         )

@@ -41,6 +41,12 @@ class Router(Variant):
         return ident if self.routing == "token" else {**ident, "routing": self.routing}
 
 
+def routing_of(variant: Variant) -> str:
+    """Who chooses in ``variant``'s MoE layers: "token" unless it is an expert-choice
+    :class:`Router`."""
+    return variant.routing if isinstance(variant, Router) else "token"
+
+
 #: the routers compared (``--gates``); DSelect-k takes the study's ``gamma`` and ``entropy_reg``
 ROUTERS = variant_table(
     Variant("dselect_k", "dselect_k", "DSelect-k (per token)"),
@@ -135,8 +141,9 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     router = partial(
         variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hp["d_model"]
     )
-    routing = variant.routing if isinstance(variant, Router) else "token"
-    return CharMoETransformer(router, routing=routing, **{name: hp[name] for name in shape})
+    return CharMoETransformer(
+        router, routing=routing_of(variant), **{name: hp[name] for name in shape}
+    )
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:

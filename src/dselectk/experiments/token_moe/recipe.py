@@ -33,6 +33,7 @@ from dselectk.experiments.token_moe.model import (
     WARMUP_STEPS,
     Corpus,
     load_corpus,
+    routing_of,
     train_run,
 )
 from dselectk.experiments.token_moe.report import print_table, write_report
@@ -93,7 +94,7 @@ class TokenMoEConfig:
             )
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
-        expert_routed = [g for g in self.gates if ROUTERS[g].identity().get("routing") == "expert"]
+        expert_routed = [g for g in self.gates if routing_of(ROUTERS[g]) == "expert"]
         if self.renormalize and expert_routed:
             raise ValueError(
                 f"--renormalize true: applies to token routing only, not to --gates {expert_routed}"
