@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dselectk._train_checks import data_digest
 from dselectk.gates import DSelectK, SoftmaxSelectorGate
 from dselectk.layers import StackedMLP
 from dselectk.models import MultiGateMoE
@@ -383,3 +384,87 @@ def test_checkpoint_with_other_gate_hyperparameters_is_refused(tmp_path: Path) -
     model, data = make_problem()
     model.gates.gamma = 5.0
     train(model, data, "mse", cfg(checkpoint=ckpt))
+
+
+# ---------------------------------------------------------------- checkpoint data and readability
+
+
+def _other_values(data: TaskData) -> TaskData:
+    """Same shapes and dtypes, one value changed."""
+    x = data.x.clone()
+    x[5, 1] += 1.0
+    return TaskData(x, [y.clone() for y in data.ys])
+
+
+def test_digest_follows_content_not_identity() -> None:
+    _, data = make_problem()
+    copy = TaskData(data.x.clone(), [y.clone() for y in data.ys])
+    assert data_digest(copy) == data_digest(data)
+    assert data_digest(_other_values(data)) != data_digest(data)
+    ys = [data.ys[0].clone(), data.ys[1].clone()]
+    ys[1][0] += 1e-6  # a target counts too
+    assert data_digest(TaskData(data.x, ys)) != data_digest(data)
+    as64 = TaskData(data.x.double(), [y.double() for y in data.ys])
+    assert data_digest(as64) != data_digest(data)  # dtype counts
+    assert data_digest(None) is None
+
+
+def test_resume_on_other_training_data_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "run.pt"
+    model, data = make_problem()
+    train(model, data, "mse", cfg(checkpoint=ckpt))
+    other = _other_values(data)
+    with pytest.raises(CheckpointMismatchError, match="data: train_data differ in content"):
+        train(make_problem()[0], other, "mse", cfg(checkpoint=ckpt, epochs=3))
+    # the same content in new tensors resumes (3 epochs = the saved 2 + one more)
+    same = TaskData(data.x.clone(), [y.clone() for y in data.ys])
+    hist = train(make_problem()[0], same, "mse", cfg(checkpoint=ckpt, epochs=3))
+    assert hist.steps == 12
+
+
+def test_resume_on_other_validation_data_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "run.pt"
+    model, data = make_problem()
+    train(model, data, "mse", cfg(checkpoint=ckpt), val_data=data)
+    with pytest.raises(CheckpointMismatchError, match="data: val_data differ"):
+        train(make_problem()[0], data, "mse", cfg(checkpoint=ckpt), val_data=_other_values(data))
+    with pytest.raises(CheckpointMismatchError, match="val_data"):
+        train(make_problem()[0], data, "mse", cfg(checkpoint=ckpt))  # no validation now
+
+
+def test_checkpoint_from_before_data_digests_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "old.pt"
+    model, data = make_problem()
+    train(model, data, "mse", cfg(checkpoint=ckpt))
+    state = torch.load(ckpt, weights_only=False)
+    del state["config"]["data"]  # written before checkpoints carried the data's digest
+    torch.save(state, ckpt)
+    hist = train(make_problem()[0], data, "mse", cfg(checkpoint=ckpt, epochs=3))
+    assert hist.steps == 12
+
+
+@pytest.mark.parametrize("content", [b"garbage", b""])
+def test_unreadable_checkpoint_names_the_file(tmp_path: Path, content: bytes) -> None:
+    ckpt = tmp_path / "run.pt"
+    ckpt.write_bytes(content)
+    model, data = make_problem()
+    with pytest.raises(CheckpointMismatchError, match=r"run\.pt cannot be read"):
+        train(model, data, "mse", cfg(checkpoint=ckpt))
+    assert ckpt.read_bytes() == content  # left as it was
+
+
+def test_a_state_dict_is_not_a_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "weights.pt"
+    model, data = make_problem()
+    torch.save(model.state_dict(), ckpt)
+    with pytest.raises(CheckpointMismatchError, match="not a training checkpoint"):
+        train(model, data, "mse", cfg(checkpoint=ckpt))
+
+
+def test_val_data_with_another_task_count_is_refused() -> None:
+    model, data = make_problem()
+    val = TaskData(data.x, data.ys[:1])
+    with pytest.raises(
+        ValueError, match=r"val_data has 1 target tensor\(s\) \(ys\) but train_data has 2"
+    ):
+        train(model, data, "mse", cfg(), val_data=val)

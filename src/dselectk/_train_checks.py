@@ -24,6 +24,7 @@ Nothing goes silently wrong:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -107,6 +108,11 @@ def _task_losses(
         )
     if cfg.early_stopping_patience is not None and val_data is None:
         raise ValueError("early_stopping_patience needs val_data")
+    if val_data is not None and len(val_data.ys) != num_tasks:
+        raise ValueError(
+            f"val_data has {len(val_data.ys)} target tensor(s) (ys) but train_data has "
+            f"{num_tasks}: one per task in both"
+        )
     return fns, weights
 
 
@@ -351,8 +357,10 @@ def _run_config(
     schedulers: Sequence[Any],
     n: int,
     world: int,
+    data: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Everything that changes the trajectory of a run (saved with its checkpoints)."""
+    """Everything that changes the trajectory of a run (saved with its checkpoints); ``data``:
+    the content digests of the training and validation data (:func:`data_digest`)."""
     hp = {k: _plain(v) for k, v in opt.defaults.items() if k in _OPT_HPARAMS}
     if "lr" not in hp and hasattr(opt, "lr"):  # e.g. RowwiseAdam's per-member rates
         hp["lr"] = _plain(opt.lr)
@@ -376,7 +384,22 @@ def _run_config(
         "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
         "hyperparameters": _gate_hyperparameters(model),
         "epochs": cfg.epochs,
+        **({"data": data} if data is not None else {}),
     }
+
+
+def data_digest(data: TaskData | None) -> str | None:
+    """A digest of a dataset's content (inputs and every target: shapes, dtypes and bytes), so
+    that a checkpoint is never resumed on other data of the same size."""
+    if data is None:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for t in (data.x, *data.ys):
+        t = t.detach()
+        h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        if t.numel():
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _gate_hyperparameters(model: nn.Module) -> dict[str, Any]:
@@ -406,7 +429,7 @@ _RETIRED_KEYS = ("record_every",)
 
 
 #: keys newer than some checkpoints: a checkpoint without them cannot be checked on them
-_ADDED_KEYS = ("hyperparameters",)
+_ADDED_KEYS = ("hyperparameters", "data")
 
 
 def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -434,6 +457,10 @@ def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             )
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             diffs.append(f"parameters: {shown}{more}")
+        elif key == "data" and a != b:
+            a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+            names = [n for n in ("train_data", "val_data") if a.get(n) != b.get(n)]
+            diffs.append(f"data: {' and '.join(names)} differ in content from the checkpoint's run")
         elif a != b:
             diffs.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
     return diffs

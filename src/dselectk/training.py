@@ -55,6 +55,7 @@ from dselectk._train_checks import (
     _restore_state,
     _run_config,
     _task_losses,
+    data_digest,
 )
 from dselectk.gates.base import Gate, check_positive_int
 from dselectk.io import save_torch
@@ -388,7 +389,12 @@ class _Run:
         self.check_targets = loss_fn is None and any(k is not None for k in self.kinds)
         self.params = [p for p in model.parameters() if p.requires_grad]
         n, world = len(data), self.world
-        self.config = _run_config(cfg, model, self.opt, losses, loss_fn, schedulers, n, world)
+        digests = None  # the data's content, checked on resume (hashed only with a checkpoint)
+        if cfg.checkpoint is not None:
+            digests = {"train_data": data_digest(data), "val_data": data_digest(val_data)}
+        self.config = _run_config(
+            cfg, model, self.opt, losses, loss_fn, schedulers, n, world, digests
+        )
         self.warned = False
 
     def resume(self) -> int:
@@ -397,7 +403,18 @@ class _Run:
         cfg = self.cfg
         if cfg.checkpoint is None or not Path(cfg.checkpoint).is_file():
             return 0
-        state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False)
+        except Exception as e:  # truncated, garbled or not a torch file
+            raise CheckpointMismatchError(
+                f"checkpoint {cfg.checkpoint} cannot be read ({type(e).__name__}: {e}); "
+                "delete it to start over"
+            ) from e
+        if not isinstance(state, dict) or "epoch" not in state or "model" not in state:
+            raise CheckpointMismatchError(
+                f"checkpoint {cfg.checkpoint} is not a training checkpoint of dselectk.train "
+                "(no epoch or model state); delete it or pass another path"
+            )
         _check_resumable(cfg.checkpoint, state.get("config"), self.config, cfg.resume)
         _restore_state(self, state)
         start_epoch = cfg.epochs if self.hist.stopped_early else state["epoch"]
