@@ -357,7 +357,7 @@ def _run_config(
     schedulers: Sequence[Any],
     n: int,
     world: int,
-    data: dict[str, str] | None = None,
+    data: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Everything that changes the trajectory of a run (saved with its checkpoints); ``data``:
     the content digests of the training and validation data (:func:`data_digest`)."""
@@ -398,7 +398,7 @@ def data_digest(data: TaskData | None) -> str | None:
         t = t.detach()
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
         if t.numel():
-            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
