@@ -200,3 +200,18 @@ def test_onnx_of_per_example_model_takes_large_batches(tmp_path: Path) -> None:
         want = model(x).outputs
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.from_numpy(g), w, atol=1e-5, rtol=1e-5)
+
+
+# -- 6. a directory as the path, an empty example batch: clear errors, nothing written ---------
+def test_directory_as_path_is_refused_before_any_work(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="is a directory; expected the file to write"):
+        to_onnx(_model(), torch.randn(3, P), folder)
+    assert list(folder.iterdir()) == [] and _leftovers(tmp_path) == []
+
+
+def test_empty_example_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match="example_inputs have 0 rows"):
+        export_program(_model(), torch.randn(0, P))

@@ -102,6 +102,11 @@ def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
         raise TypeError("example_inputs must be a tensor or a sequence of tensors (batch first)")
     if len({a.shape[0] for a in args}) != 1:
         raise ValueError("all example inputs must have the same batch size (dim 0)")
+    if args[0].shape[0] == 0:
+        raise ValueError(
+            "example_inputs have 0 rows (dim 0): export is traced and verified on at least "
+            "one example"
+        )
     _check_finite(args, "example_inputs")
     return args
 
@@ -363,6 +368,8 @@ def _temp_beside(path: Path) -> Iterator[Path]:
     """A fresh temp file name in ``path``'s folder (as :mod:`dselectk.io` names them), removed
     afterwards unless it was renamed: the export is written there and moved over ``path`` only
     once it is verified, so a failure never touches a file already at ``path``."""
+    if path.is_dir() or not path.name or path.name in (".", ".."):
+        raise ValueError(f"path {str(path)!r} is a directory; expected the file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.{HOST}-{os.getpid()}.", suffix=".tmp"
