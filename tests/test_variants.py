@@ -177,3 +177,26 @@ def test_hyperparameter_flags_come_from_the_declarations(
         with pytest.raises(SystemExit) as e:
             p.parse_args(bad)
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("hp", "message"),
+    [
+        ({"lr": "abc"}, r"tuned\.json\.lr: expected a finite number > 0, got 'abc'"),
+        ({"lr": 0}, r"\.lr: expected a finite number > 0, got 0"),
+        ({"lr": float("nan")}, r"\.lr: expected a finite number > 0"),
+        ({"lr": True}, r"\.lr: expected a finite number > 0, got True"),
+        ({"epochs": 0}, r"tuned\.json\.epochs: expected an integer >= 1, got 0"),
+        ({"epochs": 2.5}, r"\.epochs: expected an integer >= 1, got 2\.5"),
+        ({"epochs": "10"}, r"\.epochs: expected an integer >= 1, got '10'"),
+    ],
+)
+def test_check_hparams_refuses_bad_trainer_settings(hp: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Variant("t", "topk", "t").check_hparams(hp, "tuned.json")
+
+
+def test_check_hparams_keeps_good_trainer_settings() -> None:
+    hp = {"lr": 0.01, "epochs": 10, "gamma": 1.0}
+    assert Variant("d", "dselect_k", "d").check_hparams(hp, "t") == hp
+    assert Variant("d", "dselect_k", "d").check_hparams({"epochs": 10.0}, "t") == {"epochs": 10.0}

@@ -25,20 +25,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
 from dselectk.gates.registry import GateSpec, gate_spec
+from dselectk.models.bank import MoEBank
 from dselectk.schedules import (
     AttributeScheduler,
     GeometricSchedule,
     LinearSchedule,
     Schedule,
 )
-from dselectk.search import SwapSearch
+from dselectk.search import RefitStats, SwapSearch, selector_refit_mse
 
 __all__ = [
     "Held",
@@ -49,6 +50,8 @@ __all__ = [
     "total_steps",
     "variant_table",
 ]
+
+M = TypeVar("M", bound=nn.Module)
 
 #: hyperparameters of a run that are not the gate's (trainer settings every variant accepts)
 TRAINER_HPARAMS = ("lr", "epochs")
@@ -146,6 +149,34 @@ class SearchPlan:
         """The :class:`~dselectk.search.SwapSearch` callback of this plan."""
         return SwapSearch.at_fractions(gate, member_loss, total_steps, self.at, self.binarize)
 
+    def bank_callback(
+        self, bank: MoEBank, x: Tensor, y: Tensor, total_steps: int, seed: int
+    ) -> SwapSearch:
+        """The search of a :class:`~dselectk.models.MoEBank`'s gates: each (member, task) gate
+        scored by that task's mean squared error on a fixed probe of ``probe`` rows of ``x``
+        (N, in) and ``y`` (N, T), drawn with ``seed``; with ``refit``, after refitting the
+        selector shares by least squares (:func:`~dselectk.search.selector_refit_mse`)."""
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(x.shape[0], generator=g)[: self.probe]
+        xp, yp = x[idx], y[idx].T  # (B, in), (T, B)
+
+        def member_loss() -> Tensor:
+            pred, _ = bank(xp)  # (R, T, B)
+            return ((pred - yp) ** 2).mean(-1).flatten()
+
+        if self.refit:
+            cache: dict[tuple[int, ...], RefitStats] = {}
+
+            def member_loss() -> Tensor:
+                # the experts' probe moments, recomputed only after an optimizer step changed them
+                key = tuple(p._version for p in bank.experts.parameters())
+                if key not in cache:
+                    cache.clear()
+                    cache[key] = RefitStats.of(bank.expert_outputs(xp), yp)
+                return selector_refit_mse(bank.gates, cache[key])
+
+        return self.callback(bank.gates, member_loss, total_steps)
+
     def identity(self) -> dict[str, Any]:
         """The plan as a run record stores it."""
         out: dict[str, Any] = {"at": list(self.at), "binarize": self.binarize}
@@ -212,8 +243,23 @@ class Variant:
         """``hparams`` checked: trainer settings (``lr``, ``epochs``) and the gate's declared
         hyperparameters; anything else is a ValueError naming ``where`` and the allowed keys."""
         out = dict(hparams)
+        at = where or f"hyperparameters of {self.name!r}"
+        lr, epochs = hparams.get("lr"), hparams.get("epochs")
+        number = (int, float)
+        if lr is not None and (
+            isinstance(lr, bool) or not isinstance(lr, number) or not math.isfinite(lr) or lr <= 0
+        ):
+            raise ValueError(f"{at}.lr: expected a finite number > 0, got {lr!r}")
+        if epochs is not None and (
+            isinstance(epochs, bool)
+            or not isinstance(epochs, number)
+            or not math.isfinite(epochs)
+            or epochs != int(epochs)
+            or epochs < 1
+        ):
+            raise ValueError(f"{at}.epochs: expected an integer >= 1, got {epochs!r}")
         gate_part = {k: v for k, v in hparams.items() if k not in TRAINER_HPARAMS and v is not None}
-        out.update(self.spec.check(gate_part, where or f"hyperparameters of {self.name!r}"))
+        out.update(self.spec.check(gate_part, at))
         return out
 
     def build(
@@ -246,6 +292,40 @@ class Variant:
             out.append(AttributeScheduler(gate, ramp.param, ramp.schedule(value, total_steps)))
         return out
 
+    def member_schedulers(
+        self,
+        gate: Gate,
+        members: Sequence[Mapping[str, Any]],
+        gates_per_member: int,
+        steps_per_epoch: int,
+    ) -> list[AttributeScheduler]:
+        """The ramps of a gate bank whose members train together with their own
+        hyperparameters (a batched grid search): member r owns gates r·G ... r·G + G − 1
+        (G = ``gates_per_member``) and ``members[r]`` holds its values (``epochs`` included).
+
+        Each ramp starts at the member's own value (per-gate tensors). A geometric ramp without
+        delay or span to a fixed end (an annealing) spans each member's own epochs; any other
+        ramp needs all members to run the same epochs (else a ValueError).
+        """
+
+        def values(key: str) -> Tensor:  # (R·G,) float64, member r's value over its gates
+            v = torch.tensor([float(m.get(key) or 0.0) for m in members], dtype=torch.float64)
+            return v.repeat_interleave(gates_per_member)
+
+        totals = values("epochs") * steps_per_epoch
+        out = []
+        for r in self.schedules:
+            start = values(r.param) if r.start is None else r.start
+            sched: Schedule
+            if r.shape == "geometric" and not r.delay and r.span is None and r.end is not None:
+                sched = GeometricSchedule(start, r.end, totals)
+            elif bool((totals == totals[0]).all()):
+                sched = r.schedule(start, int(totals[0]))
+            else:
+                raise ValueError(f"{r}: members of different epochs need a geometric ramp")
+            out.append(AttributeScheduler(gate, r.param, sched))
+        return out
+
     def identity(self) -> dict[str, Any]:
         """The variant as a run record stores it (what makes two runs the same)."""
         out: dict[str, Any] = {"gate": self.gate}
@@ -276,7 +356,7 @@ def total_steps(epochs: int, examples: int, batch_size: int) -> int:
 
 
 @torch.no_grad()
-def stack_members(bank: nn.Module, members: Sequence[nn.Module]) -> nn.Module:
+def stack_members(bank: M, members: Sequence[nn.Module]) -> M:
     """Load independent members into one vectorized ``bank``: each parameter of the bank is
     the members' parameters of the same name, concatenated member after member along the
     first axis (a single gate's (L,) logits become row r of the bank's (R, L); a bank of T gates
