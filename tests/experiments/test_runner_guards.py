@@ -108,3 +108,30 @@ def test_core_install_writes_the_report_without_plots(
     assert err == [f"dselectk: plots skipped: {_mpl.MISSING}"]
     assert (out / "report.md").is_file() and not list(out.rglob("*.png"))
     assert main(["report", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("study", "args"),
+    [
+        ("token-moe", ["--steps", "30", "--no-progress"]),
+        ("selection", ["--no-progress"]),
+    ],
+)
+def test_another_experiments_folder_is_refused_before_any_work(
+    study: str, args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rec"
+    assert main([*REC, "--gates", "topk", "--out", str(out)]) == 0
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["reproduce", study, *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds records of another experiment (recovery)" in err[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # untouched
+    assert main(["report", str(out)]) == 0  # still a recovery folder
+
+
+def test_the_same_experiment_resumes_in_its_folder(tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    assert main([*REC, "--gates", "topk", "--out", str(out)]) == 0
+    assert main([*REC, "--gates", "topk", "dselect_k", "--out", str(out)]) == 0

@@ -36,12 +36,22 @@ __all__ = [
     "mean_se",
     "partial_line",
     "read_object",
+    "record_experiment",
     "run_id",
     "summarize",
     "tracking",
     "wall_line",
     "wall_time",
 ]
+
+
+def record_experiment(config: Mapping[str, Any]) -> str | None:
+    """The experiment a run record belongs to: the study it was run for
+    (``config["data"]["study"]``: the selection study's C.1 runs are synthetic runs), else
+    ``config["experiment"]``."""
+    data = config.get("data")
+    study = data.get("study") if isinstance(data, Mapping) else None
+    return study or config.get("experiment")
 
 
 def run_id(config: Mapping[str, Any]) -> str:

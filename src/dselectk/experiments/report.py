@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from dselectk.experiments.records import RunStore, partial_line
+from dselectk.experiments.records import RunStore, partial_line, record_experiment
 from dselectk.io import write_json, write_text
 
 __all__ = [
@@ -54,11 +54,7 @@ def experiment_name(results_dir: Path) -> str:
     Raises:
         ValueError: no records, or records of several experiments in one folder.
     """
-    names = {
-        (r["config"].get("data") or {}).get("study") or r["config"].get("experiment")
-        for r in RunStore(results_dir).load()
-    }
-    names.discard(None)
+    names = {name for r in RunStore(results_dir).load() if (name := record_experiment(r["config"]))}
     if not names:
         summary = Path(results_dir) / "summary.json"
         if summary.is_file():

@@ -46,7 +46,7 @@ from dselectk.experiments.executors import (
     executor_from_args,
     progress_position,
 )
-from dselectk.experiments.records import RunStore
+from dselectk.experiments.records import RunStore, record_experiment
 from dselectk.io import write_json
 
 __all__ = [
@@ -99,6 +99,9 @@ class Recipe:
             written summary; a message makes the command exit 1 after its report.
         planned_runs: ``(config, cell) -> int``: the final runs a cell will record (None:
             unknown); a report made before the sweep finished says how many are recorded.
+        experiment: the name its records carry (``config["experiment"]``, or the study they
+            serve); a results folder holding another experiment's records is refused before
+            any work (its report would be overwritten and the folder could not be reported).
     """
 
     cells: Sequence[Hashable]
@@ -113,6 +116,7 @@ class Recipe:
     prepare: Callable[[Path, Executor], bool] | None = None
     diverged: Callable[[Mapping[str, Any]], str | None] | None = None
     planned_runs: Callable[[Any, Any], int] | None = None
+    experiment: str = ""
 
 
 def add_run_arguments(
@@ -270,6 +274,19 @@ def folder_lock(out: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _check_same_experiment(out: Path, experiment: str) -> None:
+    """ValueError when ``out`` holds records of an experiment other than ``experiment``."""
+    if not experiment:
+        return
+    names = {record_experiment(r["config"]) for r in RunStore(out).load()} - {None, experiment}
+    if names:
+        raise ValueError(
+            f"--out {out}: the folder holds records of another experiment "
+            f"({', '.join(sorted(map(str, names)))}), whose report this run would overwrite; "
+            "choose another --out"
+        )
+
+
 def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
     """The ``run`` of a recipe: check the results folder up front, size the executor to the
     cells, run (or resume) the sweep, rebuild the report and print its table. Returns the exit
@@ -286,6 +303,7 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
     out = check_out_dir(config.out)
     executor = executor.sized(len(recipe.cells))
     with folder_lock(out):
+        _check_same_experiment(out, recipe.experiment)
         if recipe.prepare is not None and not recipe.prepare(out, executor):
             return 0
         command = " ".join(["dselectk", *sys.argv[1:]])

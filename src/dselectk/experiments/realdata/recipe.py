@@ -300,6 +300,7 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
         prepare=functools.partial(prepare, exp, config),
         diverged=_diverged,
         planned_runs=functools.partial(_planned_runs, exp),
+        experiment=exp.name,
     )
 
 

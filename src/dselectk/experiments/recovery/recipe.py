@@ -242,6 +242,7 @@ def recipe(config: RecoveryConfig) -> Recipe:
         print_table=print_table,
         diverged=_diverged,
         planned_runs=_planned_runs,
+        experiment=EXPERIMENT,
     )
 
 

@@ -162,7 +162,8 @@ def _cost(cell: S.Cell) -> float:
 def recipe(config: S.SelectionConfig) -> Recipe:
     """One cell per (arm, shape), for the shared runner."""
     return Recipe(S.cells(config), S.run_cell, _load_data, _data_key, S.cell_name, cost=_cost,
-                  write_report=write_report, print_table=print_table)  # fmt: skip
+                  write_report=write_report, print_table=print_table,
+                  experiment=S.EXPERIMENT)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -199,6 +199,7 @@ def recipe(config: TokenMoEConfig) -> Recipe:
         write_report=write_report,
         print_table=print_table,
         report_jobs=True,
+        experiment=EXPERIMENT,
     )
 
 
