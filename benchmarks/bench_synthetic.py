@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.synthetic_reference import reference_loss, train_step
 from dselectk.experiments import synthetic as S
-from dselectk.experiments.synthetic.model import schedulers
+from dselectk.models import MoEBank
 from dselectk.runtime import tune_allocator
 
 STEPS_PER_EPOCH = math.ceil(100_000 / S.BATCH_SIZE)  # the paper's 100k training rows
@@ -49,16 +49,16 @@ def time_steps(
     seeds: list[int],
     data: S.SyntheticData,
     steps: int,
-    loss_fn: Callable[[S.SyntheticMoE, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[MoEBank, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     hp: dict[str, Any] | None = None,
 ) -> float:
     """Seconds for ``steps`` training steps of one batched model over ``seeds`` (after warm-up),
     with ``hp`` (default: the shipped tuning record's) and its schedules over ``hp["epochs"]``."""
     if hp is None:
         hp = S.resolve_hparams(gate, tasks, S.load_tuned(), {})
-    model = S.SyntheticMoE(gate, tasks, hp, seeds)
+    model = S.build_model(gate, tasks, hp, seeds)
     opt = torch.optim.Adam(model.parameters(), lr=float(hp["lr"]), foreach=True)
-    scheds = schedulers(model, hp, int(hp["epochs"]) * STEPS_PER_EPOCH, STEPS_PER_EPOCH)
+    scheds = S.VARIANTS[gate].schedulers(model.gates, hp, int(hp["epochs"]) * STEPS_PER_EPOCH)
     gen = torch.Generator().manual_seed(0)
     x, y = data.x_train, data.y_train[:, :tasks]
     idx = [torch.randint(0, x.shape[0], (S.BATCH_SIZE,), generator=gen) for _ in range(steps + 3)]

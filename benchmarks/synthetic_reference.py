@@ -1,7 +1,7 @@
 """Reference paths of the synthetic study (Appendix C.1), for the tests and the benchmarks only.
 
 * :func:`reference_loss`: the training loss composed from autograd ops (the fused
-  ``_MixtureSSE`` of :mod:`dselectk.experiments.synthetic.loss` must equal it);
+  ``_MixtureSSE`` of :mod:`dselectk.models.bank` must equal it);
 * :func:`train_step`: one plain optimizer step outside the library's loop (timed by
   ``bench_synthetic.py``);
 * :func:`train_sequential`: repetitions trained one at a time (the batched model must follow
@@ -17,22 +17,26 @@ import torch
 from torch import Tensor
 
 from dselectk.data.synthetic import SyntheticData
-from dselectk.experiments.synthetic.loss import mixture_loss
-from dselectk.experiments.synthetic.model import SyntheticMoE
 from dselectk.experiments.synthetic.train import train_reps
+from dselectk.models import MoEBank
 from dselectk.variants import Variant
 
-LossFn = Callable[[SyntheticMoE, Tensor, Tensor], Tensor]
+LossFn = Callable[[MoEBank, Tensor, Tensor], Tensor]
 
 
-def reference_loss(model: SyntheticMoE, xb: Tensor, yb: Tensor) -> Tensor:
+def fused_loss(model: MoEBank, xb: Tensor, yb: Tensor) -> Tensor:
+    """The training loss by the fused path (:meth:`MoEBank.loss`)."""
+    return model.loss(xb, yb, fused=True)
+
+
+def reference_loss(model: MoEBank, xb: Tensor, yb: Tensor) -> Tensor:
     """Σ_r [Σ_t MSE_t,r + aux_r] of a batch, composed from autograd ops."""
     pred, aux = model(xb)
     return (pred - yb.T.unsqueeze(0)).square().mean(-1).sum() + aux
 
 
 def train_step(
-    model: SyntheticMoE,
+    model: MoEBank,
     opt: torch.optim.Optimizer,
     xb: Tensor,
     yb: Tensor,
@@ -40,9 +44,9 @@ def train_step(
     loss_fn: LossFn | None = None,
 ) -> None:
     """One step outside the loop: gradients of the loss (default the fused
-    :func:`~dselectk.experiments.synthetic.loss.mixture_loss`), the optimizer step, then every
+    :meth:`~dselectk.models.MoEBank.loss`), the optimizer step, then every
     scheduler's step. ``xb``: (B, 10) batch shared by all repetitions; ``yb``: (B, T)."""
-    loss = (loss_fn or mixture_loss)(model, xb, yb)
+    loss = (loss_fn or fused_loss)(model, xb, yb)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

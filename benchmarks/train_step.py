@@ -9,10 +9,10 @@ training mode, one fixed synthetic batch of the right shapes and dtypes: no data
   gates (k = 2), towers 256 → 1, batch 128; loss α·BCE + (1 − α)·masked MSE + aux, α = 0.5) and
   the same model with per-example DSelect-k gates. (The experiment itself trains with Adagrad;
   both sides get the same Adam here.)
-- ``c1``: the Appendix C.1 model (:class:`~dselectk.experiments.synthetic.model.SyntheticMoE`,
-  one repetition, T = 128 tasks, E = T/4 = 32 experts of the generator's form, static
-  DSelect-k gates, k = 4, the tuned γ and λ, batch 256), with the loss the library trains it
-  with (the fused ``mixture_loss``) and with the model's forward + an autograd loss.
+- ``c1``: the Appendix C.1 model (a :class:`~dselectk.models.MoEBank` of one repetition,
+  T = 128 tasks, E = T/4 = 32 experts of the generator's form, static DSelect-k gates, k = 4,
+  the tuned γ and λ, batch 256), with the loss the library trains it with (the fused
+  :meth:`~dselectk.models.MoEBank.loss`) and with the model's forward + an autograd loss.
 
 against the straightforward form popular recommender libraries ship (DeepCTR-Torch's and
 torch-rechub's MMoE): experts as ``nn.Sequential`` modules in an ``nn.ModuleList`` run in a Python
@@ -44,12 +44,12 @@ from benchmarks.common import Report, row
 from benchmarks.timing import compare
 from dselectk.data.synthetic import FEATURES, UNITS
 from dselectk.experiments import movielens
-from dselectk.experiments.synthetic.loss import mixture_loss
-from dselectk.experiments.synthetic.model import SyntheticMoE
 from dselectk.experiments.synthetic.spec import BATCH_SIZE as C1_BATCH
 from dselectk.experiments.synthetic.spec import K as C1_K
 from dselectk.experiments.synthetic.spec import load_tuned, resolve_hparams
+from dselectk.experiments.synthetic.train import build_model
 from dselectk.layers.embedding import EMBED_DIMS
+from dselectk.models import MoEBank
 
 __all__ = ["ML_META", "PlainC1MoE", "PlainMovieLensMMoE", "run"]
 
@@ -160,10 +160,10 @@ def movielens_loss(outs: list[Tensor], aux: Tensor, ys: list[Tensor]) -> Tensor:
     return ALPHA * bce + (1 - ALPHA) * movielens.masked_mse(outs[1], ys[1]) + aux
 
 
-def c1_model(dev: torch.device) -> SyntheticMoE:
+def c1_model(dev: torch.device) -> MoEBank:
     """The C.1 model at T = 128 with the shipped tuned hyperparameters, one repetition."""
     hp = resolve_hparams("dselect_k", C1_TASKS, load_tuned(), {})
-    return SyntheticMoE("dselect_k", C1_TASKS, hp, [0], k=C1_K).to(dev).train()
+    return build_model("dselect_k", C1_TASKS, hp, [0], k=C1_K).to(dev).train()
 
 
 def c1_batch(dev: torch.device) -> tuple[Tensor, Tensor]:
@@ -274,7 +274,8 @@ def _c1(dev: torch.device, args: argparse.Namespace, notes: dict[str, str]) -> F
     x, y = c1_batch(dev)
 
     def fused(m: nn.Module) -> Tensor:
-        return mixture_loss(m, x, y)  # type: ignore[arg-type]
+        assert isinstance(m, MoEBank)
+        return m.loss(x, y, fused=True)
 
     def composed(m: nn.Module) -> Tensor:
         pred, aux = m(x)  # (R, T, B) or (T, B)

@@ -14,7 +14,6 @@ import argparse
 import itertools
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from dselectk.experiments.runner import (
     missing,
     run_recipe,
 )
-from dselectk.experiments.synthetic.report import diverged_cells, print_table, write_report
+from dselectk.experiments.synthetic.report import diverged_line, print_table, write_report
 from dselectk.experiments.synthetic.spec import (
     DEFAULT_GATES,
     VARIANTS,
@@ -174,6 +173,11 @@ class SyntheticConfig:
             ramps.append(Ramp("entropy_reg", end=self.entropy_reg_end, delay=warm, before=0.0))
         return with_ramps(VARIANTS[gate], ramps)
 
+    @property
+    def repetitions(self) -> int:
+        """Final repetitions per cell: --reps, else 100 under --full and 5 otherwise."""
+        return self.reps if self.reps is not None else (100 if self.full else 5)
+
     def shape(self, num_tasks: int) -> dict[str, int]:
         """The model's shape at T = ``num_tasks``: experts (default T/4) and k."""
         return {"num_experts": self.experts or num_tasks // 4, "k": self.k}
@@ -189,7 +193,7 @@ def run_cell(
     gate, t = cell
     v, shape = args.variant(gate), args.shape(t)
     store = RunStore(args.out)
-    reps = args.reps if args.reps is not None else (100 if args.full else 5)
+    reps = args.repetitions
     batch_reps = args.batch_reps or min(reps, 100)
     data_cfg = {"seed": args.data_seed, "n_train": args.n_train, "n_eval": args.n_eval}
     if args.full:
@@ -238,7 +242,7 @@ def run_cell(
         assert isinstance(res, tuple)
         metrics, model = res
         elapsed = time.perf_counter() - tc
-        w = model.eval_weights()
+        w = model.inference_weights()
         for i, (r, s) in enumerate(chunk):
             extra: dict[str, Any] = {"train_seconds": elapsed / len(chunk)}
             mse = metrics[int(hp["epochs"])][i].get("test_mse")
@@ -267,7 +271,7 @@ def _cell_cost(cell: tuple[str, int]) -> float:
 
 
 def _planned_runs(args: SyntheticConfig, cell: tuple[str, int]) -> int:
-    return args.reps if args.reps is not None else (100 if args.full else 5)
+    return args.repetitions
 
 
 def recipe(config: SyntheticConfig) -> Recipe:
@@ -281,7 +285,7 @@ def recipe(config: SyntheticConfig) -> Recipe:
         cost=_cell_cost,
         write_report=write_report,
         print_table=print_table,
-        diverged=_diverged,
+        diverged=diverged_line,
         planned_runs=_planned_runs,
     )
 
@@ -314,14 +318,3 @@ def run(args: argparse.Namespace) -> int:
             )
     threads = int(getattr(args, "threads", 0) or 0)
     return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
-
-
-def _diverged(summary: Mapping[str, Any]) -> str | None:
-    """The one line naming the cells whose runs diverged, or None."""
-    bad = diverged_cells(summary)
-    if not bad:
-        return None
-    return (
-        f"runs diverged (non-finite test MSE) in {', '.join(bad)}; the report counts "
-        'them (column "diverged"); lower --lr or check the settings'
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +30,15 @@ from dselectk.experiments.synthetic.spec import (
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
-__all__ = ["FINITE", "diverged_cells", "print_table", "write_report"]
+__all__ = ["FINITE", "diverged_cells", "diverged_line", "print_table", "write_report"]
 
 
-METRICS = [
-    ("test_mse", "test MSE"),
-    ("related_jaccard", "Jaccard (related)"),
-    ("unrelated_jaccard", "Jaccard (unrelated)"),
-    ("experts_per_task", "experts/task"),
-    ("frac_tasks_binary", "tasks with binary S(Z)"),
+#: Figure C.1's panels: metric, y label, title, and the name of its own plot (``NAME_vs_tasks``)
+PANELS = [
+    ("test_mse", "test MSE (log)", "MSE", "mse"),
+    ("related_jaccard", "Jaccard index", "related tasks", "jaccard_related"),
+    ("unrelated_jaccard", "Jaccard index", "unrelated tasks", "jaccard_unrelated"),
 ]
-
 
 #: metrics a run must have finite, else it counts as diverged
 FINITE = ("test_mse",)
@@ -55,6 +53,17 @@ def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def diverged_line(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the cells whose runs diverged, or None (the recipe's exit status)."""
+    bad = diverged_cells(summary)
+    if not bad:
+        return None
+    return (
+        f"runs diverged (non-finite test MSE) in {', '.join(bad)}; the report counts "
+        'them (column "diverged"); lower --lr or check the settings'
+    )
+
+
 def _label(gate: str) -> str:
     return VARIANTS[gate].label if gate in VARIANTS else gate
 
@@ -67,24 +76,18 @@ def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
     return t // 4, K
 
 
-def _summary_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    final = [r for r in records if r["config"].get("phase") == "final"]
+def _summary_rows(final: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     rows = summarize(final, ["gate", "num_tasks"], finite=FINITE)
+    configs: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for r in final:
+        configs.setdefault((r["config"]["gate"], r["config"]["num_tasks"]), []).append(r["config"])
     for row in rows:
-        hps = {
-            json.dumps(r["config"]["hparams"], sort_keys=True)
-            for r in final
-            if r["config"]["gate"] == row["gate"] and r["config"]["num_tasks"] == row["num_tasks"]
-        }
+        cfgs = configs[(row["gate"], row["num_tasks"])]
+        hps = {json.dumps(c["hparams"], sort_keys=True) for c in cfgs}
         row["hparams"] = [json.loads(h) for h in sorted(hps)]
         row["label"] = _label(row["gate"])
-        cfg = next(
-            r["config"]
-            for r in final
-            if (r["config"]["gate"], r["config"]["num_tasks"]) == (row["gate"], row["num_tasks"])
-        )
-        if "k" in cfg:
-            row["shape"] = {"num_experts": cfg["num_experts"], "k": cfg["k"]}
+        if "k" in cfgs[0]:
+            row["shape"] = {"num_experts": cfgs[0]["num_experts"], "k": cfgs[0]["k"]}
     order = {g: i for i, g in enumerate(ALL_GATES)}
     rows.sort(key=lambda r: (order.get(r["gate"], len(order)), r["gate"], r["num_tasks"]))
     return rows
@@ -184,8 +187,8 @@ def write_report(
 
     results_dir = Path(results_dir)
     records, others = RunStore(results_dir).load_planned()
-    rows = _summary_rows(records)
     final = [r for r in records if r["config"].get("phase") == "final"]
+    rows = _summary_rows(final)
     tune_count = sum(1 for r in records if r["config"].get("phase") == "tune")
     prev = read_object(results_dir / "summary.json")
     wall = wall_time(results_dir, prev, wall_seconds, command, final)
@@ -230,38 +233,28 @@ def write_report(
     if rows and finite_mse:  # no plot of nothing but diverged runs (log scale of NaN)
         panels: list[dict[str, Any]] = [
             {
-                "series": series("test_mse"),
-                "ylabel": "test MSE (log)",
-                "title": "MSE",
-                "logy": True,
-            },
-            {
-                "series": series("related_jaccard"),
-                "ylabel": "Jaccard index",
-                "title": "related tasks",
-                "reference": ref,
-            },
-            {
-                "series": series("unrelated_jaccard"),
-                "ylabel": "Jaccard index",
-                "title": "unrelated tasks",
-                "reference": ref,
-            },
+                "series": series(metric),
+                "ylabel": ylabel,
+                "title": title,
+                "logy": metric == "test_mse",
+                "reference": None if metric == "test_mse" else ref,
+            }
+            for metric, ylabel, title, _ in PANELS
         ]
         plots.append(
             draw_panels(panels, results_dir / "fig_c1.png", xlabel="number of tasks", logx=True)
         )
-        for i, name in enumerate(["mse", "jaccard_related", "jaccard_unrelated"]):
+        for panel, (*_, name) in zip(panels, PANELS):
             plots.append(
                 versus(
-                    panels[i]["series"],
+                    panel["series"],
                     results_dir / f"{name}_vs_tasks.png",
                     xlabel="number of tasks",
-                    ylabel=panels[i]["ylabel"],
-                    title=panels[i]["title"],
-                    reference=panels[i].get("reference"),
+                    ylabel=panel["ylabel"],
+                    title=panel["title"],
+                    reference=panel["reference"],
                     logx=True,
-                    logy=bool(panels[i].get("logy")),
+                    logy=panel["logy"],
                 )
             )
         for g in gates:

@@ -1,5 +1,6 @@
-"""Training of the synthetic study: R members trained as one vectorized model by the library's
-training loop, and the paper's grid search (Appendix D) over such members."""
+"""The C.1 model and its training: R members (repetitions, or the configurations of the grid
+search) as one :class:`~dselectk.models.MoEBank`, trained by the library's loop, and the paper's
+grid search (Appendix D) over such members."""
 
 from __future__ import annotations
 
@@ -12,76 +13,155 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk.data.synthetic import SyntheticData
+from dselectk.data.synthetic import FEATURES, UNITS, SyntheticData
+from dselectk.experiments.metrics import distinct_experts, pairwise_jaccard
 from dselectk.experiments.records import RunStore, run_id
 from dselectk.experiments.runner import grid_points, progress_position, sample_points
-from dselectk.experiments.synthetic.loss import mixture_loss
-from dselectk.experiments.synthetic.model import SyntheticMoE, evaluate_model, schedulers
 from dselectk.experiments.synthetic.spec import (
     BATCH_SIZE,
     K,
+    hparam_keys,
     init_seed,
     paper_grid,
     record_config,
     resolve_hparams,
     variant_of,
 )
+from dselectk.layers import StackedMLP
+from dselectk.models import MoEBank
 from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
-from dselectk.search import RefitStats, SwapSearch, selector_refit_mse
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
-from dselectk.variants import Variant
+from dselectk.variants import Variant, stack_members
 
-__all__ = ["train_reps", "tune"]
+__all__ = ["build_model", "evaluate_model", "train_reps", "tune"]
+
+
+def build_model(
+    gate: str | Variant,
+    num_tasks: int,
+    hparams: Mapping[str, Any],
+    init_seeds: Sequence[int],
+    member_hparams: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    num_experts: int | None = None,
+    k: int = K,
+) -> MoEBank:
+    """R multi-gate MoEs of Appendix C.1 (E experts of the generator's form, one static gate
+    per task choosing k) as one bank; member r's parameters are those a single model built
+    under ``torch.manual_seed(init_seeds[r])`` gets.
+
+    Args:
+        gate: a variant (or its name, :data:`~dselectk.experiments.synthetic.spec.VARIANTS`).
+        num_tasks: T.
+        hparams: resolved hyperparameters (γ, λ, start temperature).
+        init_seeds: one seed per member.
+        member_hparams: one mapping per seed overriding ``hparams`` for that member (per-gate
+            γ, λ, temperature).
+        num_experts: E (default T/4, the generator's number of experts).
+        k: experts each task's gate selects.
+    """
+    v = variant_of(gate)
+    if member_hparams is not None and len(member_hparams) != len(init_seeds):
+        raise ValueError(
+            f"member_hparams needs one entry per seed ({len(init_seeds)}), "
+            f"got {len(member_hparams)}"
+        )
+    if num_experts is None and num_tasks % 4:
+        raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
+    if not init_seeds:
+        raise ValueError("init_seeds must hold at least one seed")
+    reps, e = len(init_seeds), num_tasks // 4 if num_experts is None else num_experts
+    keys = hparam_keys(v)  # the hyperparameters the study gives this variant
+    members = _members(hparams, member_hparams, reps)
+    experts, gates = [], []
+    for s, hp_i in zip(init_seeds, members, strict=True):
+        torch.manual_seed(int(s))
+        experts.append(StackedMLP(e, FEATURES, [UNITS]))
+        own = {n: x for n, x in hp_i.items() if n in keys}
+        gates.append(v.build(e, hparams=own, k=k, num_gates=num_tasks))
+    bank_hp: dict[str, Any] = {n: x for n, x in hparams.items() if n in keys}
+    if member_hparams is not None:  # per-gate values: member r's, over its T gates
+        used = [n for n in keys if any(m.get(n) is not None for m in members)]
+        bank_hp = {n: _values(members, n).repeat_interleave(num_tasks) for n in used}
+    bank_experts = StackedMLP(reps * e, FEATURES, [UNITS])
+    bank_gates = v.build(e, hparams=bank_hp, k=k, num_gates=reps * num_tasks)
+    return MoEBank(stack_members(bank_experts, experts), stack_members(bank_gates, gates), reps)
+
+
+def _members(
+    hparams: Mapping[str, Any], member_hparams: Sequence[Mapping[str, Any]] | None, reps: int
+) -> list[Mapping[str, Any]]:
+    """Each member's hyperparameters: ``hparams`` updated by its own entry."""
+    if member_hparams is None:
+        return [hparams] * reps
+    return [{**hparams, **m} for m in member_hparams]
+
+
+def _values(members: Sequence[Mapping[str, Any]], key: str) -> Tensor:
+    """(R,) float64 values of one hyperparameter, one per member."""
+    return torch.tensor([float(m.get(key) or 0.0) for m in members], dtype=torch.float64)
+
+
+@torch.no_grad()
+def evaluate_model(model: MoEBank, data: SyntheticData, k: int = K) -> list[dict[str, float]]:
+    """Metrics of each member: MSEs, Jaccard indices, experts per task, binarization."""
+    t = model.num_tasks
+    w = model.inference_weights()
+    yv, yt = data.y_val[:, :t], data.y_test[:, :t]
+    val = model.mse(data.x_val, yv, w)
+    test = model.mse(data.x_test, yt, w)
+    sel = w > 0
+    rel, unrel = pairwise_jaccard(sel, data.groups[:t])
+    nsel = distinct_experts(sel).double()  # (R, T)
+    out: list[dict[str, float]] = []
+    soft_test = None
+    if model.gates.posthoc_inference:  # the ablations: their own soft weights, too
+        soft_test = model.mse(data.x_test, yt, model.expert_weights())
+    binary = None
+    if model.gates.binarizes:  # DSelect-k: which bits of S(Z) are exactly 0 or 1
+        is_bin = model.gates.binary_entries().view(model.members, t, -1)
+        binary = (is_bin.flatten(2).float().mean(-1), is_bin.flatten(1).float().mean(-1))
+    for r in range(model.members):
+        m = {
+            "val_mse": float(val[r]),
+            "test_mse": float(test[r]),
+            "related_jaccard": float(rel[r]),
+            "unrelated_jaccard": float(unrel[r]),
+            "experts_per_task": float(nsel[r].mean()),
+            "experts_per_task_min": float(nsel[r].min()),
+            "experts_per_task_max": float(nsel[r].max()),
+            "frac_tasks_k_experts": float((nsel[r] == k).double().mean()),
+        }
+        if soft_test is not None:
+            m["test_mse_soft"] = float(soft_test[r])
+        if binary is not None:
+            m["frac_binary_entries"] = float(binary[1][r])
+            m["frac_tasks_binary"] = float((binary[0][r] == 1).double().mean())
+            m["all_binary"] = float(bool((binary[0][r] == 1).all()))
+        out.append(m)
+    return out
 
 
 class _Checkpoints(Callback):
     """Evaluates every member after the checkpoint epochs."""
 
-    def __init__(self, epochs: Sequence[int], data: SyntheticData) -> None:
-        self.epochs = set(epochs)
-        self.data = data
+    def __init__(self, epochs: Sequence[int], data: SyntheticData, k: int) -> None:
+        self.epochs, self.data, self.k = set(epochs), data, k
         self.results: dict[int, list[dict[str, float]]] = {}
 
     def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
         if epoch in self.epochs:
-            assert isinstance(model, SyntheticMoE)
+            assert isinstance(model, MoEBank)
             model.eval()
-            self.results[epoch] = evaluate_model(model, self.data)
+            self.results[epoch] = evaluate_model(model, self.data, self.k)
             model.train()
 
 
 def _fused_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
-    assert isinstance(model, SyntheticMoE)
-    return mixture_loss(model, batch.x, batch.ys[0]), None
-
-
-def _search(model: SyntheticMoE, data: SyntheticData, steps_total: int, seed: int) -> SwapSearch:
-    """The swap search of the model's variant: each (repetition, task) gate scored by that
-    task's MSE on a fixed probe of the training set."""
-    plan = model.variant.search
-    assert plan is not None
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(data.x_train.shape[0], generator=g)[: plan.probe]
-    x, y = data.x_train[idx], data.y_train[idx, : model.num_tasks].T  # (B, p), (T, B)
-
-    def member_loss() -> Tensor:
-        pred, _ = model(x)  # (R, T, B)
-        return ((pred - y) ** 2).mean(-1).flatten()
-
-    if plan.refit:  # scored with the selector shares refitted (least squares)
-        cache: dict[tuple[int, ...], RefitStats] = {}
-
-        def member_loss() -> Tensor:
-            # the experts' probe moments, recomputed only after an optimizer step changed them
-            key = tuple(p._version for p in model.experts.parameters())
-            if key not in cache:
-                cache.clear()
-                cache[key] = RefitStats.of(model.expert_outputs(x), y)
-            return selector_refit_mse(model.gates, cache[key])
-
-    return plan.callback(model.gates, member_loss, steps_total)
+    assert isinstance(model, MoEBank)
+    return model.loss(batch.x, batch.ys[0], fused=True), None
 
 
 def train_reps(
@@ -100,12 +180,13 @@ def train_reps(
     telemetry_dir: Path | None = None,
     num_experts: int | None = None,
     k: int = K,
-) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], SyntheticMoE]:
+) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], MoEBank]:
     """Train R repetitions together; return metrics per checkpoint epoch and repetition.
 
     Each step minimises Σ_r [Σ_t MSE_t,r + aux_r] (summed task losses, Appendix C.1) with the
-    fused loss; the R repetitions share parameters with nothing, so this is R independent Adam
-    runs (one :class:`~dselectk.optim.RowwiseAdam` when their learning rates differ).
+    fused loss; all repetitions see the same mini-batches and share parameters with nothing, so
+    this is R independent Adam runs (one :class:`~dselectk.optim.RowwiseAdam` when their
+    learning rates differ).
 
     Args:
         gate: the variant (or its name).
@@ -138,21 +219,24 @@ def train_reps(
     cps = sorted(set(checkpoints or [epochs]))
     if cps[-1] > epochs or cps[0] < 1:
         raise ValueError(f"checkpoints must lie in [1, {epochs}], got {cps}")
-    model = SyntheticMoE(
+    model = build_model(
         v, num_tasks, hparams, init_seeds, member_hparams, num_experts=num_experts, k=k
     )
     steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
+    steps = epochs * steps_per_epoch
+    members = _members(hparams, member_hparams, model.members)
     opt: torch.optim.Optimizer
     if member_hparams is None:
         opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
     else:
-        opt = RowwiseAdam(model.parameters(), lr=model.member_values("lr"))
-    evaluator = _Checkpoints(cps, data)
+        opt = RowwiseAdam(model.parameters(), lr=_values(members, "lr"))
+    evaluator = _Checkpoints(cps, data, k)
     callbacks: list[Any] = [evaluator]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
-    if v.search is not None:
-        callbacks.append(_search(model, data, epochs * steps_per_epoch, shuffle_seed))
+    if v.search is not None:  # each (repetition, task) gate scored by the task's probe MSE
+        y = data.y_train[:, :num_tasks]
+        callbacks.append(v.search.bank_callback(model, data.x_train, y, steps, shuffle_seed))
     config = TrainConfig.for_members(
         lr=float(hparams["lr"]),
         batch_size=BATCH_SIZE,
@@ -167,7 +251,11 @@ def train_reps(
         TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
         None,
         config,
-        schedulers=schedulers(model, hparams, epochs * steps_per_epoch, steps_per_epoch),
+        schedulers=(
+            v.schedulers(model.gates, hparams, max(1, steps))
+            if member_hparams is None
+            else v.member_schedulers(model.gates, members, num_tasks, steps_per_epoch)
+        ),
         optimizer=opt,
         callbacks=callbacks,
         loss_fn=_fused_loss,
