@@ -38,6 +38,7 @@ from dselectk.experiments.runner import (
 from dselectk.experiments.synthetic.report import diverged_line, print_table, write_report
 from dselectk.experiments.synthetic.spec import (
     DEFAULT_GATES,
+    EXPERIMENT,
     VARIANTS,
     K,
     init_seed,
@@ -287,6 +288,7 @@ def recipe(config: SyntheticConfig) -> Recipe:
         print_table=print_table,
         diverged=diverged_line,
         planned_runs=_planned_runs,
+        experiment=EXPERIMENT,
     )
 
 
