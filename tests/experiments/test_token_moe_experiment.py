@@ -12,6 +12,7 @@ import torch
 from dselectk.cli import main
 from dselectk.experiments import token_moe as TM
 from dselectk.experiments.report import experiment_name, rebuild
+from dselectk.experiments.token_moe.recipe import train_bytes_per_token
 
 
 def test_corpus_is_deterministic() -> None:
@@ -144,3 +145,25 @@ def test_report_summarises_this_commands_runs_only(tmp_path: Path) -> None:
     assert summary["records"] == 1 and summary["records_not_summarised"] == 1
     assert summary["hparams"]["steps"] == 13
     assert "not summarised: 1" in (out / "report.md").read_text()
+
+
+def test_val_windows_is_a_maximum_and_the_count_is_reported(tmp_path: Path) -> None:
+    out = tmp_path / "tm"
+    # 40,000 bytes: the validation part (4,000 bytes) holds 249 windows of 16 bytes
+    argv = [*_TINY, "--out", str(out), "--val-windows", "100000", "--gates", "topk"]
+    assert main(argv) == 0
+    (rec,) = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert rec["metrics"]["val_windows"] == 249
+    assert "a fixed set of 249 non-overlapping" in (out / "report.md").read_text()
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_with_an_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tm"
+    assert main([*_TINY, "--out", str(out), "--batch-size", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 100000000 × --seq-len 16 (training activations): about" in err
+    assert "GiB" in err and not out.exists()
+    cfg = TM.TokenMoEConfig(out)  # the default study fits: about 47 MB of activations a step
+    assert cfg.batch_size * cfg.seq_len * train_bytes_per_token(cfg) < 2**27

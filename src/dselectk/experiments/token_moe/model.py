@@ -211,8 +211,10 @@ def train_run(
     t0 = time.perf_counter()
     hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
     wall = time.perf_counter() - t0
-    m = evaluate(model, *byte_windows(corpus.val, seq, int(hp["val_windows"])))
+    val_x, val_y = byte_windows(corpus.val, seq, int(hp["val_windows"]))
+    m = evaluate(model, val_x, val_y)
     metrics = {"val_bpc": m.pop("bits_per_byte"), **m}  # the records' name for bits per byte
+    metrics["val_windows"] = int(val_x.shape[0])  # --val-windows is a maximum
     metrics.update(
         train_loss=hist.train_loss[-1] if hist.train_loss else math.nan,
         steps=hist.steps,

@@ -85,6 +85,7 @@ def write_report(
             (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in records
         ),
         "hparams": first["config"]["hparams"] if first else None,
+        "val_windows": sorted({r["metrics"].get("val_windows") or 0 for r in records}),
         "corpus": first["config"]["corpus"] if first else None,
         "records": len(records),
         "records_not_summarised": others,
@@ -159,6 +160,8 @@ def _markdown(summary: Mapping[str, Any]) -> str:
         records=summary["records"],
         others=others_note(summary.get("records_not_summarised", 0)),
         hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
+        val_windows=" or ".join(str(n) for n in summary.get("val_windows") or [] if n)
+        or "(not recorded)",
         corpus=json.dumps(summary.get("corpus") or {}, sort_keys=True),
         rows="\n".join(rows),
         loads="\n".join(loads),
