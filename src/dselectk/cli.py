@@ -76,11 +76,26 @@ def _bench(help_suite: bool, extra: Sequence[str]) -> int:
 USER_ERRORS = (ValueError, TypeError, OSError)
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed (CPU or GPU), not another runtime error."""
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    return line.split("DefaultCPUAllocator: ")[-1][:200]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dselectk`` command.
 
-    A user error (a bad value, a missing or corrupt file, an unwritable folder) prints one line
-    ``dselectk: error: ...`` and returns 2; ``--debug`` shows the traceback instead.
+    A user error (a bad value, a missing or corrupt file, an unwritable folder, sizes that do
+    not fit in memory) prints one line ``dselectk: error: ...`` and returns 2; ``--debug`` shows
+    the traceback instead.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -93,6 +108,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"dselectk: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if args.debug or not _out_of_memory(e):
+            raise
+        # finished runs are saved (records are written atomically when a run ends)
+        print(
+            f"dselectk: error: out of memory ({_first_line(e)}): the sizes the flags ask for do "
+            "not fit this machine; lower them (repetitions, experts, tasks, examples, batch)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         if args.debug:

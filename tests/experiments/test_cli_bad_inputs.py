@@ -103,3 +103,54 @@ def test_summaries_never_mix_settings(tmp_path: Path) -> None:
     assert main(["report", str(out)]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert again["rows"] == summary["rows"]
+
+
+def test_recovery_sizes_that_cannot_fit_are_refused_with_an_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    assert main([*REC, "--reps", "10000000", "--lrs", "0.1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reps × --lrs (10000000 runs of a variant" in err[0]
+    assert "GiB" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                     "allocate memory: you tried to allocate 160000000000 bytes."),
+        RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    ],
+)  # fmt: skip
+def test_out_of_memory_is_one_line_and_exit_2(
+    error: BaseException,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dselectk.experiments.recovery import recipe
+
+    def fail(*args: object, **kw: object) -> None:
+        raise error
+
+    monkeypatch.setattr(recipe, "run_recipe", fail)
+    assert main([*REC, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dselectk: error: out of memory (")
+    with pytest.raises(type(error)):  # --debug: the traceback
+        main(["--debug", *REC, "--out", str(tmp_path / "r")])
+
+
+def test_other_runtime_errors_are_not_disguised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dselectk.experiments.recovery import recipe
+
+    def fail(*args: object, **kw: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(recipe, "run_recipe", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main([*REC, "--out", str(tmp_path / "r")])

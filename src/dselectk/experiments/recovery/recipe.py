@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.experiments.args import (
+    check_fits,
     config_from_args,
     existing_file,
     file_digest,
@@ -26,9 +27,11 @@ from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
     BATCH_SIZE,
     EXPERIMENT,
+    FEATURES,
     LRS,
     NUM_EXPERTS,
     NUM_TRUE,
+    UNITS,
     VARIANTS,
     RecoveryData,
     train_reps,
@@ -40,6 +43,8 @@ from dselectk.variants import TRAINER_HPARAMS, Variant
 __all__ = ["RecoveryConfig", "add_arguments", "recipe", "run", "run_cell", "tuned_hparams"]
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
+#: examples of the training and of the validation set (RecoveryData's defaults)
+N_EXAMPLES = 10_000
 DEFAULT_GATES = ("dselect_k", "dselect_k_search", "topk")
 #: flag, type, default, metavar, help
 _FLAGS: list[tuple[str, Any, Any, str | None, str]] = [
@@ -110,6 +115,19 @@ class RecoveryConfig:
                     f"got {value}"
                 )
 
+        runs = self.runs_per_variant
+        check_fits(
+            runs * self.experts * (2 * N_EXAMPLES * UNITS + FEATURES * UNITS) * 4.0,
+            f"--reps × --lrs ({runs} runs of a variant, trained as one model) × --experts "
+            f"{self.experts} (frozen expert outputs of the train and validation sets)",
+        )
+
+    @property
+    def runs_per_variant(self) -> int:
+        """Repetitions × learning rates: the runs a variant trains as one vectorized model."""
+        reps = self.reps if self.reps is not None else (100 if self.full else 20)
+        return reps * len(self.lrs or (LRS if self.full else LRS[:3]))
+
     @property
     def shape(self) -> dict[str, int]:
         """The study's shape, as records store it."""
@@ -170,7 +188,7 @@ def _record_config(
         "init_seed": init_seed,
         "shuffle_seed": config.seed,
         "batch_size": BATCH_SIZE,
-        "data": {"seed": config.data_seed, "n_train": 10_000, "n_val": 10_000},
+        "data": {"seed": config.data_seed, "n_train": N_EXAMPLES, "n_val": N_EXAMPLES},
     }
 
 
@@ -226,8 +244,7 @@ def _data_key(config: RecoveryConfig) -> tuple[int, int]:
 
 
 def _planned_runs(config: RecoveryConfig, gate: str) -> int:
-    reps = config.reps if config.reps is not None else (100 if config.full else 20)
-    return reps * len(config.lrs or (LRS if config.full else LRS[:3]))
+    return config.runs_per_variant
 
 
 def recipe(config: RecoveryConfig) -> Recipe:
