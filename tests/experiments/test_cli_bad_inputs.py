@@ -105,6 +105,16 @@ def test_summaries_never_mix_settings(tmp_path: Path) -> None:
     assert again["rows"] == summary["rows"]
 
 
+def test_synthetic_repetitions_that_cannot_fit_are_refused_with_an_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "s"
+    assert main([*SYN, "--reps", "10000000", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reps 10000000 × 32 experts" in err[0] and "GiB" in err[0]
+    assert not out.exists()
+
+
 def test_recovery_sizes_that_cannot_fit_are_refused_with_an_estimate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

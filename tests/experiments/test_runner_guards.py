@@ -115,6 +115,7 @@ def test_core_install_writes_the_report_without_plots(
     [
         ("token-moe", ["--steps", "30", "--no-progress"]),
         ("selection", ["--no-progress"]),
+        ("synthetic", ["--tasks", "16", "--no-progress"]),
     ],
 )
 def test_another_experiments_folder_is_refused_before_any_work(

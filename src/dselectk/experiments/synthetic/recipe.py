@@ -58,6 +58,9 @@ POS, NONNEG = int_at_least(1), int_at_least(0)
 #: bytes per generated row while the data is built: 10 features and 128 task targets in float64
 #: and float32, the experts' outputs of one group (estimate, rounded up)
 DATA_BYTES_PER_ROW = 4096
+#: memory one expert of one repetition takes while training (an upper estimate: its parameters
+#: with gradients and Adam state, and its share of a batch's activations, about 3,500 floats)
+BYTES_PER_EXPERT = 14_000
 
 
 def task_count(text: str) -> int:
@@ -304,6 +307,10 @@ def run(args: argparse.Namespace) -> int:
     rows = config.n_train + 2 * config.n_eval
     what = f"arguments --n-train/--n-eval ({config.n_train:,} + 2 x {config.n_eval:,} rows)"
     check_fits(rows * DATA_BYTES_PER_ROW, what)
+    # the repetitions of a cell train as one model: parameters, Adam state, activations
+    experts = max(config.shape(t)["num_experts"] for t in config.tasks)
+    what = f"--reps {config.repetitions} × {experts} experts (repetitions trained as one model)"
+    check_fits(config.repetitions * experts * BYTES_PER_EXPERT, what)
     if config.tuned is not None and config.full:
         raise ValueError(
             f"--tuned {config.tuned}: --full selects the hyperparameters by its own grid "
