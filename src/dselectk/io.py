@@ -35,6 +35,7 @@ __all__ = [
     "save_torch",
     "write_bytes",
     "write_json",
+    "write_stream",
     "write_text",
 ]
 
@@ -57,6 +58,12 @@ def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_stream(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
+    """Call ``write`` on a binary file object whose content replaces ``path`` atomically once
+    ``write`` returns (a figure's ``savefig``, say); returns the path."""
+    return _atomic(path, write)
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:

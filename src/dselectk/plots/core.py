@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dselectk.io import write_stream
 from dselectk.plots._mpl import plt
 
 __all__ = ["plot_metric_panels", "plot_metric_vs", "plot_trajectories", "plot_weight_heatmap"]
@@ -70,7 +71,7 @@ def plot_metric_vs(
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_metric_panels(
@@ -106,7 +107,7 @@ def plot_metric_panels(
         ax.legend(fontsize=7)
     if suptitle:
         fig.suptitle(suptitle)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_trajectories(
@@ -153,7 +154,7 @@ def plot_trajectories(
     axes[0][-1].legend(fontsize=6, ncol=2, loc="upper right")
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_weight_heatmap(
@@ -185,15 +186,17 @@ def plot_weight_heatmap(
     ax.set_ylabel("task")
     if title:
         ax.set_title(title)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    """Write ``fig`` as a PNG atomically (a crash never leaves a truncated plot) and close it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_stream(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dselectk.plots._mpl import plt
+from dselectk.plots.core import save_png
 
 __all__ = ["plot_task_heatmap", "plot_task_trajectories"]
 
@@ -95,9 +96,4 @@ def plot_task_trajectories(
 
 
 def _save(fig: plt.Figure, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=100)
