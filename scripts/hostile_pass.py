@@ -529,6 +529,24 @@ def cases() -> list[Case]:
     add(Case("token-moe --seq-len 0", [*TOK, "--seq-len", "0", "--out", "x"], "refuse"))
     add(Case("token-moe --batch-size 0", [*TOK, "--batch-size", "0", "--out", "x"], "refuse"))
     add(Case("token-moe --corpus-bytes 10", [*TOK, "--corpus-bytes", "10", "--out", "x"], "refuse"))
+    # session 10: sizes that cannot fit, a maximum reported as used, another study's folder
+    big = ["--out", "x"]
+    add(Case("token-moe --batch-size 1e7", [*TOK, "--batch-size", "10000000", *big], "refuse",
+             check=says("GiB")))  # fmt: skip
+    add(Case("recovery --reps 1e7", [*REC, "--reps", "10000000", *big], "refuse",
+             check=says("GiB")))  # fmt: skip
+    add(Case("synthetic --reps 1e7", [*SYN, "--reps", "10000000", *big], "refuse",
+             check=says("GiB")))  # fmt: skip
+    add(Case("token-moe --val-windows 1e5 (a maximum: 124 used)",
+             [*TOK, "--val-windows", "100000", "--out", "tv"], "ok",
+             check=report_says("tv", "124 non-overlapping")))  # fmt: skip
+    add(Case("synthetic into a recovery folder", [*SYN, "--out", "rec"], "refuse",
+             check=says("another experiment (recovery)")))  # fmt: skip
+    add(Case("token-moe into a recovery folder", [*TOK, "--out", "rec"], "refuse",
+             check=says("another experiment (recovery)")))  # fmt: skip
+    add(Case("recovery --tuned with lr \"abc\"", [*REC, "--tuned", "t7.json", *big], "refuse",
+             check=says("t7.json", "lr"),
+             setup=write("t7.json", json.dumps({"hparams": {"topk": {"lr": "abc"}}}))))  # fmt: skip
     # report
     add(Case("report missing dir", ["report", "nowhere"], "refuse"))
     add(Case("report on a file", ["report", "f3"], "refuse", setup=write("f3", "x")))
