@@ -7,17 +7,16 @@ out backward pass (tested against the composed formulas):
 * :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
   :func:`dselectk.functional.dselect_k_fused`;
 * :class:`_DSelectSmall`: the same numbers for small problems (few calls), on CPU float32 and
-  float64 computed on the host in NumPy (:mod:`dselectk.runtime`), and
-  :class:`_DSelectSmallGate`: a small per-example or static DSelect-k gate's whole step (logits
-  in; weights and entropy loss out) in one node on the host, used by
+  float64 computed on the host in NumPy (:mod:`dselectk.runtime`); :class:`_DSelectSmallGate`
+  and :class:`_DSelectSmallGateLinear`: a small DSelect-k gate's whole step (logits or input in;
+  weights and entropy loss out) in one node on the host, and :class:`_OneThreadLinear`, used by
   :class:`dselectk.gates.DSelectK`;
-* :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies, used by
-  :class:`dselectk.gates.SoftmaxSelectorGate`.
+* :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies.
 
-It depends on torch and :mod:`dselectk.runtime` only (no import of :mod:`dselectk.functional` or
-:mod:`dselectk.gates`), so both can import it without a cycle. The DSelect-k kernels run their
-ops on one thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why). The
-kernels here bypass ``Function.apply``'s per-call argument binding (:func:`_apply`).
+It depends on torch and :mod:`dselectk.runtime` only, so :mod:`dselectk.functional` and
+:mod:`dselectk.gates` can import it without a cycle. The DSelect-k kernels run their ops on one
+thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why) and bypass
+``Function.apply``'s per-call argument binding (:func:`_apply`).
 """
 
 from __future__ import annotations
@@ -29,12 +28,14 @@ import torch
 from torch import Tensor
 
 from dselectk.runtime import (
-    _host_entropy_grad,
+    _entropy_grad,
+    _entropy_loss,
     _host_gate,
     _host_gate_grad,
     _host_small,
     _host_small_grads,
     _HostSaved,
+    _OneThread,
     intra_op_threads,
 )
 
@@ -401,13 +402,10 @@ class _DSelectSmallGate(_PositionalFunction):
     lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
 
     The NumPy small kernel (see the comment above) on the gate's logits, and the entropy term
-    of the auxiliary loss as :class:`dselectk.gates.DSelectK` computes it (the same ATen calls
-    on the same entropies: λ Σ_i h_i per gate, summed over the gates and, per example, divided
-    by the batch): one autograd node instead of the logits' two slices, the small kernel and
-    four loss nodes, with one grad of the logits (no zero-filled grads of the α and Z slices).
-    Bit for bit what the gate computes through :func:`dselectk.functional.dselect_k_fused`
-    (values and gradients). For CPU float32/float64 only (:func:`_host_ok`); the gate checks.
-    """
+    of the auxiliary loss with the gate's ATen calls (``dselectk.runtime._entropy_loss``): one
+    node instead of the logits' two slices, the small kernel and four loss nodes. Bit for bit
+    what the gate computes through :func:`dselectk.functional.dselect_k_fused` (values and
+    gradients). For CPU float32/float64 only (:func:`_host_ok`); the gate checks."""
 
     @staticmethod
     def forward(
@@ -439,37 +437,14 @@ class _DSelectSmallGate(_PositionalFunction):
         return (_host_gate_grad(ctx.host, g_w, g_ent, ctx.k), *none)
 
 
-def _entropy_loss(
-    ent: Tensor, lam: Tensor, k: int, lead: tuple[int, ...], per_example: bool
-) -> Tensor:
-    """λ Σ_i h_i per gate, summed over the gates (per example: / batch), as the gate writes it."""
-    per_gate = lam * ent.view(*lead, k).sum(dim=-1)
-    return per_gate.sum() / lead[0] if per_example else per_gate.sum()
-
-
-def _entropy_grad(ctx: Any, g_aux: Tensor, lam: Tensor) -> Any:
-    """The grad of each selector's entropy (an array broadcastable to (G, K)) from the grad of
-    :func:`_entropy_loss`: its nodes' backward, op for op (/ batch, expand, * λ, cast)."""
-    lead = ctx.lead
-    divisor = lead[0] if ctx.per_example else 1
-    if lam.dim() == 0:
-        return _host_entropy_grad(g_aux, lam, divisor, ctx.dtype)
-    g_gate = g_aux / divisor if ctx.per_example else g_aux
-    g_gate = (g_gate.expand(lead) * lam).to(ctx.dtype)
-    return g_gate.reshape(math.prod(lead), 1).numpy()
-
-
 class _DSelectSmallGateLinear(_PositionalFunction):
     """:class:`_DSelectSmallGate` with the gate's linear layer in the node: (x (B, p), weight,
     bias or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
 
-    The logits are ``F.linear``'s ATen call on 2-D inputs (``addmm``, ``mm`` without a bias),
-    and the grads of x, weight and bias the calls of autograd's backward of it (``grad @ W``,
-    ``grad.t() @ x``, ``grad.sum(0)``): the same numbers as the layer and
-    :class:`_DSelectSmallGate` in two nodes, without the layer's module call, view and three
-    backward nodes. Used by :class:`dselectk.gates.DSelectK` for a plain ``nn.Linear`` (no hooks,
-    no autocast).
-    """
+    The logits and the grads of x, weight and bias are :func:`_linear`'s and
+    :func:`_linear_grads`' ATen calls, on one thread: the numbers of the layer and
+    :class:`_DSelectSmallGate` in two nodes. Used by :class:`dselectk.gates.DSelectK` for a
+    plain ``nn.Linear`` (no hooks, no autocast)."""
 
     @staticmethod
     def forward(
@@ -482,10 +457,10 @@ class _DSelectSmallGateLinear(_PositionalFunction):
         lead: tuple[int, ...],
         per_example: bool,
     ) -> tuple[Any, ...]:
-        wt = weight.t()
-        logits = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
-        out, ent, saved = _host_gate(logits.view(math.prod(lead), -1), gamma, k)
-        return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
+        with _OneThread():  # small problems: one thread (see dselectk.runtime._OneThread)
+            logits = _linear(x, weight, bias)
+            out, ent, saved = _host_gate(logits.view(math.prod(lead), -1), gamma, k)
+            return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -504,11 +479,45 @@ class _DSelectSmallGateLinear(_PositionalFunction):
         lam, x, weight = ctx.saved_tensors
         g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
         g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)  # grad of logits
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g_x = g.mm(weight) if need_x else None
-        g_weight = g.t().mm(x) if need_w else None
-        g_bias = g.sum(0) if need_b else None
-        return (g_x, g_weight, g_bias, *none)
+        with _OneThread():
+            return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear``'s ATen call on a 2-D input: ``addmm`` (``mm`` without a bias)."""
+    wt = weight.t()
+    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+
+
+def _linear_grads(g: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, ...]) -> tuple[Any, ...]:
+    """The grads of x, weight and bias from the grad ``g`` of :func:`_linear`: the calls of
+    autograd's backward of it (``g @ W``, ``g.t() @ x``, ``g.sum(0)``), None where not needed."""
+    return (
+        g.mm(weight) if needs[0] else None,
+        g.t().mm(x) if needs[1] else None,
+        g.sum(0) if needs[2] else None,
+    )
+
+
+class _OneThreadLinear(_PositionalFunction):
+    """``F.linear`` on a 2-D input, (x (B, p), weight, bias or None) -> (B, out): the layer's
+    ATen calls, forward and backward on one intra-op thread (``dselectk.runtime._OneThread``)."""
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        with _OneThread():
+            return _linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        with _OneThread():
+            return _linear_grads(g, x, weight, ctx.needs_input_grad)
 
 
 # -- softmax-selector ablation gate -----------------------------------------------------------

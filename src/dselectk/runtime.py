@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import signal
 import sys
@@ -70,6 +71,25 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
         yield max(1, limit)
     finally:
         torch.set_num_threads(before)
+
+
+class _OneThread:
+    """``with _OneThread():`` runs the enclosed torch ops on one intra-op thread, then restores
+    the count: :func:`intra_op_threads` (1) for the hot paths of the small kernels (a class costs
+    ~0.5 µs a use, the generator-based context manager ~4 µs). Beside busy processes a 2-thread
+    MKL product of a small gate's linear layer took 30-50 ms instead of 30-60 µs (its OpenMP
+    barrier waits for a descheduled thread); on one thread it is also faster when idle."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = before = torch.get_num_threads()
+        if before > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before > 1:
+            torch.set_num_threads(self.before)
 
 
 # -- host arithmetic of the small DSelect-k kernel ---------------------------------------------
@@ -310,6 +330,26 @@ def _host_entropy_grad(
         ga = ga / np.asarray(divisor, dtype=ga.dtype)
     v = ga * lam.detach().numpy().astype(ga.dtype)
     return np.asarray(v, dtype=np.float32 if dtype == torch.float32 else np.float64)
+
+
+def _entropy_loss(
+    ent: torch.Tensor, lam: torch.Tensor, k: int, lead: tuple[int, ...], per_example: bool
+) -> torch.Tensor:
+    """λ Σ_i h_i per gate, summed over the gates (per example: / batch), as the gate writes it."""
+    per_gate = lam * ent.view(*lead, k).sum(dim=-1)
+    return per_gate.sum() / lead[0] if per_example else per_gate.sum()
+
+
+def _entropy_grad(ctx: Any, g_aux: torch.Tensor, lam: torch.Tensor) -> Any:
+    """The grad of each selector's entropy (an array broadcastable to (G, K)) from the grad of
+    :func:`_entropy_loss`: its nodes' backward, op for op (/ batch, expand, * λ, cast)."""
+    lead = ctx.lead
+    divisor = lead[0] if ctx.per_example else 1
+    if lam.dim() == 0:
+        return _host_entropy_grad(g_aux, lam, divisor, ctx.dtype)
+    g_gate = g_aux / divisor if ctx.per_example else g_aux
+    g_gate = (g_gate.expand(lead) * lam).to(ctx.dtype)
+    return g_gate.reshape(math.prod(lead), 1).numpy()
 
 
 def _host_gate_grad(

@@ -10,7 +10,15 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmallGate, _DSelectSmallGateLinear
+from dselectk._kernels import (
+    _DSelectSmallGate,
+    _DSelectSmallGateLinear,
+    _host_ok,
+    _linear,
+    _linear_grads,
+    _OneThreadLinear,
+    _PositionalFunction,
+)
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -18,6 +26,7 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
+from dselectk.runtime import PARALLEL_MIN_ELEMENTS, _OneThread
 
 __all__ = ["DSelectK"]
 
@@ -40,6 +49,50 @@ def _has_hooks(module: nn.Module) -> bool:
         or _m._global_backward_hooks
         or _m._global_backward_pre_hooks
     )
+
+
+class _OneThreadSplitLinear(_PositionalFunction):
+    """A per-example gate's layer and the split of its logits: (x (B, p), weight, bias or None,
+    lead, K, M) -> (α (*lead, K), Z (*lead, K, M)), copies of the slices of the logits, forward
+    and backward on one intra-op thread (``dselectk.runtime._OneThread``). The backward writes
+    the grads of α and Z into one grad of the logits (what the slices' backward nodes compute,
+    without their zero-fills, copies and sum on two threads), then the layer's grads
+    (``_kernels._linear_grads``)."""
+
+    @staticmethod
+    def forward(
+        x: Tensor, weight: Tensor, bias: Tensor | None, lead: tuple[int, ...], k: int, m: int
+    ) -> tuple[Tensor, Tensor]:
+        with _OneThread():
+            logits = _linear(x, weight, bias).view(*lead, k * (1 + m))
+            return logits[..., :k].clone(), logits[..., k:].unflatten(-1, (k, m)).clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.lead, ctx.k = inputs[3], inputs[4]
+        ctx.save_for_backward(inputs[0], inputs[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_alpha: Tensor | None, g_z: Tensor | None) -> tuple[Any, ...]:
+        none = (None, None, None)
+        if g_alpha is None and g_z is None:
+            return (None, None, None, *none)
+        x, weight = ctx.saved_tensors
+        k = ctx.k
+        with _OneThread():
+            g = x.new_empty(x.shape[0], weight.shape[0])
+            parts = g.view(*ctx.lead, -1)
+            if g_alpha is None:
+                parts[..., :k].zero_()
+            else:
+                parts[..., :k].copy_(g_alpha)
+            if g_z is None:
+                parts[..., k:].zero_()
+            else:
+                parts[..., k:].copy_(g_z.flatten(-2))
+            return (*_linear_grads(g, x, weight, ctx.needs_input_grad[:3]), *none)
 
 
 class DSelectK(Gate):
@@ -263,7 +316,10 @@ class DSelectK(Gate):
         out = self._gate_on_host(logits)
         if out is not None:
             return out
-        alpha, z = self.split_logits(logits)
+        return self._gate_parts(*self.split_logits(logits))
+
+    def _gate_parts(self, alpha: Tensor, z: Tensor) -> GateOutput:
+        """:meth:`gate` on the logits' parts α (*lead, K) and Z (*lead, K, M), as written."""
         z = self._codes_z(z)
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
@@ -283,10 +339,26 @@ class DSelectK(Gate):
         out = self._forward_on_host(x)
         return super().forward(x) if out is None else out
 
-    def _forward_on_host(self, x: Tensor | None) -> GateOutput | None:
-        """:meth:`forward` with the linear layer inside the host node
-        (``_DSelectSmallGateLinear``) for a per-example gate of this class on a (B, p) input
-        whose layer is a plain ``nn.Linear`` (no hooks, no autocast); None otherwise."""
+    def compute_logits(self, x: Tensor | None = None) -> Tensor:
+        """The logits as :meth:`Gate.compute_logits` computes them; per-example problems below
+        :data:`~dselectk.runtime.PARALLEL_MIN_ELEMENTS` selector entries (eager, CPU
+        float32/float64, a plain ``nn.Linear``) run the layer on one intra-op thread
+        (``_OneThreadLinear``, the layer's ATen calls): beside busy processes a 2-thread product
+        of this size stalls for tens of ms (see ``dselectk.runtime._OneThread``)."""
+        plain = self._plain_layer(x)
+        if plain is None or plain[3] >= PARALLEL_MIN_ELEMENTS:
+            return super().compute_logits(x)
+        assert isinstance(x, Tensor)
+        logits = _OneThreadLinear.apply(x, plain[0], plain[1])
+        return logits.view(*plain[2], *self._logit_shape())
+
+    def _plain_layer(
+        self, x: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, tuple[int, ...], int] | None:
+        """(weight, bias, lead, selector entries) of a per-example gate whose layer is a plain
+        ``nn.Linear`` (no hooks, no autocast, no input check, this class's
+        :meth:`compute_logits`) on a (B, p) CPU float32/float64 input in eager mode; None
+        otherwise."""
         proj = self._modules.get("proj")
         if (
             type(proj) is not nn.Linear
@@ -294,28 +366,48 @@ class DSelectK(Gate):
             or x.dim() != 2
             or x.shape[1] != self.in_features
             or self.check_finite
-            or type(self).gate is not DSelectK.gate  # a subclass's own math goes its own way
-            or not self._own_layout()
-            or type(self).compute_logits is not Gate.compute_logits
+            or type(self).compute_logits is not DSelectK.compute_logits
             or _has_hooks(proj)
             or torch.is_autocast_enabled("cpu")
+            or not _host_ok(x)
         ):
             return None
-        k, m, n = self.k, self.num_bits, self.num_experts
-        if self.distinct or (n < 2**m and self.xi > 0):
-            return None
         weight, bias = proj.weight, proj.bias
-        lead = (x.shape[0],) if self.num_gates is None else (x.shape[0], self.num_gates)
-        buffers = self._buffers
-        gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
-        assert gamma is not None and lam is not None
         if not (
-            DF._small_on_host(math.prod(lead) * k * 2**m, x, gamma)
-            and weight.dtype == x.dtype
+            weight.dtype == x.dtype
             and weight.is_cpu
             and (bias is None or (bias.dtype == x.dtype and bias.is_cpu))
         ):
             return None
+        lead = (x.shape[0],) if self.num_gates is None else (x.shape[0], self.num_gates)
+        return weight, bias, lead, math.prod(lead) * self.k * 2**self.num_bits
+
+    def _forward_on_host(self, x: Tensor | None) -> GateOutput | None:
+        """:meth:`forward` with the linear layer inside the host node
+        (``_DSelectSmallGateLinear``, the layer on one thread as in :meth:`compute_logits`) for
+        a per-example gate of this class (see :meth:`_plain_layer`) and a problem the host node
+        takes; other problems below :data:`~dselectk.runtime.PARALLEL_MIN_ELEMENTS` take the
+        layer and the split of the logits on one thread (``_OneThreadSplitLinear``), then the
+        gate's math as written; None otherwise."""
+        plain = self._plain_layer(x)
+        if (
+            plain is None
+            or type(self).gate is not DSelectK.gate  # a subclass's own math goes its own way
+            or not self._own_layout()
+        ):
+            return None
+        weight, bias, lead, entries = plain
+        k, m, n = self.k, self.num_bits, self.num_experts
+        buffers = self._buffers
+        gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
+        assert gamma is not None and lam is not None and isinstance(x, Tensor)
+        if self.distinct or (n < 2**m and self.xi > 0) or not DF._small_on_host(entries, x, gamma):
+            if entries >= PARALLEL_MIN_ELEMENTS:
+                return None
+            # The layer and the split into α and Z on one thread (the slices' backward would
+            # zero-fill, copy and add the logits' grad on two), then the gate's math as written.
+            alpha, z = _OneThreadSplitLinear.apply(x, weight, bias, lead, k, m)
+            return self._gate_parts(alpha, z)
         if gamma.dim() > 0:  # one γ per gate: flattened like the gates
             gamma = gamma.expand(lead).reshape(-1)
         w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
