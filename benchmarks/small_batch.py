@@ -2,9 +2,10 @@
 
 Per-example gates, p = 64, n = 128, k = 4, forward + backward (float32), at B = 1, 16, 256, 4096
 on 1 and 2 intra-op threads (as many as the CPU has), DSelect-k and Top-k timed interleaved in
-one process. Ratio = Top-k / DSelect-k (>= 1: DSelect-k at least as fast). A third column times
-the DSelect-k step wrapped in ``dselectk.runtime.intra_op_threads(1)`` (what a user can do for
-small batches on a shared machine).
+one process (in a new random order each round: ``compare(shuffle=True)``). Ratio = Top-k /
+DSelect-k (>= 1: DSelect-k at least as fast). A third column times the DSelect-k step wrapped
+in ``dselectk.runtime.intra_op_threads(1)`` (what a user can do for small batches on a shared
+machine).
 
 Contention (on by default, ``--no-contention`` skips it): the same measurement on 2 threads
 after starting 3 processes that spin on the CPU (``multiprocessing``), stopped afterwards; rows
@@ -94,7 +95,7 @@ def measure(
                 "dselect_1t": _guarded(ours),
             }
             n = reps if b < 4096 else max(3, reps // 3)
-            out[b] = compare(fns, dev, reps=n, warmup=2)
+            out[b] = compare(fns, dev, reps=n, warmup=2, shuffle=True)
     finally:
         torch.set_num_threads(before)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -28,11 +29,16 @@ def compare(
     reps: int = 20,
     warmup: int = 3,
     min_time: float = 0.0,
+    shuffle: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Time several callables interleaved (round robin), so that load changes hit all of them.
 
     Each round calls every function once; ``reps`` rounds are timed after ``warmup`` rounds (and
-    more rounds while the total is below ``min_time`` seconds, up to 5 × reps).
+    more rounds while the total is below ``min_time`` seconds, up to 5 × reps). With
+    ``shuffle``, each round calls them in a new random order (seeded, the same for every run):
+    beside busy processes the scheduler preempts a process at a steady period, and a fixed order
+    can lock onto it, so that one function takes most of the waits (seen: one of two equal
+    functions 10x slower than the other in one run, the other way round in the next).
 
     Returns:
         name -> {"median_ms", "min_ms", "iqr_ms", "n"}.
@@ -42,10 +48,14 @@ def compare(
             f()
     sync(device)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns.items())
+    rng = random.Random(0)
     start = time.perf_counter()
     rounds = 0
     while rounds < reps or (time.perf_counter() - start < min_time and rounds < 5 * reps):
-        for name, f in fns.items():
+        if shuffle:
+            rng.shuffle(order)
+        for name, f in order:
             sync(device)
             t0 = time.perf_counter()
             f()

@@ -191,3 +191,16 @@ def test_busy_processes_start_and_stop() -> None:
     with small_batch.Busy(1) as busy:
         assert all(p.is_alive() for p in busy.procs)
     assert not any(p.is_alive() for p in busy.procs)
+
+
+def test_compare_shuffle_calls_every_function_each_round() -> None:
+    """``compare(shuffle=True)`` (the small_batch item): every function once per round, in
+    varying orders; the same timings fields as without."""
+    timing = importlib.import_module("benchmarks.timing")
+    seen: list[str] = []
+    fns = {name: (lambda n=name: seen.append(n)) for name in "abc"}
+    out = timing.compare(fns, torch.device("cpu"), reps=6, warmup=1, shuffle=True)
+    assert set(out) == set("abc") and all(v["n"] == 6.0 for v in out.values())
+    rounds = [seen[i : i + 3] for i in range(3, len(seen), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == list("abc") for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
