@@ -468,3 +468,13 @@ def test_val_data_with_another_task_count_is_refused() -> None:
         ValueError, match=r"val_data has 1 target tensor\(s\) \(ys\) but train_data has 2"
     ):
         train(model, data, "mse", cfg(), val_data=val)
+
+
+def test_diverged_error_survives_pickling() -> None:
+    """A worker process's error reaches the parent intact (it was a BrokenProcessPool)."""
+    import pickle
+
+    err = TrainingDivergedError("diverged at step 3", step=3, epoch=1, tasks=[0, 2])
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is TrainingDivergedError and str(back) == str(err)
+    assert (back.step, back.epoch, back.tasks) == (3, 1, [0, 2])

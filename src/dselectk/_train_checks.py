@@ -62,6 +62,15 @@ class TrainingDivergedError(FloatingPointError):
         self.epoch = epoch
         self.tasks = list(tasks)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only fields: the default reduction would fail to unpickle it in the parent
+        # process of a worker pool (a BrokenProcessPool instead of this error)
+        return (_diverged_error, (str(self), self.step, self.epoch, self.tasks))
+
+
+def _diverged_error(message: str, step: int, epoch: int, tasks: list[int]) -> TrainingDivergedError:
+    return TrainingDivergedError(message, step=step, epoch=epoch, tasks=tasks)
+
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint was written with another training configuration than the one resuming it."""

@@ -167,3 +167,24 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_with_an_estimate(
     assert "GiB" in err and not out.exists()
     cfg = TM.TokenMoEConfig(out)  # the default study fits: about 47 MB of activations a step
     assert cfg.batch_size * cfg.seq_len * train_bytes_per_token(cfg) < 2**27
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_diverged_runs_are_recorded_counted_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str
+) -> None:
+    """A learning rate that diverges was a traceback (one process) or a BrokenProcessPool."""
+    out = tmp_path / "tm"
+    argv = [*_TINY, "--out", str(out), "--gates", "topk", "dselect_k", "--lr", "1e30"]
+    argv += ["--jobs", jobs]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "2 run(s) diverged" in err and "Top-k seed 0 (step" in err
+    records = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert len(records) == 2 and all(r["diverged"] for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged"] == 2 and all(r["diverged"] == 1 for r in summary["rows"])
+    report = (out / "report.md").read_text()
+    assert "**2 run(s) diverged" in report and "no comparison" in report
+    assert main(["report", str(out)]) == 0  # rebuilt from the records alone
+    assert json.loads((out / "summary.json").read_text())["diverged"] == 2

@@ -21,7 +21,14 @@ from torch import Tensor, nn
 from dselectk.experiments.runner import progress_position
 from dselectk.models.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import Callback, History, TaskData, TrainConfig, train
+from dselectk.training import (
+    Callback,
+    History,
+    TaskData,
+    TrainConfig,
+    TrainingDivergedError,
+    train,
+)
 from dselectk.variants import Variant, variant_table
 
 __all__ = ["ROUTERS", "Corpus", "build_model", "load_corpus", "train_run"]
@@ -178,7 +185,8 @@ def train_run(
     telemetry_dir: Path | None = None,
     callbacks: list[Callback] | None = None,
 ) -> dict[str, Any]:
-    """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics.
+    """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics (a run
+    whose loss or gradients become non-finite stops there: ``val_bpc`` NaN and the step).
 
     With ``telemetry_dir``, routing telemetry (:class:`~dselectk.telemetry.RoutingTelemetry`:
     binary fraction, experts per token, load, selector collisions, per router) is logged there
@@ -209,7 +217,18 @@ def train_run(
     )
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     t0 = time.perf_counter()
-    hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
+    try:
+        hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
+    except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
+        return {
+            "val_bpc": math.nan,
+            "train_loss": math.nan,
+            "diverged_at_step": e.step,
+            "diverged_because": str(e),
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_average_at_start": load_before,
+        }
     wall = time.perf_counter() - t0
     val_x, val_y = byte_windows(corpus.val, seq, int(hp["val_windows"]))
     m = evaluate(model, val_x, val_y)

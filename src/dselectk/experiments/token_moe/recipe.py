@@ -37,7 +37,7 @@ from dselectk.experiments.token_moe.model import (
     routing_of,
     train_run,
 )
-from dselectk.experiments.token_moe.report import print_table, write_report
+from dselectk.experiments.token_moe.report import diverged_line, print_table, write_report
 from dselectk.gates.registry import HParam, gate_spec
 
 __all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "recipe", "run", "run_cell"]
@@ -185,9 +185,11 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
             ROUTERS[router], hp, corpus, seed, progress=progress, desc=f"{router} seed {seed}",
             telemetry_dir=tel,
         )  # fmt: skip
+        extra = {"diverged": True} if "diverged_at_step" in metrics else {}
         store.save(
             cfgs[i],
             metrics,
+            **extra,
             corpus_files=corpus.files,
             corpus_content_sha256=corpus.content_sha256,
             corpus_root=corpus.root,
@@ -221,6 +223,7 @@ def recipe(config: TokenMoEConfig) -> Recipe:
         write_report=write_report,
         print_table=print_table,
         report_jobs=True,
+        diverged=diverged_line,
         experiment=EXPERIMENT,
     )
 

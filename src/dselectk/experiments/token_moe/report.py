@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.records import RunStore, format_mean_se, summarize
+from dselectk.experiments.records import RunStore, diverged, format_mean_se, summarize
 from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
 
-__all__ = ["print_table", "write_report"]
+__all__ = ["FINITE", "diverged_line", "print_table", "write_report"]
 
 
 def _label(router: str) -> str:
@@ -27,6 +27,8 @@ def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
     return format_mean_se(m, digits) if m else "–"
 
 
+#: metrics a run must have finite, else it counts as diverged
+FINITE = ("val_bpc",)
 #: the table's columns: metric (``val_bpc``: validation bits per byte), decimals, heading
 _COLUMNS = (
     ("val_bpc", 4, "val bits/byte"),
@@ -44,6 +46,8 @@ def print_table(summary: Mapping[str, Any]) -> None:
         m = row["metrics"]
         cells = "".join(f"{_fmt(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
         print(f"{row['label']:<40}{cells}{m['val_bpc']['n']:>4}")
+    if diverged_line(summary):
+        print(diverged_line(summary))
 
 
 def write_report(
@@ -58,7 +62,8 @@ def write_report(
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()  # this command's runs only
     records = [r for r in planned if r["config"].get("experiment") == EXPERIMENT]
-    for r in records:  # derived scalars for the summary
+    ok = [r for r in records if not diverged(r, FINITE)]
+    for r in ok:  # derived scalars for the summary
         m, hp = r["metrics"], r["config"]["hparams"]
         m["ms_per_step"] = 1000 * m["seconds_per_step"]
         m["tokens_per_second"] = hp["batch_size"] * hp["seq_len"] / m["seconds_per_step"]
@@ -70,11 +75,13 @@ def write_report(
             prev = json.loads((results_dir / "summary.json").read_text())
         except json.JSONDecodeError:
             prev = {}
-    rows = summarize(records, ["router"])
+    rows = summarize(records, ["router"], finite=FINITE)
     for row in rows:
         row["label"] = _label(row["router"])
-        loads = [r["metrics"]["load"] for r in records if r["config"]["router"] == row["router"]]
-        row["load"] = torch.tensor(loads, dtype=torch.float64).mean(0).tolist()  # (layer, expert)
+        loads = [r["metrics"]["load"] for r in ok if r["config"]["router"] == row["router"]]
+        row["load"] = (  # (layer, expert)
+            torch.tensor(loads, dtype=torch.float64).mean(0).tolist() if loads else []
+        )
     first = records[0] if records else {}
     given = {"wall_seconds": wall_seconds, "command": command, "jobs": jobs, "threads": threads}
     summary = {
@@ -82,10 +89,16 @@ def write_report(
         "group_by": ["router"],
         "rows": rows,
         "per_seed": sorted(
-            (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in records
+            (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in ok
+        ),
+        "diverged": len(records) - len(ok),
+        "diverged_runs": sorted(
+            (r["config"]["seed"], r["config"]["router"], r["metrics"].get("diverged_at_step"))
+            for r in records
+            if diverged(r, FINITE)
         ),
         "hparams": first["config"]["hparams"] if first else None,
-        "val_windows": sorted({r["metrics"].get("val_windows") or 0 for r in records}),
+        "val_windows": sorted({r["metrics"].get("val_windows") or 0 for r in ok}),
         "corpus": first["config"]["corpus"] if first else None,
         "records": len(records),
         "records_not_summarised": others,
@@ -103,11 +116,26 @@ def write_report(
     write_text(results_dir / "report.md", _markdown(summary))
 
 
+def diverged_line(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the runs that diverged, or None."""
+    runs = summary.get("diverged_runs") or []
+    if not runs:
+        return None
+    named = ", ".join(f"{_label(g)} seed {s} (step {step})" for s, g, step in runs)
+    return (
+        f"{len(runs)} run(s) diverged (non-finite loss or gradients): {named}; counted in the "
+        "report, left out of its means; lower --lr"
+    )
+
+
 def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
     """Every router against Top-k: means, and the paired difference by seed when 2+ seeds."""
-    by = {r["router"]: r["metrics"]["val_bpc"] for r in rows}
+    by = {r["router"]: r["metrics"]["val_bpc"] for r in rows if r["metrics"]["val_bpc"]["n"]}
     if "topk" not in by or len(by) < 2:
-        return "No Top-k baseline beside another router: no comparison."
+        return (
+            "No Top-k baseline beside another router (with runs that did not diverge): "
+            "no comparison."
+        )
     vals: dict[tuple[str, int], float] = {(g, s): v for s, g, v in per_seed}
     lines = []
     for router in (r for r in by if r != "topk"):
@@ -140,7 +168,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
     for r in summary["rows"]:
         m = r["metrics"]
         cells = " | ".join(_fmt(m.get(k), d) for k, d in columns)
-        rows.append(f"| {r['label']} | {cells} | {m['val_bpc']['n']} |")
+        rows.append(f"| {r['label']} | {cells} | {m['val_bpc']['n']} | {r['diverged']} |")
         for layer, fr in enumerate(r["load"]):
             loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
     seeds = [f"| {s} | {_label(g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
@@ -158,6 +186,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             f"{m0.get('load_average', '?')}, torch {env.get('torch', '?')}"
         ),
         records=summary["records"],
+        diverged=f" **{line}.**" if (line := diverged_line(summary)) else "",
         others=others_note(summary.get("records_not_summarised", 0)),
         hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
         val_windows=" or ".join(str(n) for n in summary.get("val_windows") or [] if n)
