@@ -245,3 +245,15 @@ def test_gate_one_thread_layer_under_compile(monkeypatch: pytest.MonkeyPatch) ->
     compiled = torch.compile(gate, backend="eager")(x).weights
     assert calls == [] and logits == []
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_gates", [None, 2])
+def test_gate_split_path_empty_batch(num_gates: int | None) -> None:
+    """Zero examples: zero weights rows, a zero loss, grads of zeros (as the gate as written)."""
+    gate = DSelectK(16, 2, in_features=4, num_gates=num_gates, entropy_reg=0.1)
+    x = torch.zeros(0, 4, requires_grad=True)
+    out = gate(x)
+    assert out.weights.shape == (0, *([num_gates] if num_gates else []), 16)
+    (out.weights.sum() + out.aux_loss).backward()
+    assert x.grad is not None and x.grad.shape == (0, 4)
+    assert all(p.grad is not None and not p.grad.any() for p in gate.parameters())

@@ -70,7 +70,7 @@ class _OneThreadSplitLinear(_PositionalFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.set_materialize_grads(False)
-        ctx.lead, ctx.k = inputs[3], inputs[4]
+        ctx.lead, ctx.k, ctx.m = inputs[3], inputs[4], inputs[5]
         ctx.save_for_backward(inputs[0], inputs[1])
 
     @staticmethod
@@ -83,7 +83,7 @@ class _OneThreadSplitLinear(_PositionalFunction):
         k = ctx.k
         with _OneThread():
             g = x.new_empty(x.shape[0], weight.shape[0])
-            parts = g.view(*ctx.lead, -1)
+            parts = g.view(*ctx.lead, k * (1 + ctx.m))  # (not -1: the batch may be empty)
             if g_alpha is None:
                 parts[..., :k].zero_()
             else:
