@@ -1,5 +1,5 @@
-"""``dselectk demo``: its sharing summary is computed from the selections it prints; its gates
-start alike and its search may adopt another task's selection."""
+"""``dselectk demo``: its sharing summary is computed from the selections it prints; it trains on
+one thread."""
 
 from __future__ import annotations
 
@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from dselectk.cli import main
-from dselectk.experiments.demo import (
-    ADOPT_SLACK,
-    SEARCH,
-    make_data,
-    make_model,
-    make_search,
-    sharing,
-)
+from dselectk.experiments import demo
+from dselectk.experiments.demo import make_data, sharing
 
 
 def test_sharing_counts_identical_and_overlapping_pairs() -> None:
@@ -74,31 +68,24 @@ def test_printed_sharing_is_computed_from_the_printed_selections(
     assert f"in every group, the two tasks selected the same experts: {same}\n" in out
 
 
-def test_every_task_gate_starts_from_the_same_draw() -> None:
-    torch.manual_seed(5)
-    _, gates, _ = make_model(8)
-    assert gates.num_gates == 8 and gates.k == 2 and gates.num_experts == 8
-    assert torch.equal(gates.logits.detach(), gates.logits.detach()[:1].expand(8, -1))
-    assert not gates.is_binary().any()  # the reference's initialisation: S(Z) inside (0, 1)
-    torch.manual_seed(6)
-    _, other, _ = make_model(8)
-    assert not torch.equal(other.logits.detach(), gates.logits.detach())  # a draw, not a constant
-
-
-def test_the_demo_search_adopts_with_its_slack_on_its_schedule() -> None:
-    torch.manual_seed(0)
-    _, gates, _ = make_model(4)
-    search = make_search(gates, lambda: torch.zeros(4), steps=200)
-    assert search.adopt and search.adopt_slack == ADOPT_SLACK == 0.1
-    assert SEARCH.refit and SEARCH.at == (0.05, 0.1, 0.25, 0.7, 0.85) and SEARCH.binarize == 0.5
-    assert list(search.at) == [10, 20, 50, 140, 170] and list(search.binarize_at) == [100]
-
-
 def test_the_demo_trains_on_one_thread_and_restores_the_count(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     before = torch.get_num_threads()
-    args = ["demo", "--tasks", "2", "--examples", "200", "--epochs", "1", "--no-progress"]
-    assert main(args) == 0
-    assert torch.get_num_threads() == before
+    seen: list[int] = []
+    real_train = demo.train
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return real_train(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.set_num_threads(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(demo, "train", spy)
+            args = ["demo", "--tasks", "2", "--examples", "200", "--epochs", "1", "--no-progress"]
+            assert main(args) == 0
+        assert seen == [1] and torch.get_num_threads() == 2  # one thread inside, then restored
+    finally:
+        torch.set_num_threads(before)
     assert "on one thread" in capsys.readouterr().out

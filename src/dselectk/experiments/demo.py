@@ -4,16 +4,13 @@ Tasks come in groups of two; task t's target is ``a_t·f_2g + (1 − a_t)·f_2g+
 its group g's own 2 of 8 ground-truth experts (sums of 4 ReLU units, as in Appendix C.1), with a
 share a_t drawn uniformly from [0.3, 0.7] (both experts matter to every task). The model has 8
 trainable experts (10 → 4 ReLU → 1) and one static DSelect-k gate (k = 2) per task (the paper's
-gate: γ = 10, λ = 0.1, the reference's initialisation, drawn once and copied to every task's
-gate, so that the tasks' gates differ only through their data); a task's output is its gate's
-mixture of the expert outputs (no tower). It is trained on one thread with Adam and the swap
-local search of :mod:`dselectk.search` (search after 5 %, 10 % and 25 % of the steps, force a
-binary S(Z) with 2 distinct experts at 50 %, search again at 70 % and 85 %; a move is scored by
-the task's MSE on a probe of the training set with the selector shares refitted by least
-squares, :func:`~dselectk.search.selector_refit_mse`; after each search's swaps, a task may take
-another task's whole selection when that raises its refitted MSE by at most 10 %, the search's
-``adopt`` with ``adopt_slack=0.1``). Training sees only the inputs and the targets; which
-experts a task should use, and which tasks form a group, are never given to it.
+gate: γ = 10, λ = 0.1, the reference's initialisation); a task's output is its gate's mixture of
+the expert outputs (no tower). It is trained on one thread with Adam and the swap local search of
+:mod:`dselectk.search` (search after 25 % of the steps, force a binary S(Z) with 2 distinct
+experts at 50 %, search again at 70 % and 85 %; a move is scored by the task's MSE on a probe of
+the training set with the selector shares refitted by least squares,
+:func:`~dselectk.search.selector_refit_mse`). Training sees only the inputs and the targets;
+which experts a task should use is never given to it.
 
 With 8 tasks and 16 selector slots for 8 experts, tasks must share experts. The demo prints
 which experts each task selected, whether S(Z) is binary, the train/test MSE, and what it
@@ -24,8 +21,7 @@ and whether they selected the same experts (:func:`sharing`). It states what it 
 what should happen.
 
 The settings (epochs, learning rate, mixing shares, refitted scoring) were chosen on seeds
-100–129 only; the search's schedule, the common initialisation and the adoption (issue 23) on
-seeds 100–129 too. Seeds 0–9 and 1000–1019 were run once afterwards (README).
+100–129 only; seeds 0–9 were run once afterwards (README).
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,35 +40,16 @@ from dselectk.gates import DSelectK
 from dselectk.layers import StackedMLP
 from dselectk.models import MultiGateMoE
 from dselectk.runtime import intra_op_threads
-from dselectk.search import RefitStats, SwapSearch, selector_refit_mse
+from dselectk.search import RefitStats, selector_refit_mse
 from dselectk.training import TaskData, TrainConfig, evaluate, train
 from dselectk.variants import SearchPlan, total_steps
 
-__all__ = ["Sharing", "add_arguments", "make_data", "make_model", "make_search", "run", "sharing"]
+__all__ = ["Sharing", "add_arguments", "make_data", "run", "sharing"]
 
 BATCH = 256
 LR = 0.03
 MIX = (0.3, 0.7)  # range of a task's share of its group's first expert
-SEARCH = SearchPlan(at=(0.05, 0.1, 0.25, 0.7, 0.85), binarize=0.5, refit=True)
-ADOPT_SLACK = 0.1  # a task may take another task's whole selection at up to 10 % more loss
-
-
-def make_model(num_tasks: int) -> tuple[MultiGateMoE, DSelectK, StackedMLP]:
-    """8 trainable experts and a bank of ``num_tasks`` static DSelect-k gates (k = 2), every
-    gate starting from the same draw (the first gate's)."""
-    gates = DSelectK(8, k=2, num_gates=num_tasks, gamma=10.0, entropy_reg=0.1)
-    experts = StackedMLP(8, 10, [4, 1], final_activation=False)
-    model = MultiGateMoE(experts, gates)  # a task's output is its gate's mixture
-    with torch.no_grad():
-        gates.logits.copy_(gates.logits[0].expand_as(gates.logits))
-    return model, gates, experts
-
-
-def make_search(gates: DSelectK, task_losses: Callable[[], Tensor], steps: int) -> SwapSearch:
-    """The demo's swap search (:data:`SEARCH`, adoption with :data:`ADOPT_SLACK`)."""
-    return SwapSearch.at_fractions(
-        gates, task_losses, steps, SEARCH.at, SEARCH.binarize, adopt=True, adopt_slack=ADOPT_SLACK
-    )
+SEARCH = SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,7 +141,9 @@ def sharing(selected: Sequence[set[int]]) -> Sharing:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     train_data, test_data, _ = make_data(args.tasks, args.examples, args.seed)
-    model, gates, experts = make_model(args.tasks)
+    gates = DSelectK(8, k=2, num_gates=args.tasks, gamma=10.0, entropy_reg=0.1)
+    experts = StackedMLP(8, 10, [4, 1], final_activation=False)
+    model = MultiGateMoE(experts, gates)  # a task's output is its gate's mixture
     probe_x = train_data.x[: SEARCH.probe]
     probe_y = torch.cat([y[: SEARCH.probe] for y in train_data.ys], 1).T  # (T, P)
 
@@ -176,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return selector_refit_mse(gates, stats)
 
     steps = total_steps(args.epochs, train_data.x.shape[0], BATCH)
-    search = make_search(gates, task_losses, steps)
+    search = SEARCH.callback(gates, task_losses, steps)
     cfg = TrainConfig(
         lr=LR, epochs=args.epochs, batch_size=BATCH, seed=args.seed, progress=not args.no_progress
     )
@@ -188,9 +167,8 @@ def run(args: argparse.Namespace) -> int:
     binary = gates.is_binary()
     print(
         f"trained {args.tasks} tasks x 8 experts for {args.epochs} epochs in {elapsed:.1f}s "
-        "on one thread (static DSelect-k, k=2, gamma=10, lambda=0.1, every gate from the same "
-        "initial draw; swap local search scored with refitted shares, a task may adopt another "
-        f"task's selection at up to {ADOPT_SLACK:.0%} more loss; Adam lr={LR})"
+        "on one thread (static DSelect-k, k=2, gamma=10, lambda=0.1, swap local search scored "
+        f"with refitted shares; Adam lr={LR})"
     )
     print("task  group  selected experts (weight)            S(Z) binary")
     selected = []
