@@ -159,7 +159,6 @@ class MovieLensConfig(rd.RealDataConfig):
     neg_ratio: int = 1
     max_train: int | None = None
     no_side_features: bool = False
-    gamma: float | None = None
 
     @property
     def settings(self) -> tuple[Any, ...]:

@@ -130,7 +130,6 @@ class MultiMNISTConfig(rd.RealDataConfig):
     n_train: int = QUICK_SIZES[0]
     n_val: int = QUICK_SIZES[1]
     n_test: int = QUICK_SIZES[2]
-    gamma: float | None = None
 
 
 def load_data(args: MultiMNISTConfig) -> rd.Splits:
@@ -194,21 +193,12 @@ def experiment(name: str) -> rd.Experiment:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``dselectk reproduce multi-mnist|multi-fashion``."""
     rd.add_common_arguments(p, "results/multi-mnist")
-    p.add_argument(
-        "--n-train",
-        type=int_at_least(1),
-        default=None,
-        help="training images (quick 12800, full 100000)",
+    splits = zip(
+        ("train", "val", "test"), ("training", "validation", "test"), QUICK_SIZES, FULL_SIZES
     )
-    p.add_argument(
-        "--n-val",
-        type=int_at_least(1),
-        default=None,
-        help="validation images (quick 1000, full 20000)",
-    )
-    p.add_argument(
-        "--n-test", type=int_at_least(1), default=None, help="test images (quick 2000, full 20000)"
-    )
+    for split, what, quick, full in splits:
+        help_text = f"{what} images (quick {quick}, full {full})"
+        p.add_argument(f"--n-{split}", type=int_at_least(1), default=None, help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:

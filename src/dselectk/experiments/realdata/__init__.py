@@ -16,7 +16,6 @@ report tables); this package, which never imports the recipes, runs it:
 
 from dselectk.experiments.realdata.recipe import add_common_arguments, config_of, run_experiment
 from dselectk.experiments.realdata.report import (
-    diverged_cells,
     diverged_label,
     fmt,
     gate_rows,
@@ -28,28 +27,23 @@ from dselectk.experiments.realdata.report import (
 from dselectk.experiments.realdata.spec import (
     VARIANTS,
     Experiment,
-    GateChoice,
     RealDataConfig,
     Splits,
     TaskData,
-    label,
 )
 from dselectk.experiments.realdata.train import train_one
 
 __all__ = [
     "VARIANTS",
     "Experiment",
-    "GateChoice",
     "RealDataConfig",
     "Splits",
     "TaskData",
     "add_common_arguments",
     "config_of",
-    "diverged_cells",
     "diverged_label",
     "fmt",
     "gate_rows",
-    "label",
     "paper_numbers",
     "run_experiment",
     "template_notes",

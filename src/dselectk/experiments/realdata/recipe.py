@@ -21,7 +21,7 @@ from dselectk.experiments.args import config_from_args, int_at_least, positive_f
 from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
-from dselectk.experiments.realdata.report import cached_reference, read_json
+from dselectk.experiments.realdata.report import cached_reference
 from dselectk.experiments.realdata.spec import (
     VARIANTS,
     Experiment,
@@ -34,7 +34,7 @@ from dselectk.experiments.realdata.spec import (
     record_config,
 )
 from dselectk.experiments.realdata.train import overrides, train_one, tune
-from dselectk.experiments.records import RunStore
+from dselectk.experiments.records import RunStore, read_object
 from dselectk.experiments.runner import (
     Executor,
     Recipe,
@@ -146,7 +146,7 @@ def run_cell(
     ``--full``, else the quick defaults with the flags' overrides), then train the missing
     final repetitions, one record each. Returns the cell's entry of ``selected_hparams.json``."""
     setting, gate = cell
-    store, key = RunStore(args.out), cell_key(exp, gate, setting)
+    store, key = RunStore(args.out), cell_key(exp.setting_key, gate, setting)
     if args.full:
         choice = tune(exp, args, gate, setting, data, store, progress)
         hp, selection = dict(choice["hparams"]), {**choice, "source": "random grid search (--full)"}
@@ -184,7 +184,7 @@ def _done_message(desc: str, m: dict[str, Any]) -> str:
 
 
 def _cell_name(exp: Experiment, cell: tuple[Any, str]) -> str:
-    return cell_key(exp, cell[1], cell[0])
+    return cell_key(exp.setting_key, cell[1], cell[0])
 
 
 def declares_gamma(gate: str) -> bool:
@@ -235,7 +235,7 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
         print_plan(exp, config, data, executor.jobs, executor.threads)
         if config.dry_run:
             return False
-    info = read_json(out / "run_info.json")
+    info = read_object(out / "run_info.json")
     info.update(
         notes=list(exp.notes(config, data)),
         data=dict(data.config),
@@ -255,7 +255,7 @@ def write_report(
 ) -> None:
     """``run_info.json`` (the command, its cumulative wall time, the data facts), then the
     recipe's report, printed whole."""
-    facts = read_json(out / "run_info.json")
+    facts = read_object(out / "run_info.json")
     run_info: dict[str, Any] = {
         "command": command,
         "wall_seconds": float(facts.get("wall_seconds") or 0.0) + wall_seconds,
@@ -288,7 +288,7 @@ def _planned_runs(exp: Experiment, config: RealDataConfig, cell: tuple[Any, str]
 def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
     """The (setting, gate) cells of the config (settings outer, gates inner) for the shared
     runner, with the experiment's data, preparation and report (``--gamma`` applied)."""
-    exp = with_gamma(with_training_defaults(exp, config), getattr(config, "gamma", None))
+    exp = with_gamma(with_training_defaults(exp, config), config.gamma)
     return Recipe(
         cells=list(itertools.product(config.settings, config.gates)),
         run_cell=functools.partial(run_cell, exp),

@@ -16,8 +16,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.realdata.spec import FINITE, VARIANTS, Experiment, label
-from dselectk.experiments.records import RunStore, diverged, format_mean_se, summarize
+from dselectk.experiments.realdata.spec import FINITE, VARIANTS, Experiment, cell_key, label
+from dselectk.experiments.records import (
+    RunStore,
+    diverged,
+    format_mean_se,
+    read_object,
+    summarize,
+)
 from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
 from dselectk.monitor import flops_ratio
@@ -31,7 +37,6 @@ __all__ = [
     "gate_rows",
     "load_reference",
     "paper_numbers",
-    "read_json",
     "reference_path",
     "table_c2",
     "template_notes",
@@ -41,14 +46,6 @@ __all__ = [
 
 #: the paragraph of a notes template after which the quick-mode notes start
 QUICK_MARK = "<!-- quick mode -->"
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path`` ({} when it is missing or unreadable)."""
-    try:
-        return dict(json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, json.JSONDecodeError, ValueError, TypeError):
-        return {}
 
 
 def reference_path(results_dir: Path, data_cfg: Mapping[str, Any]) -> Path:
@@ -63,7 +60,7 @@ def cached_reference(
     """``compute()``, once per data configuration: cached in ``results_dir`` as
     ``reference_<hash of the data config>.json`` (the config inside)."""
     path = reference_path(results_dir, data_cfg)
-    cached = read_json(path)
+    cached = read_object(path)
     if "reference" in cached and cached.get("data") == json.loads(json.dumps(dict(data_cfg))):
         return dict(cached["reference"])
     ref = compute()
@@ -73,10 +70,10 @@ def cached_reference(
 
 def load_reference(results_dir: Path) -> dict[str, Any] | None:
     """The cached reference of the data of ``run_info.json`` (None if absent)."""
-    data_cfg = read_json(Path(results_dir) / "run_info.json").get("data")
+    data_cfg = read_object(Path(results_dir) / "run_info.json").get("data")
     if not isinstance(data_cfg, dict):
         return None
-    return read_json(reference_path(results_dir, data_cfg)).get("reference")
+    return read_object(reference_path(results_dir, data_cfg)).get("reference")
 
 
 def paper_numbers(name: str) -> dict[str, Any]:
@@ -131,12 +128,12 @@ def diverged_label(row: Mapping[str, Any]) -> str:
 def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
     """``gate[/key=setting] (d of n)`` of every summary row with diverged runs."""
     key = (summary.get("group_by") or ["gate"])[0]
-    out = []
-    for r in summary.get("rows", []):
-        if r.get("diverged"):
-            cell = r["gate"] if key == "gate" else f"{r['gate']}/{key}={r.get(key)}"
-            out.append(f"{cell} ({r['diverged']} of {r.get('runs', '?')})")
-    return out
+    setting_key = None if key == "gate" else key
+    return [
+        f"{cell_key(setting_key, r['gate'], r.get(key))} ({r['diverged']} of {r.get('runs', '?')})"
+        for r in summary.get("rows", [])
+        if r.get("diverged")
+    ]
 
 
 def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
@@ -198,10 +195,7 @@ def current_records(
         # --init / --optimizer-defaults of the latest command: the two never mix in a row
         if training and any(c.get(k) != v for k, v in training.items()):
             continue
-        key = (
-            c["gate"] if setting_key is None else f"{c['gate']}/{setting_key}={c.get(setting_key)}"
-        )
-        sel = selected.get(key)
+        sel = selected.get(cell_key(setting_key, c["gate"], c.get(setting_key or "")))
         if sel is not None and dict(sorted(sel["hparams"].items())) != c.get("hparams"):
             continue
         out.append(r)
@@ -226,12 +220,9 @@ def table_c2(
     records: Sequence[Mapping[str, Any]],
     settings: Sequence[Any],
 ) -> tuple[list[str], dict[str, Any]]:
-    """Markdown lines and values of Table C.2 (ours beside the paper's)."""
-    lines = [
-        "| column | gating | % steps until binary S(Z), all gates: ours | runs binary "
-        "| per task gate: ours (runs binary) | paper | FLOPs DSelect-k / Top-k: ours | paper |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    """Markdown rows and values of Table C.2 (ours beside the paper's; the header is the
+    ``realdata`` template's)."""
+    lines: list[str] = []
     values: dict[str, Any] = {}
     for setting, kind in ((s, k) for s in settings for k in ("static", "per_example")):
         col = spec.c2_column.format(setting)
@@ -307,8 +298,8 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
     run records alone (and the cached reference predictors, :func:`load_reference`)."""
     results_dir = Path(results_dir)
     all_records, others = RunStore(results_dir).load_planned()
-    info = read_json(results_dir / "run_info.json")
-    selected = read_json(results_dir / "selected_hparams.json")
+    info = read_object(results_dir / "run_info.json")
+    selected = read_object(results_dir / "selected_hparams.json")
     finals = _final_records(all_records, spec.name)
     records = current_records(
         finals, spec.setting_key, info.get("data"), selected, info.get("training")
@@ -344,7 +335,7 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         tune_records=tune_count,
         stale=len(finals) - len(records) + others,
         tables="\n".join(spec.tables(rows, settings, load_reference(results_dir))),
-        table_c2="\n".join(c2_lines),
+        table_c2="".join(f"\n{line}" for line in c2_lines),  # rows under the template's header
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )
     write_text(results_dir / "report.md", text.rstrip("\n") + "\n")

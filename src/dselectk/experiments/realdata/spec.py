@@ -189,6 +189,7 @@ class RealDataConfig:
     telemetry: bool = False
     init: str = "keras"
     optimizer_defaults: str = "tf"
+    gamma: float | None = None
     dry_run: bool = False
 
     @property
@@ -213,9 +214,10 @@ def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final"
     return int.from_bytes(key.encode(), "little") % 2_147_483_647
 
 
-def cell_key(exp: Experiment, gate: str, setting: Any) -> str:
-    """Key of a (setting, gate) cell in ``selected_hparams.json``: ``gate[/key=setting]``."""
-    return gate if exp.setting_key is None else f"{gate}/{exp.setting_key}={setting}"
+def cell_key(setting_key: str | None, gate: str, setting: Any) -> str:
+    """Key of a (setting, gate) cell in ``selected_hparams.json`` and the reports:
+    ``gate[/setting_key=setting]`` (the experiment's :attr:`Experiment.setting_key`)."""
+    return gate if setting_key is None else f"{gate}/{setting_key}={setting}"
 
 
 def record_config(
