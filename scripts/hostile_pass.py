@@ -156,6 +156,16 @@ def mkdir(path: str) -> Callable[[Path], None]:
     return lambda work: (work / path).mkdir(parents=True, exist_ok=True)
 
 
+def copy_runs(src: str, dst: str) -> Callable[[Path], None]:
+    """The run records of ``src`` copied into ``dst/runs`` (folders made by earlier cases)."""
+
+    def setup(work: Path) -> None:
+        for p in (work / src / "runs").glob("*.json"):
+            shutil.copy2(p, work / dst / "runs" / p.name)
+
+    return setup
+
+
 def copy_done(src: str, dst: str) -> Callable[[Path], None]:
     """A copy of a finished results folder made by an earlier case."""
 
@@ -713,20 +723,20 @@ def cases() -> list[Case]:
     )
     add(
         Case(
-            "recovery into a synthetic folder",
+            "recovery into a synthetic folder (refused: it would overwrite the report)",
             [*REC, "--out", "mix"],
-            "ok",
+            "refuse",
             setup=copy_done("syn", "mix"),
-            check=lambda r, w: (
-                json.loads((w / "mix" / "summary.json").read_text())["experiment"] == "recovery"
-            ),
+            check=says("another experiment (synthetic)"),
+            loss_check=report_kept("mix"),
         )
     )
     add(
         Case(
-            "report on a folder of two experiments",
+            "report on a folder of two experiments (records copied in by hand)",
             ["report", "mix"],
             "refuse",
+            setup=copy_runs("rec", "mix"),
             loss_check=report_kept("mix"),
         )
     )
