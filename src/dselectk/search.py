@@ -53,7 +53,7 @@ class SearchResult:
     """(G,) per-gate loss before the search."""
     loss_after: Tensor
     """(G,) per-gate loss after it (never above ``loss_before``, except with ``binarize``, which
-    may trade loss for binarity, and ``adopt_slack``, which may trade loss for sharing)."""
+    may trade loss for binarity)."""
     evaluations: int = 0
     """Calls of the loss function."""
     sweeps: int = 0
@@ -108,8 +108,6 @@ def swap_search(
     tol: float = 1e-4,
     scale: float = 1.0,
     binarize: bool = False,
-    adopt: bool = False,
-    adopt_slack: float = 0.0,
 ) -> SearchResult:
     """Best-improvement swap search over a static searchable gate (bank).
 
@@ -127,19 +125,6 @@ def swap_search(
             final selector holds, must move to its best free expert even when that raises the
             loss, so that the selection is final afterwards with k distinct experts.
             ``loss_after`` may then exceed ``loss_before``.
-        adopt: after the sweeps, one round in which each gate of a bank tries the whole
-            selection of every other gate of the bank whose selection is final with k distinct
-            experts (its selectors already on one of those experts keep it, the others take the
-            rest in order) and takes the one with the lowest loss if that lowers its loss by
-            more than ``tol`` × |loss|: a move of several selectors at once, which single swaps
-            cannot make (one gate can take the experts another found). The gates take their
-            choices in the order of the loss change, lowest first, and a gate whose choice no
-            other gate holds any more keeps its own (gates never just exchange selections).
-            False (the default) leaves the search as it was.
-        adopt_slack: with ``adopt``, a gate takes the best other selection when that raises
-            its loss by at most ``adopt_slack`` × |loss| (0: only when it lowers the loss as
-            above): it trades up to that much loss for sharing its experts with another gate.
-            ``loss_after`` may then exceed ``loss_before``.
 
     Returns:
         A :class:`SearchResult`.
@@ -151,8 +136,6 @@ def swap_search(
         raise ValueError(f"tol must be >= 0, got {tol}")
     if scale < 0.5:
         raise ValueError(f"scale must be >= 0.5 (a move must be binary), got {scale}")
-    if not adopt_slack >= 0:
-        raise ValueError(f"adopt_slack must be >= 0, got {adopt_slack}")
     groups = gate.num_gates or 1
     before = _losses(member_loss, groups)
     best = before.clone()
@@ -168,10 +151,6 @@ def swap_search(
         moves += moved
         if not bool(moved.any()):
             break
-    if adopt:
-        took, n, best = _adopt(gate, member_loss, best, tol, scale, adopt_slack)
-        evals += n
-        moves += took
     return SearchResult(moves, before, best, evals, done)
 
 
@@ -219,73 +198,6 @@ def _sweep(
             best = torch.where(choice >= 0, best, kept_best)
         moved += (choice >= 0).long()
     return moved, evals, best
-
-
-def _adopt(
-    gate: Gate, member_loss: MemberLoss, best: Tensor, tol: float, scale: float, slack: float
-) -> tuple[Tensor, int, Tensor]:
-    """Each gate tries every other gate's final, distinct selection whole and takes the best
-    one below its limit (``adopt`` and ``adopt_slack`` of :func:`swap_search`)."""
-    logits = gate.logits
-    assert logits is not None  # a static gate
-    k, n = int(gate.k), gate.num_experts
-    groups = best.shape[0]
-    shape = (k,) if gate.num_gates is None else (groups, k)
-    code = gate.selection().reshape(-1, k)
-    final = gate.selection_is_final().reshape(-1, k)
-    own = [set(row) for row in code.tolist()]
-    donor_ok = [
-        bool(final[g].all()) and len(own[g]) == k and max(own[g]) < n for g in range(groups)
-    ]
-    keep = logits.detach().clone()
-    limit = _threshold(best, tol) if slack == 0 else best + slack * best.abs()
-    found = torch.full_like(best, float("inf"))  # the best donor's loss so far
-    choice = torch.full((groups, k), -1, dtype=torch.long)
-    evals = 0
-    for d in range(1, groups):
-        trial = torch.full((groups, k), -1, dtype=torch.long)
-        for g in range(groups):
-            h = (g + d) % groups
-            if donor_ok[h] and own[h] != own[g]:
-                trial[g] = torch.tensor(_aligned(code[g].tolist(), code[h].tolist()))
-        usable = (trial >= 0).all(-1)
-        if not bool(usable.any()):
-            continue
-        logits.copy_(keep)
-        gate.set_selection(trial.to(code.device).view(shape), scale=scale)
-        loss = _losses(member_loss, groups)
-        evals += 1
-        better = (loss < limit) & (loss < found) & usable
-        found = torch.where(better, loss, found)
-        choice = torch.where(better.unsqueeze(-1), trial, choice)
-    logits.copy_(keep)
-    took = (choice >= 0).all(-1)
-    # a gate takes a selection only while another gate holds it: cheapest first, so that two
-    # gates never just exchange their selections
-    cur = [frozenset(row) for row in own]
-    cost = ((found - best) / best.abs().clamp_min(1e-30)).tolist()
-    for g in sorted(took.nonzero().flatten().tolist(), key=lambda g: cost[g]):
-        target = frozenset(choice[g].tolist())
-        if any(cur[h] == target for h in range(groups) if h != g):
-            cur[g] = target
-        else:
-            took[g] = False
-    choice[~took] = -1
-    best = torch.where(took, found, best)
-    if bool(took.any()):
-        gate.set_selection(choice.to(code.device).view(shape), scale=scale)
-    return took.long(), evals, best
-
-
-def _aligned(own: list[int], donor: list[int]) -> list[int]:
-    """``donor``'s experts placed on the selectors of ``own``: a selector already on one of
-    them keeps it (the first such, where selectors collide), the others take the remaining ones
-    in ``donor``'s order."""
-    kept: list[int | None] = []
-    for e in own:
-        kept.append(e if e in donor and e not in kept else None)
-    rest = [e for e in donor if e not in kept]
-    return [rest.pop(0) if e is None else e for e in kept]
 
 
 def _held(gate: Gate, skip: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -386,7 +298,6 @@ class SwapSearch(Callback):
         sweeps, tol, scale: see :func:`swap_search`.
         binarize_at: steps after which to search with ``binarize=True`` (DSelect-k: S(Z) is
             binary with k distinct experts afterwards); may overlap ``at``.
-        adopt, adopt_slack: see :func:`swap_search`.
     """
 
     gate: Gate
@@ -396,8 +307,6 @@ class SwapSearch(Callback):
     tol: float = 1e-4
     scale: float = 1.0
     binarize_at: Sequence[int] = ()
-    adopt: bool = False
-    adopt_slack: float = 0.0
     results: list[SearchResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -423,8 +332,6 @@ class SwapSearch(Callback):
                         tol=self.tol,
                         scale=self.scale,
                         binarize=history.steps in self._binarize_at,
-                        adopt=self.adopt,
-                        adopt_slack=self.adopt_slack,
                     )
                 )
             finally:
