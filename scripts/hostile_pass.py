@@ -413,7 +413,7 @@ def cases() -> list[Case]:
     add(
         Case(
             "synthetic --executor slurm" + (" (sbatch present)" if HAS_SBATCH else " (no sbatch)"),
-            [*SYN, "--executor", "slurm", "--out", "x"],
+            [*SYN, "--executor", "slurm", "--out", "slurmx"],
             "ok" if HAS_SBATCH else "refuse",  # a local Slurm (.ci/run starts one) runs it
         )
     )
