@@ -136,3 +136,19 @@ def test_the_same_experiment_resumes_in_its_folder(tmp_path: Path) -> None:
     out = tmp_path / "rec"
     assert main([*REC, "--gates", "topk", "--out", str(out)]) == 0
     assert main([*REC, "--gates", "topk", "dselect_k", "--out", str(out)]) == 0
+
+
+def test_the_folder_guard_reads_past_unreadable_records(tmp_path: Path) -> None:
+    """A garbled record or a folder where a record belongs is the sweep's to report (it names
+    the file, or a Slurm job fails on it), not a reason for the guard to refuse."""
+    from dselectk.experiments.runner import _check_same_experiment
+
+    runs = tmp_path / "runs"
+    (runs / "a.json").mkdir(parents=True)
+    (runs / "b.json").write_text("{garbled")
+    (runs / "c.json").write_text("[1, 2]")
+    _check_same_experiment(tmp_path, "recovery")  # nothing readable: no refusal
+    (runs / "d.json").write_text(json.dumps({"config": {"experiment": "recovery"}}))
+    _check_same_experiment(tmp_path, "recovery")
+    with pytest.raises(ValueError, match=r"another experiment \(recovery\)"):
+        _check_same_experiment(tmp_path, "synthetic")
