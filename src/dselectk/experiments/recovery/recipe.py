@@ -123,10 +123,19 @@ class RecoveryConfig:
         )
 
     @property
+    def repetitions(self) -> int:
+        """--reps, else 100 under --full and 20 otherwise."""
+        return self.reps if self.reps is not None else (100 if self.full else 20)
+
+    @property
+    def lr_grid(self) -> tuple[float, ...]:
+        """--lrs, else the paper's five under --full and the first three otherwise."""
+        return tuple(self.lrs or (LRS if self.full else LRS[:3]))
+
+    @property
     def runs_per_variant(self) -> int:
         """Repetitions × learning rates: the runs a variant trains as one vectorized model."""
-        reps = self.reps if self.reps is not None else (100 if self.full else 20)
-        return reps * len(self.lrs or (LRS if self.full else LRS[:3]))
+        return self.repetitions * len(self.lr_grid)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -198,8 +207,7 @@ def run_cell(
     """One variant: every (learning rate, repetition) not recorded yet, trained in one
     vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
     variant, store = VARIANTS[gate], RunStore(config.out)
-    reps = config.reps if config.reps is not None else (100 if config.full else 20)
-    lrs = config.lrs or (LRS if config.full else LRS[:3])
+    reps, lrs = config.repetitions, config.lr_grid
     hp = tuned_hparams(variant, config.tuned)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
