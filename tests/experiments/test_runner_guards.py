@@ -149,6 +149,8 @@ def test_the_folder_guard_reads_past_unreadable_records(tmp_path: Path) -> None:
     (runs / "c.json").write_text("[1, 2]")
     _check_same_experiment(tmp_path, "recovery")  # nothing readable: no refusal
     (runs / "d.json").write_text(json.dumps({"config": {"experiment": "recovery"}}))
+    _check_same_experiment(tmp_path, "synthetic")  # no metrics: not a record, the sweep's to name
+    (runs / "d.json").write_text(json.dumps({"config": {"experiment": "recovery"}, "metrics": {}}))
     _check_same_experiment(tmp_path, "recovery")
     with pytest.raises(ValueError, match=r"another experiment \(recovery\)"):
         _check_same_experiment(tmp_path, "synthetic")

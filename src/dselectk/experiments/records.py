@@ -33,9 +33,11 @@ __all__ = [
     "diverged",
     "environment",
     "format_mean_se",
+    "load_records",
     "mean_se",
     "partial_line",
     "read_object",
+    "read_record",
     "record_experiment",
     "run_id",
     "summarize",
@@ -289,12 +291,10 @@ class RunStore:
         recorded = 0
         for rid in ids:
             try:
-                rec = json.loads((self.runs / f"{rid}.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                rec = read_record(self.runs / f"{rid}.json")
+            except ValueError:  # not written yet, or unreadable: the sweep names it
                 continue
-            cfg = rec.get("config") if isinstance(rec, dict) else None
-            if isinstance(cfg, dict) and cfg.get("phase", "final") == "final":
-                recorded += 1
+            recorded += rec["config"].get("phase", "final") == "final"
         return {
             "command": state.get("command"),
             "cells": len(state["cells"]),
@@ -311,28 +311,47 @@ class RunStore:
             self.root / PLAN_FILE, {"command": command, "runs": sorted(set(run_ids))}
         )
 
-    def load(self) -> list[dict[str, Any]]:
-        """All complete records, sorted by run id; an unreadable file raises a ValueError."""
-        records: list[dict[str, Any]] = []
-        if not self.runs.is_dir():
-            return records
-        for p in sorted(self.runs.glob("*.json")):
-            try:
-                rec = json.loads(p.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{p}: not a valid run record ({e})") from None
-            except IsADirectoryError:
-                raise ValueError(f"{p}: a folder where a run record belongs") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{p}: not a valid run record (a JSON {type(rec).__name__})")
-            for key in ("config", "metrics"):
-                if not isinstance(rec.get(key), dict):
-                    raise ValueError(
-                        f"{p}: not a valid run record ({key!r} missing or not an object); "
-                        "move it away or delete it, then rerun"
-                    )
-            records.append(rec)
+    def load(self, *, strict: bool = True) -> list[dict[str, Any]]:
+        """All complete records, sorted by run id. An unreadable file raises a ValueError
+        naming it; ``strict=False`` passes over it (for checks that are not the sweep's
+        business to refuse: the sweep and the report name such a file)."""
+        return load_records(self.runs, strict=strict)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """One run record, or a ValueError naming ``path`` and what is wrong with it."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a valid run record ({e})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a folder where a run record belongs") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the run record ({e.strerror})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}: not a valid run record (a JSON {type(rec).__name__})")
+    for key in ("config", "metrics"):
+        if not isinstance(rec.get(key), dict):
+            raise ValueError(
+                f"{path}: not a valid run record ({key!r} missing or not an object); "
+                "move it away or delete it, then rerun"
+            )
+    return rec
+
+
+def load_records(runs: Path, *, strict: bool = True) -> list[dict[str, Any]]:
+    """The records of a ``runs/`` folder, sorted by run id (see :meth:`RunStore.load`); reads
+    and deletes nothing else (unlike :class:`RunStore`, which clears stale temp files)."""
+    records: list[dict[str, Any]] = []
+    if not runs.is_dir():
         return records
+    for p in sorted(runs.glob("*.json")):
+        try:
+            records.append(read_record(p))
+        except ValueError:
+            if strict:
+                raise
+    return records
 
 
 def mean_se(values: Sequence[float]) -> dict[str, float | int]:

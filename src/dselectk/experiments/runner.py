@@ -46,7 +46,7 @@ from dselectk.experiments.executors import (
     executor_from_args,
     progress_position,
 )
-from dselectk.experiments.records import RunStore, record_experiment
+from dselectk.experiments.records import RunStore, load_records, record_experiment
 from dselectk.io import write_json
 
 __all__ = [
@@ -278,15 +278,9 @@ def _check_same_experiment(out: Path, experiment: str) -> None:
     """ValueError when ``out`` holds records of an experiment other than ``experiment``."""
     if not experiment:
         return
-    names: set[str | None] = set()
-    for p in sorted((out / "runs").glob("*.json")):
-        try:  # an unreadable record is the sweep's business (it names it), not this check's
-            config = json.loads(p.read_text(encoding="utf-8")).get("config")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(config, dict):
-            names.add(record_experiment(config))
-    names -= {None, experiment}
+    # an unreadable record is the sweep's business (it names it), not this check's
+    records = load_records(out / "runs", strict=False)
+    names = {record_experiment(r["config"]) for r in records} - {None, experiment}
     if names:
         raise ValueError(
             f"--out {out}: the folder holds records of another experiment "
