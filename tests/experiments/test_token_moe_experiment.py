@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -188,3 +189,31 @@ def test_diverged_runs_are_recorded_counted_and_exit_1(
     assert "**2 run(s) diverged" in report and "no comparison" in report
     assert main(["report", str(out)]) == 0  # rebuilt from the records alone
     assert json.loads((out / "summary.json").read_text())["diverged"] == 2
+
+
+def test_a_routers_ramps_move_its_hyperparameter_in_every_layer() -> None:
+    """A router variant's schedules (here γ, 8 → the run's own 2 over half the steps) are applied
+    to every MoE layer's router during training, not ignored."""
+    from dselectk.experiments.token_moe.model import train_run
+    from dselectk.training import Callback
+    from dselectk.variants import Ramp, Variant
+
+    variant = Variant(
+        "ramped", "dselect_k", "ramped", schedules=(Ramp("gamma", start=8.0, span=0.5),)
+    )
+    hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=16)
+    hp.update(steps=20, batch_size=8, val_windows=16, gamma=2.0)
+    seen: list[list[float]] = []
+
+    class Watch(Callback):
+        def on_step(self, model, batch, out, history):  # type: ignore[no-untyped-def]
+            seen.append([float(m.router.gamma) for m in model.moe_layers])
+
+    m = train_run(
+        variant, hp, TM.load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()]
+    )
+    assert math.isfinite(m["val_bpc"]) and len(seen) == 20
+    assert all(len(set(s)) == 1 for s in seen)  # every layer's router on the same schedule
+    first = [s[0] for s in seen]
+    assert first[0] < 8.0 and all(a > b for a, b in itertools.pairwise(first[:10]))
+    assert first[9:] == [2.0] * 11  # the run's own γ from half the steps on

@@ -202,6 +202,8 @@ def train_run(
     data = TaskData(x, [y])
     timer = _StepTimer()
     callbacks = [timer, *(callbacks or [])]
+    # the variant's ramps (γ, λ, ...), one scheduler per MoE layer's router
+    scheds = [s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(
@@ -218,7 +220,9 @@ def train_run(
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     t0 = time.perf_counter()
     try:
-        hist = train(model, data, None, cfg, callbacks=callbacks, loss_fn=_lm_loss)
+        hist = train(
+            model, data, None, cfg, schedulers=scheds, callbacks=callbacks, loss_fn=_lm_loss
+        )
     except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
         return {
             "val_bpc": math.nan,
