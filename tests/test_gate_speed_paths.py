@@ -25,6 +25,14 @@ from dselectk.gates import DSelectK
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _numpy_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the NumPy host kernel and its size limits, which the gate takes
+    when numba is not installed; with numba (every size on its kernel) they pin the NumPy one
+    (``tests/test_numba_kernel.py`` checks the numba kernel)."""
+    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
+
+
 def _aten_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn the host kernels off: the ATen small kernel and the gate's composed path."""
     monkeypatch.setattr(_kernels, "_host_ok", lambda *t: False)

@@ -33,8 +33,11 @@ TEMPS = [1.0, 0.05, 0.3, 2.0]
 
 @pytest.fixture(params=["kernel", "composed"])
 def dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through the fused kernel and through the composed small-problem path."""
+    """Run a test through the fused kernel and through the composed small-problem path (the
+    NumPy host kernel's dispatch: the numba kernel, when installed, takes the gate at every size
+    and is checked against these paths to float rounding in tests/test_numba_kernel.py)."""
     monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0 if request.param == "kernel" else 10**9)
+    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
     return str(request.param)
 
 

@@ -28,6 +28,14 @@ from dselectk.runtime import _OneThread
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _numpy_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the NumPy host kernel and its size limits, which the gate takes
+    when numba is not installed; with numba (every size on its kernel) they pin the NumPy one
+    (``tests/test_numba_kernel.py`` checks the numba kernel)."""
+    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch, cls: Any) -> list[int]:
     calls: list[int] = []
 

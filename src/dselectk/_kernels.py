@@ -7,10 +7,10 @@ out backward pass (tested against the composed formulas):
 * :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
   :func:`dselectk.functional.dselect_k_fused`;
 * :class:`_DSelectSmall`: the same numbers for small problems (few calls), on CPU float32 and
-  float64 computed on the host in NumPy (:mod:`dselectk.runtime`); :class:`_DSelectSmallGate`
-  and :class:`_DSelectSmallGateLinear`: a small DSelect-k gate's whole step (logits or input in;
-  weights and entropy loss out) in one node on the host, and :class:`_OneThreadLinear`, used by
-  :class:`dselectk.gates.DSelectK`;
+  float64 computed on the host, in numba's compiled kernel or NumPy (:mod:`dselectk.runtime`,
+  ``DSELECTK_KERNEL``); :class:`_DSelectSmallGate` and :class:`_DSelectSmallGateLinear`: a
+  DSelect-k gate's whole step (logits or input in; weights and entropy loss out) in one node on
+  the host, and :class:`_OneThreadLinear`, used by :class:`dselectk.gates.DSelectK`;
 * :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies.
 
 It depends on torch and :mod:`dselectk.runtime` only, so :mod:`dselectk.functional` and
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from dselectk.runtime import (
+    _cpu_kernel,
     _entropy_grad,
     _entropy_loss,
     _host_gate,
@@ -35,7 +36,13 @@ from dselectk.runtime import (
     _host_small,
     _host_small_grads,
     _HostSaved,
+    _numba_gate,
+    _numba_gate_grad,
+    _numba_small,
+    _numba_small_grads,
+    _NumbaSaved,
     _OneThread,
+    _transformed,
     intra_op_threads,
 )
 
@@ -232,7 +239,14 @@ def _apply(cls: Any, args: tuple[Any, ...]) -> Any:
     ``Function.apply`` does).
     """
     if torch._C._are_functorch_transforms_active():
-        return torch.autograd.Function.apply.__func__(cls, *args)  # type: ignore[attr-defined]
+        # Under torch.func.grad the node's forward runs with the transforms lifted, so the
+        # host kernels' own check (_host_ok) would pass there and their backward would then
+        # get grad-tracking tensors with no data: mark the forward as transformed.
+        _transformed.depth = getattr(_transformed, "depth", 0) + 1
+        try:
+            return torch.autograd.Function.apply.__func__(cls, *args)  # type: ignore[attr-defined]
+        finally:
+            _transformed.depth -= 1
     unwrap = torch._C._functorch.unwrap_if_dead
     args = tuple(unwrap(a) if isinstance(a, Tensor) else a for a in args)
     return super(torch.autograd.Function, cls).apply(*args)
@@ -300,7 +314,11 @@ class _DSelectSmall(_PositionalFunction):
     @staticmethod
     def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Any, ...]:
         if _host_ok(z, alpha) and gamma.device.type == "cpu":  # see dselectk.runtime
-            return _host_small(z, alpha, gamma)
+            kernel = _cpu_kernel()
+            if kernel == "numba":
+                return _numba_small(z, alpha, gamma)
+            if kernel == "numpy":
+                return _host_small(z, alpha, gamma)
         with intra_op_threads(1):  # small problems only: one thread (see dselectk.runtime)
             return _DSelectSmall._forward(z, alpha, gamma)
 
@@ -324,7 +342,7 @@ class _DSelectSmall(_PositionalFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         ctx.set_materialize_grads(False)
-        if isinstance(output[2], _HostSaved):
+        if isinstance(output[2], (_HostSaved, _NumbaSaved)):
             ctx.host = output[2]
             return
         ctx.host = None
@@ -340,6 +358,8 @@ class _DSelectSmall(_PositionalFunction):
         if host is not None:
             if g_out is None and g_ent is None:
                 return None, None, None
+            if isinstance(host, _NumbaSaved):
+                return (*_numba_small_grads(host, g_out, g_ent), None)
             g_z, g_alpha = _host_small_grads(host, g_out, g_ent)
             return g_z, g_alpha, None
         with intra_op_threads(1):
@@ -392,6 +412,7 @@ def _host_ok(*tensors: Tensor) -> bool:
         and t.dtype in _HOST_DTYPES
         and all(u.is_cpu and u.dtype == t.dtype for u in tensors[1:])
         and not torch._C._are_functorch_transforms_active()
+        and not getattr(_transformed, "depth", 0)  # (a node's forward under one, see _apply)
         and not torch.compiler.is_compiling()  # also torch.export and the dynamo ONNX export
         and not torch.jit.is_tracing()  # also the TorchScript ONNX export
     )
@@ -416,6 +437,8 @@ class _DSelectSmallGate(_PositionalFunction):
         lead: tuple[int, ...],
         per_example: bool,
     ) -> tuple[Any, ...]:
+        if _cpu_kernel() == "numba":
+            return _numba_gate(logits, gamma, lam, k, lead, per_example)
         out, ent, saved = _host_gate(logits, gamma, k)
         return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
@@ -433,6 +456,9 @@ class _DSelectSmallGate(_PositionalFunction):
         none = (None,) * 5
         if g_w is None and g_aux is None:
             return (None, *none)
+        if isinstance(ctx.host, _NumbaSaved):
+            lam = ctx.saved_tensors[0]
+            return (_numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example), *none)
         g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, ctx.saved_tensors[0])
         return (_host_gate_grad(ctx.host, g_w, g_ent, ctx.k), *none)
 
@@ -459,6 +485,9 @@ class _DSelectSmallGateLinear(_PositionalFunction):
     ) -> tuple[Any, ...]:
         with _OneThread():  # small problems: one thread (see dselectk.runtime._OneThread)
             logits = _linear(x, weight, bias)
+            if _cpu_kernel() == "numba":
+                g = math.prod(lead)
+                return _numba_gate(logits.view(g, -1), gamma, lam, k, lead, per_example)
             out, ent, saved = _host_gate(logits.view(math.prod(lead), -1), gamma, k)
             return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
@@ -477,8 +506,12 @@ class _DSelectSmallGateLinear(_PositionalFunction):
         if g_w is None and g_aux is None:
             return (None, None, None, *none)
         lam, x, weight = ctx.saved_tensors
-        g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
-        g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)  # grad of logits
+        if isinstance(ctx.host, _NumbaSaved):
+            g = _numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example)
+            g = g.view(x.shape[0], -1)
+        else:
+            g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
+            g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)
         with _OneThread():
             return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
 

@@ -9,18 +9,49 @@ the per-example gate benchmark 11.2 -> 7.8 ms fwd+bwd). PyTorch's CPU tuning gui
 swapping the allocator (jemalloc, tcmalloc) for the same reason; :func:`tune_allocator` gets most
 of the gain with glibc's own ``mallopt``, without a dependency.
 
-This module also holds the host (NumPy) arithmetic of the small DSelect-k kernels (private
-helpers, see the comment at ``_host_forward``): how a few examples run fastest on the CPU.
+This module also holds the host arithmetic of the DSelect-k kernels (private helpers, see the
+comment at ``_host_forward``): how a few examples run fastest on the CPU in NumPy, and the glue
+of the compiled kernel (:mod:`dselectk._numba`) that takes CPU problems of every size.
+
+Which CPU kernel a :class:`~dselectk.gates.DSelectK` gate uses (CPU float32/float64 tensors,
+eager: no torch.func transform, graph capture or compilation, γ without a gradient; the
+gate's own math without ``distinct`` codes or the unused-code penalty) is read from the
+environment variable ``DSELECTK_KERNEL`` at each call:
+
+* unset, empty or ``auto``: ``numba`` when numba is installed (``pip install dselectk[fast]``),
+  else ``numpy``;
+* ``numba``: the compiled kernel at every size, on the calling thread (one thread; the gate's
+  linear layer runs on one intra-op thread too). Raises ``ImportError`` naming the ``fast``
+  extra when numba is missing;
+* ``numpy``: the NumPy host kernel up to
+  :data:`~dselectk.functional.HOST_GATE_MAX_ELEMENTS` selector entries, the ATen kernels above
+  (what the package does without numba);
+* ``aten``: the ATen kernels at every size (no host kernel).
+
+Any other value raises ``ValueError`` naming the variable. The numba kernel compiles on its
+first call in a process, once per dtype, and caches the machine code on disk (numba's
+``cache=True``): next to ``dselectk/_numba.py`` when that folder is writable, else in numba's
+per-user cache folder (``~/.cache/numba`` on Linux), or in ``$NUMBA_CACHE_DIR`` when set
+(point it at a writable folder for read-only installs and containers). Measured on a 2-core
+EPYC beside other work (load 3): with nothing cached the first float32 forward and backward
+compile for 7 s (float64: 5 s more); with the cache the first call takes 0.4 s, plus 0.3 s to
+import numba. Worker processes each compile unless the cache is warm when they start (numba
+writes its files atomically, so concurrent workers are safe, only slow): call
+:func:`warm_kernels` once before starting them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
+import importlib.util
 import math
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +59,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PARALLEL_MIN_ELEMENTS", "exit_with_parent", "intra_op_threads", "tune_allocator"]
+__all__ = [
+    "KERNEL_ENV",
+    "PARALLEL_MIN_ELEMENTS",
+    "exit_with_parent",
+    "intra_op_threads",
+    "tune_allocator",
+    "warm_kernels",
+]
 
 #: problems with fewer elements than this run their ops on one thread inside the package's
 #: kernels (:func:`intra_op_threads` with ``elements``). Below it an OpenMP parallel region
@@ -367,6 +405,219 @@ def _host_gate_grad(
     grad[:, :k] = 0.0 if g_alpha is None else g_alpha
     grad[:, k:].reshape(g, k, m)[...] = d.transpose(1, 2, 0)
     return torch.from_numpy(grad)
+
+
+#: per thread: how many of the kernels' ``apply`` calls under a torch.func transform are running
+#: (``dselectk._kernels._apply``; the host kernels are off inside them, see ``_host_ok``)
+_transformed = threading.local()
+
+
+# -- the compiled kernel (numba) and the choice of kernel ---------------------------------------
+
+#: the environment variable that picks the DSelect-k gate's CPU kernel (see the module docstring)
+KERNEL_ENV = "DSELECTK_KERNEL"
+_KERNEL_VALUES = ("auto", "numba", "numpy", "aten")
+_kernel_seen: list[Any] = [object(), "numpy"]  # (the variable's value, what it resolved to)
+_numba_module: Any = None
+
+
+def _cpu_kernel() -> str:
+    """``"numba"``, ``"numpy"`` or ``"aten"``: the CPU kernel ``DSELECTK_KERNEL`` asks for (see
+    the module docstring), resolved once per value of the variable."""
+    value = os.environ.get(KERNEL_ENV)
+    if value is _kernel_seen[0] or value == _kernel_seen[0]:
+        return str(_kernel_seen[1])
+    choice = (value or "auto").strip().lower()
+    if choice not in _KERNEL_VALUES:
+        raise ValueError(
+            f"{KERNEL_ENV}={value!r} is not one of {', '.join(_KERNEL_VALUES)} (or unset: auto)"
+        )
+    if choice == "auto":
+        choice = "numba" if importlib.util.find_spec("numba") is not None else "numpy"
+    if choice == "numba":
+        _load_numba(value)
+    _kernel_seen[:] = [value, choice]
+    return choice
+
+
+def _load_numba(value: str | None) -> Any:
+    """Import :mod:`dselectk._numba` (and numba); an ``ImportError`` that says what to do when
+    numba is missing or broken (never a silent fall back to another kernel)."""
+    global _numba_module
+    if _numba_module is None:
+        try:  # (a leaf module: it imports numba and numpy only, so no import cycle)
+            _numba = importlib.import_module(f"{__package__}._numba")
+        except ImportError as err:
+            how = (
+                f"{KERNEL_ENV}={value} asks for the numba kernel"
+                if value and value.strip().lower() == "numba"
+                else "numba is installed, so the DSelect-k gate uses its kernel"
+            )
+            raise ImportError(
+                f"{how}, but numba does not import ({err}); install the extra "
+                f"(pip install 'dselectk[fast]') or set {KERNEL_ENV}=numpy"
+            ) from err
+        _numba_module = _numba
+    return _numba_module
+
+
+def warm_kernels() -> float:
+    """Compile (or load from numba's on-disk cache) the numba kernel for float32 and float64,
+    so that worker processes started afterwards load it instead of compiling it each.
+
+    Returns:
+        The seconds it took (about 12 s with nothing cached, well under 1 s with the cache);
+        0.0 without numba or where ``DSELECTK_KERNEL`` picks another kernel.
+    """
+    if _cpu_kernel() != "numba":
+        return 0.0
+    start = time.perf_counter()
+    for dtype in (torch.float32, torch.float64):
+        logits = torch.zeros(1, 2 * (1 + 1), dtype=dtype)  # K = 1, M = 1
+        one = torch.ones((), dtype=dtype)
+        out, _, _, saved = _numba_forward(logits, one, _ONE_LAMBDA, 1, 1.0)
+        _numba_grad(saved, out, _ONES, 1.0)
+    return time.perf_counter() - start
+
+
+class _NumbaSaved:
+    """What the numba kernel keeps for its backward (a non-tensor output of the node): the
+    logits (G, K(1+M)), γ, K, and per gate the entropies, σ(α) and log(1 - p) - log p of each
+    bit (G, 2K + K·M)."""
+
+    __slots__ = ("gam", "k", "logits", "state")
+
+    def __init__(self, logits: Any, gam: Any, k: int, state: Any) -> None:
+        self.logits = logits
+        self.gam = gam
+        self.k = k
+        self.state = state
+
+
+_TINY = {"f": float(np.finfo(np.float32).tiny), "d": float(np.finfo(np.float64).tiny)}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _numba_values(t: torch.Tensor, dtype: Any) -> Any:
+    """γ or λ as the numba kernel reads them: a contiguous 1-D array of ``dtype``, (1,) for one
+    value or (T,) with one per gate (gate g reads entry g mod T, the gates' last axis)."""
+    if t.dim() == 0:
+        return np.array((t.item(),), dtype=dtype)  # (exact: a float64 holds any float32)
+    return np.ascontiguousarray(t.detach().cpu().numpy().reshape(-1), dtype=dtype)
+
+
+def _numba_forward(
+    logits: torch.Tensor, gamma: torch.Tensor, lam: Any, k: int, divisor: float
+) -> tuple[torch.Tensor, Any, float, _NumbaSaved]:
+    """The numba kernel on logits (G, K(1+M)): q̃ (G, N), the entropies (a (G, K) array), the
+    loss Σ_g λ_g Σ_i h_gi / divisor (a float; λ from :func:`_numba_values`) and the state."""
+    g, c = logits.shape
+    m = c // k - 1
+    x = logits.detach().numpy()
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    dt = x.dtype
+    gam = _numba_values(gamma, dt)  # rounded to the logits' dtype, as ATen's gamma.to(z)
+    out = np.empty((g, 1 << m), dtype=dt)
+    state = np.empty((g, k * (2 + m)), dtype=dt)
+    nb = _numba_module if _numba_module is not None else _load_numba(None)
+    loss = nb.gate_forward(x, k, gam, lam, divisor, _TINY[dt.char], out, state)
+    return torch.from_numpy(out), state[:, :k], loss, _NumbaSaved(x, gam, k, state)
+
+
+def _numba_grad(
+    saved: _NumbaSaved, g_out: torch.Tensor | None, g_ent: Any, g_scale: float
+) -> torch.Tensor:
+    """The grad of the logits (G, K(1+M)) from the grad of q̃ (G, N) and of the entropies,
+    ``g_scale`` · ``g_ent`` (a contiguous float64 array broadcast to (G, K) by gate g mod rows
+    and selector i mod columns: (1, 1), (T, 1) or (G, K))."""
+    x = saved.logits
+    grad = np.empty_like(x)
+    if g_out is None:
+        go, has_out = x, False
+    else:
+        go = g_out.detach().numpy()
+        if not go.flags.c_contiguous:  # e.g. the expanded grad of a sum
+            go = np.ascontiguousarray(go)
+        has_out = True
+    _numba_module.gate_backward(
+        x, saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad
+    )
+    return torch.from_numpy(grad)
+
+
+def _loss_dtype(lam: torch.Tensor, dtype: torch.dtype, lead: tuple[int, ...]) -> torch.dtype:
+    """The dtype of :func:`_entropy_loss`: λ times the entropies' sums (*lead,), promoted as
+    torch promotes (a 0-d λ does not promote a tensor of gates, a 0-d sum (lead ()) does)."""
+    if lam.dtype == dtype or (lam.dim() == 0 and lead):
+        return dtype
+    return torch.promote_types(lam.dtype, dtype)
+
+
+def _numba_gate(
+    logits: torch.Tensor,
+    gamma: torch.Tensor,
+    lam: torch.Tensor,
+    k: int,
+    lead: tuple[int, ...],
+    per_example: bool,
+) -> tuple[torch.Tensor, torch.Tensor, _NumbaSaved]:
+    """:func:`_entropy_loss` and q̃ (*lead, N) of a gate on the numba kernel, from its logits
+    (G, K(1+M)): the loss λ Σ_i h_i per gate, summed over the gates in float64 (per example:
+    / batch), then rounded to the loss's dtype."""
+    divisor = float(lead[0]) if per_example else 1.0
+    lam_np = _numba_values(lam, np.float64)
+    out, _, loss, saved = _numba_forward(logits, gamma, lam_np, k, divisor)
+    aux = torch.scalar_tensor(loss, dtype=_loss_dtype(lam, logits.dtype, lead))
+    return out.view(*lead, -1), aux, saved
+
+
+_ONES = np.ones((1, 1))
+_ONE_LAMBDA = np.ones(1)
+
+
+def _numba_gate_grad(
+    saved: _NumbaSaved,
+    g_w: torch.Tensor | None,
+    g_aux: torch.Tensor | None,
+    lam: torch.Tensor,
+    lead: tuple[int, ...],
+    per_example: bool,
+) -> torch.Tensor:
+    """The grad of a gate's logits (G, K(1+M)) from the grads of q̃ and of :func:`_numba_gate`'s
+    loss: each selector's entropy gets (g_aux / batch) λ of its gate, in float64."""
+    g_out = None if g_w is None else g_w.reshape(saved.logits.shape[0], -1)
+    if g_aux is None:
+        return _numba_grad(saved, g_out, _ONES, 0.0)
+    scale = g_aux.item() / (lead[0] if per_example else 1)
+    if lam.dim() == 0:
+        return _numba_grad(saved, g_out, _ONES, scale * lam.item())
+    return _numba_grad(saved, g_out, _numba_values(lam, np.float64).reshape(-1, 1), scale)
+
+
+def _numba_small(z: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor) -> tuple[Any, ...]:
+    """``_DSelectSmall``'s forward on the numba kernel: q̃ (G, N), entropies (G, K), saved."""
+    g, k, m = z.shape
+    logits = torch.cat((alpha.detach(), z.detach().reshape(g, k * m)), dim=1)
+    out, ent, _, saved = _numba_forward(logits, gamma, _NO_LAMBDA, k, 1.0)
+    return out, torch.from_numpy(ent), saved
+
+
+_NO_LAMBDA = np.zeros(1)
+
+
+def _numba_small_grads(
+    saved: _NumbaSaved, g_out: torch.Tensor | None, g_ent: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_DSelectSmall``'s backward on the numba kernel: grads of z (G, K, M) and α (G, K)."""
+    if g_ent is None:
+        grad = _numba_grad(saved, g_out, _ONES, 0.0)
+    else:
+        g_e = np.ascontiguousarray(g_ent.detach().numpy(), dtype=np.float64)
+        grad = _numba_grad(saved, g_out, g_e, 1.0)
+    g, k = saved.logits.shape[0], saved.k
+    g_alpha = None if g_out is None else grad[:, :k]
+    return grad[:, k:].view(g, k, -1), g_alpha
 
 
 _M_TRIM_THRESHOLD = -1

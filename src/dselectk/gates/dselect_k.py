@@ -26,7 +26,7 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
-from dselectk.runtime import PARALLEL_MIN_ELEMENTS, _OneThread
+from dselectk.runtime import PARALLEL_MIN_ELEMENTS, _cpu_kernel, _OneThread
 
 __all__ = ["DSelectK"]
 
@@ -386,9 +386,12 @@ class DSelectK(Gate):
         """:meth:`forward` with the linear layer inside the host node
         (``_DSelectSmallGateLinear``, the layer on one thread as in :meth:`compute_logits`) for
         a per-example gate of this class (see :meth:`_plain_layer`) and a problem the host node
-        takes; other problems below :data:`~dselectk.runtime.PARALLEL_MIN_ELEMENTS` take the
-        layer and the split of the logits on one thread (``_OneThreadSplitLinear``), then the
-        gate's math as written; None otherwise."""
+        takes (the CPU kernel ``DSELECTK_KERNEL`` picks, see :mod:`dselectk.runtime`: numba's
+        at every size, NumPy's up to :data:`~dselectk.functional.HOST_GATE_MAX_ELEMENTS`
+        selector entries, ATen's none); other problems below
+        :data:`~dselectk.runtime.PARALLEL_MIN_ELEMENTS` take the layer and the split of the
+        logits on one thread (``_OneThreadSplitLinear``), then the gate's math as written; None
+        otherwise."""
         plain = self._plain_layer(x)
         if (
             plain is None
@@ -401,14 +404,19 @@ class DSelectK(Gate):
         buffers = self._buffers
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None and isinstance(x, Tensor)
-        if self.distinct or (n < 2**m and self.xi > 0) or not DF._small_on_host(entries, x, gamma):
+        kernel = _cpu_kernel()
+        if kernel == "numba":  # every size (see dselectk.runtime)
+            host = self._numba_ok(gamma, lam, entries)
+        else:
+            host = kernel == "numpy" and self._host_math() and DF._small_on_host(entries, x, gamma)
+        if not host:
             if entries >= PARALLEL_MIN_ELEMENTS:
                 return None
             # The layer and the split into α and Z on one thread (the slices' backward would
             # zero-fill, copy and add the logits' grad on two), then the gate's math as written.
             alpha, z = _OneThreadSplitLinear.apply(x, weight, bias, lead, k, m)
             return self._gate_parts(alpha, z)
-        if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+        if gamma.dim() > 0 and kernel != "numba":  # one γ per gate: flattened like the gates
             gamma = gamma.expand(lead).reshape(-1)
         w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
         if n < 2**m:
@@ -418,25 +426,48 @@ class DSelectK(Gate):
             aux = aux + self._reduce_aux(self.diversity_penalty(z))
         return GateOutput(w, aux)
 
+    def _host_math(self) -> bool:
+        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes or
+        the unused-code penalty (n < 2**M with ξ > 0)."""
+        return not (self.distinct or (self.num_experts < 2**self.num_bits and self.xi > 0))
+
+    def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
+        """Whether the host node takes this gate's problem on the numba kernel (every size; the
+        tensors' own checks are the caller's: :meth:`_plain_layer` or ``_host_ok``)."""
+        return (
+            self._host_math()
+            and gamma.is_cpu
+            and not gamma.requires_grad
+            and lam.is_cpu
+            and entries > 0
+        )
+
     def _own_layout(self) -> bool:
         """Whether the logits are laid out as DSelectK lays them out (the host nodes split them
         themselves): not so for a subclass with its own :meth:`split_logits`."""
         return type(self).split_logits is DSelectK.split_logits
 
     def _gate_on_host(self, logits: Tensor) -> GateOutput | None:
-        """:meth:`gate` in one autograd node on the host (``_DSelectSmallGate``) for small CPU
-        problems, bit for bit its numbers; None where it does not apply (then :meth:`gate`
-        computes as written)."""
+        """:meth:`gate` in one autograd node on the host (``_DSelectSmallGate``) for CPU
+        problems the CPU kernel takes (see :meth:`_forward_on_host`): with NumPy's, bit for bit
+        the numbers of :meth:`gate` as written; with numba's, the same to float rounding (the
+        loss summed in float64). None where it does not apply (then :meth:`gate` computes as
+        written)."""
         k, m, n = self.k, self.num_bits, self.num_experts
-        if self.distinct or (n < 2**m and self.xi > 0) or not self._own_layout():
+        kernel = _cpu_kernel()
+        if kernel == "aten" or not self._host_math() or not self._own_layout():
             return None
         lead = logits.shape[:-1]
         buffers = self._buffers  # (not through nn.Module.__getattr__: this is the hot path)
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None
-        if not DF._small_on_host(math.prod(lead) * k * 2**m, logits, gamma):
+        entries = math.prod(lead) * k * 2**m
+        if kernel == "numba":
+            if not (self._numba_ok(gamma, lam, entries) and _host_ok(logits)):
+                return None
+        elif not DF._small_on_host(entries, logits, gamma):
             return None
-        if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+        if gamma.dim() > 0 and kernel != "numba":  # one γ per gate: flattened like the gates
             gamma = gamma.expand(lead).reshape(-1)
         w, aux, _ = _DSelectSmallGate.apply(
             logits.reshape(-1, logits.shape[-1]), gamma, lam, k, lead, not self.static

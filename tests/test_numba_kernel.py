@@ -1,0 +1,449 @@
+"""The compiled (numba) kernel of the DSelect-k gate and the ``DSELECTK_KERNEL`` switch.
+
+With numba installed (the ``fast`` extra) CPU float32/float64 gates take ``dselectk._numba`` at
+every size. Checked here: the numba kernel = the NumPy host kernel = the ATen kernels to float
+rounding (weights, auxiliary loss, grads of the input, weight and bias; random shapes, n not a
+power of two, static and per-example gates, banks with one γ and λ per gate), float64
+gradcheck of every node through it, exact binary selections, the one-thread layer, which
+kernel each value of the variable picks, and its errors (unknown value; numba asked for but
+missing, simulated). The tests that need numba skip without it; the switch's tests run
+either way. No timings here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import dselectk
+from dselectk import _kernels, runtime
+from dselectk import functional as DF
+from dselectk._kernels import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
+from dselectk.gates import DSelectK
+
+F64 = torch.float64
+ENV = runtime.KERNEL_ENV
+
+
+@pytest.fixture
+def numba_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Skip without numba; else pin the numba kernel and count its forward calls."""
+    pytest.importorskip("numba")
+    monkeypatch.setenv(ENV, "numba")
+    nb = runtime._load_numba("numba")
+    calls: list[int] = []
+
+    def spy(*args: Any, _orig: Any = nb.gate_forward) -> Any:
+        calls.append(args[0].shape[0])
+        return _orig(*args)
+
+    monkeypatch.setattr(nb, "gate_forward", spy)
+    return calls
+
+
+def _outputs(
+    gate: DSelectK, x: torch.Tensor | None, kernel: str, mp: pytest.MonkeyPatch, seed: int = 3
+) -> list[torch.Tensor]:
+    """Weights, aux loss and the grads of the input and parameters of a fixed random loss."""
+    mp.setenv(ENV, kernel)
+    out = gate(x)
+    g = torch.randn(out.weights.shape, generator=torch.Generator().manual_seed(seed))
+    loss = (out.weights * g.to(out.weights)).sum() + out.aux_loss
+    inputs = ([] if x is None else [x]) + list(gate.parameters())
+    grads = torch.autograd.grad(loss, inputs)
+    return [out.weights.detach(), out.aux_loss.detach(), *grads]
+
+
+def _random_case(rng: np.random.Generator) -> dict[str, Any]:
+    n = int(rng.choice([2, 3, 5, 8, 13, 16, 33, 64, 100, 128, 257]))
+    t = None if rng.random() < 0.5 else int(rng.integers(2, 4))
+    per_gate = t is not None and rng.random() < 0.7
+    return {
+        "n": n,
+        "k": int(rng.integers(1, min(n, 5) + 1)),
+        "p": None if rng.random() < 0.3 else int(rng.integers(1, 9)),
+        "t": t,
+        "batch": int(rng.choice([1, 2, 7, 40, 300])),
+        "gamma": list(rng.uniform(0.3, 2.0, t)) if per_gate else float(rng.uniform(0.3, 2.0)),
+        "lam": list(rng.uniform(0.0, 1.0, t)) if per_gate else float(rng.uniform(0.0, 1.0)),
+        "xi": float(rng.choice([0.0, 1.0])),
+        "bias": bool(rng.random() < 0.8),
+    }
+
+
+CASES = [_random_case(np.random.default_rng(seed)) for seed in range(24)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_numba_kernel_matches_numpy_and_aten(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, case: Any
+) -> None:
+    torch.manual_seed(0)
+    gate = DSelectK(
+        case["n"], case["k"], in_features=case["p"], num_gates=case["t"], xi=case["xi"],
+        bias=case["bias"], gamma=case["gamma"], entropy_reg=case["lam"],
+    ).to(dtype)  # fmt: skip
+    with torch.no_grad():
+        for par in gate.parameters():
+            par.mul_(30.0)  # a mix of binary and fractional bits
+    x = None
+    if case["p"] is not None:
+        x = torch.randn(case["batch"], case["p"], dtype=dtype, requires_grad=True)
+    with monkeypatch.context() as mp:
+        got = _outputs(gate, x, "numba", mp)
+        taken = len(numba_kernel)
+        host = _outputs(gate, x, "numpy", mp)
+        aten = _outputs(gate, x, "aten", mp)
+    # the numba kernel took the gate (or, with the unused-code penalty, the small kernel of
+    # the gate as written, which it takes up to SMALL_MAX_ELEMENTS selector entries)
+    entries = (case["batch"] if x is not None else 1) * (case["t"] or 1) * case["k"]
+    entries *= 2 ** DF.num_bits(case["n"])
+    penalty = case["n"] < 2 ** DF.num_bits(case["n"]) and case["xi"] > 0
+    assert taken == (0 if penalty and entries > DF.SMALL_MAX_ELEMENTS else 1)
+    assert len(numba_kernel) == taken  # the other two did not call it
+    tol = {"rtol": 1e-11, "atol": 1e-13} if dtype == F64 else {"rtol": 2e-5, "atol": 2e-6}
+    for a, b, c in zip(got, host, aten, strict=True):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+        torch.testing.assert_close(a, c, **tol)
+        torch.testing.assert_close(b, c, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_numba_kernel_at_a_large_batch(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Above HOST_GATE_MAX_ELEMENTS (where the NumPy kernel gives way to ATen's fused one):
+    still the numba kernel, the ATen numbers."""
+    torch.manual_seed(0)
+    gate = DSelectK(128, 4, in_features=16, entropy_reg=0.1).to(dtype)
+    b = DF.HOST_GATE_MAX_ELEMENTS // (4 * 128) + 1
+    x = torch.randn(b, 16, dtype=dtype, requires_grad=True)
+    with monkeypatch.context() as mp:
+        got = _outputs(gate, x, "numba", mp)
+        want = _outputs(gate, x, "numpy", mp)  # ATen at this size
+    assert numba_kernel == [b]
+    tol = {"rtol": 1e-11, "atol": 1e-12} if dtype == F64 else {"rtol": 2e-5, "atol": 1e-5}
+    for a, c in zip(got, want, strict=True):
+        torch.testing.assert_close(a, c, **tol)
+
+
+def test_numba_binary_bits_are_exact(numba_kernel: list[int]) -> None:
+    """Binary S(Z): exact zeros off the selected codes, exact σ(α) on them, zero entropy."""
+    alpha = torch.randn(3, 2, dtype=F64)
+    z = torch.tensor([[[5.0, -5.0, 5.0], [-5.0, -5.0, 5.0]]] * 3, dtype=F64)
+    w, ent = _DSelectSmall.apply(z, alpha, torch.tensor(1.0, dtype=F64))[:2]
+    assert numba_kernel == [3]
+    a = torch.softmax(alpha, -1)
+    want = torch.zeros(3, 8, dtype=F64)
+    want[:, 0b101] = a[:, 0]
+    want[:, 0b100] = a[:, 1]
+    torch.testing.assert_close(w, want, rtol=1e-15, atol=0)
+    assert (w[:, [1, 2, 3, 6, 7]] == 0).all() and (ent == 0).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+def test_numba_small_kernel_matches_aten_and_gradcheck(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch, m: int
+) -> None:
+    """``_DSelectSmall`` (dselect_k_fused's small kernel) on numba: the ATen kernel's values
+    and grads, and float64 gradcheck with one γ and with one per gate."""
+    torch.manual_seed(m)
+    alpha = torch.randn(3, 2, dtype=F64, requires_grad=True)
+    z = (torch.randn(3, 2, m, dtype=F64) * 0.6).requires_grad_()
+    for gamma in (torch.tensor(1.3, dtype=F64), torch.tensor([1.3, 0.4, 2.0], dtype=F64)):
+        monkeypatch.setenv(ENV, "numba")
+        assert gradcheck(lambda a, zz, g=gamma: _DSelectSmall.apply(zz, a, g)[:2], (alpha, z))
+        assert gradcheck(lambda a, zz, g=gamma: _DSelectSmall.apply(zz, a, g)[1], (alpha, z))
+        results = []
+        for kernel in ("numba", "aten"):
+            monkeypatch.setenv(ENV, kernel)
+            w, ent = _DSelectSmall.apply(z, alpha, gamma)[:2]
+            g = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+            got = torch.autograd.grad((w * g).sum() + ent.square().sum(), (alpha, z))
+            results.append((w, ent, *got))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+    assert numba_kernel
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) -> None:
+    """Both one-node gates on the numba kernel, one γ and λ per gate: the weights and the
+    loss together, the weights alone, the loss alone."""
+    torch.manual_seed(0)
+    k, m, t = 2, 3, 3
+    lead = (4, t) if per_example else (t,)
+    logits = (torch.randn(*lead, k * (1 + m), dtype=F64) * 0.5).requires_grad_()
+    gamma = torch.tensor([1.0, 0.7, 1.5], dtype=F64)
+    lam = torch.tensor([0.2, 0.0, 1.0], dtype=F64)
+
+    def f(lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, aux, _ = _DSelectSmallGate.apply(
+            lg.reshape(-1, lg.shape[-1]), gamma, lam, k, lead, per_example
+        )
+        return w, aux
+
+    assert gradcheck(f, (logits,))
+    assert gradcheck(lambda lg: f(lg)[0], (logits,))
+    assert gradcheck(lambda lg: f(lg)[1], (logits,))
+    if not per_example:
+        return
+    x = torch.randn(4, 5, dtype=F64, requires_grad=True)
+    weight = (torch.randn(t * k * (1 + m), 5, dtype=F64) * 0.3).requires_grad_()
+    bias = (torch.randn(t * k * (1 + m), dtype=F64) * 0.3).requires_grad_()
+    one = torch.tensor(0.8, dtype=F64)  # one γ for the whole bank
+
+    def h(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, aux, _ = _DSelectSmallGateLinear.apply(*a, one, lam, k, lead, True)
+        return w, aux
+
+    assert gradcheck(h, (x, weight, bias))
+    assert gradcheck(lambda *a: h(*a)[0], (x, weight, bias))
+    assert gradcheck(lambda *a: h(*a)[1], (x, weight, bias))
+    assert gradcheck(lambda *a: h(a[0], a[1], None), (x, weight))
+
+
+def test_numba_gate_loss_dtype_and_promotion(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float64 λ buffer beside float32 logits promotes the loss as torch does: a single
+    static gate's loss (a 0-d sum) to float64, a per-example gate's (a tensor of gates) not."""
+    for in_features in (None, 5):
+        gate = DSelectK(16, 2, in_features=in_features, entropy_reg=0.3)
+        gate.register_buffer("_entropy_reg", torch.tensor(0.3, dtype=F64))
+        x = None if in_features is None else torch.randn(3, 5, requires_grad=True)
+        with monkeypatch.context() as mp:
+            got, want = _outputs(gate, x, "numba", mp), _outputs(gate, x, "aten", mp)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    assert len(numba_kernel) == 2
+
+
+def test_numba_gate_only_weights_only_loss_and_expanded_grads(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    gate = DSelectK(16, 3, in_features=5, num_gates=2, entropy_reg=[0.3, 0.1]).double()
+    x = torch.randn(4, 5, dtype=F64)
+    uses = {
+        "weights": lambda o: (o.weights**2).sum(),
+        "aux": lambda o: o.aux_loss,
+        "sum": lambda o: o.weights.sum() + 2.0 * o.aux_loss,  # an expanded grad of the weights
+    }
+    for use in uses.values():
+        grads = []
+        for kernel in ("numba", "aten"):
+            monkeypatch.setenv(ENV, kernel)
+            grads.append(torch.autograd.grad(use(gate(x)), list(gate.parameters())))
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+    assert len(numba_kernel) == 3
+
+
+def test_numba_gate_layer_runs_on_one_thread(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numba node's layer (and its backward) on one intra-op thread at every size (the
+    kernel itself runs on the calling thread), the count restored after."""
+    seen: list[int] = []
+    orig_linear, orig_grads = _kernels._linear, _kernels._linear_grads
+
+    def linear(*a: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return orig_linear(*a)
+
+    def grads(*a: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return orig_grads(*a)
+
+    monkeypatch.setattr(_kernels, "_linear", linear)
+    monkeypatch.setattr(_kernels, "_linear_grads", grads)
+    gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
+    before = torch.get_num_threads()
+    for b in (3, DF.HOST_GATE_MAX_ELEMENTS // 32 + 1):
+        out = gate(torch.randn(b, 4))
+        (out.weights.sum() + out.aux_loss).backward()
+    assert seen == [1, 1, 1, 1] and torch.get_num_threads() == before
+    assert len(numba_kernel) == 2
+
+
+def test_numba_gate_raises_on_changed_entropy_weight(numba_kernel: list[int]) -> None:
+    gate = DSelectK(8, 2, in_features=4, entropy_reg=0.1)
+    out = gate(torch.randn(3, 4))
+    gate._entropy_reg.fill_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.aux_loss.backward()
+    assert numba_kernel == [3]
+
+
+def test_numba_gate_dispatch(numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which problems the numba kernel takes: float32/float64 at any size; not float16, not
+    distinct codes, not an empty batch, not under a torch.func transform; and the variable is
+    read at each call."""
+    gate = DSelectK(8, 2, in_features=4, entropy_reg=0.1)
+    gate(torch.randn(3, 4))
+    gate(torch.randn(5000, 4))
+    gate.double()(torch.randn(2, 4, dtype=F64))
+    assert numba_kernel == [3, 5000, 2]
+    # distinct codes: the gate as written, whose small kernel (dselect_k_fused's) is numba's
+    DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(3, 4))
+    assert numba_kernel == [3, 5000, 2, 3]
+    DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(5000, 4))  # not at this size
+    gate(torch.zeros(0, 4, dtype=F64))
+    gate.half()(torch.randn(3, 4).half())
+    gate.float()
+    from torch.func import functional_call, grad
+
+    params = dict(gate.named_parameters())
+    x = torch.randn(3, 4)
+    g = grad(lambda p: functional_call(gate, p, (x,)).weights.square().sum())(params)
+    assert set(g) == set(params)
+    assert numba_kernel == [3, 5000, 2, 3]
+    for kernel in ("numpy", "aten", "NumBa", " numba "):
+        monkeypatch.setenv(ENV, kernel)
+        gate(torch.randn(3, 4))
+    assert numba_kernel == [3, 5000, 2, 3, 3, 3]
+    DSelectK(8, 2, entropy_reg=0.1)()  # a static gate too
+    assert numba_kernel == [3, 5000, 2, 3, 3, 3, 1]
+
+
+def test_kernel_env_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DSelectK(8, 2, in_features=4)
+    monkeypatch.setenv(ENV, "cuda")
+    with pytest.raises(ValueError, match=r"DSELECTK_KERNEL='cuda' is not one of auto, numba"):
+        gate(torch.randn(3, 4))
+    monkeypatch.setenv(ENV, "")  # empty: auto
+    gate(torch.randn(3, 4))
+
+
+def _without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make numba look absent (not installed, nothing imported yet)."""
+    monkeypatch.setattr(runtime, "_kernel_seen", [object(), "numpy"])
+    monkeypatch.setattr(runtime, "_numba_module", None)
+    monkeypatch.setitem(sys.modules, "numba", None)
+    monkeypatch.setitem(sys.modules, "dselectk._numba", None)
+    monkeypatch.delattr(dselectk, "_numba", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a)
+    )
+
+
+def test_kernel_env_numba_without_numba_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for and missing: an ImportError naming the extra, not another kernel."""
+    _without_numba(monkeypatch)
+    gate = DSelectK(8, 2, in_features=4)
+    monkeypatch.setenv(ENV, "numba")
+    with pytest.raises(ImportError, match=r"DSELECTK_KERNEL=numba .*dselectk\[fast\]"):
+        gate(torch.randn(3, 4))
+
+
+def test_kernel_auto_without_numba_is_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not installed: auto means the NumPy host kernel (the package without the extra)."""
+    _without_numba(monkeypatch)
+    for value in (None, "auto"):
+        if value is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, value)
+        assert runtime._cpu_kernel() == "numpy"
+    calls: list[int] = []
+    orig = runtime._host_forward
+    monkeypatch.setattr(runtime, "_host_forward", lambda *a: calls.append(1) or orig(*a))
+    DSelectK(8, 2, in_features=4)(torch.randn(3, 4))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba", "aten"])
+def test_gate_under_func_grad_on_every_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """torch.func.grad through a small gate: the nodes' forward runs with the transform lifted,
+    and must still not take a host kernel (whose backward cannot read grad-tracking tensors)."""
+    if kernel == "numba":
+        pytest.importorskip("numba")
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    gate = DSelectK(8, 2, in_features=4, entropy_reg=0.1)
+    static = DSelectK(8, 2, entropy_reg=0.1)
+    x = torch.randn(3, 4)
+    for g in (gate, static):
+        params = dict(g.named_parameters())
+        args = (x,) if g is gate else ()
+
+        def f(p: dict[str, torch.Tensor], g: DSelectK = g, args: Any = args) -> torch.Tensor:
+            out = functional_call(g, p, args)
+            return out.weights.square().sum() + out.aux_loss
+
+        monkeypatch.setenv(ENV, kernel)
+        got = grad(f)(params)
+        monkeypatch.setenv(ENV, "aten")
+        want = torch.autograd.grad(f(params), list(params.values()))
+        for name, w in zip(params, want, strict=True):
+            torch.testing.assert_close(got[name], w, rtol=1e-6, atol=1e-7)
+
+
+def test_warm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 where another kernel is picked; with numba, both dtypes ready afterwards."""
+    monkeypatch.setenv(ENV, "aten")
+    assert runtime.warm_kernels() == 0.0
+    pytest.importorskip("numba")
+    monkeypatch.setenv(ENV, "numba")
+    assert runtime.warm_kernels() > 0.0
+    nb = runtime._load_numba("numba")
+    assert len(nb.gate_forward.signatures) >= 2 and len(nb.gate_backward.signatures) >= 2
+
+
+def test_logf_is_within_an_ulp(numba_kernel: list[int]) -> None:
+    """The float32 log of the kernel (Cephes' logf in bit operations, so it vectorises): within
+    one float32 ulp of the exact log, from the smallest normal number (the kernel's clamp) to 1
+    and a little above, at the reduction's edges (√½) and at exact powers of two."""
+    from numba import njit
+
+    nb = runtime._load_numba("numba")
+
+    @njit
+    def logs(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+        for i in range(x.size):
+            out[i] = nb._logf(x[i])
+
+    tiny = np.finfo(np.float32).tiny
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [
+            rng.random(200_000, dtype=np.float32),
+            np.exp(rng.uniform(np.log(tiny), 0.0, 100_000)).astype(np.float32),
+            2.0 ** np.arange(-126, 3, dtype=np.float32),
+            np.nextafter(np.float32(0.70710678), np.float32([0.0, 1.0, 0.70710678])),
+            np.float32([tiny, 1.0, 0.5, 1.0 - 2**-24, 1.5, 2.0]),
+        ]
+    ).astype(np.float32)
+    x = np.maximum(x, tiny)
+    got = np.empty_like(x)
+    logs(x, got)
+    exact = np.log(x.astype(np.float64))
+    ulps = np.abs(got - exact) / np.spacing(np.abs(exact).astype(np.float32))
+    assert got.dtype == np.float32 and float(ulps.max()) <= 1.0
+    assert (got[x == 1.0] == 0.0).all()
+
+
+def test_numba_module_is_a_leaf() -> None:
+    """``dselectk._numba`` (loaded lazily by runtime) imports no dselectk module: no cycle."""
+    import ast
+    from pathlib import Path
+
+    source = Path(runtime.__file__).with_name("_numba.py").read_text()
+    modules = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            modules.add(node.module or "")
+    assert {m.split(".")[0] for m in modules} <= {"__future__", "typing", "numpy", "numba"}
