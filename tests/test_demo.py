@@ -89,3 +89,19 @@ def test_the_demo_trains_on_one_thread_and_restores_the_count(
     finally:
         torch.set_num_threads(before)
     assert "on one thread" in capsys.readouterr().out
+
+
+def test_the_demo_keeps_the_restart_with_the_lowest_validation_mse(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Restarts train side by side; the one kept (whose selections are printed) is the one with
+    the lowest validation MSE, and its line says so."""
+    args = ["demo", "--tasks", "4", "--examples", "800", "--epochs", "2", "--no-progress"]
+    assert main([*args, "--restarts", "3", "--seed", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^restart (\d+): validation MSE ([0-9.]+);.*?(  <- kept)?$", out, re.M)
+    assert [int(r) for r, _, _ in lines] == [0, 1, 2]
+    kept = [int(r) for r, _, mark in lines if mark]
+    assert len(kept) == 1 and kept[0] == min(range(3), key=lambda i: float(lines[i][1]))
+    assert main([*args, "--restarts", "1", "--seed", "2"]) == 0
+    assert "restart 0:" not in capsys.readouterr().out  # one restart: nothing to choose

@@ -12,6 +12,13 @@ the training set with the selector shares refitted by least squares,
 :func:`~dselectk.search.selector_refit_mse`). Training sees only the inputs and the targets;
 which experts a task should use is never given to it.
 
+``--restarts`` R (default 4) initialisations train side by side as one
+:class:`~dselectk.models.MoEBank` (one batched model; each member starts where a lone model under
+its seed would) on 7/8 of the training split, and the demo keeps the one with the lowest MSE on
+the remaining eighth (validation; the test split is read only for the printed test MSE). A
+single run settles early into a split of some group over three experts in about one seed in
+seven (development seeds, README); such a run fits worse, and validation finds it out.
+
 With 8 tasks and 16 selector slots for 8 experts, tasks must share experts. The demo prints
 which experts each task selected, whether S(Z) is binary, the train/test MSE, and what it
 measured about the groups: how many same-group task pairs selected the same experts (identical
@@ -20,8 +27,9 @@ across groups, and two lines saying whether, in every group, the two tasks share
 and whether they selected the same experts (:func:`sharing`). It states what it observed, not
 what should happen.
 
-The settings (epochs, learning rate, mixing shares, refitted scoring) were chosen on seeds
-100–129 only; seeds 0–9 were run once afterwards (README).
+The settings (epochs, learning rate, mixing shares, refitted scoring, 4 restarts) were chosen
+on seeds 100–129 only; seeds 0–9 and 1000–1019 were run once afterwards (README;
+``scripts/demo_seeds.py`` counts them).
 """
 
 from __future__ import annotations
@@ -38,11 +46,10 @@ from torch import Tensor
 from dselectk.experiments.args import int_at_least
 from dselectk.gates import DSelectK
 from dselectk.layers import StackedMLP
-from dselectk.models import MultiGateMoE
+from dselectk.models import MoEBank
 from dselectk.runtime import intra_op_threads
-from dselectk.search import RefitStats, selector_refit_mse
-from dselectk.training import TaskData, TrainConfig, evaluate, train
-from dselectk.variants import SearchPlan, total_steps
+from dselectk.training import TaskData, TrainConfig, train
+from dselectk.variants import SearchPlan, stack_members, total_steps
 
 __all__ = ["Sharing", "add_arguments", "make_data", "run", "sharing"]
 
@@ -59,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int_at_least(10), default=12000, help="generated examples")
     p.add_argument("--epochs", type=int_at_least(1), default=100)
     p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument(
+        "--restarts",
+        type=int_at_least(1),
+        default=4,
+        help="initialisations trained side by side; the one with the lowest validation MSE "
+        "is kept (default 4)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -138,57 +152,80 @@ def sharing(selected: Sequence[set[int]]) -> Sharing:
     return Sharing(identical, overlapping, len(same), mean(same), mean(other))
 
 
+def _restart_seed(seed: int, r: int) -> int:
+    """The initialisation seed of restart ``r`` (restart 0: ``seed`` itself)."""
+    return seed + 1_000_003 * r
+
+
 def run(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    train_data, test_data, _ = make_data(args.tasks, args.examples, args.seed)
-    gates = DSelectK(8, k=2, num_gates=args.tasks, gamma=10.0, entropy_reg=0.1)
-    experts = StackedMLP(8, 10, [4, 1], final_activation=False)
-    model = MultiGateMoE(experts, gates)  # a task's output is its gate's mixture
-    probe_x = train_data.x[: SEARCH.probe]
-    probe_y = torch.cat([y[: SEARCH.probe] for y in train_data.ys], 1).T  # (T, P)
-
-    def task_losses() -> Tensor:
-        """(T,) each task's probe MSE with its selector shares refitted: a search move's score.
-        The experts are re-read at every call (a search changes no expert, so each call of one
-        search reads the same)."""
-        stats = RefitStats.of(experts(probe_x).squeeze(-1), probe_y)  # (E, P) outputs
-        return selector_refit_mse(gates, stats)
-
-    steps = total_steps(args.epochs, train_data.x.shape[0], BATCH)
-    search = SEARCH.callback(gates, task_losses, steps)
-    cfg = TrainConfig(
-        lr=LR, epochs=args.epochs, batch_size=BATCH, seed=args.seed, progress=not args.no_progress
+    train_all, test_data, _ = make_data(args.tasks, args.examples, args.seed)
+    cut = train_all.x.shape[0] - train_all.x.shape[0] // 8  # the last eighth: validation
+    y_all = torch.cat(train_all.ys, 1)  # (N, T)
+    x_tr, y_tr, x_val, y_val = train_all.x[:cut], y_all[:cut], train_all.x[cut:], y_all[cut:]
+    r_count, t_count = args.restarts, args.tasks
+    experts, gates = [], []
+    for r in range(r_count):  # restart r: the model a lone run under its seed would start from
+        torch.manual_seed(_restart_seed(args.seed, r))
+        gates.append(DSelectK(8, k=2, num_gates=t_count, gamma=10.0, entropy_reg=0.1))
+        experts.append(StackedMLP(8, 10, [4, 1], final_activation=False))
+    bank = MoEBank(
+        stack_members(StackedMLP(8 * r_count, 10, [4, 1], final_activation=False), experts),
+        stack_members(
+            DSelectK(8, k=2, num_gates=r_count * t_count, gamma=10.0, entropy_reg=0.1), gates
+        ),
+        members=r_count,
+    )
+    steps = total_steps(args.epochs, cut, BATCH)
+    search = SEARCH.bank_callback(bank, x_tr, y_tr, steps, seed=args.seed)
+    cfg = TrainConfig.for_members(
+        lr=LR,
+        batch_size=BATCH,
+        epochs=args.epochs,
+        shuffle_seed=args.seed,
+        progress=not args.no_progress,
     )
     t0 = time.perf_counter()
     with intra_op_threads(1):  # a small model: more threads only wait on each other
-        train(model, train_data, "mse", cfg, callbacks=[search])
+        train(bank, TaskData(x_tr, [y_tr]), None, cfg, callbacks=[search], loss_fn=_loss)
     elapsed = time.perf_counter() - t0
-    weights = gates.expert_weights()
-    binary = gates.is_binary()
+    weights = bank.expert_weights()  # (R, T, E)
+    binary = bank.gates.is_binary().view(r_count, t_count)
+    val = bank.mse(x_val, y_val, weights)  # (R,)
+    best = int(val.argmin())
     print(
-        f"trained {args.tasks} tasks x 8 experts for {args.epochs} epochs in {elapsed:.1f}s "
-        "on one thread (static DSelect-k, k=2, gamma=10, lambda=0.1, swap local search scored "
-        f"with refitted shares; Adam lr={LR})"
+        f"trained {r_count} restart(s) of {t_count} tasks x 8 experts side by side for "
+        f"{args.epochs} epochs in {elapsed:.1f}s on one thread (static DSelect-k, k=2, "
+        "gamma=10, lambda=0.1, swap local search scored with refitted shares; Adam "
+        f"lr={LR}); kept the restart with the lowest validation MSE"
     )
+    selections = [[set((weights[r, t] > 0).nonzero().flatten().tolist()) for t in range(t_count)]
+                  for r in range(r_count)]  # fmt: skip
+    if r_count > 1:
+        for r in range(r_count):
+            s = sharing(selections[r])
+            mark = "  <- kept" if r == best else ""
+            print(
+                f"restart {r}: validation MSE {float(val[r]):.4f}; {s.identical} of {s.pairs} "
+                f"same-group pairs selected identical expert sets{mark}"
+            )
     print("task  group  selected experts (weight)            S(Z) binary")
-    selected = []
-    for t in range(args.tasks):
-        sel = (weights[t] > 0).nonzero().flatten().tolist()
-        selected.append(set(sel))
-        desc = ", ".join(f"{i} ({weights[t, i]:.2f})" for i in sel[:6])
-        print(f"{t:>4}  {t // 2:>5}  {desc:<36} {bool(binary[t])!s}")
-    tr = evaluate(model, train_data, "mse")["loss"]
-    te = evaluate(model, test_data, "mse")["loss"]
-    print(f"train MSE (mean over tasks): {sum(tr) / len(tr):.4f}")
-    print(f"test  MSE (mean over tasks): {sum(te) / len(te):.4f}")
+    selected = selections[best]
+    for t in range(t_count):
+        sel = sorted(selected[t])
+        desc = ", ".join(f"{i} ({weights[best, t, i]:.2f})" for i in sel[:6])
+        print(f"{t:>4}  {t // 2:>5}  {desc:<36} {bool(binary[best, t])!s}")
+    tr = float(bank.mse(x_tr, y_tr, weights)[best])
+    te = float(bank.mse(test_data.x, torch.cat(test_data.ys, 1), weights)[best])
+    print(f"train MSE (mean over tasks): {tr:.4f}")
+    print(f"test  MSE (mean over tasks): {te:.4f}")
     s = sharing(selected)
     if s.pairs:
         print(
             f"observed: {s.identical} of {s.pairs} same-group task pairs selected identical "
             f"expert sets; {s.overlapping} of {s.pairs} same-group task pairs share an expert; "
             f"mean Jaccard of selections {s.jaccard_within:.2f} within groups, "
-            f"{s.jaccard_across:.2f} across groups ({sum(bool(b) for b in binary)} of "
-            f"{args.tasks} gates binary, "
+            f"{s.jaccard_across:.2f} across groups ({int(binary[best].sum())} of "
+            f"{t_count} gates binary, "
             f"{sum(len(x) for x in selected) / len(selected):.2f} experts per task)"
         )
         yes_no = {True: "yes", False: "no"}
@@ -199,3 +236,8 @@ def run(args: argparse.Namespace) -> int:
         )
     print("Expert indices are the model's own: trainable experts have no fixed order.")
     return 0
+
+
+def _loss(model: torch.nn.Module, batch: TaskData) -> tuple[Tensor, None]:
+    assert isinstance(model, MoEBank)
+    return model.loss(batch.x, batch.ys[0]), None
