@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,experiments,cluster,export,transformers,tensorboard]"
+	$(PY) -m pip install -q -e ".[dev,experiments,cluster,export,transformers,tensorboard,fast]"
 	touch $@
 
 install: $(VENV)/.installed
