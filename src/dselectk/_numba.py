@@ -57,6 +57,19 @@ def _bits_f32_typing(typingctx: Any, x: Any) -> Any:  # pragma: no cover - compi
     return types.float32(x), codegen
 
 
+def _lt_select_typing(typingctx: Any, x: Any, y: Any, a: Any, b: Any) -> Any:
+    """``a if x < y else b`` without a branch (an LLVM fcmp and select: loops over it vectorise;
+    a NaN x or y gives b)."""
+    if not (isinstance(x, types.Float) and x == y == a == b):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.select(builder.fcmp_ordered("<", args[0], args[1]), args[2], args[3])
+
+    return x(x, x, x, x), codegen
+
+
+_lt_select: Any = intrinsic(_lt_select_typing)
 _f32_bits: Any = intrinsic(_f32_bits_typing)
 _bits_f32: Any = intrinsic(_bits_f32_typing)
 
@@ -113,7 +126,7 @@ def _softmax_into(row: Any, k: int, a: Any) -> None:  # pragma: no cover - compi
     """σ(row[:k]) into ``a`` (a NaN logit gives NaNs)."""
     top = row[0]
     for i in range(1, k):
-        top = row[i] if row[i] > top else top
+        top = _lt_select(top, row[i], row[i], top)
     total = a.dtype.type(0.0)
     for i in range(k):
         e = np.exp(row[i] - top)
@@ -135,8 +148,8 @@ def _bits_into(
     c2 = s.dtype.type(-2.0)
     for j in range(km):
         v = row[k + j] / gam
-        v = -half if v < -half else v
-        v = half if v > half else v
+        v = _lt_select(v, -half, -half, v)
+        v = _lt_select(half, v, half, v)
         s[j] = v
         pj = v * v
         pj = pj * c2
@@ -184,7 +197,7 @@ def _law_grad(
 
 
 @njit(cache=True, nogil=True)
-def gate_forward(
+def _forward_gates(
     logits: Any,
     k: int,
     gam: Any,
@@ -227,8 +240,8 @@ def gate_forward(
         for j in range(km):  # clamped logs, as functional.binary_entropy
             pj = p[j]
             qj = q[j]
-            log_p = _log(tiny_t if pj < tiny_t else pj)
-            log_q = _log(tiny_t if qj < tiny_t else qj)
+            log_p = _log(_lt_select(pj, tiny_t, tiny_t, pj))
+            log_q = _log(_lt_select(qj, tiny_t, tiny_t, qj))
             h[j] = pj * log_p + qj * log_q
             dent[j] = log_q - log_p
         total = 0.0
@@ -259,7 +272,7 @@ def gate_forward(
 
 
 @njit(cache=True, nogil=True)
-def gate_backward(
+def _backward_gates(
     logits: Any,
     k: int,
     gam: Any,
@@ -291,7 +304,7 @@ def gate_backward(
     p = np.empty(km, logits.dtype)
     q = np.empty(km, logits.dtype)
     g_p = np.empty(km, logits.dtype)
-    ge = np.empty(km, logits.dtype)
+    ge = np.empty(km, np.float64)
     lev_lo = np.empty((k, 2 * n_lo), logits.dtype)
     lev_hi = np.empty((k, 2 * n_hi), logits.dtype)
     g_lo = np.empty((k, n_lo), logits.dtype)
@@ -365,3 +378,398 @@ def gate_backward(
             dot += g_a[i] * a[i]
         for i in range(k):
             gr[i] = a[i] * (g_a[i] - dot)  # softmax backward
+
+
+# -- by tiles of gates ---------------------------------------------------------------------------
+#
+# The same arithmetic on up to _TILE gates at a time, each quantity laid out (..., gate): every
+# loop's innermost axis is the tile's gates, so LLVM vectorises it (the per-gate loops above run
+# over 2**bits <= 16 entries or M bits, too short for that). The tile's logits are transposed in,
+# the weights and the state out. Comparisons are branch-free selects (_lt_select): with bits both
+# saturated and not, branches mispredict (measured: 2x the forward's time).
+
+#: gates per tile (a loop of 64 is not unrolled away before LLVM's loop vectoriser sees it)
+_TILE = 64
+
+
+@njit(cache=True, nogil=True)
+def _forward_tiles(
+    logits: Any,
+    k: int,
+    gam: Any,
+    lam: Any,
+    divisor: float,
+    tiny: float,
+    out: Any,
+    state: Any,
+) -> float:  # pragma: no cover - compiled
+    """:func:`gate_forward` by tiles of up to ``_TILE`` gates, the gates innermost."""
+    g_count, c = logits.shape
+    m = c // k - 1
+    km = k * m
+    n = 1 << m
+    m_lo = (m + 1) // 2
+    m_hi = m - m_lo
+    n_lo = 1 << m_lo
+    n_hi = 1 << m_hi
+    dt = logits.dtype.type
+    tiny_t = dt(tiny)
+    one = dt(1.0)
+    half = dt(0.5)
+    c15 = dt(1.5)
+    c2_ = dt(-2.0)
+    zero = dt(0.0)
+    x = np.empty((c, _TILE), logits.dtype)
+    gt = np.empty(_TILE, logits.dtype)
+    a = np.empty((k, _TILE), logits.dtype)
+    mx = np.empty(_TILE, logits.dtype)
+    tot = np.empty(_TILE, logits.dtype)
+    p = np.empty((km, _TILE), logits.dtype)
+    q = np.empty((km, _TILE), logits.dtype)
+    h = np.empty((km, _TILE), logits.dtype)
+    dent = np.empty((km, _TILE), logits.dtype)
+    ent = np.empty((k, _TILE), logits.dtype)
+    lo = np.empty((k * n_lo, _TILE), logits.dtype)
+    hi = np.empty((k * n_hi, _TILE), logits.dtype)
+    o = np.empty((n, _TILE), logits.dtype)
+    loss = 0.0
+    for g0 in range(0, g_count, _TILE):
+        nv = min(_TILE, g_count - g0)
+        for t in range(nv):
+            for cc in range(c):
+                x[cc, t] = logits[g0 + t, cc]
+            gt[t] = gam[(g0 + t) % gam.size]
+        # softmax over the K selectors
+        for t in range(nv):
+            mx[t] = x[0, t]
+        for i in range(1, k):
+            for t in range(nv):
+                v = x[i, t]
+                mx[t] = _lt_select(mx[t], v, v, mx[t])
+        for t in range(nv):
+            tot[t] = zero
+        for i in range(k):
+            for t in range(nv):
+                e = np.exp(x[i, t] - mx[t])
+                a[i, t] = e
+                tot[t] += e
+        for i in range(k):
+            for t in range(nv):
+                a[i, t] = a[i, t] / tot[t]
+        # bits, logs, entropies
+        for j in range(km):
+            for t in range(nv):
+                v = x[k + j, t] / gt[t]
+                v = _lt_select(v, -half, -half, v)
+                v = _lt_select(half, v, half, v)
+                pj = v * v
+                pj = pj * c2_
+                pj = pj + c15
+                pj = pj * v
+                pj = pj + half
+                p[j, t] = pj
+                q[j, t] = one - pj
+            for t in range(nv):
+                pj = p[j, t]
+                log_p = _log(_lt_select(pj, tiny_t, tiny_t, pj))
+                h[j, t] = pj * log_p
+                dent[j, t] = -log_p
+            for t in range(nv):
+                qj = q[j, t]
+                log_q = _log(_lt_select(qj, tiny_t, tiny_t, qj))
+                h[j, t] += qj * log_q
+                dent[j, t] += log_q
+        for i in range(k):
+            for t in range(nv):
+                ent[i, t] = zero
+            for j in range(i * m, (i + 1) * m):
+                for t in range(nv):
+                    ent[i, t] += h[j, t]
+            for t in range(nv):
+                ent[i, t] = -ent[i, t]
+        # the halves' laws by doubling, σ(α) into the high half
+        for i in range(k):
+            b0 = i * n_lo
+            for t in range(nv):
+                lo[b0, t] = one
+            w = 1
+            for jj in range(m_lo):
+                j = i * m + jj
+                for cc in range(w - 1, -1, -1):
+                    for t in range(nv):
+                        v = lo[b0 + cc, t]
+                        lo[b0 + cc + w, t] = v * p[j, t]
+                        lo[b0 + cc, t] = v * q[j, t]
+                w *= 2
+            b0 = i * n_hi
+            for t in range(nv):
+                hi[b0, t] = one
+            w = 1
+            for jj in range(m_hi):
+                j = i * m + m_lo + jj
+                for cc in range(w - 1, -1, -1):
+                    for t in range(nv):
+                        v = hi[b0 + cc, t]
+                        hi[b0 + cc + w, t] = v * p[j, t]
+                        hi[b0 + cc, t] = v * q[j, t]
+                w *= 2
+            for cc in range(n_hi):  # σ(α)_i last, as the per-gate loops multiply it
+                for t in range(nv):
+                    hi[b0 + cc, t] = a[i, t] * hi[b0 + cc, t]
+        # the weights: Σ_i hi_i ⊗ lo_i, code = high · L + low
+        for c1 in range(n_hi):
+            for c2 in range(n_lo):
+                cc = c1 * n_lo + c2
+                for t in range(nv):
+                    o[cc, t] = hi[c1, t] * lo[c2, t]
+                for i in range(1, k):
+                    for t in range(nv):
+                        o[cc, t] += hi[i * n_hi + c1, t] * lo[i * n_lo + c2, t]
+        for t in range(nv):
+            g = g0 + t
+            for cc in range(n):
+                out[g, cc] = o[cc, t]
+            total = 0.0
+            for i in range(k):
+                state[g, i] = ent[i, t]
+                state[g, k + i] = a[i, t]
+                total += ent[i, t]
+            for j in range(km):
+                state[g, 2 * k + j] = dent[j, t]
+            loss += lam[g % lam.size] * total
+    return loss / divisor
+
+
+@njit(cache=True, nogil=True)
+def _backward_tiles(
+    logits: Any,
+    k: int,
+    gam: Any,
+    state: Any,
+    g_out: Any,
+    has_out: bool,
+    g_ent: Any,
+    g_scale: float,
+    grad: Any,
+) -> None:  # pragma: no cover - compiled
+    """:func:`gate_backward` by tiles of up to ``_TILE`` gates, the gates innermost."""
+    g_count, c = logits.shape
+    m = c // k - 1
+    km = k * m
+    n = 1 << m
+    m_lo = (m + 1) // 2
+    m_hi = m - m_lo
+    n_lo = 1 << m_lo
+    n_hi = 1 << m_hi
+    dt = logits.dtype.type
+    one = dt(1.0)
+    half = dt(0.5)
+    c15 = dt(1.5)
+    c2_ = dt(-2.0)
+    c6 = dt(-6.0)
+    zero = dt(0.0)
+    rows, cols = g_ent.shape
+    x = np.empty((c, _TILE), logits.dtype)
+    gt = np.empty(_TILE, logits.dtype)
+    a = np.zeros((k, _TILE), logits.dtype)
+    dent = np.zeros((km, _TILE), logits.dtype)
+    s = np.empty((km, _TILE), logits.dtype)
+    p = np.empty((km, _TILE), logits.dtype)
+    q = np.empty((km, _TILE), logits.dtype)
+    g_p = np.empty((km, _TILE), logits.dtype)
+    ge = np.zeros((k, _TILE), np.float64)
+    g_a = np.empty((k, _TILE), logits.dtype)
+    gt_out = np.zeros((n, _TILE), logits.dtype)
+    lev_lo = np.empty((k * 2 * n_lo, _TILE), logits.dtype)
+    lev_hi = np.empty((k * 2 * n_hi, _TILE), logits.dtype)
+    g_lo = np.empty((k * n_lo, _TILE), logits.dtype)
+    g_hi = np.empty((k * n_hi, _TILE), logits.dtype)
+    acc = np.empty(_TILE, logits.dtype)
+    dot = np.empty(_TILE, logits.dtype)
+    for g0 in range(0, g_count, _TILE):
+        nv = min(_TILE, g_count - g0)
+        for t in range(nv):
+            g = g0 + t
+            for cc in range(c):
+                x[cc, t] = logits[g, cc]
+            gt[t] = gam[g % gam.size]
+            for i in range(k):
+                a[i, t] = state[g, k + i]
+                ge[i, t] = g_scale * g_ent[g % rows, i % cols]
+            for j in range(km):
+                dent[j, t] = state[g, 2 * k + j]
+            if has_out:
+                for cc in range(n):
+                    gt_out[cc, t] = g_out[g, cc]
+        for j in range(km):
+            for t in range(nv):
+                v = x[k + j, t] / gt[t]
+                v = _lt_select(v, -half, -half, v)
+                v = _lt_select(half, v, half, v)
+                s[j, t] = v
+                pj = v * v
+                pj = pj * c2_
+                pj = pj + c15
+                pj = pj * v
+                pj = pj + half
+                p[j, t] = pj
+                q[j, t] = one - pj
+        if has_out:
+            # the levels of both halves' doublings (level r of 2**r entries at rows 2**r ..)
+            for i in range(k):
+                b0 = i * 2 * n_lo
+                for t in range(nv):
+                    lev_lo[b0 + 1, t] = one
+                w = 1
+                for jj in range(m_lo):
+                    j = i * m + jj
+                    for cc in range(w):
+                        for t in range(nv):
+                            v = lev_lo[b0 + w + cc, t]
+                            lev_lo[b0 + 2 * w + cc, t] = v * q[j, t]
+                            lev_lo[b0 + 3 * w + cc, t] = v * p[j, t]
+                    w *= 2
+                b0 = i * 2 * n_hi
+                for t in range(nv):
+                    lev_hi[b0 + 1, t] = one
+                w = 1
+                for jj in range(m_hi):
+                    j = i * m + m_lo + jj
+                    for cc in range(w):
+                        for t in range(nv):
+                            v = lev_hi[b0 + w + cc, t]
+                            lev_hi[b0 + 2 * w + cc, t] = v * q[j, t]
+                            lev_hi[b0 + 3 * w + cc, t] = v * p[j, t]
+                    w *= 2
+            # g_hi_i[h] = Σ_l g[h, l] lo_i[l]; g_lo_i[l] = Σ_h g[h, l] σ(α)_i hi_i[h]
+            for i in range(k):
+                blo = i * 2 * n_lo + n_lo
+                bhi = i * 2 * n_hi + n_hi
+                for c2 in range(n_lo):
+                    for t in range(nv):
+                        g_lo[i * n_lo + c2, t] = zero
+                for c1 in range(n_hi):
+                    for t in range(nv):
+                        acc[t] = zero
+                    for c2 in range(n_lo):
+                        for t in range(nv):
+                            gv = gt_out[c1 * n_lo + c2, t]
+                            acc[t] += gv * lev_lo[blo + c2, t]
+                            g_lo[i * n_lo + c2, t] += gv * (a[i, t] * lev_hi[bhi + c1, t])
+                    for t in range(nv):
+                        g_hi[i * n_hi + c1, t] = acc[t]
+                for t in range(nv):
+                    acc[t] = zero
+                for c1 in range(n_hi):
+                    for t in range(nv):
+                        acc[t] += g_hi[i * n_hi + c1, t] * lev_hi[bhi + c1, t]
+                        g_hi[i * n_hi + c1, t] *= a[i, t]
+                for t in range(nv):
+                    g_a[i, t] = acc[t]
+                # walk both doublings back: d/dp_j and the grad of the level below
+                for half_ in range(2):
+                    if half_ == 0:
+                        bits, j0, lev, b0, gl, gb = (
+                            m_lo,
+                            i * m,
+                            lev_lo,
+                            i * 2 * n_lo,
+                            g_lo,
+                            i * n_lo,
+                        )
+                    else:
+                        bits, j0, lev, b0, gl, gb = (
+                            m_hi,
+                            i * m + m_lo,
+                            lev_hi,
+                            i * 2 * n_hi,
+                            g_hi,
+                            i * n_hi,
+                        )
+                    for r in range(bits - 1, -1, -1):
+                        w = 1 << r
+                        j = j0 + r
+                        for t in range(nv):
+                            acc[t] = zero
+                        for cc in range(w):
+                            for t in range(nv):
+                                g0_ = gl[gb + cc, t]
+                                g1_ = gl[gb + cc + w, t]
+                                acc[t] += (g1_ - g0_) * lev[b0 + w + cc, t]
+                                gl[gb + cc, t] = g0_ * q[j, t] + g1_ * p[j, t]
+                        for t in range(nv):
+                            g_p[j, t] = acc[t]
+        else:
+            for i in range(k):
+                for t in range(nv):
+                    g_a[i, t] = zero
+            for j in range(km):
+                for t in range(nv):
+                    g_p[j, t] = zero
+        for t in range(nv):
+            dot[t] = zero
+        for i in range(k):
+            for t in range(nv):
+                dot[t] += g_a[i, t] * a[i, t]
+        for t in range(nv):
+            g = g0 + t
+            for i in range(k):
+                grad[g, i] = a[i, t] * (g_a[i, t] - dot[t])  # softmax backward
+                e = ge[i, t]
+                for jj in range(m):
+                    j = i * m + jj
+                    gpj = g_p[j, t]
+                    gpj = dt(gpj + e * dent[j, t]) if e != 0.0 else gpj
+                    d = s[j, t] * s[j, t]
+                    d = d * c6
+                    d = d + c15
+                    d = d * gpj
+                    grad[g, k + j] = d / gt[t]
+
+
+#: below this many gates the kernels loop over gates (a vectorised loop over a few gates costs
+#: more than it saves), from it by tiles of gates
+_TILES_MIN_GATES = 16
+
+
+@njit(cache=True, nogil=True)
+def gate_forward(
+    logits: Any,
+    k: int,
+    gam: Any,
+    lam: Any,
+    divisor: float,
+    tiny: float,
+    out: Any,
+    state: Any,
+) -> float:  # pragma: no cover - compiled
+    """Weights ``out`` (G, N) of the gates' logits (G, K(1+M)) and the state (G, 2K + K·M):
+    per gate the K entropies, σ(α) and log(1 - p) - log p of each bit (for the backward).
+    Returns the loss Σ_g λ_g Σ_i h_gi / divisor (float64). γ (P,) and λ (Q,) hold one value or
+    one per gate: gate g reads entry g mod P (g mod Q), the last axis of the gates' layout.
+    ``tiny``: the dtype's smallest normal number (the logs' clamp)."""
+    if logits.shape[0] < _TILES_MIN_GATES:
+        return _forward_gates(logits, k, gam, lam, divisor, tiny, out, state)
+    return _forward_tiles(logits, k, gam, lam, divisor, tiny, out, state)
+
+
+@njit(cache=True, nogil=True)
+def gate_backward(
+    logits: Any,
+    k: int,
+    gam: Any,
+    state: Any,
+    g_out: Any,
+    has_out: bool,
+    g_ent: Any,
+    g_scale: float,
+    grad: Any,
+) -> None:  # pragma: no cover - compiled
+    """The grad of the logits ``grad`` (G, K(1+M)) from the grad of the weights ``g_out``
+    (G, N; read only with ``has_out``) and of the entropies, ``g_scale`` · ``g_ent``
+    (float64 (R, C), broadcast: selector (g, i) reads entry (g mod R, i mod C)); ``state``
+    as :func:`gate_forward` left it."""
+    if logits.shape[0] < _TILES_MIN_GATES:
+        _backward_gates(logits, k, gam, state, g_out, has_out, g_ent, g_scale, grad)
+    else:
+        _backward_tiles(logits, k, gam, state, g_out, has_out, g_ent, g_scale, grad)
