@@ -48,6 +48,7 @@ from dselectk.experiments.executors import (
 )
 from dselectk.experiments.records import RunStore, load_records, record_experiment
 from dselectk.io import write_json
+from dselectk.runtime import warm_kernels
 
 __all__ = [
     "Executor",
@@ -310,6 +311,7 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
             return 0
         command = " ".join(["dselectk", *sys.argv[1:]])
         t0 = time.perf_counter()
+        warm_kernels()  # the numba kernel compiled (or loaded) once, not by every worker at once
         run_sweep(recipe, config, out, executor, command=command)
         wall = time.perf_counter() - t0
         jobs = {"jobs": executor.jobs, "threads": executor.threads}
