@@ -61,6 +61,11 @@ def test_end_to_end_report(tiny: Path) -> None:
     text = (tiny / "report.md").read_text()
     assert PROTOCOL.splitlines()[0] in text and "Verdict" in text
     assert text.index("## Protocol") < text.index(PROTOCOL.splitlines()[-1]) < text.index("| arm |")
+    passes = {r["arm"]: r["metrics"]["probe_passes"]["mean"] for r in rows}
+    row = "  | recovery, n = 16, k = 2 | " + " | ".join(
+        f"{passes[a]:.0f}" for a in ("dselect_k_search", "topk_search", "search_only")
+    )
+    assert "  | setting | dselect_k_search | topk_search | search_only |" in text and row in text
     (tiny / "report.md").unlink()
     assert main(["report", str(tiny)]) == 0
     assert (tiny / "report.md").read_text() == text

@@ -199,6 +199,22 @@ def _calls(pooled: Mapping[str, Any], what: str, sign: float, digits: int) -> li
     return out
 
 
+def _passes_table(summary: Mapping[str, Any]) -> list[str]:
+    """The search arms' probe passes per run (mean over repetitions) by setting: how the
+    search's cost grows with the experts n, k and the tasks T."""
+    settings = [(f"recovery, n = {key.split('/')[0]}, k = {key.split('/')[1]}", s)
+                for key, s in summary["shapes"].items()]  # fmt: skip
+    settings += [(f"C.1, T = {t} (n = {int(t) // 4}, k = 4)", s)
+                 for t, s in summary.get("c1", {}).items()]  # fmt: skip
+    out = ["", "  | setting | " + " | ".join(SEARCH_ARMS) + " |",
+           "  |---|" + "---|" * len(SEARCH_ARMS)]  # fmt: skip
+    for label, s in settings:
+        by = {r["arm"]: (r["metrics"].get("probe_passes") or {}).get("mean") for r in s["rows"]}
+        cells = ["–" if by.get(a) is None else f"{by[a]:.0f}" for a in SEARCH_ARMS]
+        out.append(f"  | {label} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
 def _verdict(summary: Mapping[str, Any]) -> list[str]:
     rec = _calls(summary["pooled"], "recovered experts", 1.0, 2)
     c1 = _calls(summary.get("c1_pooled", {}), "C.1 test MSE, negative: lower", -1.0, 4)
@@ -211,6 +227,7 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
     if c1 and any(call != "not run" for _, call in c1):
         lines += ["", "Appendix C.1:", *[x for x, _ in c1]]
     lines.append(f"- Probe passes per run, mean over settings: {text}.")
+    lines += _passes_table(summary)
     studies = {"expert recovery": [c for _, c in rec if c != "not run"],
                "Appendix C.1": [c for _, c in c1 if c != "not run"]}  # fmt: skip
     adds = [k for k, cs in studies.items() if cs and all(c == "ahead" for c in cs)]
