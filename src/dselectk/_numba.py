@@ -366,8 +366,7 @@ def _backward_gates(
                 ge[j] = e
         dent = st[2 * k :]
         for j in range(km):  # d h(p) / dp = log(1 - p) - log p (clamped logs)
-            gpj = g_p[j]
-            gpj = dt(gpj + ge[j] * dent[j]) if ge[j] != 0.0 else gpj
+            gpj = dt(g_p[j] + ge[j] * dent[j])  # (+ 0 without an entropy grad: exact)
             d = s[j] * s[j]
             d = d * c6
             d = d + c15
@@ -585,6 +584,7 @@ def _backward_tiles(
     g_lo = np.empty((k * n_lo, _TILE), logits.dtype)
     g_hi = np.empty((k * n_hi, _TILE), logits.dtype)
     acc = np.empty(_TILE, logits.dtype)
+    w_hi = np.empty(_TILE, logits.dtype)
     dot = np.empty(_TILE, logits.dtype)
     for g0 in range(0, g_count, _TILE):
         nv = min(_TILE, g_count - g0)
@@ -651,11 +651,12 @@ def _backward_tiles(
                 for c1 in range(n_hi):
                     for t in range(nv):
                         acc[t] = zero
+                        w_hi[t] = a[i, t] * lev_hi[bhi + c1, t]
                     for c2 in range(n_lo):
                         for t in range(nv):
                             gv = gt_out[c1 * n_lo + c2, t]
                             acc[t] += gv * lev_lo[blo + c2, t]
-                            g_lo[i * n_lo + c2, t] += gv * (a[i, t] * lev_hi[bhi + c1, t])
+                            g_lo[i * n_lo + c2, t] += gv * w_hi[t]
                     for t in range(nv):
                         g_hi[i * n_hi + c1, t] = acc[t]
                 for t in range(nv):
@@ -711,20 +712,24 @@ def _backward_tiles(
         for i in range(k):
             for t in range(nv):
                 dot[t] += g_a[i, t] * a[i, t]
-        for t in range(nv):
-            g = g0 + t
-            for i in range(k):
-                grad[g, i] = a[i, t] * (g_a[i, t] - dot[t])  # softmax backward
-                e = ge[i, t]
-                for jj in range(m):
-                    j = i * m + jj
-                    gpj = g_p[j, t]
-                    gpj = dt(gpj + e * dent[j, t]) if e != 0.0 else gpj
+        for i in range(k):
+            for t in range(nv):
+                g_a[i, t] = a[i, t] * (g_a[i, t] - dot[t])  # softmax backward
+            for jj in range(m):
+                j = i * m + jj
+                for t in range(nv):  # d h(p) / dp = log(1 - p) - log p (clamped logs)
+                    gpj = dt(g_p[j, t] + ge[i, t] * dent[j, t])
                     d = s[j, t] * s[j, t]
                     d = d * c6
                     d = d + c15
                     d = d * gpj
-                    grad[g, k + j] = d / gt[t]
+                    g_p[j, t] = d / gt[t]
+        for t in range(nv):
+            g = g0 + t
+            for i in range(k):
+                grad[g, i] = g_a[i, t]
+            for j in range(km):
+                grad[g, k + j] = g_p[j, t]
 
 
 #: below this many gates the kernels loop over gates (a vectorised loop over a few gates costs
