@@ -24,7 +24,7 @@ from torch.autograd import gradcheck
 import dselectk
 from dselectk import _kernels, runtime
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
+from dselectk._kernels import _DSelectSmall, _NumbaGate, _NumbaGateLinear
 from dselectk.gates import DSelectK
 
 F64 = torch.float64
@@ -175,8 +175,8 @@ def test_numba_small_kernel_matches_aten_and_gradcheck(
 
 @pytest.mark.parametrize("per_example", [False, True])
 def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) -> None:
-    """Both one-node gates on the numba kernel, one γ and λ per gate: the weights and the
-    loss together, the weights alone, the loss alone."""
+    """Both one-node gates on the numba kernel, one γ and λ per gate (read as γ[g mod T]): the
+    weights and the loss together, the weights alone, the loss alone."""
     torch.manual_seed(0)
     k, m, t = 2, 3, 3
     lead = (4, t) if per_example else (t,)
@@ -185,9 +185,7 @@ def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) 
     lam = torch.tensor([0.2, 0.0, 1.0], dtype=F64)
 
     def f(lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, aux, _ = _DSelectSmallGate.apply(
-            lg.reshape(-1, lg.shape[-1]), gamma, lam, k, lead, per_example
-        )
+        w, aux, _ = _NumbaGate.apply(lg.reshape(-1, lg.shape[-1]), gamma, lam, k, lead, per_example)
         return w, aux
 
     assert gradcheck(f, (logits,))
@@ -201,7 +199,7 @@ def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) 
     one = torch.tensor(0.8, dtype=F64)  # one γ for the whole bank
 
     def h(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, aux, _ = _DSelectSmallGateLinear.apply(*a, one, lam, k, lead, True)
+        w, aux, _ = _NumbaGateLinear.apply(*a, one, lam, k, lead, True)
         return w, aux
 
     assert gradcheck(h, (x, weight, bias))

@@ -437,8 +437,6 @@ class _DSelectSmallGate(_PositionalFunction):
         lead: tuple[int, ...],
         per_example: bool,
     ) -> tuple[Any, ...]:
-        if _cpu_kernel() == "numba":
-            return _numba_gate(logits, gamma, lam, k, lead, per_example)
         out, ent, saved = _host_gate(logits, gamma, k)
         return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
@@ -456,9 +454,6 @@ class _DSelectSmallGate(_PositionalFunction):
         none = (None,) * 5
         if g_w is None and g_aux is None:
             return (None, *none)
-        if isinstance(ctx.host, _NumbaSaved):
-            lam = ctx.saved_tensors[0]
-            return (_numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example), *none)
         g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, ctx.saved_tensors[0])
         return (_host_gate_grad(ctx.host, g_w, g_ent, ctx.k), *none)
 
@@ -485,9 +480,6 @@ class _DSelectSmallGateLinear(_PositionalFunction):
     ) -> tuple[Any, ...]:
         with _OneThread():  # small problems: one thread (see dselectk.runtime._OneThread)
             logits = _linear(x, weight, bias)
-            if _cpu_kernel() == "numba":
-                g = math.prod(lead)
-                return _numba_gate(logits.view(g, -1), gamma, lam, k, lead, per_example)
             out, ent, saved = _host_gate(logits.view(math.prod(lead), -1), gamma, k)
             return out.view(*lead, -1), _entropy_loss(ent, lam, k, lead, per_example), saved
 
@@ -506,12 +498,86 @@ class _DSelectSmallGateLinear(_PositionalFunction):
         if g_w is None and g_aux is None:
             return (None, None, None, *none)
         lam, x, weight = ctx.saved_tensors
-        if isinstance(ctx.host, _NumbaSaved):
-            g = _numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example)
+        g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
+        g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)  # grad of logits
+        with _OneThread():
+            return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
+
+
+class _NumbaGate(_PositionalFunction):
+    """:class:`_DSelectSmallGate` on the numba kernel (any size): (logits (G, K(1+M)), γ (0-d or
+    (T,): gate g reads γ[g mod T]), λ (likewise), K, lead, per_example) -> (q̃ (*lead, N),
+    auxiliary loss (), saved). The loss is summed over the gates in float64 in the kernel
+    (``dselectk.runtime._numba_gate``): the gate's numbers to float rounding."""
+
+    @staticmethod
+    def forward(
+        logits: Tensor,
+        gamma: Tensor,
+        lam: Tensor,
+        k: int,
+        lead: tuple[int, ...],
+        per_example: bool,
+    ) -> tuple[Any, ...]:
+        return _numba_gate(logits, gamma, lam, k, lead, per_example)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.host = output[2]
+        ctx.lead, ctx.per_example = inputs[4], inputs[5]
+        ctx.save_for_backward(inputs[2])  # λ (an in-place change before backward raises)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+        none = (None,) * 5
+        if g_w is None and g_aux is None:
+            return (None, *none)
+        (lam,) = ctx.saved_tensors
+        return (_numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example), *none)
+
+
+class _NumbaGateLinear(_PositionalFunction):
+    """:class:`_DSelectSmallGateLinear` on the numba kernel (any size): (x (B, p), weight, bias
+    or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved), the
+    layer's ATen calls forward and backward on one intra-op thread (the kernel runs on the
+    calling thread)."""
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        gamma: Tensor,
+        lam: Tensor,
+        k: int,
+        lead: tuple[int, ...],
+        per_example: bool,
+    ) -> tuple[Any, ...]:
+        with _OneThread():
+            logits = _linear(x, weight, bias)
+        if len(lead) > 1:  # a bank: (B, T·K(1+M)) -> (B·T, K(1+M))
+            logits = logits.view(math.prod(lead), -1)
+        return _numba_gate(logits, gamma, lam, k, lead, per_example)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.host = output[2]
+        ctx.lead, ctx.per_example = inputs[6], inputs[7]
+        ctx.save_for_backward(inputs[4], inputs[0], inputs[1])  # λ, x, weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+        none = (None,) * 5
+        if g_w is None and g_aux is None:
+            return (None, None, None, *none)
+        lam, x, weight = ctx.saved_tensors
+        g = _numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example)
+        if len(ctx.lead) > 1:
             g = g.view(x.shape[0], -1)
-        else:
-            g_ent = None if g_aux is None else _entropy_grad(ctx, g_aux, lam)
-            g = _host_gate_grad(ctx.host, g_w, g_ent, ctx.k).view(x.shape[0], -1)
         with _OneThread():
             return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
 

@@ -16,6 +16,8 @@ from dselectk._kernels import (
     _host_ok,
     _linear,
     _linear_grads,
+    _NumbaGate,
+    _NumbaGateLinear,
     _OneThreadLinear,
     _PositionalFunction,
 )
@@ -405,20 +407,19 @@ class DSelectK(Gate):
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None and isinstance(x, Tensor)
         kernel = _cpu_kernel()
-        if kernel == "numba":  # every size (see dselectk.runtime)
-            host = self._numba_ok(gamma, lam, entries)
-        else:
-            host = kernel == "numpy" and self._host_math() and DF._small_on_host(entries, x, gamma)
-        if not host:
-            if entries >= PARALLEL_MIN_ELEMENTS:
-                return None
+        if kernel == "numba" and self._numba_ok(gamma, lam, entries):  # every size
+            w, aux, _ = _NumbaGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+        elif kernel == "numpy" and self._host_math() and DF._small_on_host(entries, x, gamma):
+            if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+                gamma = gamma.expand(lead).reshape(-1)
+            w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+        elif entries < PARALLEL_MIN_ELEMENTS:
             # The layer and the split into α and Z on one thread (the slices' backward would
             # zero-fill, copy and add the logits' grad on two), then the gate's math as written.
             alpha, z = _OneThreadSplitLinear.apply(x, weight, bias, lead, k, m)
             return self._gate_parts(alpha, z)
-        if gamma.dim() > 0 and kernel != "numba":  # one γ per gate: flattened like the gates
-            gamma = gamma.expand(lead).reshape(-1)
-        w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+        else:
+            return None
         if n < 2**m:
             w = w[..., :n]
         if type(self).diversity.is_nonzero(self):
@@ -462,16 +463,17 @@ class DSelectK(Gate):
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None
         entries = math.prod(lead) * k * 2**m
+        flat = logits.reshape(-1, logits.shape[-1])
         if kernel == "numba":
             if not (self._numba_ok(gamma, lam, entries) and _host_ok(logits)):
                 return None
+            w, aux, _ = _NumbaGate.apply(flat, gamma, lam, k, lead, not self.static)
         elif not DF._small_on_host(entries, logits, gamma):
             return None
-        if gamma.dim() > 0 and kernel != "numba":  # one γ per gate: flattened like the gates
-            gamma = gamma.expand(lead).reshape(-1)
-        w, aux, _ = _DSelectSmallGate.apply(
-            logits.reshape(-1, logits.shape[-1]), gamma, lam, k, lead, not self.static
-        )
+        else:
+            if gamma.dim() > 0:  # one γ per gate: flattened like the gates
+                gamma = gamma.expand(lead).reshape(-1)
+            w, aux, _ = _DSelectSmallGate.apply(flat, gamma, lam, k, lead, not self.static)
         if n < 2**m:
             w = w[..., :n]
         if type(self).diversity.is_nonzero(self):
