@@ -185,7 +185,7 @@ def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) 
     lam = torch.tensor([0.2, 0.0, 1.0], dtype=F64)
 
     def f(lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, aux, _ = _NumbaGate.apply(lg.reshape(-1, lg.shape[-1]), gamma, lam, k, lead, per_example)
+        w, aux = _NumbaGate.apply(lg.reshape(-1, lg.shape[-1]), gamma, lam, k, lead, per_example)
         return w, aux
 
     assert gradcheck(f, (logits,))
@@ -199,7 +199,7 @@ def test_numba_gate_nodes_gradcheck(numba_kernel: list[int], per_example: bool) 
     one = torch.tensor(0.8, dtype=F64)  # one γ for the whole bank
 
     def h(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, aux, _ = _NumbaGateLinear.apply(*a, one, lam, k, lead, True)
+        w, aux = _NumbaGateLinear.apply(*a, one, lam, k, lead, True)
         return w, aux
 
     assert gradcheck(h, (x, weight, bias))

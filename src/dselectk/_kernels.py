@@ -507,30 +507,32 @@ class _DSelectSmallGateLinear(_PositionalFunction):
 class _NumbaGate(_PositionalFunction):
     """:class:`_DSelectSmallGate` on the numba kernel (any size): (logits (G, K(1+M)), γ (0-d or
     (T,): gate g reads γ[g mod T]), λ (likewise), K, lead, per_example) -> (q̃ (*lead, N),
-    auxiliary loss (), saved). The loss is summed over the gates in float64 in the kernel
-    (``dselectk.runtime._numba_gate``): the gate's numbers to float rounding."""
+    auxiliary loss ()). The loss is summed over the gates in float64 in the kernel
+    (``dselectk.runtime._numba_gate``): the gate's numbers to float rounding.
+
+    Eager only (the gate checks, see :func:`_host_ok`), so ``forward`` takes ``ctx`` itself
+    (no ``setup_context``, which torch.func needs and which costs ~10 µs a call, measured) and
+    keeps the kernel's state there."""
 
     @staticmethod
     def forward(
+        ctx: Any,
         logits: Tensor,
         gamma: Tensor,
         lam: Tensor,
         k: int,
         lead: tuple[int, ...],
         per_example: bool,
-    ) -> tuple[Any, ...]:
-        return _numba_gate(logits, gamma, lam, k, lead, per_example)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    ) -> tuple[Tensor, Tensor]:
+        w, aux, ctx.host = _numba_gate(logits, gamma, lam, k, lead, per_example)
         ctx.set_materialize_grads(False)
-        ctx.host = output[2]
-        ctx.lead, ctx.per_example = inputs[4], inputs[5]
-        ctx.save_for_backward(inputs[2])  # λ (an in-place change before backward raises)
+        ctx.lead, ctx.per_example = lead, per_example
+        ctx.save_for_backward(lam)  # (an in-place change of λ before backward raises)
+        return w, aux
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
         none = (None,) * 5
         if g_w is None and g_aux is None:
             return (None, *none)
@@ -540,12 +542,13 @@ class _NumbaGate(_PositionalFunction):
 
 class _NumbaGateLinear(_PositionalFunction):
     """:class:`_DSelectSmallGateLinear` on the numba kernel (any size): (x (B, p), weight, bias
-    or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved), the
-    layer's ATen calls forward and backward on one intra-op thread (the kernel runs on the
-    calling thread)."""
+    or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss ()), the layer's ATen
+    calls forward and backward on one intra-op thread (the kernel runs on the calling thread).
+    Eager only, ``forward`` with ``ctx`` as :class:`_NumbaGate`."""
 
     @staticmethod
     def forward(
+        ctx: Any,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -554,23 +557,20 @@ class _NumbaGateLinear(_PositionalFunction):
         k: int,
         lead: tuple[int, ...],
         per_example: bool,
-    ) -> tuple[Any, ...]:
+    ) -> tuple[Tensor, Tensor]:
         with _OneThread():
             logits = _linear(x, weight, bias)
         if len(lead) > 1:  # a bank: (B, T·K(1+M)) -> (B·T, K(1+M))
             logits = logits.view(math.prod(lead), -1)
-        return _numba_gate(logits, gamma, lam, k, lead, per_example)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        w, aux, ctx.host = _numba_gate(logits, gamma, lam, k, lead, per_example)
         ctx.set_materialize_grads(False)
-        ctx.host = output[2]
-        ctx.lead, ctx.per_example = inputs[6], inputs[7]
-        ctx.save_for_backward(inputs[4], inputs[0], inputs[1])  # λ, x, weight
+        ctx.lead, ctx.per_example = lead, per_example
+        ctx.save_for_backward(lam, x, weight)
+        return w, aux
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
         none = (None,) * 5
         if g_w is None and g_aux is None:
             return (None, None, None, *none)
@@ -583,9 +583,11 @@ class _NumbaGateLinear(_PositionalFunction):
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear``'s ATen call on a 2-D input: ``addmm`` (``mm`` without a bias)."""
-    wt = weight.t()
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    """``F.linear`` on a 2-D input (one call; ATen's ``addmm``, ``mm`` without a bias)."""
+    return _F_linear(x, weight, bias)
+
+
+_F_linear = torch.nn.functional.linear  # (bound once: the attribute chain costs ~1 µs a call)
 
 
 def _linear_grads(g: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, ...]) -> tuple[Any, ...]:

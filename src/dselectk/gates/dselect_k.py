@@ -408,7 +408,7 @@ class DSelectK(Gate):
         assert gamma is not None and lam is not None and isinstance(x, Tensor)
         kernel = _cpu_kernel()
         if kernel == "numba" and self._numba_ok(gamma, lam, entries):  # every size
-            w, aux, _ = _NumbaGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+            w, aux = _NumbaGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
         elif kernel == "numpy" and self._host_math() and DF._small_on_host(entries, x, gamma):
             if gamma.dim() > 0:  # one γ per gate: flattened like the gates
                 gamma = gamma.expand(lead).reshape(-1)
@@ -467,7 +467,7 @@ class DSelectK(Gate):
         if kernel == "numba":
             if not (self._numba_ok(gamma, lam, entries) and _host_ok(logits)):
                 return None
-            w, aux, _ = _NumbaGate.apply(flat, gamma, lam, k, lead, not self.static)
+            w, aux = _NumbaGate.apply(flat, gamma, lam, k, lead, not self.static)
         elif not DF._small_on_host(entries, logits, gamma):
             return None
         else:
