@@ -2,7 +2,7 @@
 
 Imports go one way, down this stack (a group may import itself and the groups its rule lists):
 
-    base         _kernels, _testing, functional, io, progress, runtime   (foundation utilities)
+    base         _kernels, _numba*, _testing, functional, io, progress, runtime   (foundation)
     gates        dselectk.gates
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
@@ -67,6 +67,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 #: top-level name under dselectk -> group.
 GROUP_OF_TOP: dict[str, str] = {
     "_kernels": "base",
+    "_numba": "base",
+    "_numba_nodes": "base",
+    "_numba_ops": "base",
+    "_numba_tiles": "base",
     "_testing": "base",
     "functional": "base",
     "io": "base",

@@ -22,9 +22,9 @@ import torch
 from torch.autograd import gradcheck
 
 import dselectk
-from dselectk import _kernels, runtime
+from dselectk import _numba_nodes, runtime
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmall, _NumbaGate, _NumbaGateLinear
+from dselectk._numba_nodes import _NumbaGate, _NumbaGateLinear
 from dselectk.gates import DSelectK
 
 F64 = torch.float64
@@ -101,12 +101,9 @@ def test_numba_kernel_matches_numpy_and_aten(
         taken = len(numba_kernel)
         host = _outputs(gate, x, "numpy", mp)
         aten = _outputs(gate, x, "aten", mp)
-    # the numba kernel took the gate (or, with the unused-code penalty, the small kernel of
-    # the gate as written, which it takes up to SMALL_MAX_ELEMENTS selector entries)
-    entries = (case["batch"] if x is not None else 1) * (case["t"] or 1) * case["k"]
-    entries *= 2 ** DF.num_bits(case["n"])
+    # the numba kernel took the gate, but with the unused-code penalty (the gate as written)
     penalty = case["n"] < 2 ** DF.num_bits(case["n"]) and case["xi"] > 0
-    assert taken == (0 if penalty and entries > DF.SMALL_MAX_ELEMENTS else 1)
+    assert taken == (0 if penalty else 1)
     assert len(numba_kernel) == taken  # the other two did not call it
     tol = {"rtol": 1e-11, "atol": 1e-13} if dtype == F64 else {"rtol": 2e-5, "atol": 2e-6}
     for a, b, c in zip(got, host, aten, strict=True):
@@ -138,37 +135,44 @@ def test_numba_binary_bits_are_exact(numba_kernel: list[int]) -> None:
     """Binary S(Z): exact zeros off the selected codes, exact σ(α) on them, zero entropy."""
     alpha = torch.randn(3, 2, dtype=F64)
     z = torch.tensor([[[5.0, -5.0, 5.0], [-5.0, -5.0, 5.0]]] * 3, dtype=F64)
-    w, ent = _DSelectSmall.apply(z, alpha, torch.tensor(1.0, dtype=F64))[:2]
+    logits = torch.cat((alpha, z.flatten(1)), dim=1)
+    one = torch.tensor(1.0, dtype=F64)
+    w, aux = _NumbaGate.apply(logits, one, one, 2, (3,), False)
     assert numba_kernel == [3]
     a = torch.softmax(alpha, -1)
     want = torch.zeros(3, 8, dtype=F64)
     want[:, 0b101] = a[:, 0]
     want[:, 0b100] = a[:, 1]
     torch.testing.assert_close(w, want, rtol=1e-15, atol=0)
-    assert (w[:, [1, 2, 3, 6, 7]] == 0).all() and (ent == 0).all()
+    assert (w[:, [1, 2, 3, 6, 7]] == 0).all() and aux == 0
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
-def test_numba_small_kernel_matches_aten_and_gradcheck(
+def test_numba_gate_node_matches_aten_and_gradcheck(
     numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch, m: int
 ) -> None:
-    """``_DSelectSmall`` (dselect_k_fused's small kernel) on numba: the ATen kernel's values
-    and grads, and float64 gradcheck with one γ and with one per gate."""
+    """``_NumbaGate`` on a static bank of 3 gates (K = 2), one γ and one per gate: the ATen
+    kernel's weights and λ Σ h, their grads, and float64 gradcheck."""
     torch.manual_seed(m)
-    alpha = torch.randn(3, 2, dtype=F64, requires_grad=True)
-    z = (torch.randn(3, 2, m, dtype=F64) * 0.6).requires_grad_()
+    logits = (torch.randn(3, 2 * (1 + m), dtype=F64) * 0.6).requires_grad_()
+    lam = torch.tensor([0.3, 0.0, 1.2], dtype=F64)
     for gamma in (torch.tensor(1.3, dtype=F64), torch.tensor([1.3, 0.4, 2.0], dtype=F64)):
+
+        def f(lg: torch.Tensor, g: torch.Tensor = gamma) -> tuple[torch.Tensor, torch.Tensor]:
+            w, aux = _NumbaGate.apply(lg, g, lam, 2, (3,), False)
+            return w, aux
+
+        assert gradcheck(f, (logits,))
+        assert gradcheck(lambda lg: f(lg)[1], (logits,))
+        w, aux = f(logits)
+        monkeypatch.setenv(ENV, "aten")
+        ref_w, ent = DF.dselect_k_fused(logits[:, :2], logits[:, 2:].view(3, 2, m), gamma)
+        ref_aux = (lam * ent.sum(-1)).sum()
         monkeypatch.setenv(ENV, "numba")
-        assert gradcheck(lambda a, zz, g=gamma: _DSelectSmall.apply(zz, a, g)[:2], (alpha, z))
-        assert gradcheck(lambda a, zz, g=gamma: _DSelectSmall.apply(zz, a, g)[1], (alpha, z))
-        results = []
-        for kernel in ("numba", "aten"):
-            monkeypatch.setenv(ENV, kernel)
-            w, ent = _DSelectSmall.apply(z, alpha, gamma)[:2]
-            g = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
-            got = torch.autograd.grad((w * g).sum() + ent.square().sum(), (alpha, z))
-            results.append((w, ent, *got))
-        for a, b in zip(*results, strict=True):
+        seed = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+        got = torch.autograd.grad((w * seed).sum() + aux, logits)
+        want = torch.autograd.grad((ref_w * seed).sum() + ref_aux, logits)
+        for a, b in zip((w, aux, *got), (ref_w, ref_aux, *want), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
     assert numba_kernel
 
@@ -252,7 +256,7 @@ def test_numba_gate_layer_runs_on_one_thread(
     """The numba node's layer (and its backward) on one intra-op thread at every size (the
     kernel itself runs on the calling thread), the count restored after."""
     seen: list[int] = []
-    orig_linear, orig_grads = _kernels._linear, _kernels._linear_grads
+    orig_linear, orig_grads = _numba_nodes._linear, _numba_nodes._linear_grads
 
     def linear(*a: Any) -> Any:
         seen.append(torch.get_num_threads())
@@ -262,8 +266,8 @@ def test_numba_gate_layer_runs_on_one_thread(
         seen.append(torch.get_num_threads())
         return orig_grads(*a)
 
-    monkeypatch.setattr(_kernels, "_linear", linear)
-    monkeypatch.setattr(_kernels, "_linear_grads", grads)
+    monkeypatch.setattr(_numba_nodes, "_linear", linear)
+    monkeypatch.setattr(_numba_nodes, "_linear_grads", grads)
     gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
     before = torch.get_num_threads()
     for b in (3, DF.HOST_GATE_MAX_ELEMENTS // 32 + 1):
@@ -291,10 +295,7 @@ def test_numba_gate_dispatch(numba_kernel: list[int], monkeypatch: pytest.Monkey
     gate(torch.randn(5000, 4))
     gate.double()(torch.randn(2, 4, dtype=F64))
     assert numba_kernel == [3, 5000, 2]
-    # distinct codes: the gate as written, whose small kernel (dselect_k_fused's) is numba's
-    DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(3, 4))
-    assert numba_kernel == [3, 5000, 2, 3]
-    DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(5000, 4))  # not at this size
+    DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(3, 4))  # the gate as written
     gate(torch.zeros(0, 4, dtype=F64))
     gate.half()(torch.randn(3, 4).half())
     gate.float()
@@ -304,13 +305,13 @@ def test_numba_gate_dispatch(numba_kernel: list[int], monkeypatch: pytest.Monkey
     x = torch.randn(3, 4)
     g = grad(lambda p: functional_call(gate, p, (x,)).weights.square().sum())(params)
     assert set(g) == set(params)
-    assert numba_kernel == [3, 5000, 2, 3]
+    assert numba_kernel == [3, 5000, 2]
     for kernel in ("numpy", "aten", "NumBa", " numba "):
         monkeypatch.setenv(ENV, kernel)
         gate(torch.randn(3, 4))
-    assert numba_kernel == [3, 5000, 2, 3, 3, 3]
+    assert numba_kernel == [3, 5000, 2, 3, 3]
     DSelectK(8, 2, entropy_reg=0.1)()  # a static gate too
-    assert numba_kernel == [3, 5000, 2, 3, 3, 3, 1]
+    assert numba_kernel == [3, 5000, 2, 3, 3, 1]
 
 
 def test_kernel_env_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -405,12 +406,12 @@ def test_logf_is_within_an_ulp(numba_kernel: list[int]) -> None:
     and a little above, at the reduction's edges (√½) and at exact powers of two."""
     from numba import njit
 
-    nb = runtime._load_numba("numba")
+    ops = importlib.import_module("dselectk._numba_ops")
 
     @njit
     def logs(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         for i in range(x.size):
-            out[i] = nb._logf(x[i])
+            out[i] = ops._logf(x[i])
 
     tiny = np.finfo(np.float32).tiny
     rng = np.random.default_rng(0)
@@ -432,19 +433,21 @@ def test_logf_is_within_an_ulp(numba_kernel: list[int]) -> None:
     assert (got[x == 1.0] == 0.0).all()
 
 
-def test_numba_module_is_a_leaf() -> None:
-    """``dselectk._numba`` (loaded lazily by runtime) imports no dselectk module: no cycle."""
+def test_numba_modules_import_numba_and_numpy_only() -> None:
+    """The kernel modules (loaded lazily by runtime) import no other dselectk module: no cycle."""
     import ast
     from pathlib import Path
 
-    source = Path(runtime.__file__).with_name("_numba.py").read_text()
-    modules = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            modules.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            modules.add(node.module or "")
-    assert {m.split(".")[0] for m in modules} <= {"__future__", "typing", "numpy", "numba"}
+    for name in ("_numba", "_numba_ops", "_numba_tiles"):
+        source = Path(runtime.__file__).with_name(f"{name}.py").read_text()
+        modules = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                modules.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                modules.add(node.module or "")
+        allowed = {"__future__", "typing", "numpy", "numba", "numba.extending"}
+        assert modules <= allowed | {"dselectk._numba_ops", "dselectk._numba_tiles"}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -458,7 +461,7 @@ def test_tiled_kernels_are_the_per_gate_kernels(
     weights' grad."""
     nb = runtime._load_numba("numba")
     rng = np.random.default_rng(k * 10 + m)
-    g = nb._TILE + 7
+    g = importlib.import_module("dselectk._numba_tiles")._TILE + 7
     logits = (rng.standard_normal((g, k * (1 + m))) * 0.8).astype(dtype)
     gam = rng.uniform(0.5, 1.5, 3).astype(dtype)
     lam = rng.uniform(0.0, 1.0, 3)

@@ -7,10 +7,10 @@ out backward pass (tested against the composed formulas):
 * :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
   :func:`dselectk.functional.dselect_k_fused`;
 * :class:`_DSelectSmall`: the same numbers for small problems (few calls), on CPU float32 and
-  float64 computed on the host, in numba's compiled kernel or NumPy (:mod:`dselectk.runtime`,
-  ``DSELECTK_KERNEL``); :class:`_DSelectSmallGate` and :class:`_DSelectSmallGateLinear`: a
-  DSelect-k gate's whole step (logits or input in; weights and entropy loss out) in one node on
-  the host, and :class:`_OneThreadLinear`, used by :class:`dselectk.gates.DSelectK`;
+  float64 computed on the host in NumPy (:mod:`dselectk.runtime`); :class:`_DSelectSmallGate`
+  and :class:`_DSelectSmallGateLinear`: a small DSelect-k gate's whole step (logits or input in;
+  weights and entropy loss out) in one node on the host, and :class:`_OneThreadLinear`, used by
+  :class:`dselectk.gates.DSelectK` (numba's nodes: :mod:`dselectk._numba_nodes`);
 * :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies.
 
 It depends on torch and :mod:`dselectk.runtime` only, so :mod:`dselectk.functional` and
@@ -36,13 +36,8 @@ from dselectk.runtime import (
     _host_small,
     _host_small_grads,
     _HostSaved,
-    _numba_gate,
-    _numba_gate_grad,
-    _numba_small,
-    _numba_small_grads,
-    _NumbaSaved,
     _OneThread,
-    _transformed,
+    _Transformed,
     intra_op_threads,
 )
 
@@ -239,14 +234,8 @@ def _apply(cls: Any, args: tuple[Any, ...]) -> Any:
     ``Function.apply`` does).
     """
     if torch._C._are_functorch_transforms_active():
-        # Under torch.func.grad the node's forward runs with the transforms lifted, so the
-        # host kernels' own check (_host_ok) would pass there and their backward would then
-        # get grad-tracking tensors with no data: mark the forward as transformed.
-        _transformed.depth = getattr(_transformed, "depth", 0) + 1
-        try:
+        with _Transformed():  # (no host kernel in its forward either: see _host_ok)
             return torch.autograd.Function.apply.__func__(cls, *args)  # type: ignore[attr-defined]
-        finally:
-            _transformed.depth -= 1
     unwrap = torch._C._functorch.unwrap_if_dead
     args = tuple(unwrap(a) if isinstance(a, Tensor) else a for a in args)
     return super(torch.autograd.Function, cls).apply(*args)
@@ -313,12 +302,8 @@ class _DSelectSmall(_PositionalFunction):
 
     @staticmethod
     def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Any, ...]:
-        if _host_ok(z, alpha) and gamma.device.type == "cpu":  # see dselectk.runtime
-            kernel = _cpu_kernel()
-            if kernel == "numba":
-                return _numba_small(z, alpha, gamma)
-            if kernel == "numpy":
-                return _host_small(z, alpha, gamma)
+        if _host_ok(z, alpha) and gamma.device.type == "cpu" and _cpu_kernel() != "aten":
+            return _host_small(z, alpha, gamma)  # see dselectk.runtime
         with intra_op_threads(1):  # small problems only: one thread (see dselectk.runtime)
             return _DSelectSmall._forward(z, alpha, gamma)
 
@@ -342,7 +327,7 @@ class _DSelectSmall(_PositionalFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         ctx.set_materialize_grads(False)
-        if isinstance(output[2], (_HostSaved, _NumbaSaved)):
+        if isinstance(output[2], _HostSaved):
             ctx.host = output[2]
             return
         ctx.host = None
@@ -358,8 +343,6 @@ class _DSelectSmall(_PositionalFunction):
         if host is not None:
             if g_out is None and g_ent is None:
                 return None, None, None
-            if isinstance(host, _NumbaSaved):
-                return (*_numba_small_grads(host, g_out, g_ent), None)
             g_z, g_alpha = _host_small_grads(host, g_out, g_ent)
             return g_z, g_alpha, None
         with intra_op_threads(1):
@@ -412,7 +395,7 @@ def _host_ok(*tensors: Tensor) -> bool:
         and t.dtype in _HOST_DTYPES
         and all(u.is_cpu and u.dtype == t.dtype for u in tensors[1:])
         and not torch._C._are_functorch_transforms_active()
-        and not getattr(_transformed, "depth", 0)  # (a node's forward under one, see _apply)
+        and not _Transformed.depth()  # (under torch.func.grad a node's forward runs untransformed)
         and not torch.compiler.is_compiling()  # also torch.export and the dynamo ONNX export
         and not torch.jit.is_tracing()  # also the TorchScript ONNX export
     )
@@ -504,90 +487,7 @@ class _DSelectSmallGateLinear(_PositionalFunction):
             return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
 
 
-class _NumbaGate(_PositionalFunction):
-    """:class:`_DSelectSmallGate` on the numba kernel (any size): (logits (G, K(1+M)), γ (0-d or
-    (T,): gate g reads γ[g mod T]), λ (likewise), K, lead, per_example) -> (q̃ (*lead, N),
-    auxiliary loss ()). The loss is summed over the gates in float64 in the kernel
-    (``dselectk.runtime._numba_gate``): the gate's numbers to float rounding.
-
-    Eager only (the gate checks, see :func:`_host_ok`), so ``forward`` takes ``ctx`` itself
-    (no ``setup_context``, which torch.func needs and which costs ~10 µs a call, measured) and
-    keeps the kernel's state there."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: Tensor,
-        gamma: Tensor,
-        lam: Tensor,
-        k: int,
-        lead: tuple[int, ...],
-        per_example: bool,
-    ) -> tuple[Tensor, Tensor]:
-        w, aux, ctx.host = _numba_gate(logits, gamma, lam, k, lead, per_example)
-        ctx.set_materialize_grads(False)
-        ctx.lead, ctx.per_example = lead, per_example
-        ctx.save_for_backward(lam)  # (an in-place change of λ before backward raises)
-        return w, aux
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
-        none = (None,) * 5
-        if g_w is None and g_aux is None:
-            return (None, *none)
-        (lam,) = ctx.saved_tensors
-        return (_numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example), *none)
-
-
-class _NumbaGateLinear(_PositionalFunction):
-    """:class:`_DSelectSmallGateLinear` on the numba kernel (any size): (x (B, p), weight, bias
-    or None, γ, λ, K, lead, per_example) -> (q̃ (*lead, N), auxiliary loss ()), the layer's ATen
-    calls forward and backward on one intra-op thread (the kernel runs on the calling thread).
-    Eager only, ``forward`` with ``ctx`` as :class:`_NumbaGate`."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        gamma: Tensor,
-        lam: Tensor,
-        k: int,
-        lead: tuple[int, ...],
-        per_example: bool,
-    ) -> tuple[Tensor, Tensor]:
-        with _OneThread():
-            logits = _linear(x, weight, bias)
-        if len(lead) > 1:  # a bank: (B, T·K(1+M)) -> (B·T, K(1+M))
-            logits = logits.view(math.prod(lead), -1)
-        w, aux, ctx.host = _numba_gate(logits, gamma, lam, k, lead, per_example)
-        ctx.set_materialize_grads(False)
-        ctx.lead, ctx.per_example = lead, per_example
-        ctx.save_for_backward(lam, x, weight)
-        return w, aux
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
-        none = (None,) * 5
-        if g_w is None and g_aux is None:
-            return (None, None, None, *none)
-        lam, x, weight = ctx.saved_tensors
-        g = _numba_gate_grad(ctx.host, g_w, g_aux, lam, ctx.lead, ctx.per_example)
-        if len(ctx.lead) > 1:
-            g = g.view(x.shape[0], -1)
-        with _OneThread():
-            return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` on a 2-D input (one call; ATen's ``addmm``, ``mm`` without a bias)."""
-    return _F_linear(x, weight, bias)
-
-
-_F_linear = torch.nn.functional.linear  # (bound once: the attribute chain costs ~1 µs a call)
+_linear = torch.nn.functional.linear  # (bound once; on 2-D: ATen's addmm, mm without a bias)
 
 
 def _linear_grads(g: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, ...]) -> tuple[Any, ...]:

@@ -407,9 +407,23 @@ def _host_gate_grad(
     return torch.from_numpy(grad)
 
 
-#: per thread: how many of the kernels' ``apply`` calls under a torch.func transform are running
-#: (``dselectk._kernels._apply``; the host kernels are off inside them, see ``_host_ok``)
-_transformed = threading.local()
+class _Transformed:
+    """``with _Transformed():`` around a kernel node's ``apply`` under a torch.func transform
+    (``dselectk._kernels._apply``): under ``torch.func.grad`` the node's forward runs with the
+    transform lifted, and the host kernels (whose backward cannot read grad-tracking tensors)
+    must stay off there; :meth:`depth` says how many such calls this thread is inside."""
+
+    _local = threading.local()
+
+    @classmethod
+    def depth(cls) -> int:
+        return int(getattr(cls._local, "depth", 0))
+
+    def __enter__(self) -> None:
+        self._local.depth = self.depth() + 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.depth -= 1
 
 
 # -- the compiled kernel (numba) and the choice of kernel ---------------------------------------
@@ -466,161 +480,20 @@ def warm_kernels() -> float:
     so that worker processes started afterwards load it instead of compiling it each.
 
     Returns:
-        The seconds it took (about 12 s with nothing cached, well under 1 s with the cache);
-        0.0 without numba or where ``DSELECTK_KERNEL`` picks another kernel.
+        The seconds it took (see the module docstring); 0.0 without numba or where
+        ``DSELECTK_KERNEL`` picks another kernel.
     """
     if _cpu_kernel() != "numba":
         return 0.0
+    nb = _load_numba(None)
     start = time.perf_counter()
-    for dtype in (torch.float32, torch.float64):
-        logits = torch.zeros(1, 2 * (1 + 1), dtype=dtype)  # K = 1, M = 1
-        one = torch.ones((), dtype=dtype)
-        out, _, _, saved = _numba_forward(logits, one, _ONE_LAMBDA, 1, 1.0)
-        _numba_grad(saved, out, _ONES, 1.0)
+    for dt in (np.float32, np.float64):
+        x = np.zeros((1, 4), dtype=dt)  # one gate, K = 1, M = 3
+        out, state, grad = np.empty((1, 8), dtype=dt), np.empty((1, 5), dtype=dt), x.copy()
+        gam = np.ones(1, dtype=dt)
+        nb.gate_forward(x, 1, gam, np.ones(1), 1.0, float(np.finfo(dt).tiny), out, state)
+        nb.gate_backward(x, 1, gam, state, out, True, np.ones((1, 1)), 1.0, grad)
     return time.perf_counter() - start
-
-
-class _NumbaSaved:
-    """What the numba kernel keeps for its backward (a non-tensor output of the node): the
-    logits (G, K(1+M)), γ, K, and per gate the entropies, σ(α) and log(1 - p) - log p of each
-    bit (G, 2K + K·M)."""
-
-    __slots__ = ("gam", "k", "logits", "state")
-
-    def __init__(self, logits: Any, gam: Any, k: int, state: Any) -> None:
-        self.logits = logits
-        self.gam = gam
-        self.k = k
-        self.state = state
-
-
-_TINY = {"f": float(np.finfo(np.float32).tiny), "d": float(np.finfo(np.float64).tiny)}
-_TORCH_DTYPES = {"f": torch.float32, "d": torch.float64}
-
-
-def _numba_values(t: torch.Tensor, dtype: Any) -> Any:
-    """γ or λ as the numba kernel reads them: a contiguous 1-D array of ``dtype``, (1,) for one
-    value or (T,) with one per gate (gate g reads entry g mod T, the gates' last axis)."""
-    if t.dim() == 0:
-        return np.array((t.item(),), dtype=dtype)  # (exact: a float64 holds any float32)
-    return np.ascontiguousarray(t.detach().cpu().numpy().reshape(-1), dtype=dtype)
-
-
-def _numba_forward(
-    logits: torch.Tensor, gamma: torch.Tensor, lam: Any, k: int, divisor: float
-) -> tuple[torch.Tensor, Any, float, _NumbaSaved]:
-    """The numba kernel on logits (G, K(1+M)): q̃ (G, N), the entropies (a (G, K) array), the
-    loss Σ_g λ_g Σ_i h_gi / divisor (a float; λ from :func:`_numba_values`) and the state."""
-    g, c = logits.shape
-    m = c // k - 1
-    x = (logits.detach() if logits.requires_grad else logits).numpy()
-    if not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x)
-    dt = x.dtype
-    gam = _numba_values(gamma, dt)  # rounded to the logits' dtype, as ATen's gamma.to(z)
-    # (a torch tensor viewed in NumPy, not torch.from_numpy: an autograd node returning a
-    # tensor made from a NumPy array costs ~7 µs more per call, measured)
-    out = torch.empty((g, 1 << m), dtype=logits.dtype)
-    state = np.empty((g, k * (2 + m)), dtype=dt)
-    nb = _numba_module if _numba_module is not None else _load_numba(None)
-    loss = nb.gate_forward(x, k, gam, lam, divisor, _TINY[dt.char], out.numpy(), state)
-    return out, state[:, :k], loss, _NumbaSaved(x, gam, k, state)
-
-
-def _numba_grad(
-    saved: _NumbaSaved, g_out: torch.Tensor | None, g_ent: Any, g_scale: float
-) -> torch.Tensor:
-    """The grad of the logits (G, K(1+M)) from the grad of q̃ (G, N) and of the entropies,
-    ``g_scale`` · ``g_ent`` (a contiguous float64 array broadcast to (G, K) by gate g mod rows
-    and selector i mod columns: (1, 1), (T, 1) or (G, K))."""
-    x = saved.logits
-    grad_t = torch.empty(x.shape, dtype=_TORCH_DTYPES[x.dtype.char])
-    grad = grad_t.numpy()
-    if g_out is None:
-        go, has_out = x, False
-    else:
-        go = g_out.detach().numpy()
-        if not go.flags.c_contiguous:  # e.g. the expanded grad of a sum
-            go = np.ascontiguousarray(go)
-        has_out = True
-    _numba_module.gate_backward(
-        x, saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad
-    )
-    return grad_t
-
-
-def _loss_dtype(lam: torch.Tensor, dtype: torch.dtype, lead: tuple[int, ...]) -> torch.dtype:
-    """The dtype of :func:`_entropy_loss`: λ times the entropies' sums (*lead,), promoted as
-    torch promotes (a 0-d λ does not promote a tensor of gates, a 0-d sum (lead ()) does)."""
-    if lam.dtype == dtype or (lam.dim() == 0 and lead):
-        return dtype
-    return torch.promote_types(lam.dtype, dtype)
-
-
-def _numba_gate(
-    logits: torch.Tensor,
-    gamma: torch.Tensor,
-    lam: torch.Tensor,
-    k: int,
-    lead: tuple[int, ...],
-    per_example: bool,
-) -> tuple[torch.Tensor, torch.Tensor, _NumbaSaved]:
-    """:func:`_entropy_loss` and q̃ (*lead, N) of a gate on the numba kernel, from its logits
-    (G, K(1+M)): the loss λ Σ_i h_i per gate, summed over the gates in float64 (per example:
-    / batch), then rounded to the loss's dtype."""
-    divisor = float(lead[0]) if per_example else 1.0
-    lam_np = _numba_values(lam, np.float64)
-    out, _, loss, saved = _numba_forward(logits, gamma, lam_np, k, divisor)
-    aux = torch.scalar_tensor(loss, dtype=_loss_dtype(lam, logits.dtype, lead))
-    return (out if len(lead) == 1 else out.view(*lead, -1)), aux, saved
-
-
-_ONES = np.ones((1, 1))
-_ONE_LAMBDA = np.ones(1)
-
-
-def _numba_gate_grad(
-    saved: _NumbaSaved,
-    g_w: torch.Tensor | None,
-    g_aux: torch.Tensor | None,
-    lam: torch.Tensor,
-    lead: tuple[int, ...],
-    per_example: bool,
-) -> torch.Tensor:
-    """The grad of a gate's logits (G, K(1+M)) from the grads of q̃ and of :func:`_numba_gate`'s
-    loss: each selector's entropy gets (g_aux / batch) λ of its gate, in float64."""
-    g_out = g_w if g_w is None or g_w.dim() == 2 else g_w.reshape(saved.logits.shape[0], -1)
-    if g_aux is None:
-        return _numba_grad(saved, g_out, _ONES, 0.0)
-    scale = g_aux.item() / (lead[0] if per_example else 1)
-    if lam.dim() == 0:
-        return _numba_grad(saved, g_out, _ONES, scale * lam.item())
-    return _numba_grad(saved, g_out, _numba_values(lam, np.float64).reshape(-1, 1), scale)
-
-
-def _numba_small(z: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor) -> tuple[Any, ...]:
-    """``_DSelectSmall``'s forward on the numba kernel: q̃ (G, N), entropies (G, K), saved."""
-    g, k, m = z.shape
-    logits = torch.cat((alpha.detach(), z.detach().reshape(g, k * m)), dim=1)
-    out, ent, _, saved = _numba_forward(logits, gamma, _NO_LAMBDA, k, 1.0)
-    return out, torch.from_numpy(ent), saved
-
-
-_NO_LAMBDA = np.zeros(1)
-
-
-def _numba_small_grads(
-    saved: _NumbaSaved, g_out: torch.Tensor | None, g_ent: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_DSelectSmall``'s backward on the numba kernel: grads of z (G, K, M) and α (G, K)."""
-    if g_ent is None:
-        grad = _numba_grad(saved, g_out, _ONES, 0.0)
-    else:
-        g_e = np.ascontiguousarray(g_ent.detach().numpy(), dtype=np.float64)
-        grad = _numba_grad(saved, g_out, g_e, 1.0)
-    g, k = saved.logits.shape[0], saved.k
-    g_alpha = None if g_out is None else grad[:, :k]
-    return grad[:, k:].view(g, k, -1), g_alpha
 
 
 _M_TRIM_THRESHOLD = -1

@@ -16,11 +16,10 @@ from dselectk._kernels import (
     _host_ok,
     _linear,
     _linear_grads,
-    _NumbaGate,
-    _NumbaGateLinear,
     _OneThreadLinear,
     _PositionalFunction,
 )
+from dselectk._numba_nodes import _NumbaGate, _NumbaGateLinear
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -433,15 +432,10 @@ class DSelectK(Gate):
         return not (self.distinct or (self.num_experts < 2**self.num_bits and self.xi > 0))
 
     def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
-        """Whether the host node takes this gate's problem on the numba kernel (every size; the
-        tensors' own checks are the caller's: :meth:`_plain_layer` or ``_host_ok``)."""
-        return (
-            self._host_math()
-            and gamma.is_cpu
-            and not gamma.requires_grad
-            and lam.is_cpu
-            and entries > 0
-        )
+        """Whether the numba node takes this gate's problem (every size; the tensors' own checks
+        are the caller's: :meth:`_plain_layer` or ``_host_ok``)."""
+        ok = self._host_math() and gamma.is_cpu and not gamma.requires_grad and lam.is_cpu
+        return ok and entries > 0
 
     def _own_layout(self) -> bool:
         """Whether the logits are laid out as DSelectK lays them out (the host nodes split them
@@ -455,25 +449,25 @@ class DSelectK(Gate):
         loss summed in float64). None where it does not apply (then :meth:`gate` computes as
         written)."""
         k, m, n = self.k, self.num_bits, self.num_experts
-        kernel = _cpu_kernel()
-        if kernel == "aten" or not self._host_math() or not self._own_layout():
+        # eager CPU float32/float64 first: under graph capture nothing below is traced
+        if not self._host_math() or not self._own_layout() or not _host_ok(logits):
             return None
+        kernel = _cpu_kernel()
         lead = logits.shape[:-1]
         buffers = self._buffers  # (not through nn.Module.__getattr__: this is the hot path)
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None
         entries = math.prod(lead) * k * 2**m
-        flat = logits.reshape(-1, logits.shape[-1])
-        if kernel == "numba":
-            if not (self._numba_ok(gamma, lam, entries) and _host_ok(logits)):
-                return None
+        if kernel == "numba" and self._numba_ok(gamma, lam, entries):
+            flat = logits.reshape(-1, logits.shape[-1])
             w, aux = _NumbaGate.apply(flat, gamma, lam, k, lead, not self.static)
-        elif not DF._small_on_host(entries, logits, gamma):
-            return None
-        else:
+        elif kernel == "numpy" and DF._small_on_host(entries, logits, gamma):
             if gamma.dim() > 0:  # one γ per gate: flattened like the gates
                 gamma = gamma.expand(lead).reshape(-1)
+            flat = logits.reshape(-1, logits.shape[-1])
             w, aux, _ = _DSelectSmallGate.apply(flat, gamma, lam, k, lead, not self.static)
+        else:
+            return None
         if n < 2**m:
             w = w[..., :n]
         if type(self).diversity.is_nonzero(self):
