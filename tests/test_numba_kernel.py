@@ -487,3 +487,26 @@ def test_tiled_kernels_are_the_per_gate_kernels(
             total += part if has_out else 0.0
     assert loss == pytest.approx(total, rel=1e-12)
     assert numba_kernel == []  # (the dispatching entry point was not called)
+
+
+def test_a_first_call_that_compiles_says_so(
+    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first forward and backward of a dtype in a process warn when they took long (a
+    compile: nothing cached), naming the cache and warm_kernels; later calls are silent."""
+    import types
+    import warnings
+
+    clock = iter([0.0, 30.0, 100.0, 100.5])  # a 30 s forward (compiled), a 0.5 s backward
+    monkeypatch.setattr(
+        _numba_nodes, "time", types.SimpleNamespace(perf_counter=lambda: next(clock))
+    )
+    monkeypatch.setattr(_numba_nodes, "_READY", set())
+    gate = DSelectK(8, 2, in_features=4, entropy_reg=0.1)
+    with pytest.warns(RuntimeWarning, match=r"forward, float32\) took 30 s.*warm_kernels"):
+        out = gate(torch.randn(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (out.weights.sum() + out.aux_loss).backward()  # loaded from the cache: no warning
+        gate(torch.randn(3, 4))
+    assert _numba_nodes._READY == {("forward", "f"), ("backward", "f")}

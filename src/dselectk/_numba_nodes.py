@@ -10,6 +10,8 @@ calls them for CPU float32/float64 tensors outside torch.func transforms and gra
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -64,9 +66,36 @@ def _numba_forward(
     # tensor made from a NumPy array costs ~7 µs more per call, measured)
     out = torch.empty((g, 1 << m), dtype=logits.dtype)
     state = np.empty((g, k * (2 + m)), dtype=dt)
-    nb = _load_numba(None)
-    loss = nb.gate_forward(x, k, gam, lam, divisor, _TINY[dt.char], out.numpy(), state)
+    args = (x, k, gam, lam, divisor, _TINY[dt.char], out.numpy(), state)
+    if ("forward", dt.char) in _READY:
+        loss = _load_numba(None).gate_forward(*args)
+    else:
+        loss = _first_call("forward", dt.char, args)
     return out, state[:, :k], loss, _NumbaSaved(x, gam, k, state)
+
+
+#: (kernel, dtype char) called at least once in this process (compiled or loaded from the cache)
+_READY: set[tuple[str, str]] = set()
+
+
+def _first_call(kind: str, dt: str, args: tuple[Any, ...]) -> Any:
+    """The first call of a kernel for a dtype in this process; a RuntimeWarning when it had to
+    compile (nothing cached: about 10-20 s, see :mod:`dselectk.runtime`), so that a slow first
+    step, in each of a sweep's fresh worker processes, is not silent."""
+    kernel = getattr(_load_numba(None), f"gate_{kind}")
+    start = time.perf_counter()
+    result = kernel(*args)
+    took = time.perf_counter() - start
+    _READY.add((kind, dt))
+    if took > 1.0:
+        warnings.warn(
+            f"dselectk: compiling the numba DSelect-k kernel ({kind}, {np.dtype(dt).name}) took "
+            f"{took:.0f} s; numba caches it on disk for later processes (NUMBA_CACHE_DIR), and "
+            "dselectk.runtime.warm_kernels() compiles it before starting worker processes",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return result
 
 
 def _numba_grad(
@@ -85,9 +114,11 @@ def _numba_grad(
         if not go.flags.c_contiguous:  # e.g. the expanded grad of a sum
             go = np.ascontiguousarray(go)
         has_out = True
-    _load_numba(None).gate_backward(
-        x, saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad
-    )
+    args = (x, saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad)
+    if ("backward", x.dtype.char) in _READY:
+        _load_numba(None).gate_backward(*args)
+    else:
+        _first_call("backward", x.dtype.char, args)
     return grad_t
 
 

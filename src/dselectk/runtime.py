@@ -30,14 +30,14 @@ environment variable ``DSELECTK_KERNEL`` at each call:
 
 Any other value raises ``ValueError`` naming the variable. The numba kernel compiles on its
 first call in a process, once per dtype, and caches the machine code on disk (numba's
-``cache=True``): next to ``dselectk/_numba.py`` when that folder is writable, else in numba's
-per-user cache folder (``~/.cache/numba`` on Linux), or in ``$NUMBA_CACHE_DIR`` when set
-(point it at a writable folder for read-only installs and containers). Measured on a 2-core
-EPYC beside other work (load 3): with nothing cached the first float32 forward and backward
-compile for 7 s (float64: 5 s more); with the cache the first call takes 0.4 s, plus 0.3 s to
-import numba. Worker processes each compile unless the cache is warm when they start (numba
-writes its files atomically, so concurrent workers are safe, only slow): call
-:func:`warm_kernels` once before starting them.
+``cache=True``): in ``$NUMBA_CACHE_DIR`` when set (a writable folder for read-only installs
+and containers), else next to ``dselectk/_numba.py`` when that folder is writable, else in
+numba's per-user cache folder (``~/.cache/numba`` on Linux). Measured on a 2-core
+EPYC at load 1: with nothing cached the first float32 call compiles for 23 s (forward 11.5 s,
+backward 11.6 s; float64 20 s more), and warns (RuntimeWarning) that it did; with the cache
+the first call takes 0.5 s, plus 0.3 s to import numba. Each fresh process compiles unless the
+cache is warm when it starts (numba writes its files atomically: concurrent workers are safe,
+only slow): call :func:`warm_kernels` once before starting worker processes.
 """
 
 from __future__ import annotations
