@@ -69,8 +69,6 @@ GROUP_OF_TOP: dict[str, str] = {
     "_kernels": "base",
     "_numba": "base",
     "_numba_nodes": "base",
-    "_numba_ops": "base",
-    "_numba_tiles": "base",
     "_testing": "base",
     "functional": "base",
     "io": "base",
@@ -96,8 +94,11 @@ GROUP_OF_TOP: dict[str, str] = {
     "cli": "cli",
 }
 
-#: Files allowed over MAX_LINES, with the reason (none today).
-KNOWN_LONG_FILES: dict[str, str] = {}
+#: Files allowed over MAX_LINES, with the reason.
+KNOWN_LONG_FILES: dict[str, str] = {
+    "_numba.py": "numba's on-disk cache keys a function on its own file only: jitted code split "
+    "over files runs stale after an edit of the callee's file (numba's documented limitation)",
+}
 
 
 # --------------------------------------------------------------------------------------------
