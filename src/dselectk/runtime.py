@@ -475,9 +475,10 @@ def _load_numba(value: str | None) -> Any:
     return _numba_module
 
 
-def warm_kernels() -> float:
-    """Compile (or load from numba's on-disk cache) the numba kernel for float32 and float64,
-    so that worker processes started afterwards load it instead of compiling it each.
+def warm_kernels(dtypes: tuple[Any, ...] = (np.float32, np.float64)) -> float:
+    """Compile (or load from numba's on-disk cache) the numba kernel for ``dtypes`` (NumPy
+    float32 and/or float64), so that worker processes started afterwards load it instead of
+    compiling it each.
 
     Returns:
         The seconds it took (see the module docstring); 0.0 without numba or where
@@ -487,7 +488,7 @@ def warm_kernels() -> float:
         return 0.0
     nb = _load_numba(None)
     start = time.perf_counter()
-    for dt in (np.float32, np.float64):
+    for dt in dtypes:
         x = np.zeros((1, 4), dtype=dt)  # one gate, K = 1, M = 3
         out, state, grad = np.empty((1, 8), dtype=dt), np.empty((1, 5), dtype=dt), x.copy()
         gam = np.ones(1, dtype=dt)
