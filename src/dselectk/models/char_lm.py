@@ -51,6 +51,7 @@ class MoEBlock(nn.Module):
         balance_loss_weight: float,
         renormalize: bool = False,
         routing: str = "token",
+        router_hidden: int = 0,
     ) -> None:
         super().__init__()
         self.heads = heads
@@ -66,6 +67,7 @@ class MoEBlock(nn.Module):
             balance_loss_weight=balance_loss_weight,
             renormalize=renormalize,
             routing=routing,
+            router_hidden=router_hidden,
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -97,6 +99,9 @@ class CharMoETransformer(nn.Module):
             (:class:`~dselectk.layers.SparseMoEFeedForward`).
         routing: "token" or "expert" (expert choice over the batch's tokens; see
             :class:`~dselectk.layers.SparseMoEFeedForward`).
+        router_hidden: 0 (default) or the width h of a GELU hidden layer in front of each
+            router (``router()`` must then return gates with ``in_features=h``; see
+            :class:`~dselectk.layers.SparseMoEFeedForward`).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class CharMoETransformer(nn.Module):
         balance_loss_weight: float = 0.01,
         renormalize: bool = False,
         routing: str = "token",
+        router_hidden: int = 0,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("heads", heads), ("layers", layers)):
@@ -122,7 +128,17 @@ class CharMoETransformer(nn.Module):
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
         self.blocks = nn.ModuleList(
-            MoEBlock(router, d_model, heads, d_ff, k, balance_loss_weight, renormalize, routing)
+            MoEBlock(
+                router,
+                d_model,
+                heads,
+                d_ff,
+                k,
+                balance_loss_weight,
+                renormalize,
+                routing,
+                router_hidden,
+            )
             for _ in range(layers)
         )
         self.ln_f = nn.LayerNorm(d_model)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from dselectk.experiments.runner import progress_position
 from dselectk.models.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
@@ -27,6 +28,7 @@ from dselectk.training import (
     TaskData,
     TrainConfig,
     TrainingDivergedError,
+    make_optimizer,
     train,
 )
 from dselectk.variants import Variant, variant_table
@@ -145,12 +147,31 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
         "balance_loss_weight",
         "renormalize",
     )
+    hidden = int(hp.get("router_hidden", 0))
     router = partial(
-        variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hp["d_model"]
+        variant.build, hp["num_experts"], hparams=hp, k=hp["k"], in_features=hidden or hp["d_model"]
     )
     return CharMoETransformer(
-        router, routing=routing_of(variant), **{name: hp[name] for name in shape}
+        router,
+        routing=routing_of(variant),
+        router_hidden=hidden,
+        **{name: hp[name] for name in shape},
     )
+
+
+def make_optimizer_for(model: CharMoETransformer, hp: Mapping[str, Any]) -> Optimizer | None:
+    """Adam with the routers' parameters (:meth:`~dselectk.layers.SparseMoEFeedForward.
+    router_parameters`) at ``lr × router_lr_scale`` and the rest at ``lr``; None (the training
+    loop's own Adam over every parameter at ``lr``) when the scale is 1."""
+    scale = float(hp.get("router_lr_scale", 1.0))
+    if scale == 1.0:
+        return None
+    lr = float(hp["lr"])
+    routing = {id(p) for m in model.moe_layers for p in m.router_parameters()}
+    rest = [p for p in model.parameters() if id(p) not in routing]
+    routers = [p for p in model.parameters() if id(p) in routing]
+    groups = [{"params": rest}, {"params": routers, "lr": lr * scale}]
+    return make_optimizer("adam", groups, lr)
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:
@@ -221,7 +242,14 @@ def train_run(
     t0 = time.perf_counter()
     try:
         hist = train(
-            model, data, None, cfg, schedulers=scheds, callbacks=callbacks, loss_fn=_lm_loss
+            model,
+            data,
+            None,
+            cfg,
+            schedulers=scheds,
+            optimizer=make_optimizer_for(model, hp),
+            callbacks=callbacks,
+            loss_fn=_lm_loss,
         )
     except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
         return {
@@ -244,6 +272,7 @@ def train_run(
         seconds_per_step=timer.per_step(),
         train_seconds=wall,
         parameters=sum(p.numel() for p in model.parameters()),
+        router_parameters=sum(p.numel() for m in model.moe_layers for p in m.router_parameters()),
         threads=torch.get_num_threads(),
         cpu_count=os.cpu_count(),
         load_average_at_start=load_before,

@@ -89,6 +89,14 @@ class TokenMoEConfig:
         hparam_type(HParam("renormalize", bool, False)),
         " (true: a token's kept weights rescaled to sum to 1 when the top-k cut drops some)",
     )
+    router_lr_scale: float = _flag(
+        1.0, positive_float, " (the routers' learning rate: --lr × this; the rest keeps --lr)"
+    )
+    router_hidden: int = _flag(
+        0,
+        int_at_least(0),
+        " (0: the router reads the token; h: a GELU hidden layer d_model → h in front of it)",
+    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -119,8 +127,15 @@ class TokenMoEConfig:
         )
 
     def hparams(self) -> dict[str, Any]:
-        """The study settings (the keys of :data:`DEFAULTS`), as the records store them."""
+        """The study settings (the keys of :data:`DEFAULTS`)."""
         return {name: getattr(self, name) for name in DEFAULTS}
+
+    def record_hparams(self) -> dict[str, Any]:
+        """The study settings as the records store them (their identity): every setting, but
+        those of :data:`LATER` only where they differ from the default, so records written
+        before those settings existed still match a default command."""
+        hp = self.hparams()
+        return {n: v for n, v in sorted(hp.items()) if n not in LATER or v != DEFAULTS[n]}
 
 
 def train_bytes_per_token(c: TokenMoEConfig) -> float:
@@ -134,6 +149,8 @@ def train_bytes_per_token(c: TokenMoEConfig) -> float:
 _SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, first_seed, telemetry
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
+#: settings added after records existed: a record names them only when not at the default
+LATER = frozenset({"router_lr_scale", "router_hidden"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,12 +187,12 @@ def config(args: argparse.Namespace) -> TokenMoEConfig:
 def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
     store = RunStore(config.out)
-    hp = config.hparams()
+    hp, ident = config.hparams(), config.record_hparams()
     data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
     data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
     cfgs = [
         {"experiment": EXPERIMENT, "router": router, "variant": ROUTERS[router].identity(),
-         "seed": s, "hparams": dict(sorted(hp.items())), "corpus": data}
+         "seed": s, "hparams": ident, "corpus": data}
         for s in range(config.first_seed, config.first_seed + config.seeds)
     ]  # fmt: skip
     for i in missing(store, cfgs):
@@ -194,7 +211,7 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
             corpus_content_sha256=corpus.content_sha256,
             corpus_root=corpus.root,
         )
-    return {"hparams": hp}
+    return {"hparams": ident}
 
 
 def _load_data(config: TokenMoEConfig) -> Corpus:
