@@ -95,10 +95,7 @@ GROUP_OF_TOP: dict[str, str] = {
 }
 
 #: Files allowed over MAX_LINES, with the reason.
-KNOWN_LONG_FILES: dict[str, str] = {
-    "_numba.py": "numba's on-disk cache keys a function on its own file only: jitted code split "
-    "over files runs stale after an edit of the callee's file (numba's documented limitation)",
-}
+KNOWN_LONG_FILES: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------------------------

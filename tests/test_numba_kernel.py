@@ -450,41 +450,47 @@ def test_numba_module_imports_numba_and_numpy_only() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("k", "m"), [(4, 7), (3, 4), (1, 1), (2, 6), (5, 3)])
-def test_tiled_kernels_are_the_per_gate_kernels(
+def test_the_kernels_numbers_do_not_depend_on_the_tiling(
     numba_kernel: list[int], dtype: Any, k: int, m: int
 ) -> None:
-    """From _TILES_MIN_GATES gates on, the kernels work by tiles (gates innermost, vectorised):
-    bit for bit what the per-gate loops compute, gate by gate (no fused multiply-adds, the same
-    order of operations), over more than one tile and a partial one, with and without the
-    weights' grad."""
+    """The kernels work by tiles (gates innermost, vectorised): wide tiles of _TILE gates, then
+    the rest in one narrow tile (its products gate by gate). Bit for bit the same numbers for
+    every gate (no fused multiply-adds, the same order of operations), whichever tile a gate
+    falls in: two wide tiles and a rest against each gate alone, with and without the weights'
+    grad, γ, λ and the entropies' grads per gate; and the loss, summed gate after gate."""
     nb = runtime._load_numba("numba")
     rng = np.random.default_rng(k * 10 + m)
-    g = nb._TILE + 7
+    g = 2 * nb._TILE + 7
     logits = (rng.standard_normal((g, k * (1 + m))) * 0.8).astype(dtype)
+    logits[rng.random(logits.shape) < 0.2] *= 10.0  # saturated bits (binary: exact zeros)
     gam = rng.uniform(0.5, 1.5, 3).astype(dtype)
     lam = rng.uniform(0.0, 1.0, 3)
     tiny = float(np.finfo(dtype).tiny)
-    out, state = np.empty((g, 2**m), dtype), np.empty((g, k * (2 + m)), dtype)
-    loss = nb._forward_tiles(logits, k, gam, lam, 1.0, tiny, out, state)
+    out, state = np.empty((g, 2**m), dtype), np.empty(nb.state_shape(g, k, m), dtype)
+    loss = nb.gate_forward(logits, k, gam, lam, 1.0, tiny, out, state)
     g_out = rng.standard_normal((g, 2**m)).astype(dtype)
     g_ent = rng.standard_normal((g, k))
     total = 0.0
     for has_out in (True, False):
         grad = np.empty_like(logits)
-        nb._backward_tiles(logits, k, gam, state, g_out, has_out, g_ent, 0.7, grad)
+        nb.gate_backward(k, gam, state, g_out, has_out, g_ent, 0.7, grad)
         for i in range(g):
-            one_out, one_state = np.empty((1, 2**m), dtype), np.empty((1, k * (2 + m)), dtype)
-            one = (logits[i : i + 1], k, gam[i % 3 : i % 3 + 1], lam[i % 3 : i % 3 + 1])
-            part = nb._forward_gates(*one, 1.0, tiny, one_out, one_state)
-            one_grad = np.empty((1, logits.shape[1]), dtype)
-            nb._backward_gates(
-                *one[:3], one_state, g_out[i : i + 1], has_out, g_ent[i : i + 1], 0.7, one_grad
+            one_out, one_state = (
+                np.empty((1, 2**m), dtype),
+                np.empty(nb.state_shape(1, k, m), dtype),
             )
-            assert (one_out == out[i]).all() and (one_state == state[i]).all()
+            one = (logits[i : i + 1], k, gam[i % 3 : i % 3 + 1], lam[i % 3 : i % 3 + 1])
+            part = nb.gate_forward(*one, 1.0, tiny, one_out, one_state)
+            one_grad = np.empty((1, logits.shape[1]), dtype)
+            nb.gate_backward(
+                k, one[2], one_state, g_out[i : i + 1], has_out, g_ent[i : i + 1], 0.7, one_grad
+            )
+            assert (one_out == out[i]).all() and (one_state[:, 0] == state[:, i]).all()
             assert (one_grad == grad[i]).all()
             total += part if has_out else 0.0
     assert loss == pytest.approx(total, rel=1e-12)
-    assert numba_kernel == []  # (the dispatching entry point was not called)
+    assert np.isfinite(out).all() and np.isfinite(grad).all()
+    assert numba_kernel == [g] + [1] * (2 * g)  # (the spy: each forward call's gates)
 
 
 def test_a_first_call_that_compiles_says_so(

@@ -9,22 +9,28 @@ Per selector i of gate g, with p_j = S(z_ij / γ) (the smooth-step, op for op as
 kernels write it) and q_j = 1 - p_j, the law r(p) over the N = 2**M codes (bit j worth 2**j) is
 the outer product of the laws of the low M_lo = ceil(M/2) bits (L = 2**M_lo codes) and of the
 high bits (H = N / L), each built by doubling: from [1], for each bit the entries v so far
-become (v q_j, v p_j). The gate's weights are Σ_i (σ(α)_i hi_i) ⊗ lo_i (code = high · L + low),
-K·N multiply-adds, no (K, N) tensor. The entropy is Σ_j h(p_j) with clamped logs (as
-:func:`dselectk.functional.binary_entropy`); the loss λ Σ_i h_i per gate is summed over the
-gates in float64 and divided by ``divisor``. log(1 - p_j) - log p_j is kept for the backward.
+become (v q_j, v p_j) (level r: the law of the first r bits). The gate's weights are
+Σ_i (σ(α)_i hi_i) ⊗ lo_i (code = high · L + low), K·N multiply-adds, no (K, N) tensor. The
+entropy is Σ_j h(p_j) with clamped logs (as :func:`dselectk.functional.binary_entropy`); the
+loss λ Σ_i h_i per gate is summed over the gates in float64 and divided by ``divisor``.
 
-The backward recomputes the halves' doublings with their levels (the law of the first r bits)
-and walks them back: with G the grad of level r + 1, d/dp = Σ_c (G[c + 2**r] - G[c]) level_r[c]
-and the grad of level r is G[c] q + G[c + 2**r] p; the halves' grads are g_hi_i = g lo_i and
-g_lo_i = gᵀ (σ(α)_i hi_i), with g the (H, L) grad of the gate's row. No division anywhere:
-exact at binary bits (zero factors). The grad of σ(α)_i is ⟨g_hi_i, hi_i⟩, the softmax
-backward gives α's, and dS/dz = (1.5 - 6 s²)/γ (exactly 0 at the clamp) z's.
+The backward recomputes the halves' levels and walks them back: with G the grad of level r + 1,
+d/dp = Σ_c (G[c + 2**r] - G[c]) level_r[c] and the grad of level r is G[c] q + G[c + 2**r] p;
+the halves' grads are g_hi_i = g lo_i and g_lo_i = gᵀ (σ(α)_i hi_i), with g the (H, L) grad of
+the gate's row. No division anywhere: exact at binary bits (zero factors). The grad of σ(α)_i is
+⟨g_hi_i, hi_i⟩, the softmax backward gives α's, and dS/dz = (1.5 - 6 s²)/γ (exactly 0 at the
+clamp) z's.
 
-Below ``_TILES_MIN_GATES`` gates the kernels loop over the gates; from there on they take tiles
-of ``_TILE`` gates with the gates innermost, which LLVM vectorises (bit for bit the per-gate
-numbers, tested). Comparisons are branch-free selects and the float32 log is Cephes' ``logf``
-in plain arithmetic (:func:`_logf`), so those loops vectorise too; float64 uses libm's log.
+Both work by tiles of gates, every quantity laid out (..., gate) so that each loop's innermost
+axis is the tile's gates, which LLVM vectorises: tiles of ``_TILE`` gates (a compile-time
+trip count: no scalar remainder loops) while as many remain, then one narrow tile of the rest,
+whose (N, K) products go gate by gate (a loop over a few gates per product costs more than it
+saves). The forward keeps per gate σ(α), the clamped z/γ and log(1 - p) - log p of each bit
+for the backward in a ``state`` laid out (row, gate) (:func:`state_shape`), which the backward
+reads with vector loads. Comparisons are branch-free selects and the float32 log is Cephes'
+``logf`` in plain arithmetic (:func:`_logf`), so those loops vectorise too; float64 uses libm's
+log. The numbers do not depend on the tiling (no fused multiply-adds, the same order of
+operations for every gate; tested).
 """
 
 from __future__ import annotations
@@ -138,430 +144,225 @@ def _log_typed(x: Any) -> Any:  # pragma: no cover - compiled
     return impl
 
 
-# -- by gates ------------------------------------------------------------------------------------
+# -- by tiles of gates ---------------------------------------------------------------------------
+
+#: gates per wide tile (a loop of 64 is not unrolled away before LLVM's loop vectoriser sees it)
+_TILE = 64
+
+
+def state_shape(gates: int, k: int, m: int) -> tuple[int, int]:
+    """The shape of the kernels' ``state`` for ``gates`` gates of K selectors over M bits:
+    (K(1 + 2M) rows, the gates): per gate σ(α), the clamped z/γ and log(1 - p) - log p."""
+    return k * (1 + 2 * m), gates
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _softmax_into(row: Any, k: int, a: Any) -> None:  # pragma: no cover - compiled
-    """σ(row[:k]) into ``a`` (a NaN logit gives NaNs)."""
-    top = row[0]
-    for i in range(1, k):
-        top = _lt_select(top, row[i], row[i], top)
-    total = a.dtype.type(0.0)
-    for i in range(k):
-        e = np.exp(row[i] - top)
-        a[i] = e
-        total += e
-    for i in range(k):
-        a[i] = a[i] / total
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _bits_into(
-    row: Any, k: int, km: int, gam: Any, s: Any, p: Any, q: Any
+def _levels(
+    p: Any, q: Any, j0: int, bits: int, lev: Any, b0: int, tw: int
 ) -> None:  # pragma: no cover - compiled
-    """s = clamp(z / γ, ±1/2), p = S(z) = s (1.5 - 2 s²) + 0.5 and q = 1 - p of the K·M bits of
-    a gate (``row[k:]``), op for op as the ATen and NumPy kernels (NaN stays NaN)."""
-    one = s.dtype.type(1.0)
-    half = s.dtype.type(0.5)
-    c15 = s.dtype.type(1.5)
-    c2 = s.dtype.type(-2.0)
-    for j in range(km):
-        v = row[k + j] / gam
-        v = _lt_select(v, -half, -half, v)
-        v = _lt_select(half, v, half, v)
-        s[j] = v
-        pj = v * v
-        pj = pj * c2
-        pj = pj + c15
-        pj = pj * v
-        pj = pj + half
-        p[j] = pj
-        q[j] = one - pj
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _law_into(p: Any, q: Any, j0: int, bits: int, lev: Any) -> None:  # pragma: no cover - compiled
-    """The levels of the doubling of bits j0 .. j0 + bits - 1: level t (the law of the first t
-    of them, 2**t entries) at ``lev[2**t : 2**(t+1)]``; the last level is the law itself."""
-    lev[1] = 1.0
+    """The levels of the doubling of bits j0 .. j0 + bits - 1 of the tile (``p``, ``q`` (bit,
+    gate)): level r (the law of the first r of them, 2**r rows) at rows b0 + 2**r of ``lev``;
+    the last level is the law itself."""
+    one = lev.dtype.type(1.0)
+    for t in range(tw):
+        lev[b0 + 1, t] = one
     w = 1
-    for t in range(bits):
-        pj = p[j0 + t]
-        qj = q[j0 + t]
-        for c in range(w):
-            v = lev[w + c]
-            lev[2 * w + c] = v * qj
-            lev[3 * w + c] = v * pj
+    for r in range(bits):
+        j = j0 + r
+        for cc in range(w):
+            for t in range(tw):
+                v = lev[b0 + w + cc, t]
+                lev[b0 + 2 * w + cc, t] = v * q[j, t]
+                lev[b0 + 3 * w + cc, t] = v * p[j, t]
         w *= 2
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _law_grad(
-    p: Any, q: Any, j0: int, bits: int, lev: Any, gl: Any, g_p: Any
+def _walk_back(
+    p: Any,
+    q: Any,
+    j0: int,
+    bits: int,
+    lev: Any,
+    b0: int,
+    gl: Any,
+    gb: int,
+    acc: Any,
+    g_p: Any,
+    tw: int,
 ) -> None:  # pragma: no cover - compiled
-    """Walk :func:`_law_into` back: ``gl`` (2**bits) holds the grad of the law (overwritten);
+    """Walk :func:`_levels` back: rows gb .. of ``gl`` hold the grad of the law (overwritten);
     the grads of p_j0 .. p_(j0 + bits - 1) go to ``g_p``."""
     zero = gl.dtype.type(0.0)
-    for t in range(bits - 1, -1, -1):
-        w = 1 << t
-        pj = p[j0 + t]
-        qj = q[j0 + t]
-        acc = zero
-        for c in range(w):
-            g0 = gl[c]
-            g1 = gl[c + w]
-            acc += (g1 - g0) * lev[w + c]
-            gl[c] = g0 * qj + g1 * pj
-        g_p[j0 + t] = acc
+    for r in range(bits - 1, -1, -1):
+        w = 1 << r
+        j = j0 + r
+        for t in range(tw):
+            acc[t] = zero
+        for cc in range(w):
+            for t in range(tw):
+                g0 = gl[gb + cc, t]
+                g1 = gl[gb + cc + w, t]
+                acc[t] += (g1 - g0) * lev[b0 + w + cc, t]
+                gl[gb + cc, t] = g0 * q[j, t] + g1 * p[j, t]
+        for t in range(tw):
+            g_p[j, t] = acc[t]
 
 
-@njit(cache=True, nogil=True)
-def _forward_gates(
+@njit(cache=True, nogil=True, inline="always")
+def _smooth(state: Any, g0: int, k: int, km: int, p: Any, q: Any, tw: int) -> None:
+    """p = S(z) = s (1.5 - 2 s²) + 0.5 and q = 1 - p of the tile's bits from s = the clamped
+    z/γ (rows k .. of ``state``, gates from ``g0``), op for op as the ATen and NumPy kernels
+    (NaN stays NaN)."""
+    dt = state.dtype.type
+    one, half, c15, c2 = dt(1.0), dt(0.5), dt(1.5), dt(-2.0)
+    for j in range(km):
+        for t in range(tw):
+            v = state[k + j, g0 + t]
+            pj = v * v
+            pj = pj * c2
+            pj = pj + c15
+            pj = pj * v
+            pj = pj + half
+            p[j, t] = pj
+            q[j, t] = one - pj
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _gate_values(vals: Any, g0: int, into: Any, tw: int) -> None:
+    """``into[t]`` = vals[(g0 + t) mod P] (γ or λ: one value or one per gate, P = vals.size)."""
+    j = g0 % vals.size
+    for t in range(tw):
+        into[t] = vals[j]
+        j = j + 1 if j + 1 < vals.size else 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _forward_tile(
     logits: Any,
     k: int,
     gam: Any,
     lam: Any,
-    divisor: float,
     tiny: float,
     out: Any,
     state: Any,
+    g0: int,
+    tw: int,
+    wide: bool,
+    loss: float,
+    x: Any,
+    p: Any,
+    q: Any,
+    h: Any,
+    lev_lo: Any,
+    lev_hi: Any,
+    o: Any,
+    v: Any,
+    v64: Any,
 ) -> float:  # pragma: no cover - compiled
-    """Weights ``out`` (G, N) of the gates' logits (G, K(1+M)) and the state (G, 2K + K·M):
-    per gate the K entropies, σ(α) and log(1 - p) - log p of each bit (for the backward).
-    Returns the loss Σ_g λ_g Σ_i h_gi / divisor (float64). γ (P,) and λ (Q,) hold one value or
-    one per gate: gate g reads entry g mod P (g mod Q), the last axis of the gates' layout."""
-    g_count, c = logits.shape
-    m = c // k - 1
-    km = k * m
-    m_lo = (m + 1) // 2
-    m_hi = m - m_lo
-    n_lo = 1 << m_lo
-    n_hi = 1 << m_hi
-    dt = logits.dtype.type
-    tiny_t = dt(tiny)
-    zero = dt(0.0)
-    s = np.empty(km, logits.dtype)
-    p = np.empty(km, logits.dtype)
-    q = np.empty(km, logits.dtype)
-    h = np.empty(km, logits.dtype)
-    lev_lo = np.empty(2 * n_lo, logits.dtype)
-    lev_hi = np.empty(2 * n_hi, logits.dtype)
-    lo = np.empty((k, n_lo), logits.dtype)
-    hi = np.empty((k, n_hi), logits.dtype)
-    loss = 0.0
-    for g in range(g_count):
-        row = logits[g]
-        st = state[g]
-        a = st[k : 2 * k]
-        _softmax_into(row, k, a)
-        _bits_into(row, k, km, gam[g % gam.size], s, p, q)
-        dent = st[2 * k :]
-        for j in range(km):  # clamped logs, as functional.binary_entropy
-            pj = p[j]
-            qj = q[j]
-            log_p = _log(_lt_select(pj, tiny_t, tiny_t, pj))
-            log_q = _log(_lt_select(qj, tiny_t, tiny_t, qj))
-            h[j] = pj * log_p + qj * log_q
-            dent[j] = log_q - log_p
-        total = 0.0
-        for i in range(k):
-            e = zero
-            for j in range(i * m, (i + 1) * m):
-                e += h[j]
-            st[i] = -e
-            total += -e
-            _law_into(p[i * m : (i + 1) * m], q[i * m : (i + 1) * m], 0, m_lo, lev_lo)
-            _law_into(p[i * m : (i + 1) * m], q[i * m : (i + 1) * m], m_lo, m_hi, lev_hi)
-            ai = a[i]
-            for c2 in range(n_lo):
-                lo[i, c2] = lev_lo[n_lo + c2]
-            for c2 in range(n_hi):
-                hi[i, c2] = ai * lev_hi[n_hi + c2]
-        o = out[g]
-        for c1 in range(n_hi):  # code = high · L + low: Σ_i hi_i ⊗ lo_i
-            v = hi[0, c1]
-            for c2 in range(n_lo):
-                o[c1 * n_lo + c2] = v * lo[0, c2]
-            for i in range(1, k):
-                v = hi[i, c1]
-                for c2 in range(n_lo):
-                    o[c1 * n_lo + c2] += v * lo[i, c2]
-        loss += lam[g % lam.size] * total
-    return loss / divisor
-
-
-@njit(cache=True, nogil=True)
-def _backward_gates(
-    logits: Any,
-    k: int,
-    gam: Any,
-    state: Any,
-    g_out: Any,
-    has_out: bool,
-    g_ent: Any,
-    g_scale: float,
-    grad: Any,
-) -> None:  # pragma: no cover - compiled
-    """The grad of the logits ``grad`` (G, K(1+M)) from the grad of the weights ``g_out``
-    (G, N; read only with ``has_out``) and of the entropies, ``g_scale`` · ``g_ent``
-    (float64 (R, C), broadcast: selector (g, i) reads entry (g mod R, i mod C)); ``state``
-    as :func:`gate_forward` left it."""
-    g_count, c = logits.shape
-    m = c // k - 1
-    km = k * m
-    m_lo = (m + 1) // 2
-    m_hi = m - m_lo
-    n_lo = 1 << m_lo
-    n_hi = 1 << m_hi
-    dt = logits.dtype.type
-    c15 = dt(1.5)
-    c6 = dt(-6.0)
-    zero = dt(0.0)
-    rows, cols = g_ent.shape
-    g_a = np.empty(k, logits.dtype)
-    s = np.empty(km, logits.dtype)
-    p = np.empty(km, logits.dtype)
-    q = np.empty(km, logits.dtype)
-    g_p = np.empty(km, logits.dtype)
-    ge = np.empty(km, np.float64)
-    lev_lo = np.empty((k, 2 * n_lo), logits.dtype)
-    lev_hi = np.empty((k, 2 * n_hi), logits.dtype)
-    g_lo = np.empty((k, n_lo), logits.dtype)
-    g_hi = np.empty((k, n_hi), logits.dtype)
-    for g in range(g_count):
-        row = logits[g]
-        st = state[g]
-        a = st[k : 2 * k]
-        gm = gam[g % gam.size]
-        gr = grad[g]
-        _bits_into(row, k, km, gm, s, p, q)
-        if has_out:
-            go = g_out[g]
-            for i in range(k):
-                _law_into(p[i * m : (i + 1) * m], q[i * m : (i + 1) * m], 0, m_lo, lev_lo[i])
-                _law_into(p[i * m : (i + 1) * m], q[i * m : (i + 1) * m], m_lo, m_hi, lev_hi[i])
-                for c2 in range(n_lo):
-                    g_lo[i, c2] = zero
-            # g_hi_i[h] = Σ_l g[h, l] lo_i[l] and g_lo_i[l] = Σ_h g[h, l] σ(α)_i hi_i[h]
-            for c1 in range(n_hi):
-                base = c1 * n_lo
-                for i in range(k):
-                    acc = zero
-                    w = a[i] * lev_hi[i, n_hi + c1]
-                    for c2 in range(n_lo):
-                        gv = go[base + c2]
-                        acc += gv * lev_lo[i, n_lo + c2]
-                        g_lo[i, c2] += gv * w
-                    g_hi[i, c1] = acc
-            for i in range(k):
-                acc = zero
-                ai = a[i]
-                for c1 in range(n_hi):
-                    acc += g_hi[i, c1] * lev_hi[i, n_hi + c1]
-                    g_hi[i, c1] *= ai
-                g_a[i] = acc
-            for i in range(k):
-                gp = g_p[i * m : (i + 1) * m]
-                _law_grad(
-                    p[i * m : (i + 1) * m], q[i * m : (i + 1) * m], 0, m_lo, lev_lo[i], g_lo[i], gp
-                )
-                _law_grad(
-                    p[i * m : (i + 1) * m],
-                    q[i * m : (i + 1) * m],
-                    m_lo,
-                    m_hi,
-                    lev_hi[i],
-                    g_hi[i],
-                    gp,
-                )
-        else:
-            for i in range(k):
-                g_a[i] = zero
-            for j in range(km):
-                g_p[j] = zero
-        for i in range(k):  # the entropies' grads, in float64 (see runtime._numba_gate_grad)
-            e = g_scale * g_ent[g % rows, i % cols]
-            for j in range(i * m, (i + 1) * m):
-                ge[j] = e
-        dent = st[2 * k :]
-        for j in range(km):  # d h(p) / dp = log(1 - p) - log p (clamped logs)
-            gpj = dt(g_p[j] + ge[j] * dent[j])  # (+ 0 without an entropy grad: exact)
-            d = s[j] * s[j]
-            d = d * c6
-            d = d + c15
-            d = d * gpj
-            gr[k + j] = d / gm
-        dot = zero
-        for i in range(k):
-            dot += g_a[i] * a[i]
-        for i in range(k):
-            gr[i] = a[i] * (g_a[i] - dot)  # softmax backward
-
-
-# -- by tiles of gates ---------------------------------------------------------------------------
-#
-# The same arithmetic on up to _TILE gates at a time, each quantity laid out (..., gate): every
-# loop's innermost axis is the tile's gates, so LLVM vectorises it (the per-gate loops of _numba run
-# over 2**bits <= 16 entries or M bits, too short for that). The tile's logits are transposed in,
-# the weights and the state out. Comparisons are branch-free selects (_lt_select): with bits both
-# saturated and not, branches mispredict (measured: 2x the forward's time).
-
-#: gates per tile (a loop of 64 is not unrolled away before LLVM's loop vectoriser sees it)
-_TILE = 64
-
-
-@njit(cache=True, nogil=True)
-def _forward_tiles(
-    logits: Any,
-    k: int,
-    gam: Any,
-    lam: Any,
-    divisor: float,
-    tiny: float,
-    out: Any,
-    state: Any,
-) -> float:  # pragma: no cover - compiled
-    """:func:`gate_forward` by tiles of up to ``_TILE`` gates, the gates innermost."""
-    g_count, c = logits.shape
+    """:func:`gate_forward` on the ``tw`` gates from ``g0`` (a wide tile, or the rest); returns
+    ``loss`` plus their λ_g Σ_i h_gi (float64, gate after gate)."""
+    c = logits.shape[1]
     m = c // k - 1
     km = k * m
     n = 1 << m
     m_lo = (m + 1) // 2
-    m_hi = m - m_lo
-    n_lo = 1 << m_lo
-    n_hi = 1 << m_hi
+    n_lo, n_hi = 1 << m_lo, 1 << (m - m_lo)
     dt = logits.dtype.type
-    tiny_t = dt(tiny)
-    one = dt(1.0)
-    half = dt(0.5)
-    c15 = dt(1.5)
-    c2_ = dt(-2.0)
-    zero = dt(0.0)
-    x = np.empty((c, _TILE), logits.dtype)
-    gt = np.empty(_TILE, logits.dtype)
-    a = np.empty((k, _TILE), logits.dtype)
-    mx = np.empty(_TILE, logits.dtype)
-    tot = np.empty(_TILE, logits.dtype)
-    p = np.empty((km, _TILE), logits.dtype)
-    q = np.empty((km, _TILE), logits.dtype)
-    h = np.empty((km, _TILE), logits.dtype)
-    dent = np.empty((km, _TILE), logits.dtype)
-    ent = np.empty((k, _TILE), logits.dtype)
-    lo = np.empty((k * n_lo, _TILE), logits.dtype)
-    hi = np.empty((k * n_hi, _TILE), logits.dtype)
-    o = np.empty((n, _TILE), logits.dtype)
-    loss = 0.0
-    for g0 in range(0, g_count, _TILE):
-        nv = min(_TILE, g_count - g0)
-        for t in range(nv):
-            for cc in range(c):
-                x[cc, t] = logits[g0 + t, cc]
-            gt[t] = gam[(g0 + t) % gam.size]
-        # softmax over the K selectors
-        for t in range(nv):
-            mx[t] = x[0, t]
-        for i in range(1, k):
-            for t in range(nv):
-                v = x[i, t]
-                mx[t] = _lt_select(mx[t], v, v, mx[t])
-        for t in range(nv):
+    tiny_t, half, zero = dt(tiny), dt(0.5), dt(0.0)
+    # state[:, g0 + t]: σ(α) (K rows), s (K·M), log(1 - p) - log p (K·M) of gate g0 + t
+    gt, mx, tot = v[0], v[1], v[2]
+    for t in range(tw):
+        for cc in range(c):
+            x[cc, t] = logits[g0 + t, cc]
+    _gate_values(gam, g0, gt, tw)
+    # softmax over the K selectors
+    for t in range(tw):
+        mx[t] = x[0, t]
+    for i in range(1, k):
+        for t in range(tw):
+            mx[t] = _lt_select(mx[t], x[i, t], x[i, t], mx[t])
+    for t in range(tw):
+        tot[t] = zero
+    for i in range(k):
+        for t in range(tw):
+            e = np.exp(x[i, t] - mx[t])
+            state[i, g0 + t] = e
+            tot[t] += e
+    for i in range(k):
+        for t in range(tw):
+            state[i, g0 + t] = state[i, g0 + t] / tot[t]
+    # bits (s = clamp(z / γ, ±1/2)), logs, entropies
+    for j in range(km):
+        for t in range(tw):
+            s = x[k + j, t] / gt[t]
+            s = _lt_select(s, -half, -half, s)
+            state[k + j, g0 + t] = _lt_select(half, s, half, s)
+    _smooth(state, g0, k, km, p, q, tw)
+    for j in range(km):
+        for t in range(tw):
+            pj = p[j, t]
+            log_p = _log(_lt_select(pj, tiny_t, tiny_t, pj))
+            h[j, t] = pj * log_p
+            state[k + km + j, g0 + t] = -log_p
+        for t in range(tw):
+            qj = q[j, t]
+            log_q = _log(_lt_select(qj, tiny_t, tiny_t, qj))
+            h[j, t] += qj * log_q
+            state[k + km + j, g0 + t] += log_q
+    for t in range(tw):
+        v64[t] = 0.0
+    for i in range(k):
+        for t in range(tw):
             tot[t] = zero
-        for i in range(k):
-            for t in range(nv):
-                e = np.exp(x[i, t] - mx[t])
-                a[i, t] = e
-                tot[t] += e
-        for i in range(k):
-            for t in range(nv):
-                a[i, t] = a[i, t] / tot[t]
-        # bits, logs, entropies
-        for j in range(km):
-            for t in range(nv):
-                v = x[k + j, t] / gt[t]
-                v = _lt_select(v, -half, -half, v)
-                v = _lt_select(half, v, half, v)
-                pj = v * v
-                pj = pj * c2_
-                pj = pj + c15
-                pj = pj * v
-                pj = pj + half
-                p[j, t] = pj
-                q[j, t] = one - pj
-            for t in range(nv):
-                pj = p[j, t]
-                log_p = _log(_lt_select(pj, tiny_t, tiny_t, pj))
-                h[j, t] = pj * log_p
-                dent[j, t] = -log_p
-            for t in range(nv):
-                qj = q[j, t]
-                log_q = _log(_lt_select(qj, tiny_t, tiny_t, qj))
-                h[j, t] += qj * log_q
-                dent[j, t] += log_q
-        for i in range(k):
-            for t in range(nv):
-                ent[i, t] = zero
-            for j in range(i * m, (i + 1) * m):
-                for t in range(nv):
-                    ent[i, t] += h[j, t]
-            for t in range(nv):
-                ent[i, t] = -ent[i, t]
-        # the halves' laws by doubling, σ(α) into the high half
-        for i in range(k):
-            b0 = i * n_lo
-            for t in range(nv):
-                lo[b0, t] = one
-            w = 1
-            for jj in range(m_lo):
-                j = i * m + jj
-                for cc in range(w - 1, -1, -1):
-                    for t in range(nv):
-                        v = lo[b0 + cc, t]
-                        lo[b0 + cc + w, t] = v * p[j, t]
-                        lo[b0 + cc, t] = v * q[j, t]
-                w *= 2
-            b0 = i * n_hi
-            for t in range(nv):
-                hi[b0, t] = one
-            w = 1
-            for jj in range(m_hi):
-                j = i * m + m_lo + jj
-                for cc in range(w - 1, -1, -1):
-                    for t in range(nv):
-                        v = hi[b0 + cc, t]
-                        hi[b0 + cc + w, t] = v * p[j, t]
-                        hi[b0 + cc, t] = v * q[j, t]
-                w *= 2
-            for cc in range(n_hi):  # σ(α)_i last, as the per-gate loops multiply it
-                for t in range(nv):
-                    hi[b0 + cc, t] = a[i, t] * hi[b0 + cc, t]
-        # the weights: Σ_i hi_i ⊗ lo_i, code = high · L + low
+        for j in range(i * m, (i + 1) * m):
+            for t in range(tw):
+                tot[t] += h[j, t]
+        for t in range(tw):
+            v64[t] += -tot[t]
+    # the halves' laws by doubling, σ(α) into the high half's
+    for i in range(k):
+        _levels(p, q, i * m, m_lo, lev_lo, i * 2 * n_lo, tw)
+        _levels(p, q, i * m + m_lo, m - m_lo, lev_hi, i * 2 * n_hi, tw)
+        b = i * 2 * n_hi + n_hi
+        for cc in range(n_hi):
+            for t in range(tw):
+                lev_hi[b + cc, t] = state[i, g0 + t] * lev_hi[b + cc, t]
+    # the weights: Σ_i hi_i ⊗ lo_i, code = high · L + low (a wide tile's gates innermost, then
+    # transposed out; a narrow one's gate by gate, without a loop over a few gates per product)
+    if wide:
         for c1 in range(n_hi):
             for c2 in range(n_lo):
                 cc = c1 * n_lo + c2
-                for t in range(nv):
-                    o[cc, t] = hi[c1, t] * lo[c2, t]
+                for t in range(tw):
+                    o[cc, t] = lev_hi[n_hi + c1, t] * lev_lo[n_lo + c2, t]
                 for i in range(1, k):
-                    for t in range(nv):
-                        o[cc, t] += hi[i * n_hi + c1, t] * lo[i * n_lo + c2, t]
-        for t in range(nv):
-            g = g0 + t
+                    b_hi, b_lo = i * 2 * n_hi + n_hi + c1, i * 2 * n_lo + n_lo + c2
+                    for t in range(tw):
+                        o[cc, t] += lev_hi[b_hi, t] * lev_lo[b_lo, t]
+        for t in range(tw):
             for cc in range(n):
-                out[g, cc] = o[cc, t]
-            total = 0.0
-            for i in range(k):
-                state[g, i] = ent[i, t]
-                state[g, k + i] = a[i, t]
-                total += ent[i, t]
-            for j in range(km):
-                state[g, 2 * k + j] = dent[j, t]
-            loss += lam[g % lam.size] * total
-    return loss / divisor
+                out[g0 + t, cc] = o[cc, t]
+    else:
+        for t in range(tw):
+            row = out[g0 + t]
+            for c1 in range(n_hi):
+                v_hi = lev_hi[n_hi + c1, t]
+                for c2 in range(n_lo):
+                    row[c1 * n_lo + c2] = v_hi * lev_lo[n_lo + c2, t]
+                for i in range(1, k):
+                    v_hi = lev_hi[i * 2 * n_hi + n_hi + c1, t]
+                    for c2 in range(n_lo):
+                        row[c1 * n_lo + c2] += v_hi * lev_lo[i * 2 * n_lo + n_lo + c2, t]
+    j = g0 % lam.size
+    for t in range(tw):
+        loss += lam[j] * v64[t]
+        j = j + 1 if j + 1 < lam.size else 0
+    return loss
 
 
-@njit(cache=True, nogil=True)
-def _backward_tiles(
-    logits: Any,
+@njit(cache=True, nogil=True, inline="always")
+def _backward_tile(
     k: int,
     gam: Any,
     state: Any,
@@ -570,191 +371,115 @@ def _backward_tiles(
     g_ent: Any,
     g_scale: float,
     grad: Any,
+    g0: int,
+    tw: int,
+    wide: bool,
+    p: Any,
+    q: Any,
+    g_p: Any,
+    ge: Any,
+    g_a: Any,
+    gto: Any,
+    lev_lo: Any,
+    lev_hi: Any,
+    g_lo: Any,
+    g_hi: Any,
+    v: Any,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`gate_backward` by tiles of up to ``_TILE`` gates, the gates innermost."""
-    g_count, c = logits.shape
+    """:func:`gate_backward` on the ``tw`` gates from ``g0`` (a wide tile, or the rest)."""
+    c = grad.shape[1]
     m = c // k - 1
     km = k * m
     n = 1 << m
     m_lo = (m + 1) // 2
-    m_hi = m - m_lo
-    n_lo = 1 << m_lo
-    n_hi = 1 << m_hi
-    dt = logits.dtype.type
-    one = dt(1.0)
-    half = dt(0.5)
-    c15 = dt(1.5)
-    c2_ = dt(-2.0)
-    c6 = dt(-6.0)
-    zero = dt(0.0)
+    n_lo, n_hi = 1 << m_lo, 1 << (m - m_lo)
+    dt = grad.dtype.type
+    c15, c6, zero = dt(1.5), dt(-6.0), dt(0.0)
+    gt, acc, w_hi = v[0], v[1], v[2]
+    _gate_values(gam, g0, gt, tw)
     rows, cols = g_ent.shape
-    x = np.empty((c, _TILE), logits.dtype)
-    gt = np.empty(_TILE, logits.dtype)
-    a = np.zeros((k, _TILE), logits.dtype)
-    dent = np.zeros((km, _TILE), logits.dtype)
-    s = np.empty((km, _TILE), logits.dtype)
-    p = np.empty((km, _TILE), logits.dtype)
-    q = np.empty((km, _TILE), logits.dtype)
-    g_p = np.empty((km, _TILE), logits.dtype)
-    ge = np.zeros((k, _TILE), np.float64)
-    g_a = np.empty((k, _TILE), logits.dtype)
-    gt_out = np.zeros((n, _TILE), logits.dtype)
-    lev_lo = np.empty((k * 2 * n_lo, _TILE), logits.dtype)
-    lev_hi = np.empty((k * 2 * n_hi, _TILE), logits.dtype)
-    g_lo = np.empty((k * n_lo, _TILE), logits.dtype)
-    g_hi = np.empty((k * n_hi, _TILE), logits.dtype)
-    acc = np.empty(_TILE, logits.dtype)
-    w_hi = np.empty(_TILE, logits.dtype)
-    dot = np.empty(_TILE, logits.dtype)
-    for g0 in range(0, g_count, _TILE):
-        nv = min(_TILE, g_count - g0)
-        for t in range(nv):
-            g = g0 + t
-            for cc in range(c):
-                x[cc, t] = logits[g, cc]
-            gt[t] = gam[g % gam.size]
-            for i in range(k):
-                a[i, t] = state[g, k + i]
-                ge[i, t] = g_scale * g_ent[g % rows, i % cols]
-            for j in range(km):
-                dent[j, t] = state[g, 2 * k + j]
-            if has_out:
+    for i in range(k):
+        r, col = g0 % rows, i % cols
+        for t in range(tw):
+            ge[i, t] = g_scale * g_ent[r, col]
+            r = r + 1 if r + 1 < rows else 0
+    _smooth(state, g0, k, km, p, q, tw)
+    if has_out:
+        if wide:  # (a narrow tile's products go gate by gate, see the forward)
+            for t in range(tw):
                 for cc in range(n):
-                    gt_out[cc, t] = g_out[g, cc]
-        for j in range(km):
-            for t in range(nv):
-                v = x[k + j, t] / gt[t]
-                v = _lt_select(v, -half, -half, v)
-                v = _lt_select(half, v, half, v)
-                s[j, t] = v
-                pj = v * v
-                pj = pj * c2_
-                pj = pj + c15
-                pj = pj * v
-                pj = pj + half
-                p[j, t] = pj
-                q[j, t] = one - pj
-        if has_out:
-            # the levels of both halves' doublings (level r of 2**r entries at rows 2**r ..)
-            for i in range(k):
-                b0 = i * 2 * n_lo
-                for t in range(nv):
-                    lev_lo[b0 + 1, t] = one
-                w = 1
-                for jj in range(m_lo):
-                    j = i * m + jj
-                    for cc in range(w):
-                        for t in range(nv):
-                            v = lev_lo[b0 + w + cc, t]
-                            lev_lo[b0 + 2 * w + cc, t] = v * q[j, t]
-                            lev_lo[b0 + 3 * w + cc, t] = v * p[j, t]
-                    w *= 2
-                b0 = i * 2 * n_hi
-                for t in range(nv):
-                    lev_hi[b0 + 1, t] = one
-                w = 1
-                for jj in range(m_hi):
-                    j = i * m + m_lo + jj
-                    for cc in range(w):
-                        for t in range(nv):
-                            v = lev_hi[b0 + w + cc, t]
-                            lev_hi[b0 + 2 * w + cc, t] = v * q[j, t]
-                            lev_hi[b0 + 3 * w + cc, t] = v * p[j, t]
-                    w *= 2
+                    gto[cc, t] = g_out[g0 + t, cc]
+        for i in range(k):
+            blo, bhi = i * 2 * n_lo, i * 2 * n_hi
+            _levels(p, q, i * m, m_lo, lev_lo, blo, tw)
+            _levels(p, q, i * m + m_lo, m - m_lo, lev_hi, bhi, tw)
             # g_hi_i[h] = Σ_l g[h, l] lo_i[l]; g_lo_i[l] = Σ_h g[h, l] σ(α)_i hi_i[h]
-            for i in range(k):
-                blo = i * 2 * n_lo + n_lo
-                bhi = i * 2 * n_hi + n_hi
-                for c2 in range(n_lo):
-                    for t in range(nv):
-                        g_lo[i * n_lo + c2, t] = zero
+            for c2 in range(n_lo):
+                for t in range(tw):
+                    g_lo[c2, t] = zero
+            if wide:
                 for c1 in range(n_hi):
-                    for t in range(nv):
+                    for t in range(tw):
                         acc[t] = zero
-                        w_hi[t] = a[i, t] * lev_hi[bhi + c1, t]
+                        w_hi[t] = state[i, g0 + t] * lev_hi[bhi + n_hi + c1, t]
                     for c2 in range(n_lo):
-                        for t in range(nv):
-                            gv = gt_out[c1 * n_lo + c2, t]
-                            acc[t] += gv * lev_lo[blo + c2, t]
-                            g_lo[i * n_lo + c2, t] += gv * w_hi[t]
-                    for t in range(nv):
-                        g_hi[i * n_hi + c1, t] = acc[t]
-                for t in range(nv):
-                    acc[t] = zero
-                for c1 in range(n_hi):
-                    for t in range(nv):
-                        acc[t] += g_hi[i * n_hi + c1, t] * lev_hi[bhi + c1, t]
-                        g_hi[i * n_hi + c1, t] *= a[i, t]
-                for t in range(nv):
-                    g_a[i, t] = acc[t]
-                # walk both doublings back: d/dp_j and the grad of the level below
-                for half_ in range(2):
-                    if half_ == 0:
-                        bits, j0, lev, b0, gl, gb = (
-                            m_lo,
-                            i * m,
-                            lev_lo,
-                            i * 2 * n_lo,
-                            g_lo,
-                            i * n_lo,
-                        )
-                    else:
-                        bits, j0, lev, b0, gl, gb = (
-                            m_hi,
-                            i * m + m_lo,
-                            lev_hi,
-                            i * 2 * n_hi,
-                            g_hi,
-                            i * n_hi,
-                        )
-                    for r in range(bits - 1, -1, -1):
-                        w = 1 << r
-                        j = j0 + r
-                        for t in range(nv):
-                            acc[t] = zero
-                        for cc in range(w):
-                            for t in range(nv):
-                                g0_ = gl[gb + cc, t]
-                                g1_ = gl[gb + cc + w, t]
-                                acc[t] += (g1_ - g0_) * lev[b0 + w + cc, t]
-                                gl[gb + cc, t] = g0_ * q[j, t] + g1_ * p[j, t]
-                        for t in range(nv):
-                            g_p[j, t] = acc[t]
-        else:
-            for i in range(k):
-                for t in range(nv):
-                    g_a[i, t] = zero
-            for j in range(km):
-                for t in range(nv):
-                    g_p[j, t] = zero
-        for t in range(nv):
-            dot[t] = zero
+                        for t in range(tw):
+                            gv = gto[c1 * n_lo + c2, t]
+                            acc[t] += gv * lev_lo[blo + n_lo + c2, t]
+                            g_lo[c2, t] += gv * w_hi[t]
+                    for t in range(tw):
+                        g_hi[c1, t] = acc[t]
+            else:
+                for t in range(tw):
+                    row = g_out[g0 + t]
+                    for c1 in range(n_hi):
+                        a_t = zero
+                        w_t = state[i, g0 + t] * lev_hi[bhi + n_hi + c1, t]
+                        for c2 in range(n_lo):
+                            gv = row[c1 * n_lo + c2]
+                            a_t += gv * lev_lo[blo + n_lo + c2, t]
+                            g_lo[c2, t] += gv * w_t
+                        g_hi[c1, t] = a_t
+            for t in range(tw):
+                acc[t] = zero
+            for c1 in range(n_hi):
+                for t in range(tw):
+                    acc[t] += g_hi[c1, t] * lev_hi[bhi + n_hi + c1, t]
+                    g_hi[c1, t] *= state[i, g0 + t]
+            for t in range(tw):
+                g_a[i, t] = acc[t]
+            # walk both doublings back: d/dp_j and the grad of the level below
+            _walk_back(p, q, i * m, m_lo, lev_lo, blo, g_lo, 0, acc, g_p, tw)
+            _walk_back(p, q, i * m + m_lo, m - m_lo, lev_hi, bhi, g_hi, 0, acc, g_p, tw)
+    else:
         for i in range(k):
-            for t in range(nv):
-                dot[t] += g_a[i, t] * a[i, t]
+            for t in range(tw):
+                g_a[i, t] = zero
+        for j in range(km):
+            for t in range(tw):
+                g_p[j, t] = zero
+    for t in range(tw):
+        acc[t] = zero
+    for i in range(k):
+        for t in range(tw):
+            acc[t] += g_a[i, t] * state[i, g0 + t]
+    for i in range(k):
+        for t in range(tw):
+            g_a[i, t] = state[i, g0 + t] * (g_a[i, t] - acc[t])  # softmax backward
+        for j in range(i * m, (i + 1) * m):
+            for t in range(tw):  # d h(p) / dp = log(1 - p) - log p (clamped logs)
+                gpj = dt(g_p[j, t] + ge[i, t] * state[k + km + j, g0 + t])  # (+ 0 without: exact)
+                s = state[k + j, g0 + t]
+                d = s * s
+                d = d * c6
+                d = d + c15
+                d = d * gpj
+                g_p[j, t] = d / gt[t]
+    for t in range(tw):
         for i in range(k):
-            for t in range(nv):
-                g_a[i, t] = a[i, t] * (g_a[i, t] - dot[t])  # softmax backward
-            for jj in range(m):
-                j = i * m + jj
-                for t in range(nv):  # d h(p) / dp = log(1 - p) - log p (clamped logs)
-                    gpj = dt(g_p[j, t] + ge[i, t] * dent[j, t])
-                    d = s[j, t] * s[j, t]
-                    d = d * c6
-                    d = d + c15
-                    d = d * gpj
-                    g_p[j, t] = d / gt[t]
-        for t in range(nv):
-            g = g0 + t
-            for i in range(k):
-                grad[g, i] = g_a[i, t]
-            for j in range(km):
-                grad[g, k + j] = g_p[j, t]
-
-
-#: below this many gates the kernels loop over gates (a vectorised loop over a few gates costs
-#: more than it saves), from it by tiles of gates
-_TILES_MIN_GATES = 16
+            grad[g0 + t, i] = g_a[i, t]
+        for j in range(km):
+            grad[g0 + t, k + j] = g_p[j, t]
 
 
 @njit(cache=True, nogil=True)
@@ -768,19 +493,42 @@ def gate_forward(
     out: Any,
     state: Any,
 ) -> float:  # pragma: no cover - compiled
-    """Weights ``out`` (G, N) of the gates' logits (G, K(1+M)) and the state (G, 2K + K·M):
-    per gate the K entropies, σ(α) and log(1 - p) - log p of each bit (for the backward).
-    Returns the loss Σ_g λ_g Σ_i h_gi / divisor (float64). γ (P,) and λ (Q,) hold one value or
-    one per gate: gate g reads entry g mod P (g mod Q), the last axis of the gates' layout.
-    ``tiny``: the dtype's smallest normal number (the logs' clamp)."""
-    if logits.shape[0] < _TILES_MIN_GATES:
-        return _forward_gates(logits, k, gam, lam, divisor, tiny, out, state)
-    return _forward_tiles(logits, k, gam, lam, divisor, tiny, out, state)
+    """Weights ``out`` (G, N) of the gates' logits (G, K(1+M)) and the ``state``
+    (:func:`state_shape`) for the backward. Returns the loss Σ_g λ_g Σ_i h_gi / divisor
+    (float64). γ (P,) and λ (Q,) hold one value or one per gate: gate g reads entry g mod P
+    (g mod Q), the last axis of the gates' layout. ``tiny``: the dtype's smallest normal number
+    (the logs' clamp)."""
+    g_count, c = logits.shape
+    m = c // k - 1
+    km = k * m
+    m_lo = (m + 1) // 2
+    n_lo, n_hi = 1 << m_lo, 1 << (m - m_lo)
+    w = min(g_count, _TILE)
+    dt = logits.dtype
+    x = np.empty((c, w), dt)
+    p, q, h = np.empty((km, w), dt), np.empty((km, w), dt), np.empty((km, w), dt)
+    lev_lo, lev_hi = np.empty((k * 2 * n_lo, w), dt), np.empty((k * 2 * n_hi, w), dt)
+    o, v, v64 = np.empty((1 << m, w), dt), np.empty((3, w), dt), np.empty(w, np.float64)
+    loss = 0.0
+    g0 = 0
+    while g0 < g_count:
+        if g_count - g0 >= _TILE:
+            loss = _forward_tile(
+                logits, k, gam, lam, tiny, out, state, g0, _TILE, True, loss,
+                x, p, q, h, lev_lo, lev_hi, o, v, v64,
+            )  # fmt: skip
+            g0 += _TILE
+        else:
+            loss = _forward_tile(
+                logits, k, gam, lam, tiny, out, state, g0, g_count - g0, False, loss,
+                x, p, q, h, lev_lo, lev_hi, o, v, v64,
+            )  # fmt: skip
+            g0 = g_count
+    return loss / divisor
 
 
 @njit(cache=True, nogil=True)
 def gate_backward(
-    logits: Any,
     k: int,
     gam: Any,
     state: Any,
@@ -794,7 +542,29 @@ def gate_backward(
     (G, N; read only with ``has_out``) and of the entropies, ``g_scale`` · ``g_ent``
     (float64 (R, C), broadcast: selector (g, i) reads entry (g mod R, i mod C)); ``state``
     as :func:`gate_forward` left it."""
-    if logits.shape[0] < _TILES_MIN_GATES:
-        _backward_gates(logits, k, gam, state, g_out, has_out, g_ent, g_scale, grad)
-    else:
-        _backward_tiles(logits, k, gam, state, g_out, has_out, g_ent, g_scale, grad)
+    g_count, c = grad.shape
+    m = c // k - 1
+    km = k * m
+    m_lo = (m + 1) // 2
+    n_lo, n_hi = 1 << m_lo, 1 << (m - m_lo)
+    w = min(g_count, _TILE)
+    dt = grad.dtype
+    p, q, g_p = np.empty((km, w), dt), np.empty((km, w), dt), np.empty((km, w), dt)
+    ge, g_a = np.empty((k, w), np.float64), np.empty((k, w), dt)
+    gto = np.empty((1 << m, w), dt)
+    lev_lo, lev_hi = np.empty((k * 2 * n_lo, w), dt), np.empty((k * 2 * n_hi, w), dt)
+    g_lo, g_hi, v = np.empty((n_lo, w), dt), np.empty((n_hi, w), dt), np.empty((3, w), dt)
+    g0 = 0
+    while g0 < g_count:
+        if g_count - g0 >= _TILE:
+            _backward_tile(
+                k, gam, state, g_out, has_out, g_ent, g_scale, grad, g0, _TILE, True,
+                p, q, g_p, ge, g_a, gto, lev_lo, lev_hi, g_lo, g_hi, v,
+            )  # fmt: skip
+            g0 += _TILE
+        else:
+            _backward_tile(
+                k, gam, state, g_out, has_out, g_ent, g_scale, grad, g0, g_count - g0, False,
+                p, q, g_p, ge, g_a, gto, lev_lo, lev_hi, g_lo, g_hi, v,
+            )  # fmt: skip
+            g0 = g_count

@@ -26,8 +26,8 @@ __all__: list[str] = []
 
 class _NumbaSaved:
     """What the numba kernel keeps for its backward (a non-tensor output of the node): the
-    logits (G, K(1+M)), γ, K, and per gate the entropies, σ(α) and log(1 - p) - log p of each
-    bit (G, 2K + K·M)."""
+    logits (G, K(1+M)), γ, K, and per gate σ(α), the clamped z/γ and log(1 - p) - log p of each
+    bit (``dselectk._numba.state_shape``: (K(1 + 2M), G))."""
 
     __slots__ = ("gam", "k", "logits", "state")
 
@@ -51,9 +51,9 @@ def _numba_values(t: torch.Tensor, dtype: Any) -> Any:
 
 def _numba_forward(
     logits: torch.Tensor, gamma: torch.Tensor, lam: Any, k: int, divisor: float
-) -> tuple[torch.Tensor, Any, float, _NumbaSaved]:
-    """The numba kernel on logits (G, K(1+M)): q̃ (G, N), the entropies (a (G, K) array), the
-    loss Σ_g λ_g Σ_i h_gi / divisor (a float; λ from :func:`_numba_values`) and the state."""
+) -> tuple[torch.Tensor, float, _NumbaSaved]:
+    """The numba kernel on logits (G, K(1+M)): q̃ (G, N), the loss Σ_g λ_g Σ_i h_gi / divisor
+    (a float; λ from :func:`_numba_values`) and what the backward needs."""
     g, c = logits.shape
     m = c // k - 1
     x = (logits.detach() if logits.requires_grad else logits).numpy()
@@ -64,13 +64,14 @@ def _numba_forward(
     # (a torch tensor viewed in NumPy, not torch.from_numpy: an autograd node returning a
     # tensor made from a NumPy array costs ~7 µs more per call, measured)
     out = torch.empty((g, 1 << m), dtype=logits.dtype)
-    state = np.empty((g, k * (2 + m)), dtype=dt)
+    nb = _load_numba(None)
+    state = np.empty(nb.state_shape(g, k, m), dtype=dt)
     args = (x, k, gam, lam, divisor, _TINY[dt.char], out.numpy(), state)
     if ("forward", dt.char) in _READY:
-        loss = _load_numba(None).gate_forward(*args)
+        loss = nb.gate_forward(*args)
     else:
         loss = _first_call("forward", dt.char, args)
-    return out, state[:, :k], loss, _NumbaSaved(x, gam, k, state)
+    return out, loss, _NumbaSaved(x, gam, k, state)
 
 
 #: (kernel, dtype char) called at least once in this process (compiled or loaded from the cache)
@@ -106,13 +107,13 @@ def _numba_grad(
     x = saved.logits
     grad = np.empty_like(x)  # (here from_numpy is the cheaper way: ~9 µs less, measured)
     if g_out is None:
-        go, has_out = x, False
+        go, has_out = grad, False
     else:
         go = g_out.detach().numpy()
         if not go.flags.c_contiguous:  # e.g. the expanded grad of a sum
             go = np.ascontiguousarray(go)
         has_out = True
-    args = (x, saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad)
+    args = (saved.k, saved.gam, saved.state, go, has_out, g_ent, g_scale, grad)
     if ("backward", x.dtype.char) in _READY:
         _load_numba(None).gate_backward(*args)
     else:
@@ -141,7 +142,7 @@ def _numba_gate(
     / batch), then rounded to the loss's dtype."""
     divisor = float(lead[0]) if per_example else 1.0
     lam_np = _numba_values(lam, np.float64)
-    out, _, loss, saved = _numba_forward(logits, gamma, lam_np, k, divisor)
+    out, loss, saved = _numba_forward(logits, gamma, lam_np, k, divisor)
     aux = torch.scalar_tensor(loss, dtype=_loss_dtype(lam, logits.dtype, lead))
     return (out if len(lead) == 1 else out.view(*lead, -1)), aux, saved
 

@@ -490,10 +490,10 @@ def warm_kernels(dtypes: tuple[Any, ...] = (np.float32, np.float64)) -> float:
     start = time.perf_counter()
     for dt in dtypes:
         x = np.zeros((1, 4), dtype=dt)  # one gate, K = 1, M = 3
-        out, state, grad = np.empty((1, 8), dtype=dt), np.empty((1, 5), dtype=dt), x.copy()
+        out, state = np.empty((1, 8), dtype=dt), np.empty(nb.state_shape(1, 1, 3), dtype=dt)
         gam = np.ones(1, dtype=dt)
         nb.gate_forward(x, 1, gam, np.ones(1), 1.0, float(np.finfo(dt).tiny), out, state)
-        nb.gate_backward(x, 1, gam, state, out, True, np.ones((1, 1)), 1.0, grad)
+        nb.gate_backward(1, gam, state, out, True, np.ones((1, 1)), 1.0, x.copy())
     return time.perf_counter() - start
 
 
