@@ -390,14 +390,14 @@ def _host_ok(*tensors: Tensor) -> bool:
     float32/float64 tensors of one dtype, eager (no torch.func transform, no graph capture or
     compilation)."""
     t = tensors[0]
-    return (
-        t.is_cpu
-        and t.dtype in _HOST_DTYPES
-        and all(u.is_cpu and u.dtype == t.dtype for u in tensors[1:])
-        and not torch._C._are_functorch_transforms_active()
-        and not _Transformed.depth()  # (under torch.func.grad a node's forward runs untransformed)
-        and not torch.compiler.is_compiling()  # also torch.export and the dynamo ONNX export
-        and not torch.jit.is_tracing()  # also the TorchScript ONNX export
+    for u in tensors:  # (a loop, not all() over a generator: ~0.5 µs a call less)
+        if not (u.is_cpu and u.dtype == t.dtype):
+            return False
+    return t.dtype in _HOST_DTYPES and not (
+        torch._C._are_functorch_transforms_active()
+        or _Transformed.depth()  # (under torch.func.grad a node's forward runs untransformed)
+        or torch.compiler.is_compiling()  # also torch.export and the dynamo ONNX export
+        or torch.jit.is_tracing()  # also the TorchScript ONNX export
     )
 
 

@@ -9,9 +9,11 @@ calls them for CPU float32/float64 tensors outside torch.func transforms and gra
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,7 +111,7 @@ def _numba_grad(
     if g_out is None:
         go, has_out = grad, False
     else:
-        go = g_out.detach().numpy()
+        go = (g_out.detach() if g_out.requires_grad else g_out).numpy()
         if not go.flags.c_contiguous:  # e.g. the expanded grad of a sum
             go = np.ascontiguousarray(go)
         has_out = True
@@ -170,6 +172,20 @@ def _numba_gate_grad(
     return _numba_grad(saved, g_out, _numba_values(lam, np.float64).reshape(-1, 1), scale)
 
 
+def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.function.once_differentiable`` without its ``no_grad`` block where grad
+    mode is off already (a plain backward: the block costs ~2 µs a call, measured, and changes
+    nothing there); with ``create_graph`` it is once_differentiable itself (a double backward
+    through the node raises)."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        return once(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return run
+
+
 class _NumbaGate(_PositionalFunction):
     """:class:`_DSelectSmallGate` on the numba kernel (any size): (logits (G, K(1+M)), γ (0-d or
     (T,): gate g reads γ[g mod T]), λ (likewise), K, lead, per_example) -> (q̃ (*lead, N),
@@ -197,7 +213,7 @@ class _NumbaGate(_PositionalFunction):
         return w, aux
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
         none = (None,) * 5
         if g_w is None and g_aux is None:
@@ -235,7 +251,7 @@ class _NumbaGateLinear(_PositionalFunction):
         return w, aux
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx: Any, g_w: Tensor | None, g_aux: Tensor | None) -> tuple[Any, ...]:
         none = (None,) * 5
         if g_w is None and g_aux is None:

@@ -37,9 +37,12 @@ _INITS = ("paper", "spread")
 _STATIC_ONLY = "{name} is a parameter of static gates only (this gate is per-example); use bits(x)"
 
 
+_MODULE = torch.nn.modules.module  # (its global hooks' dicts)
+
+
 def _has_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` would run hooks (its own or global module hooks)."""
-    _m = torch.nn.modules.module
+    _m = _MODULE
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
