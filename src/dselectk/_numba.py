@@ -29,8 +29,10 @@ saves). The forward keeps per gate σ(α), the clamped z/γ and log(1 - p) - log
 for the backward in a ``state`` laid out (row, gate) (:func:`state_shape`), which the backward
 reads with vector loads. Comparisons are branch-free selects and the float32 log is Cephes'
 ``logf`` in plain arithmetic (:func:`_logf`), so those loops vectorise too; float64 uses libm's
-log. The numbers do not depend on the tiling (no fused multiply-adds, the same order of
-operations for every gate; tested).
+log; and ``error_model="numpy"``: no zero check per division (python's raises
+ZeroDivisionError, a branch that keeps the divisions' loops scalar; here γ > 0 and the
+softmax's sum >= 1). The numbers do not depend on the tiling (no fused multiply-adds, the same
+order of operations for every gate; tested).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ _f32_bits: Any = intrinsic(_f32_bits_typing)
 _bits_f32: Any = intrinsic(_bits_f32_typing)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _logf(x: Any) -> Any:  # pragma: no cover - compiled
     """log of a positive normal float32: Cephes' ``logf`` (frexp, a degree-9 polynomial on
     [√½ - 1, √2 - 1]; within 1 ulp of the correctly rounded log, tested), in plain arithmetic
@@ -156,7 +158,7 @@ def state_shape(gates: int, k: int, m: int) -> tuple[int, int]:
     return k * (1 + 2 * m), gates
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _levels(
     p: Any, q: Any, j0: int, bits: int, lev: Any, b0: int, tw: int
 ) -> None:  # pragma: no cover - compiled
@@ -177,7 +179,7 @@ def _levels(
         w *= 2
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _walk_back(
     p: Any,
     q: Any,
@@ -209,7 +211,7 @@ def _walk_back(
             g_p[j, t] = acc[t]
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _smooth(state: Any, g0: int, k: int, km: int, p: Any, q: Any, tw: int) -> None:
     """p = S(z) = s (1.5 - 2 s²) + 0.5 and q = 1 - p of the tile's bits from s = the clamped
     z/γ (rows k .. of ``state``, gates from ``g0``), op for op as the ATen and NumPy kernels
@@ -228,7 +230,7 @@ def _smooth(state: Any, g0: int, k: int, km: int, p: Any, q: Any, tw: int) -> No
             q[j, t] = one - pj
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _gate_values(vals: Any, g0: int, into: Any, tw: int) -> None:
     """``into[t]`` = vals[(g0 + t) mod P] (γ or λ: one value or one per gate, P = vals.size)."""
     j = g0 % vals.size
@@ -237,7 +239,7 @@ def _gate_values(vals: Any, g0: int, into: Any, tw: int) -> None:
         j = j + 1 if j + 1 < vals.size else 0
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _forward_tile(
     logits: Any,
     k: int,
@@ -361,7 +363,7 @@ def _forward_tile(
     return loss
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _backward_tile(
     k: int,
     gam: Any,
@@ -482,7 +484,7 @@ def _backward_tile(
             grad[g0 + t, k + j] = g_p[j, t]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def gate_forward(
     logits: Any,
     k: int,
@@ -527,7 +529,7 @@ def gate_forward(
     return loss / divisor
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def gate_backward(
     k: int,
     gam: Any,
