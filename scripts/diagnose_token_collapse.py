@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk.experiments.token_moe.model import ROUTERS, load_corpus, train_run
+from dselectk.data.text import load_corpus
+from dselectk.experiments.token_moe.model import ROUTERS, train_run
 from dselectk.experiments.token_moe.recipe import DEFAULTS
 from dselectk.models.char_lm import byte_windows
 from dselectk.training import Callback, History, TaskData

@@ -87,3 +87,27 @@ def test_random_windows_and_loss() -> None:
     logits, aux = model(x)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)) + aux
     torch.testing.assert_close(model.loss(x, y), expected)
+
+
+def test_from_settings_is_the_constructor_of_a_settings_mapping() -> None:
+    from dselectk.models.char_lm import train_bytes_per_token
+
+    hp = dict(seq_len=8, d_model=16, heads=2, layers=2, d_ff=16, k=2, num_experts=4)
+    hp.update(balance_loss_weight=0.01, renormalize=False, lr=0.1)  # lr: not the model's
+    torch.manual_seed(3)
+    a = CharMoETransformer.from_settings(lambda n, **kw: make_gate("topk", n, **kw), hp)
+    torch.manual_seed(3)
+    b = _model("topk")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+    assert [m.routing for m in a.moe_layers] == ["token", "token"]
+    c = CharMoETransformer.from_settings(
+        lambda n, k, in_features: make_gate("softmax", n, in_features=in_features),
+        {**hp, "router_hidden": 6},
+        "expert",
+    )
+    assert [m.routing for m in c.moe_layers] == ["expert", "expert"]
+    assert [m.router.in_features for m in c.moe_layers] == [6, 6]
+    ids = {id(p) for m in c.moe_layers for p in m.router_parameters()}
+    assert {id(p) for p in c.router_parameters()} == ids and len(c.router_parameters()) == len(ids)
+    # activations per token: 4 bytes × (layers × (16 d + 3 k d_ff + 3 heads L) + 3 × 256)
+    assert train_bytes_per_token(hp) == 4.0 * (2 * (16 * 16 + 3 * 2 * 16 + 3 * 2 * 8) + 768)

@@ -31,3 +31,25 @@ def test_monitor_measures_a_training_run() -> None:
     assert len(extra["binary_checks"]["steps"]) == 4
     gm, ge = gate_metrics(model, data.x)
     assert 1.0 <= gm["selected_experts"] <= 4.0 and len(ge["gate_weights"]) == 2
+
+
+def test_step_timer_leaves_out_the_warm_up_steps() -> None:
+    import math
+
+    from dselectk.monitor import StepTimer
+    from dselectk.training import History
+
+    timer, hist = StepTimer(warmup=2), History()
+    assert math.isnan(timer.per_step())
+    for step in range(1, 6):
+        hist.steps = step
+        timer.on_step(
+            torch.nn.Linear(1, 1), TaskData(torch.zeros(1, 1), [torch.zeros(1)]), None, hist
+        )
+    assert timer.steps == 3 and timer.t0 is not None and timer.per_step() > 0
+    model = torch.nn.Linear(4, 1)
+    data = TaskData(torch.randn(48, 4), [torch.randn(48, 1)])
+    cfg = TrainConfig(lr=0.01, batch_size=4, epochs=1, progress=False)
+    timer = StepTimer()  # 10 warm-up steps by default: 2 of the 12 timed
+    train(model, data, None, cfg, callbacks=[timer], loss_fn=lambda m, b: (m(b.x).sum(), None))
+    assert timer.steps == 2 and 0 < timer.per_step() < 1

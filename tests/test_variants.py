@@ -106,6 +106,15 @@ def test_variant_builds_schedules_and_states_its_identity() -> None:
     assert cb.at == [25, 75] and cb.binarize_at == [50]
 
 
+def test_routing_is_part_of_the_identity_only_when_experts_choose() -> None:
+    token = Variant("t", "softmax", "token-routed")
+    expert = Variant("e", "softmax", "expert choice", routing="expert")
+    assert token.routing == "token" and "routing" not in token.identity()
+    assert expert.identity() == {"gate": "softmax", "routing": "expert"}
+    with pytest.raises(ValueError, match="routing must be 'token' or 'expert'"):
+        Variant("x", "softmax", "x", routing="tokens")
+
+
 def test_variant_refuses_what_its_gate_does_not_declare() -> None:
     with pytest.raises(ValueError, match=r"variant 'x' options.*no hyperparameter 'exclusive'"):
         Variant("x", "dselect_k", "x", options={"exclusive": True})

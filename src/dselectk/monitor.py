@@ -18,13 +18,14 @@ The :class:`GateMonitor` callback of :func:`~dselectk.training.train` measures:
   the experts no weight uses, batch-wide.
 
 :func:`gate_summary` and :func:`gate_metrics` measure the trained gates (mean weights, selected
-experts).
+experts). :class:`StepTimer` measures the wall time per optimizer step after a warm-up.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from dselectk.training import Callback, History, TaskData
 
 __all__ = [
     "GateMonitor",
+    "StepTimer",
     "binary_fractions",
     "flops_ratio",
     "gate_metrics",
@@ -169,6 +171,27 @@ class GateMonitor(Callback):
                 ],
             }
         return metrics, extra
+
+
+class StepTimer(Callback):
+    """Wall time per optimizer step, the first ``warmup`` steps left out (allocations, caches,
+    compiled kernels): the clock starts after step ``warmup`` (:attr:`History.steps`) and
+    :meth:`per_step` divides the time since by the steps taken since."""
+
+    def __init__(self, warmup: int = 10) -> None:
+        self.warmup = warmup
+        self.t0: float | None = None
+        self.steps = 0
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        if history.steps == self.warmup:
+            self.t0, self.steps = time.perf_counter(), 0
+        elif self.t0 is not None:
+            self.steps += 1
+
+    def per_step(self) -> float:
+        """Seconds per step after the warm-up; NaN before a timed step."""
+        return (time.perf_counter() - self.t0) / self.steps if self.t0 and self.steps else math.nan
 
 
 @torch.no_grad()

@@ -202,6 +202,9 @@ class Variant:
         schedules: how schedulable hyperparameters move during training.
         search: the swap-search plan, or None.
         tuned_as: read tuned hyperparameters under this variant's name (None: its own).
+        routing: who chooses in a sparse MoE layer of this gate
+            (:class:`~dselectk.layers.SparseMoEFeedForward`): "token" (each token its k
+            experts) or "expert" (expert choice: each expert its k·N/n tokens of the batch).
     """
 
     name: str
@@ -211,8 +214,11 @@ class Variant:
     schedules: tuple[Ramp, ...] = ()
     search: SearchPlan | None = None
     tuned_as: str | None = None
+    routing: str = "token"
 
     def __post_init__(self) -> None:
+        if self.routing not in ("token", "expert"):
+            raise ValueError(f"variant {self.name!r}: routing must be 'token' or 'expert'")
         spec = gate_spec(self.gate)
         opts = _freeze(self.options)
         spec.check(dict(opts), where=f"variant {self.name!r} options")
@@ -337,6 +343,8 @@ class Variant:
             ]
         if self.search is not None:
             out["search"] = self.search.identity()
+        if self.routing != "token":  # token-routed variants keep the identity they had
+            out["routing"] = self.routing
         return out
 
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from dselectk.cli import main
+from dselectk.data.text import load_corpus
 from dselectk.experiments import token_moe as TM
 from dselectk.experiments.report import experiment_name, rebuild
 from dselectk.experiments.token_moe.recipe import train_bytes_per_token
 
 
 def test_corpus_is_deterministic() -> None:
-    a, b = TM.load_corpus(50_000), TM.load_corpus(50_000)
+    a, b = load_corpus(50_000), load_corpus(50_000)
     assert a.sha256 == b.sha256 and a.files == sorted(a.files, key=str)
     assert torch.equal(a.train, b.train) and len(a.train) + len(a.val) == 50_000
     assert not any("site-packages" in f or f.startswith("test/") for f in a.files)
@@ -210,7 +211,7 @@ def test_a_routers_ramps_move_its_hyperparameter_in_every_layer() -> None:
             seen.append([float(m.router.gamma) for m in model.moe_layers])
 
     m = train_run(
-        variant, hp, TM.load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()]
+        variant, hp, load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()]
     )
     assert math.isfinite(m["val_bpc"]) and len(seen) == 20
     assert all(len(set(s)) == 1 for s in seen)  # every layer's router on the same schedule

@@ -3,6 +3,8 @@
 * MNIST / Fashion-MNIST from the official IDX files, and the Multi-MNIST /
   Multi-Fashion-MNIST two-task datasets (paper Section 4.2, Appendix D.2).
 * MovieLens 100K / 1M parsers and the two-task (watch, rating) dataset (paper Section 4.1).
+* A byte-stream text corpus (:mod:`~dselectk.data.text`: the Python standard library's source)
+  for byte-level language models; nothing to download.
 
 Files are looked up in a data directory (``data_dir`` argument > ``$DSELECTK_DATA`` >
 ``~/.cache/dselectk``) with the upstream layout (``mnist/``, ``fashion-mnist/``,
@@ -61,6 +63,7 @@ from dselectk.data.movielens import (
     read_ml100k_users,
     sample_negatives,
 )
+from dselectk.data.text import Corpus, load_corpus
 
 __all__ = [
     "AGE_BUCKETS",
@@ -71,6 +74,7 @@ __all__ = [
     "MOVIELENS_VARIANTS",
     "VERIFY_ENV_VAR",
     "ChecksumError",
+    "Corpus",
     "ItemIndexMap",
     "Items",
     "MovieLensData",
@@ -83,6 +87,7 @@ __all__ = [
     "fetch",
     "fingerprint",
     "known_files",
+    "load_corpus",
     "load_mnist",
     "load_movielens",
     "load_multi_mnist",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dselectk.data.text import Corpus, load_corpus
 from dselectk.experiments.args import (
     check_fits,
     config_from_args,
@@ -32,13 +33,11 @@ from dselectk.experiments.token_moe.model import (
     EXPERIMENT,
     ROUTERS,
     WARMUP_STEPS,
-    Corpus,
-    load_corpus,
-    routing_of,
     train_run,
 )
 from dselectk.experiments.token_moe.report import diverged_line, print_table, write_report
 from dselectk.gates.registry import HParam, gate_spec
+from dselectk.models import char_lm
 
 __all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "recipe", "run", "run_cell"]
 
@@ -105,7 +104,7 @@ class TokenMoEConfig:
             )
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
-        expert_routed = [g for g in self.gates if routing_of(ROUTERS[g]) == "expert"]
+        expert_routed = [g for g in self.gates if ROUTERS[g].routing == "expert"]
         if self.renormalize and expert_routed:
             raise ValueError(
                 f"--renormalize true: applies to token routing only, not to --gates {expert_routed}"
@@ -139,11 +138,8 @@ class TokenMoEConfig:
 
 
 def train_bytes_per_token(c: TokenMoEConfig) -> float:
-    """Memory a training step keeps per token (activations for the backward pass), an upper
-    estimate: measured 17.5 KB at the defaults (peak RSS growth of one step at batch 256 and
-    1024), estimated 23.5 KB."""
-    per_layer = 16 * c.d_model + 3 * c.k * c.d_ff + 3 * c.heads * c.seq_len
-    return 4.0 * (c.layers * per_layer + 3 * 256)
+    """:func:`~dselectk.models.char_lm.train_bytes_per_token` of the model ``c`` trains."""
+    return char_lm.train_bytes_per_token(c.hparams())
 
 
 _SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, first_seed, telemetry

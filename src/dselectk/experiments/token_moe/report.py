@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.records import RunStore, diverged, format_mean_se, summarize
+from dselectk.experiments.records import (
+    RunStore,
+    diverged,
+    format_mean_se,
+    mean_se,
+    read_object,
+    summarize,
+)
 from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
@@ -21,10 +28,6 @@ __all__ = ["FINITE", "diverged_line", "print_table", "write_report"]
 
 def _label(router: str) -> str:
     return ROUTERS[router].label if router in ROUTERS else router
-
-
-def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
-    return format_mean_se(m, digits) if m else "–"
 
 
 #: metrics a run must have finite, else it counts as diverged
@@ -44,7 +47,7 @@ def print_table(summary: Mapping[str, Any]) -> None:
     print(f"{'router':<40}" + "".join(f"{h:>18}" for _, _, h in _COLUMNS) + f"{'n':>4}")
     for row in summary["rows"]:
         m = row["metrics"]
-        cells = "".join(f"{_fmt(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
+        cells = "".join(f"{format_mean_se(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
         print(f"{row['label']:<40}{cells}{m['val_bpc']['n']:>4}")
     if diverged_line(summary):
         print(diverged_line(summary))
@@ -69,12 +72,7 @@ def write_report(
         m["tokens_per_second"] = hp["batch_size"] * hp["seq_len"] / m["seconds_per_step"]
         frac = torch.tensor(m["load"], dtype=torch.float64)  # (layer, expert) fractions
         m["load_cv"] = float((frac.std(-1, correction=0) / frac.mean(-1)).max())
-    prev: dict[str, Any] = {}
-    if (results_dir / "summary.json").is_file():
-        try:
-            prev = json.loads((results_dir / "summary.json").read_text())
-        except json.JSONDecodeError:
-            prev = {}
+    prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
     rows = summarize(records, ["router"], finite=FINITE)
     for row in rows:
         row["label"] = _label(row["router"])
@@ -144,8 +142,7 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
         diffs = [vals[(router, s)] - vals[("topk", s)] for s in seeds]
         text = f"- {_label(router)}: {d:.4f} against Top-k's {t:.4f}"
         if len(diffs) >= 2:
-            mean = sum(diffs) / len(diffs)
-            se = (sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+            mean, se = mean_se(diffs)["mean"], mean_se(diffs)["se"]
             wins = sum(x < 0 for x in diffs)
             within = (
                 "within"
@@ -167,7 +164,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
     columns += [("load_cv", 2), ("binary_token_fraction", 3), ("tokens_per_second", 0)]
     for r in summary["rows"]:
         m = r["metrics"]
-        cells = " | ".join(_fmt(m.get(k), d) for k, d in columns)
+        cells = " | ".join(format_mean_se(m.get(k), d) for k, d in columns)
         rows.append(f"| {r['label']} | {cells} | {m['val_bpc']['n']} | {r['diverged']} |")
         for layer, fr in enumerate(r["load"]):
             loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
