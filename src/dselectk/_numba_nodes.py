@@ -82,7 +82,7 @@ _READY: set[tuple[str, str]] = set()
 
 def _first_call(kind: str, dt: str, args: tuple[Any, ...]) -> Any:
     """The first call of a kernel for a dtype in this process; a RuntimeWarning when it had to
-    compile (nothing cached: about 10-20 s, see :mod:`dselectk.runtime`), so that a slow first
+    compile (nothing cached: about 15 s, see :mod:`dselectk.runtime`), so that a slow first
     step, in each of a sweep's fresh worker processes, is not silent."""
     kernel = getattr(_load_numba(None), f"gate_{kind}")
     start = time.perf_counter()

@@ -33,8 +33,8 @@ first call in a process, once per dtype, and caches the machine code on disk (nu
 ``cache=True``): in ``$NUMBA_CACHE_DIR`` when set (a writable folder for read-only installs
 and containers), else next to ``dselectk/_numba.py`` when that folder is writable, else in
 numba's per-user cache folder (``~/.cache/numba`` on Linux). Measured on a 2-core
-EPYC at load 1: with nothing cached the first float32 call compiles for 23 s (forward 11.5 s,
-backward 11.6 s; float64 20 s more), and warns (RuntimeWarning) that it did; with the cache
+EPYC at load 1.5: with nothing cached the first float32 call compiles for 31 s (forward 13.7 s,
+backward 16.9 s; float64 28 s more), and warns (RuntimeWarning) that it did; with the cache
 the first call takes 0.5 s, plus 0.3 s to import numba. Each fresh process compiles unless the
 cache is warm when it starts (numba writes its files atomically: concurrent workers are safe,
 only slow): call :func:`warm_kernels` once before starting worker processes.
