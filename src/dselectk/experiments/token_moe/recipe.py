@@ -39,7 +39,7 @@ from dselectk.experiments.token_moe.report import diverged_line, print_table, wr
 from dselectk.gates.registry import HParam, gate_spec
 from dselectk.models import char_lm
 
-__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "config", "recipe", "run", "run_cell"]
+__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "recipe", "run", "run_cell"]
 
 
 def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
@@ -175,11 +175,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=kind, default=f.default, help=f"default {f.default}{note}")
 
 
-def config(args: argparse.Namespace) -> TokenMoEConfig:
-    """The run config of the parsed flags."""
-    return config_from_args(TokenMoEConfig, args)
-
-
 def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
     store = RunStore(config.out)
@@ -243,5 +238,5 @@ def recipe(config: TokenMoEConfig) -> Recipe:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
-    cfg = config(args)
+    cfg = config_from_args(TokenMoEConfig, args)
     return run_recipe(recipe(cfg), cfg, executor_from_args(args, threads=args.threads))

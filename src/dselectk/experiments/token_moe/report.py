@@ -18,6 +18,8 @@ from dselectk.experiments.records import (
     mean_se,
     read_object,
     summarize,
+    wall_line,
+    wall_time,
 )
 from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
@@ -81,7 +83,8 @@ def write_report(
             torch.tensor(loads, dtype=torch.float64).mean(0).tolist() if loads else []
         )
     first = records[0] if records else {}
-    given = {"wall_seconds": wall_seconds, "command": command, "jobs": jobs, "threads": threads}
+    wall = wall_time(results_dir, prev, wall_seconds, command, records)
+    given = {"command": command, "jobs": jobs, "threads": threads}
     summary = {
         "experiment": EXPERIMENT,
         "group_by": ["router"],
@@ -100,6 +103,8 @@ def write_report(
         "corpus": first["config"]["corpus"] if first else None,
         "records": len(records),
         "records_not_summarised": others,
+        "wall_seconds": wall["seconds"],
+        "wall_time": wall,
         **{k: v if v is not None else prev.get(k) for k, v in given.items()},
         "environment": first.get("environment"),
         "machine": {
@@ -142,7 +147,7 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
         diffs = [vals[(router, s)] - vals[("topk", s)] for s in seeds]
         text = f"- {_label(router)}: {d:.4f} against Top-k's {t:.4f}"
         if len(diffs) >= 2:
-            mean, se = mean_se(diffs)["mean"], mean_se(diffs)["se"]
+            mean, se = (mean_se(diffs)[key] for key in ("mean", "se"))
             wins = sum(x < 0 for x in diffs)
             within = (
                 "within"
@@ -169,13 +174,12 @@ def _markdown(summary: Mapping[str, Any]) -> str:
         for layer, fr in enumerate(r["load"]):
             loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
     seeds = [f"| {s} | {_label(g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
-    wall = summary.get("wall_seconds")
     env = summary.get("environment") or {}
     m0 = summary.get("machine") or {}
     return render(
         "token_moe",
         command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded",
+        wall_line=wall_line(summary, summary["records"]),
         jobs=summary.get("jobs") or "?",
         threads=summary.get("threads") or "?",
         machine=(
