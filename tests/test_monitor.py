@@ -53,3 +53,25 @@ def test_step_timer_leaves_out_the_warm_up_steps() -> None:
     timer = StepTimer()  # 10 warm-up steps by default: 2 of the 12 timed
     train(model, data, None, cfg, callbacks=[timer], loss_fn=lambda m, b: (m(b.x).sum(), None))
     assert timer.steps == 2 and 0 < timer.per_step() < 1
+
+
+def test_gate_trajectory_records_the_chosen_rows_at_step_0_and_every_n_steps() -> None:
+    import pytest
+
+    from dselectk.monitor import GateTrajectory
+    from dselectk.training import History
+
+    gate = make_gate("topk", 6, k=2, num_gates=3)
+    traj = GateTrajectory(gate, [0, 2], every=2, digits=3)
+    hist, batch = History(), TaskData(torch.zeros(1, 1), [torch.zeros(1)])
+    for step in range(1, 6):
+        hist.steps = step
+        traj.on_step(torch.nn.Linear(1, 1), batch, None, hist)
+    w = gate.expert_weights()
+    assert set(traj.trajectories) == {0, 2}
+    for r, tr in traj.trajectories.items():
+        assert tr["steps"] == [0, 2, 4]
+        assert tr["weights"][-1] == [round(float(v), 3) for v in w[r]]
+    assert GateTrajectory(gate, [], every=1).trajectories == {}
+    with pytest.raises(ValueError, match="every"):
+        GateTrajectory(gate, [0], every=0)

@@ -203,7 +203,7 @@ def test_binarize_separates_collided_binary_selectors() -> None:
 
 
 def test_refit_bce_matches_a_converged_logistic_regression() -> None:
-    from dselectk.experiments.recovery.model import _refit_bce
+    from dselectk.search import logistic_refit_bce as _refit_bce
 
     torch.manual_seed(8)
     h = torch.randn(3, 400, 4)
@@ -229,7 +229,8 @@ def _lbfgs_bce(h: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def test_recovery_search_variant_ends_binary_with_k_distinct_experts() -> None:
-    from dselectk.experiments.recovery.model import VARIANTS, RecoveryData, train_reps
+    from dselectk.data.recovery import RecoveryData
+    from dselectk.experiments.recovery.model import VARIANTS, train_reps
 
     assert {n for n, v in VARIANTS.items() if v.search} >= {"dselect_k_search", "topk_search"}
     data = RecoveryData(0, n_train=1024, n_val=256)

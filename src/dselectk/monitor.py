@@ -18,7 +18,8 @@ The :class:`GateMonitor` callback of :func:`~dselectk.training.train` measures:
   the experts no weight uses, batch-wide.
 
 :func:`gate_summary` and :func:`gate_metrics` measure the trained gates (mean weights, selected
-experts). :class:`StepTimer` measures the wall time per optimizer step after a warm-up.
+experts). :class:`StepTimer` measures the wall time per optimizer step after a warm-up;
+:class:`GateTrajectory` records chosen rows of a gate bank's weights along a run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dselectk.training import Callback, History, TaskData
 
 __all__ = [
     "GateMonitor",
+    "GateTrajectory",
     "StepTimer",
     "binary_fractions",
     "flops_ratio",
@@ -192,6 +194,34 @@ class StepTimer(Callback):
     def per_step(self) -> float:
         """Seconds per step after the warm-up; NaN before a timed step."""
         return (time.perf_counter() - self.t0) / self.steps if self.t0 and self.steps else math.nan
+
+
+class GateTrajectory(Callback):
+    """The weights (:meth:`~dselectk.gates.base.Gate.expert_weights`) of the gates ``rows`` of
+    a bank, rounded to ``digits``, at step 0 (when created) and every ``every`` steps:
+    ``trajectories[row] = {"steps": [...], "weights": [[w_1, ..., w_E], ...]}``."""
+
+    def __init__(self, gate: Gate, rows: Sequence[int], every: int, digits: int = 5) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.gate, self.every, self.digits = gate, every, digits
+        self.trajectories: dict[int, dict[str, Any]] = {
+            r: {"steps": [], "weights": []} for r in rows
+        }
+        self.record(0)
+
+    def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
+        if history.steps % self.every == 0:
+            self.record(history.steps)
+
+    @torch.no_grad()
+    def record(self, step: int) -> None:
+        """Record the rows' weights now, as those of ``step``."""
+        if self.trajectories:
+            w = self.gate.expert_weights()
+            for r, tr in self.trajectories.items():
+                tr["steps"].append(step)
+                tr["weights"].append([round(float(v), self.digits) for v in w[r]])
 
 
 @torch.no_grad()

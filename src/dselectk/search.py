@@ -33,12 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
 from dselectk.training import Callback, History, TaskData
 
-__all__ = ["RefitStats", "SearchResult", "SwapSearch", "selector_refit_mse", "swap_search"]
+__all__ = [
+    "RefitStats",
+    "SearchResult",
+    "SwapSearch",
+    "logistic_refit_bce",
+    "selector_refit_mse",
+    "swap_search",
+]
 
 MemberLoss = Callable[[], Tensor]
 
@@ -284,6 +292,22 @@ def selector_refit_mse(gate: Gate, stats: RefitStats, ridge: float = 1e-4) -> Te
     c = torch.linalg.solve(gram + ridge * scale[..., None, None] * eye, b.unsqueeze(-1))
     fit = (c.transpose(-1, -2) @ gram @ c).squeeze(-1).squeeze(-1) - 2 * (c.squeeze(-1) * b).sum(-1)
     return (stats.target + fit).clamp_min(0.0).flatten().float()
+
+
+def logistic_refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:
+    """(R,) mean BCE of logistic regressions of y (B,) on h (R, B, d), each refitted from w
+    (R, d) by ``iters`` Newton steps on BCE + l2·|w|² (a tiny ridge keeps separable data
+    finite): the classification counterpart of :func:`selector_refit_mse`, for a search's
+    ``member_loss`` when a logistic head was fitted to the old selection."""
+    eye = torch.eye(h.shape[-1], dtype=h.dtype)
+    for _ in range(iters):
+        p = torch.sigmoid(torch.einsum("rbd,rd->rb", h, w))
+        grad = torch.einsum("rbd,rb->rd", h, p - y) / h.shape[1] + 2 * l2 * w
+        hess = torch.einsum("rbd,rb,rbe->rde", h, p * (1 - p), h) / h.shape[1] + 2 * l2 * eye
+        w = w - torch.linalg.solve(hess, grad.unsqueeze(-1)).squeeze(-1)
+    logits = torch.einsum("rbd,rd->rb", h, w)
+    bce = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none")
+    return bce.mean(-1)
 
 
 @dataclass

@@ -7,17 +7,13 @@ at random positions and random others, and a trainable static gate choosing ``--
 recovered all 4 true experts and Top-k only 1 (Figures C.3, C.4). The setup and the choices
 where the paper is silent are written into every report (``templates/recovery.md``).
 
-Laid out as the other recipes: ``model`` (variants, data, vectorized model, training by the
-library's loop), ``recipe`` (flags, run config, one cell per variant) and ``report``.
+Laid out as the other recipes: ``model`` (variants, vectorized model, training by the
+library's loop), ``recipe`` (flags, run config, one cell per variant) and ``report``; the
+generated data is :mod:`dselectk.data.recovery`.
 """
 
-from dselectk.experiments.recovery.model import (
-    BASE_HPARAMS,
-    VARIANTS,
-    RecoveryData,
-    RecoveryMoE,
-    train_reps,
-)
+from dselectk.data.recovery import RecoveryData
+from dselectk.experiments.recovery.model import BASE_HPARAMS, VARIANTS, RecoveryMoE, train_reps
 from dselectk.experiments.recovery.recipe import RecoveryConfig, add_arguments, run
 from dselectk.experiments.recovery.report import write_report
 

@@ -1,4 +1,5 @@
-"""The expert-recovery study's variants, data, vectorized model, and their training."""
+"""The expert-recovery study's variants, vectorized model, and their training (the data is
+:mod:`dselectk.data.recovery`)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dselectk.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData, expert_outputs
 from dselectk.experiments.metrics import recovered_experts
 from dselectk.experiments.runner import progress_position
 from dselectk.gates.base import Gate
+from dselectk.monitor import GateTrajectory
 from dselectk.optim import RowwiseAdam
+from dselectk.search import logistic_refit_bce
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import History, TaskData, TrainConfig, train
+from dselectk.training import TaskData, TrainConfig, train
 from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
 
-__all__ = ["VARIANTS", "RecoveryData", "RecoveryMoE", "expert_outputs", "train_reps"]
+__all__ = ["VARIANTS", "RecoveryMoE", "train_reps"]
 
 EXPERIMENT = "recovery"
 #: the paper's shape: the defaults of --experts, --true-experts and --k
-NUM_EXPERTS, NUM_TRUE, K = 16, 4, 4
-UNITS, FEATURES, BATCH_SIZE = 4, 10, 256
+NUM_EXPERTS, K = 16, NUM_TRUE
+BATCH_SIZE = 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
 #: hyperparameters under the tuned file's (a variant takes those its gate declares)
 BASE_HPARAMS: dict[str, Any] = {"epochs": 50, "gamma": 10.0, "entropy_reg": 0.1}
@@ -41,29 +45,6 @@ VARIANTS = variant_table(
             search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True), tuned_as="topk"),
     Variant("comet", "comet", "COMET tree gate (Ibrahim et al. 2023)"),
 )  # fmt: skip
-
-
-class RecoveryData:
-    """The generated data (x: (N, 10), y: (N,) in {0, 1}) and ``true_experts`` (num_true, 10,
-    4), drawn from a private generator (the global RNG is untouched)."""
-
-    def __init__(
-        self, seed: int = 0, n_train: int = 10_000, n_val: int = 10_000, num_true: int = NUM_TRUE
-    ) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.true_experts = torch.randn(num_true, FEATURES, UNITS, generator=g)
-        head = torch.randn(UNITS, generator=g)
-        x = torch.randn(n_train + n_val, FEATURES, generator=g)
-        pre = expert_outputs(x, self.true_experts).mean(0) @ head  # the experts' average
-        y = (pre - pre.median() > 0).float()  # bias = minus the median: balanced classes
-        self.x_train, self.y_train = x[:n_train], y[:n_train]
-        self.x_val, self.y_val = x[n_train:], y[n_train:]
-        self.seed, self.num_true = seed, num_true
-
-
-def expert_outputs(x: Tensor, weights: Tensor) -> Tensor:
-    """ReLU dense experts without bias: x (B, p), weights (..., E, p, u) → (..., E, B, u)."""
-    return torch.relu(torch.einsum("bp,...epu->...ebu", x, weights))
 
 
 def _bce(logits: Tensor, y: Tensor) -> Tensor:
@@ -166,21 +147,9 @@ def _member_loss(model: RecoveryMoE, data: RecoveryData, plan: SearchPlan, seed:
             return _bce(model(feats)[0], y)
         h = model(feats, head=False)[0]  # (R, B, 4)
         w = torch.cat([model.head_w, model.head_b.unsqueeze(-1)], -1).detach()  # (R, 5)
-        return _refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
+        return logistic_refit_bce(torch.cat([h, torch.ones_like(h[..., :1])], -1), y, w)
 
     return member_loss
-
-
-def _refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: float = 1e-3) -> Tensor:
-    """(R,) mean BCE of logistic regressions of y on h (R, B, d), each refitted from w (R, d)
-    by ``iters`` Newton steps on BCE + l2·|w|² (a tiny ridge keeps separable data finite)."""
-    eye = torch.eye(h.shape[-1], dtype=h.dtype)
-    for _ in range(iters):
-        p = torch.sigmoid(torch.einsum("rbd,rd->rb", h, w))
-        grad = torch.einsum("rbd,rb->rd", h, p - y) / h.shape[1] + 2 * l2 * w
-        hess = torch.einsum("rbd,rb,rbe->rde", h, p * (1 - p), h) / h.shape[1] + 2 * l2 * eye
-        w = w - torch.linalg.solve(hess, grad.unsqueeze(-1)).squeeze(-1)
-    return _bce(torch.einsum("rbd,rd->rb", h, w), y)
 
 
 def train_reps(
@@ -211,20 +180,10 @@ def train_reps(
     opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
     epochs = int(hparams["epochs"])
     steps = total_steps(epochs, data.y_train.shape[0], BATCH_SIZE)
-    trajs: dict[int, dict[str, Any]] = {
-        r: {"steps": [], "weights": [], "true": model.true_mask[r].nonzero().flatten().tolist()}
-        for r in (record_reps if record_every else ())
-    }
-
-    def record(_: nn.Module, history: History) -> None:  # the weights of record_reps
-        if trajs and history.steps % record_every == 0:
-            w = model.weights()
-            for r, tr in trajs.items():
-                tr["steps"].append(history.steps)
-                tr["weights"].append([round(float(v), 5) for v in w[r]])
-
-    record(model, History())
-    callbacks: list[Any] = [record]
+    trajectory = GateTrajectory(model.gates, record_reps if record_every else (), record_every or 1)
+    for r, tr in trajectory.trajectories.items():  # and the positions of the true experts
+        tr["true"] = model.true_mask[r].nonzero().flatten().tolist()
+    callbacks: list[Any] = [trajectory]
     if variant.search is not None:
         loss = _member_loss(model, data, variant.search, shuffle_seed)
         callbacks.append(variant.search.callback(model.gates, loss, steps))
@@ -251,4 +210,4 @@ def train_reps(
         callbacks=callbacks,
         loss_fn=_loss,
     )
-    return _evaluate(model, model.features(data.x_val), data.y_val), trajs
+    return _evaluate(model, model.features(data.x_val), data.y_val), trajectory.trajectories

@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dselectk.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData
 from dselectk.experiments.args import (
     check_fits,
     config_from_args,
@@ -27,13 +28,9 @@ from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
     BATCH_SIZE,
     EXPERIMENT,
-    FEATURES,
     LRS,
     NUM_EXPERTS,
-    NUM_TRUE,
-    UNITS,
     VARIANTS,
-    RecoveryData,
     train_reps,
 )
 from dselectk.experiments.recovery.report import diverged_lrs, print_table, write_report

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dselectk.data.recovery import NUM_TRUE
 from dselectk.experiments.records import (
     RunStore,
     diverged,
@@ -17,7 +18,7 @@ from dselectk.experiments.records import (
     wall_line,
     wall_time,
 )
-from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, NUM_TRUE, VARIANTS, K
+from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, VARIANTS, K
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 

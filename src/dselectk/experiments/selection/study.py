@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from dselectk.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
 from dselectk.experiments.records import RunStore, run_id
-from dselectk.experiments.recovery import VARIANTS, RecoveryData, train_reps
-from dselectk.experiments.recovery.model import BATCH_SIZE, FEATURES, UNITS, expert_outputs
+from dselectk.experiments.recovery import VARIANTS, train_reps
+from dselectk.experiments.recovery.model import BATCH_SIZE
 from dselectk.experiments.recovery.recipe import tuned_hparams
 from dselectk.experiments.runner import missing
 from dselectk.experiments.selection import c1 as C1
