@@ -448,19 +448,22 @@ def test_numba_module_imports_numba_and_numpy_only() -> None:
     assert modules <= {"__future__", "typing", "numpy", "numba", "numba.extending"}
 
 
+@pytest.mark.parametrize("rest", [7, 40])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("k", "m"), [(4, 7), (3, 4), (1, 1), (2, 6), (5, 3)])
 def test_the_kernels_numbers_do_not_depend_on_the_tiling(
-    numba_kernel: list[int], dtype: Any, k: int, m: int
+    numba_kernel: list[int], dtype: Any, k: int, m: int, rest: int
 ) -> None:
     """The kernels work by tiles (gates innermost, vectorised): wide tiles of _TILE gates, then
-    the rest in one narrow tile (its products gate by gate). Bit for bit the same numbers for
-    every gate (no fused multiply-adds, the same order of operations), whichever tile a gate
-    falls in: two wide tiles and a rest against each gate alone, with and without the weights'
-    grad, γ, λ and the entropies' grads per gate; and the loss, summed gate after gate."""
+    the rest in one narrow tile (its products gate by gate), or from _PAD_FROM gates on in a
+    wide tile padded with zero logits. Bit for bit the same numbers for every gate (no fused
+    multiply-adds, the same order of operations), whichever tile a gate falls in: two wide
+    tiles and a rest against each gate alone, with and without the weights' grad, γ, λ and the
+    entropies' grads per gate; and the loss, summed gate after gate."""
     nb = runtime._load_numba("numba")
     rng = np.random.default_rng(k * 10 + m)
-    g = 2 * nb._TILE + 7
+    g = 2 * nb._TILE + rest
+    assert (rest >= nb._PAD_FROM) == (nb.state_shape(g, k, m)[1] > g)
     logits = (rng.standard_normal((g, k * (1 + m))) * 0.8).astype(dtype)
     logits[rng.random(logits.shape) < 0.2] *= 10.0  # saturated bits (binary: exact zeros)
     gam = rng.uniform(0.5, 1.5, 3).astype(dtype)
