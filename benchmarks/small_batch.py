@@ -9,7 +9,11 @@ machine).
 
 Contention (on by default, ``--no-contention`` skips it): the same measurement on 2 threads
 after starting 3 processes that spin on the CPU (``multiprocessing``), stopped afterwards; rows
-give busy / idle medians (the idle ones from the table above, same process).
+give busy / idle medians (the idle ones from the table above, same process). A ``control`` row
+per batch size times plain single-threaded NumPy work of the gate's size (exp and sum of a
+(B, n) float32 array, 8 times) in the same rounds: its busy / idle is what this machine does to
+any one-thread step beside the spinners (about 2 on 2 CPUs: four runnable threads), the
+reference the gate's ratio is read against.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.common import Report, dselect_out, fwd_bwd, topk_out
@@ -74,10 +79,21 @@ def _guarded(step: Any) -> Any:
     return run
 
 
+def _control(a: np.ndarray) -> Any:
+    """Single-threaded NumPy work on the gate's (B, n) size: the contention rows' reference."""
+
+    def run() -> None:
+        for _ in range(8):
+            float(np.exp(a).sum())
+
+    return run
+
+
 def measure(
     batches: tuple[int, ...], threads: int, reps: int, dev: torch.device
 ) -> dict[int, dict[str, dict[str, float]]]:
-    """B -> compare() timings of ``dselect``, ``topk`` and ``dselect_1t`` on ``threads``."""
+    """B -> compare() timings of ``dselect``, ``topk``, ``dselect_1t`` and ``control`` on
+    ``threads``."""
     out = {}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -94,6 +110,8 @@ def measure(
                 "topk": fwd_bwd(partial(topk_out, topk, x), g),
                 "dselect_1t": _guarded(ours),
             }
+            if dev.type == "cpu":
+                fns["control"] = _control(np.random.default_rng(0).random((b, N), np.float32))
             n = reps if b < 4096 else max(3, reps // 3)
             out[b] = compare(fns, dev, reps=n, warmup=2, shuffle=True)
     finally:
@@ -147,7 +165,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         load_after = _load()
     crow = []
     for b in batches:
-        for name in ("dselect", "topk", "dselect_1t"):
+        for name in ("dselect", "topk", "dselect_1t", "control"):
             i_ms, b_ms = idle[2][b][name]["median_ms"], busy[b][name]["median_ms"]
             crow.append(
                 {
