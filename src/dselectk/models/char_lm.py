@@ -197,9 +197,10 @@ def train_bytes_per_token(settings: Mapping[str, Any]) -> float:
     """Memory a training step keeps per token (activations for the backward pass) of the model
     of ``settings`` (as :meth:`CharMoETransformer.from_settings` reads them), an upper
     estimate: measured 17.5 KB at the defaults (peak RSS growth of one step at batch 256 and
-    1024), estimated 23.5 KB."""
+    1024), estimated 23.5 KB. A ``router_hidden`` layer adds its input and output to a layer."""
     d, k, d_ff, heads = settings["d_model"], settings["k"], settings["d_ff"], settings["heads"]
     per_layer = 16 * d + 3 * k * d_ff + 3 * heads * settings["seq_len"]
+    per_layer += 2 * int(settings.get("router_hidden", 0))
     return 4.0 * (settings["layers"] * per_layer + 3 * 256)
 
 
