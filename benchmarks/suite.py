@@ -69,7 +69,10 @@ HISTORY = REPO_ROOT / "benchmarks" / "results" / "history.jsonl"
 
 
 def git_commit() -> str:
-    """The checkout's commit (short hash), with ``+dirty`` when tracked files differ; "" if none."""
+    """The checkout's commit (short hash), with ``+dirty`` when tracked files differ; else the
+    ``DSELECTK_COMMIT`` environment variable (a copy of the tree without ``.git``, as sent to a
+    GPU machine), else ""."""
+    fallback = os.environ.get("DSELECTK_COMMIT", "")
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -80,8 +83,8 @@ def git_commit() -> str:
             capture_output=True, text=True, cwd=REPO_ROOT, timeout=10,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return ""
-    return head + ("+dirty" if head and dirty else "")
+        return fallback
+    return head + ("+dirty" if dirty else "") if head else fallback
 
 
 def history_entry(result: dict[str, Any]) -> dict[str, Any]:

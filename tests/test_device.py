@@ -35,3 +35,220 @@ def test_mmoe_step_on_cuda() -> None:
     out = model(torch.randn(4, 6, device="cuda"))
     (sum(o.sum() for o in out.outputs) + out.aux_loss).backward()
     assert all(p.grad is not None and p.grad.is_cuda for p in model.parameters())
+
+
+# --- issue 25: the gate, the MoE layer and the training step on a GPU, each against the CPU ---
+
+
+def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The module on the CPU and an exact copy on CUDA (float64 both)."""
+    import copy
+
+    cpu = module.double()
+    return cpu, copy.deepcopy(cpu).to("cuda")
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("batch", [1, 16, 300])
+def test_gate_gradients_on_cuda_match_cpu(name: str, batch: int) -> None:
+    """Forward and backward of every per-example gate, at small and large batch sizes (the CPU
+    side takes the fast kernels where they apply; CUDA the torch path)."""
+    kw = {} if name in ("softmax", "gumbel_softmax") else {"k": 3}
+    torch.manual_seed(1)
+    cpu, gpu = _pair(dk.make_gate(name, 16, in_features=12, **kw).train())
+    x = torch.randn(batch, 12, dtype=torch.float64)
+    outs = []
+    for gate, xx in ((cpu, x), (gpu, x.to("cuda"))):
+        torch.manual_seed(2)  # a stochastic gate draws the same noise only on one device;
+        out = gate(xx)  # compare the deterministic ones, and the rest for finiteness
+        (out.weights.square().sum() + out.aux_loss).backward()
+        outs.append(out)
+    grads_cpu, grads_gpu = _grads(cpu), _grads(gpu)
+    assert grads_cpu.keys() == grads_gpu.keys() and grads_cpu
+    if name == "gumbel_softmax":
+        assert all(torch.isfinite(g).all() for g in grads_gpu.values())
+        return
+    torch.testing.assert_close(outs[1].weights.cpu(), outs[0].weights)
+    for key in grads_cpu:
+        torch.testing.assert_close(grads_gpu[key], grads_cpu[key], msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+def test_static_gate_bank_on_cuda_matches_cpu() -> None:
+    torch.manual_seed(3)
+    cpu, gpu = _pair(dk.DSelectK(16, 4, num_gates=64))
+    for gate in (cpu, gpu):
+        (gate().weights.square().sum() + gate().aux_loss).backward()
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    ("router", "routing", "capacity"),
+    [
+        ("topk", "token", None),
+        ("dselect_k", "token", None),
+        ("dselect_k", "token", 1.0),
+        ("softmax", "expert", 1.0),
+    ],
+)
+def test_sparse_moe_layer_on_cuda_matches_cpu(
+    router: str, routing: str, capacity: float | None
+) -> None:
+    from dselectk.layers import SparseMoEFeedForward
+
+    torch.manual_seed(4)
+    layer = SparseMoEFeedForward(16, 24, 8, router, k=2, routing=routing, capacity_factor=capacity)
+    cpu, gpu = _pair(layer)
+    x = torch.randn(3, 40, 16, dtype=torch.float64)
+    outs = []
+    for mod, xx in ((cpu, x), (gpu, x.to("cuda"))):
+        out, aux = mod(xx)
+        (out.square().sum() + aux).backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1].cpu(), outs[0])
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+def test_training_loop_on_cuda_matches_cpu() -> None:
+    """Two epochs of the one training loop, a per-example DSelect-k MMoE, data on the device."""
+    from dselectk.tasks import TaskData
+    from dselectk.training import TrainConfig, train
+
+    losses = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(5)
+        model = (
+            MultiGateMoE(
+                StackedMLP(4, 6, [8]),
+                dk.DSelectK(4, 2, in_features=6, num_gates=2),
+                StackedMLP(2, 8, [1]),
+            )
+            .double()
+            .to(device)
+        )
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(64, 6, generator=g, dtype=torch.float64)
+        ys = [torch.randn(64, 1, generator=g, dtype=torch.float64) for _ in range(2)]
+        data = TaskData(x.to(device), [y.to(device) for y in ys])
+        hist = train(model, data, "mse", TrainConfig(epochs=2, batch_size=16, lr=0.01))
+        losses.append(hist.train_loss)
+    assert len(losses[0]) == 2
+    assert losses[1] == pytest.approx(losses[0], rel=1e-9)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fused", [True, False])
+def test_c1_bank_loss_on_cuda_matches_cpu(fused: bool) -> None:
+    """The C.1 model (R members, static gates) and its fused loss node, on both devices."""
+    from dselectk.models.bank import MoEBank
+
+    torch.manual_seed(7)
+    experts = StackedMLP(3 * 8, 10, [1], final_activation=True)
+    bank = MoEBank(experts, dk.DSelectK(8, 4, num_gates=3 * 2), members=3)
+    assert bank.fusable
+    cpu, gpu = _pair(bank)
+    x, y = torch.randn(32, 10, dtype=torch.float64), torch.randn(32, 2, dtype=torch.float64)
+    losses = []
+    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        loss = mod.loss(x.to(dev), y.to(dev), fused=fused)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-9)
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+def test_char_lm_step_on_cuda_matches_cpu() -> None:
+    from functools import partial
+
+    from dselectk.models.char_lm import CharMoETransformer
+
+    torch.manual_seed(8)
+    model = CharMoETransformer(
+        partial(dk.DSelectK, 8, k=2, in_features=32, distinct=True),
+        seq_len=16,
+        d_model=32,
+        heads=2,
+        layers=2,
+        d_ff=48,
+    )
+    cpu, gpu = _pair(model)
+    ids = torch.randint(0, 256, (4, 17))
+    losses = []
+    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        loss = mod.loss(ids[:, :-1].to(dev), ids[:, 1:].to(dev))
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-9)
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+def test_mixtral_with_our_router_on_cuda_matches_cpu() -> None:
+    transformers = pytest.importorskip("transformers")
+    from dselectk.integrations.hf import replace_routers
+
+    torch.manual_seed(9)
+    cfg = transformers.MixtralConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    model = transformers.MixtralForCausalLM(cfg)
+    replace_routers(model, "dselect_k")
+    import copy
+
+    cpu, gpu = model, copy.deepcopy(model).to("cuda")  # float32: HF's grouped_mm has no float64
+    ids = torch.randint(0, 50, (2, 9))
+    losses = []
+    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        out = mod(input_ids=ids.to(dev), labels=ids.to(dev))
+        out.loss.backward()
+        losses.append(out.loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, rtol=1e-3, atol=1e-5, msg=key)
+
+
+@pytest.mark.gpu
+@cuda
+def test_export_on_cuda_matches_eager() -> None:
+    """torch.export of a per-example DSelect-k MMoE on the GPU, verified against eager there."""
+    from dselectk.export import export_program
+
+    torch.manual_seed(10)
+    model = MultiGateMoE(
+        StackedMLP(4, 6, [8]),
+        dk.DSelectK(4, 2, in_features=6, num_gates=2),
+        StackedMLP(2, 8, [1]),
+    ).to("cuda")
+    program = export_program(model, (torch.randn(5, 6, device="cuda"),))
+    x = torch.randn(9, 6, device="cuda")
+    eager = model.eval()(x).outputs
+    exported = program.module()(x)
+    for a, b in zip(exported, eager):
+        torch.testing.assert_close(a, b)
