@@ -69,10 +69,12 @@ HISTORY = REPO_ROOT / "benchmarks" / "results" / "history.jsonl"
 
 
 def git_commit() -> str:
-    """The checkout's commit (short hash), with ``+dirty`` when tracked files differ; else the
-    ``DSELECTK_COMMIT`` environment variable (a copy of the tree without ``.git``, as sent to a
-    GPU machine), else ""."""
+    """``DSELECTK_COMMIT`` when set (a copy of a commit's tree run elsewhere, e.g. on a GPU
+    machine, where ``.git`` is not that commit's), else the checkout's commit (short hash), with
+    ``+dirty`` when tracked files differ; "" if none."""
     fallback = os.environ.get("DSELECTK_COMMIT", "")
+    if fallback:  # set explicitly: the tree was copied from that commit
+        return fallback
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
