@@ -68,17 +68,33 @@ def _check_gamma(gamma: float | Tensor) -> None:
         raise ValueError(f"gamma must be a finite number > 0, got {g_f}")
 
 
-def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
+def _check_leak(leak: float) -> float:
+    """``leak`` as a float, or a ValueError naming ``leak`` unless it is a finite number >= 0."""
+    if isinstance(leak, bool) or not isinstance(leak, int | float):
+        raise ValueError(f"leak must be a finite number >= 0, got {leak!r}")
+    if not (math.isfinite(leak) and leak >= 0.0):
+        raise ValueError(f"leak must be a finite number >= 0, got {leak!r}")
+    return float(leak)
+
+
+def smooth_step(t: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0) -> Tensor:
     """Cubic smooth-step S(t; γ) of Section 3.1.3.
 
     S(t) = 0 for t <= -γ/2, 1 for t >= γ/2, and -2t³/γ³ + 3t/(2γ) + 1/2 in between. It is C¹ with
     S'(±γ/2) = 0, and returns exact 0/1 outside the fractional region, so the gradient there is
     exactly zero (the property that freezes a converged selector).
 
+    Leaky straight-through gradient (ours, not the paper's; issue 23): with ``leak=ε > 0`` the
+    values are exactly S(t) (binary stays binary), but the gradient with respect to ``t`` is
+    max(S'(t), ε·S'(0)), S'(0) = 1.5/γ: where S is flat a weak slope in the direction S grows
+    keeps a saturated bit learning (ε = 1 is the full straight-through). A monotone surrogate,
+    not the derivative of S; γ's gradient gets the matching term.
+
     Args:
         t: any shape.
         gamma: width γ > 0 of the fractional region: a float, a 0-d tensor (e.g. a buffer a
             schedule updates in place), or a tensor broadcastable to ``t`` (one γ per entry).
+        leak: ε >= 0 (default 0: the exact derivative).
 
     Returns:
         Tensor of the shape of ``t``.
@@ -86,8 +102,18 @@ def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
     _check_gamma(gamma)
     # With s = t/γ the cubic is s(1.5 - 2s²) + 0.5; clamping s to [-1/2, 1/2] makes both ends
     # exact in floating point (0.5 * 1.0 ± 0.5) and gives a zero gradient outside.
-    s = (t / gamma).clamp(-0.5, 0.5)
-    return s * (1.5 - 2.0 * s * s) + 0.5
+    leak = _check_leak(leak) if leak != 0.0 else 0.0
+    raw = t / gamma
+    s = raw.clamp(-0.5, 0.5)
+    out = s * (1.5 - 2.0 * s * s) + 0.5
+    if leak == 0.0:
+        return out
+    # The missing slope (in s) up to ε·1.5, added by a term whose value is exactly 0
+    # (raw - raw.detach() == 0): dS/dt = S'(t) + extra/γ = max(S'(t), ε·S'(0)).
+    with torch.no_grad():
+        slope = torch.where(raw.abs() < 0.5, 1.5 - 6.0 * s * s, torch.zeros_like(s))
+        extra = (1.5 * leak - slope).clamp_min(0.0)
+    return out + extra * (raw - raw.detach())
 
 
 def code_table(num_experts: int, *, device: torch.device | None = None) -> Tensor:
@@ -229,7 +255,9 @@ def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tens
 _small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
 
 
-def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
+def dselect_k_fused(
+    alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """DSelect-k weights over all N = 2**M codes and the per-selector entropies, fused.
 
     Same numbers as ``dselect_k_weights(alpha, z, gamma)`` and
@@ -246,6 +274,9 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
         gamma: smooth-step width γ > 0: a float, a 0-d tensor (e.g. a buffer a
             schedule updates in place), or a tensor broadcastable to the
             leading shape ``...`` (one γ per gate, e.g. a bank of gates tuned together).
+        leak: ε >= 0 of :func:`smooth_step`'s leaky gradient for the weights (the entropies
+            keep the exact one: h'(p) is unbounded at p in {0, 1}); ε > 0 takes the composed
+            formulas (the kernels compute the exact derivative).
 
     Returns:
         ``(weights (..., N), entropies (..., K))``.
@@ -262,7 +293,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
     kernel: type[_DSelectSmall] | type[_DSelectFused] | None
-    if (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or entries == 0:
+    leak = _check_leak(leak) if leak != 0.0 else 0.0
+    if leak or (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
         # Tracing and exporting: the composed formulas at every size. A branch on the size
         # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
         # FUSED_MIN_ELEMENTS records a guard: an exported program refused batches above 256)
@@ -277,7 +309,8 @@ def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tu
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
         p = smooth_step(z, gamma)
-        w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
+        pw = smooth_step(z, gamma, leak) if leak else p  # the same values
+        w = _expand_bits(pw, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
         return w, selector_entropy(p)
     if isinstance(gamma, Tensor):
         g = gamma if gamma.dtype == z.dtype and gamma.device == z.device else gamma.to(z)

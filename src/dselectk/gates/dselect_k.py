@@ -42,17 +42,12 @@ _MODULE = torch.nn.modules.module  # (its global hooks' dicts)
 
 def _has_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` would run hooks (its own or global module hooks)."""
-    _m = _MODULE
+    m, g = module, _MODULE
     return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or _m._global_forward_hooks
-        or _m._global_forward_pre_hooks
-        or _m._global_backward_hooks
-        or _m._global_backward_pre_hooks
-    )
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )  # fmt: skip
 
 
 class _OneThreadSplitLinear(_PositionalFunction):
@@ -156,6 +151,8 @@ class DSelectK(Gate):
             expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
+        leak: (ours) ε >= 0 of the smooth-step's leaky straight-through gradient for the weights
+            (:func:`~dselectk.functional.smooth_step`; same values). Default 0 (exact).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -167,6 +164,7 @@ class DSelectK(Gate):
     entropy_reg = HyperParameter(positive=False)
     _diversity: Tensor
     diversity = HyperParameter(positive=False, optional=True)  # old checkpoints lack it
+    leak = 0.0  # (a class default: old pickled gates lack the attribute)
 
     def __init__(
         self,
@@ -180,6 +178,7 @@ class DSelectK(Gate):
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
         distinct: bool = False,
+        leak: float = 0.0,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -204,7 +203,7 @@ class DSelectK(Gate):
         self.init = init
         if not isinstance(distinct, bool):
             raise TypeError(f"distinct must be a bool, got {distinct!r}")
-        self.distinct = distinct
+        self.distinct, self.leak = distinct, DF._check_leak(leak)
         self._build_logits()
         self._init_parameters()
 
@@ -328,7 +327,7 @@ class DSelectK(Gate):
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
-        w, ent = DF.dselect_k_fused(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
+        w, ent = DF.dselect_k_fused(alpha, z, self._gamma, self.leak)  # (*lead, N), (*lead, K)
         weights = w[..., : self.num_experts]
         per_gate = self._entropy_reg * ent.sum(dim=-1)  # a per-gate λ (T,) broadcasts likewise
         if self.num_experts < 2**self.num_bits and self.xi > 0:
@@ -430,9 +429,10 @@ class DSelectK(Gate):
         return GateOutput(w, aux)
 
     def _host_math(self) -> bool:
-        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes or
-        the unused-code penalty (n < 2**M with ξ > 0)."""
-        return not (self.distinct or (self.num_experts < 2**self.num_bits and self.xi > 0))
+        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes, a
+        ``leak`` or the unused-code penalty (n < 2**M with ξ > 0)."""
+        unused = self.num_experts < 2**self.num_bits and self.xi > 0
+        return not (self.distinct or self.leak or unused)
 
     def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
         """Whether the numba node takes this gate's problem (every size; the tensors' own checks
@@ -589,9 +589,8 @@ class DSelectK(Gate):
         extra = ""  # today's repr when the diversity penalty is off
         if type(self).diversity.is_nonzero(self):
             extra = f", diversity={format_hyperparameter(self.diversity)}"
-        if self.distinct:
-            extra += ", distinct=True"
-
+        extra += ", distinct=True" if self.distinct else ""
+        extra += f", leak={self.leak:g}" if self.leak else ""
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"

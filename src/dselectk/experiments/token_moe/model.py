@@ -67,8 +67,11 @@ WARMUP_STEPS = 10
 
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
-    gate's hyperparameters found in ``hp``) and as ``variant.routing`` says."""
-    gate = partial(variant.build, hparams=hp)
+    gate's hyperparameters found in ``hp``) and as ``variant.routing`` says. A DSelect-k gate
+    also gets ``hp["smooth_step_leak"]`` as its ``leak`` when it is set (other gates ignore it)."""
+    leak = float(hp.get("smooth_step_leak", 0.0))
+    extra: dict[str, Any] = {"leak": leak} if leak and variant.gate == "dselect_k" else {}
+    gate = partial(variant.build, hparams=hp, **extra)
     return CharMoETransformer.from_settings(gate, hp, routing=variant.routing)
 
 

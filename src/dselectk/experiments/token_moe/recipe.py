@@ -96,6 +96,12 @@ class TokenMoEConfig:
         int_at_least(0),
         " (0: the router reads the token; h: a GELU hidden layer d_model → h in front of it)",
     )
+    smooth_step_leak: float = _flag(
+        0.0,
+        nonnegative_float,
+        " (DSelect-k routers only: ε of the smooth-step's leaky gradient, max(S', ε·S'(0)); "
+        "0: the exact gradient)",
+    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -146,7 +152,7 @@ _SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, f
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"router_lr_scale", "router_hidden"})
+LATER = frozenset({"router_lr_scale", "router_hidden", "smooth_step_leak"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
