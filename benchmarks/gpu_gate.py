@@ -31,18 +31,22 @@ from dselectk.gates import DSelectK, TopKGate
 P, N, K = 64, 128, 4
 BATCHES = (1, 16, 256, 4096)
 HUGE = 2**62
-#: formulation -> (SMALL_MAX_ELEMENTS, FUSED_MIN_ELEMENTS) that force it at every size
-FORCED = {"small": (HUGE, HUGE + 1), "fused": (0, 1), "composed": (0, HUGE)}
+#: formulation -> (SMALL_MAX_ELEMENTS, FUSED_MIN_ELEMENTS, CUDA_SMALL_MAX_ELEMENTS) that force
+#: it at every size
+FORCED = {"small": (HUGE, HUGE + 1, HUGE), "fused": (0, 1, 0), "composed": (0, HUGE, 0)}
+NAMES = ("SMALL_MAX_ELEMENTS", "FUSED_MIN_ELEMENTS", "CUDA_SMALL_MAX_ELEMENTS")
 
 
 @contextmanager
-def thresholds(small: int, fused: int) -> Iterator[None]:
-    before = DF.SMALL_MAX_ELEMENTS, DF.FUSED_MIN_ELEMENTS
-    DF.SMALL_MAX_ELEMENTS, DF.FUSED_MIN_ELEMENTS = small, fused
+def thresholds(*values: int) -> Iterator[None]:
+    before = [getattr(DF, n) for n in NAMES]
+    for n, v in zip(NAMES, values):
+        setattr(DF, n, v)
     try:
         yield
     finally:
-        DF.SMALL_MAX_ELEMENTS, DF.FUSED_MIN_ELEMENTS = before
+        for n, v in zip(NAMES, before):
+            setattr(DF, n, v)
 
 
 def forced(step: Callable[[], None], name: str) -> Callable[[], None]:

@@ -2,9 +2,10 @@
 # The prepared device check of issue 25, one call on a lent GPU machine (python3 there holds a
 # CUDA torch): the CUDA tests (every gate, the MoE layer, the training loop, the C.1 bank, the
 # char-LM, Mixtral with our router, export; each against the CPU), then the benchmark suite on
-# the GPU. Results land in $OUT (default /tmp/gpu_check): env.txt, gpu_tests.log, bench.log,
-# history.jsonl (one line per suite run, as benchmarks/results/history.jsonl) and the suite's
-# JSON. Usage: DSELECTK_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh
+# the GPU, then DSelect-k's formulations on the GPU (benchmarks/gpu_gate.py). Results land in
+# $OUT (default /tmp/gpu_check): env.txt, gpu_tests.log, bench.log, history.jsonl (one line per
+# suite run, as benchmarks/results/history.jsonl), gpu_gate.json and the logs.
+# Usage: DSELECTK_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -19,8 +20,10 @@ PY=${PYTHON:-python3}
 timeout "${TESTS_S:-200}" "$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_device.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 timeout "${BENCH_S:-240}" "$PY" -m benchmarks --device cuda --only small_batch gate moe train_step \
-    --history "$OUT/history.jsonl" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    --history "$OUT/history.jsonl" --out /tmp/gpu_check_json 2>&1 | tee "$OUT/bench.log"
 if [ "${COMPILE_S:-0}" -gt 0 ]; then
     timeout "$COMPILE_S" "$PY" -m benchmarks --device cuda --quick --only train_step --compile \
-        --history "$OUT/history.jsonl" --out "$OUT" 2>&1 | tee "$OUT/bench_compile.log"
+        --history "$OUT/history.jsonl" --out /tmp/gpu_check_json 2>&1 | tee "$OUT/bench_compile.log"
 fi
+timeout "${GATE_S:-120}" "$PY" -m benchmarks.gpu_gate --out "$OUT/gpu_gate.json" 2>&1 \
+    | grep -v USDT | tee "$OUT/gpu_gate.log"

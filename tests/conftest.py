@@ -21,3 +21,4 @@ def always_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     from dselectk import functional as DF
 
     monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(DF, "CUDA_SMALL_MAX_ELEMENTS", 0)

@@ -252,3 +252,45 @@ def test_export_on_cuda_matches_eager() -> None:
     exported = program.module()(x)
     for a, b in zip(exported, eager):
         torch.testing.assert_close(a, b)
+
+
+def test_kernel_dispatch_by_device_and_size() -> None:
+    """CUDA takes the small kernel up to its own bound (fewer launches); the CPU's rule is as
+    before: small, composed, then fused by size."""
+    from dselectk import functional as DF
+    from dselectk._kernels import _DSelectFused, _DSelectSmall
+
+    cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
+    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS, cuda_dev) is _DSelectSmall
+    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS + 1, cuda_dev) is _DSelectFused
+    assert DF._kernel_for(DF.SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectSmall
+    assert DF._kernel_for(DF.FUSED_MIN_ELEMENTS, cpu_dev) is _DSelectFused
+    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectFused
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("batch", [256, 4096])
+def test_cuda_small_kernel_matches_composed_formulas(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-example gate's CUDA path (the small kernel at these sizes) against the composed
+    autograd formulas, values and gradients, float64."""
+    from dselectk import functional as DF
+
+    torch.manual_seed(11)
+    alpha = torch.randn(batch, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    z = torch.randn(batch, 4, 7, dtype=torch.float64, device="cuda", requires_grad=True)
+    g_w = torch.randn(batch, 128, dtype=torch.float64, device="cuda")
+    g_e = torch.randn(batch, 4, dtype=torch.float64, device="cuda")
+    results = []
+    for composed in (False, True):
+        if composed:  # no kernel at any size
+            monkeypatch.setattr(DF, "CUDA_SMALL_MAX_ELEMENTS", 0)
+            monkeypatch.setattr(DF, "SMALL_MAX_ELEMENTS", 0)
+            monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 2**62)
+        w, ent = DF.dselect_k_fused(alpha, z, 0.7)
+        grads = torch.autograd.grad([w, ent], [alpha, z], [g_w, g_e])
+        results.append((w, ent, *grads))
+    for fast, reference in zip(*results):
+        torch.testing.assert_close(fast, reference)

@@ -209,6 +209,14 @@ SMALL_MAX_ELEMENTS = 8192
 #: :data:`SMALL_MAX_ELEMENTS`) or the composed autograd formulas (above it) are faster there
 FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 
+#: on a CUDA device, up to this many selector entries go to the small kernel at every size: a
+#: GPU step this small costs its kernel launches, not its arithmetic, and the small kernel
+#: launches about half the fused kernel's (fwd + bwd of a gate with p = 64, n = 128, k = 4 on an
+#: H200: 2.2 vs 3.1 ms at B = 4096, 2.3 vs 3.0 at B = 256; ``python -m benchmarks.gpu_gate``,
+#: ``benchmarks/results/gpu/gpu_gate.json``). Its transient memory is O(entries · M²) (~350 MB
+#: at this bound with M = 7 bits), hence a bound: B = 4096 at K = 4, n = 128
+CUDA_SMALL_MAX_ELEMENTS = 2**21
+
 
 def _capturing() -> bool:
     """Whether a tracer or exporter records the ops into a graph for other batch sizes.
@@ -255,6 +263,18 @@ def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tens
 _small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
 
 
+def _kernel_for(
+    entries: int, device: torch.device
+) -> type[_DSelectSmall] | type[_DSelectFused] | None:
+    """The formulation :func:`dselect_k_fused` takes for ``entries`` selector entries on
+    ``device``: the small kernel, the fused kernel, or None (the composed formulas)."""
+    if device.type == "cuda" and entries <= CUDA_SMALL_MAX_ELEMENTS:
+        return _DSelectSmall
+    if entries < FUSED_MIN_ELEMENTS:
+        return _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
+    return _DSelectFused
+
+
 def dselect_k_fused(
     alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0
 ) -> tuple[Tensor, Tensor]:
@@ -266,7 +286,8 @@ def dselect_k_fused(
     :mod:`dselectk._kernels`, where a comment explains the algorithm). γ gets no
     gradient; a γ that requires one uses the composed formulation. Problems smaller than
     :data:`FUSED_MIN_ELEMENTS` use the small-problem kernel (``_DSelectSmall``, up to
-    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation.
+    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation; on a CUDA device the small kernel
+    takes every problem up to :data:`CUDA_SMALL_MAX_ELEMENTS`.
 
     Args:
         alpha: (..., K) selector logits.
@@ -301,10 +322,8 @@ def dselect_k_fused(
         # would tie the graph to the example's batch. Zero entries (no gates at all, e.g.
         # zero tokens): the composed formulas' empty result.
         kernel = None
-    elif entries < FUSED_MIN_ELEMENTS:
-        kernel = _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
     else:
-        kernel = _DSelectFused
+        kernel = _kernel_for(entries, z.device)
     if kernel is None:
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
