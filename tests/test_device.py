@@ -294,3 +294,50 @@ def test_cuda_small_kernel_matches_composed_formulas(
         results.append((w, ent, *grads))
     for fast, reference in zip(*results):
         torch.testing.assert_close(fast, reference)
+
+
+_SYNCS = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+
+@pytest.mark.parametrize("num_experts", [128, 6])  # 6: the unused-code penalty's path too
+@pytest.mark.parametrize("static", [False, True])
+def test_dselect_k_step_reads_nothing_back(
+    num_experts: int, static: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DSelect-k step on the ATen path (the one a GPU takes) reads no tensor back to the host:
+    on a GPU each read is a device sync that stalls the pipeline (γ was checked every call)."""
+    from torch.overrides import TorchFunctionMode
+
+    monkeypatch.setenv("DSELECTK_KERNEL", "aten")
+    reads: list[str] = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if getattr(func, "__name__", "") in _SYNCS:
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    kw = {"num_gates": 3} if static else {"in_features": 8}
+    gate = dk.DSelectK(num_experts, 2, entropy_reg=0.1, **kw)
+    x = None if static else torch.randn(16, 8)
+    with Reads():
+        out = gate(x)
+        (out.weights.square().sum() + out.aux_loss).backward()
+    assert reads == []
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("static", [False, True])
+def test_dselect_k_step_on_cuda_never_syncs(static: bool) -> None:
+    kw = {"num_gates": 3} if static else {"in_features": 8}
+    gate = dk.DSelectK(128, 4, entropy_reg=0.1, **kw).to("cuda")
+    x = None if static else torch.randn(300, 8, device="cuda")
+    gate(x)  # first call: allocator and caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = gate(x)
+        (out.weights.square().sum() + out.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -100,9 +100,14 @@ def smooth_step(t: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0) -> Te
         Tensor of the shape of ``t``.
     """
     _check_gamma(gamma)
+    return _smooth(t, gamma, _check_leak(leak) if leak != 0.0 else 0.0)
+
+
+def _smooth(t: Tensor, gamma: float | Tensor, leak: float) -> Tensor:
+    """:func:`smooth_step` without its checks (``gamma`` and ``leak`` already validated, e.g. a
+    gate's γ buffer, validated when written: no device sync per call)."""
     # With s = t/γ the cubic is s(1.5 - 2s²) + 0.5; clamping s to [-1/2, 1/2] makes both ends
     # exact in floating point (0.5 * 1.0 ± 0.5) and gives a zero gradient outside.
-    leak = _check_leak(leak) if leak != 0.0 else 0.0
     raw = t / gamma
     s = raw.clamp(-0.5, 0.5)
     out = s * (1.5 - 2.0 * s * s) + 0.5
@@ -302,19 +307,27 @@ def dselect_k_fused(
     Returns:
         ``(weights (..., N), entropies (..., K))``.
     """
+    _check_gamma(gamma)
+    return _dselect_k_parts(alpha, z, gamma, leak)
+
+
+def _dselect_k_parts(
+    alpha: Tensor, z: Tensor, gamma: float | Tensor, leak: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`dselect_k_fused` without the check of ``gamma`` (a gate's γ buffer is validated
+    when written): a γ on a GPU is not read back to the host (a device sync) every call."""
+    leak = _check_leak(leak) if leak != 0.0 else 0.0  # a Python number: no sync
     if alpha.shape[-1] != z.shape[-2]:
         raise ValueError(
             f"alpha has {alpha.shape[-1]} selectors but z has {z.shape[-2]} (expected alpha "
             f"(..., K) and z (..., K, M))"
         )
-    _check_gamma(gamma)
     lead = alpha.shape[:-1]
     if lead != z.shape[:-2]:
         lead = torch.broadcast_shapes(lead, z.shape[:-2])
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
     kernel: type[_DSelectSmall] | type[_DSelectFused] | None
-    leak = _check_leak(leak) if leak != 0.0 else 0.0
     if leak or (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
         # Tracing and exporting: the composed formulas at every size. A branch on the size
         # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
@@ -327,8 +340,8 @@ def dselect_k_fused(
     if kernel is None:
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
-        p = smooth_step(z, gamma)
-        pw = smooth_step(z, gamma, leak) if leak else p  # the same values
+        p = _smooth(z, gamma, 0.0)
+        pw = _smooth(z, gamma, leak) if leak else p  # the same values
         w = _expand_bits(pw, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
         return w, selector_entropy(p)
     if isinstance(gamma, Tensor):

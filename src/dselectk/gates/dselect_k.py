@@ -327,11 +327,12 @@ class DSelectK(Gate):
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
-        w, ent = DF.dselect_k_fused(alpha, z, self._gamma, self.leak)  # (*lead, N), (*lead, K)
+        # γ was validated when written: no device sync here (see DF._dselect_k_parts)
+        w, ent = DF._dselect_k_parts(alpha, z, self._gamma, self.leak)  # (*lead, N), (*lead, K)
         weights = w[..., : self.num_experts]
         per_gate = self._entropy_reg * ent.sum(dim=-1)  # a per-gate λ (T,) broadcasts likewise
         if self.num_experts < 2**self.num_bits and self.xi > 0:
-            p = DF.smooth_step(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
+            p = DF._smooth(z, self._per_gate(self._gamma, 2), 0.0)  # (*lead, K, M)
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         aux = self._reduce_aux(per_gate)
         if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
