@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.readme_tables [--history PATH] [--entry -1]``: one table per item of that
 suite run (``python -m benchmarks``), each with the run's machine, threads, load average and
-commit, so the README's numbers come from one command instead of being typed by hand.
+commit, so the README's numbers come from one command instead of being typed by hand. The GPU
+section: ``--history benchmarks/results/gpu/history.jsonl --marker benchmarks-gpu --gpu-gate
+benchmarks/results/gpu/gpu_gate.json`` (the latter: ``python -m benchmarks.gpu_gate``'s JSON).
 """
 
 from __future__ import annotations
@@ -91,8 +93,9 @@ def tables(entry: dict[str, Any]) -> str:
     m = entry.get("machine", {})
     load = m.get("load_avg_1m", "?")
     load = f"{load:.2f}" if isinstance(load, (int, float)) else load
+    gpu = f"{m['gpu']} GPU, " if m.get("gpu") else ""
     facts = (
-        f"_{entry.get('command', 'python -m benchmarks')}_ on {m.get('cpu', '?')} "
+        f"_{entry.get('command', 'python -m benchmarks')}_ on {gpu}{m.get('cpu', '?')} "
         f"({m.get('cpu_count', '?')} cores), {m.get('torch_threads', '?')} torch threads, "
         f"load average {load} at the start, torch {m.get('torch', '?')}, "
         f"commit {entry.get('commit') or '?'}, {entry.get('time', '')}"
@@ -115,16 +118,36 @@ def tables(entry: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def gpu_gate_table(doc: dict[str, Any]) -> str:
+    """The Markdown of ``python -m benchmarks.gpu_gate``'s JSON: ms, Top-k / this and the device
+    kernels of one forward + backward, per batch size and formulation."""
+    m = doc.get("machine", {})
+    out = [
+        f"_python -m benchmarks.gpu_gate_ on {m.get('gpu', '?')}, torch {m.get('torch', '?')}, "
+        f"commit {doc.get('commit') or '?'}",
+        "",
+        "| batch | gate | fwd + bwd | Top-k / this | kernels launched |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc.get("rows", []):
+        out.append(
+            f"| {r['B']} | {r['gate']} | {_ms(r['median_ms'])} | {_ratio(r['topk_over_this'])} "
+            f"| {r['kernels']} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the part between the README's two markers replaced by ``block``."""
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"the README has no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{block}\n{END}{tail}"
+def replace_block(text: str, block: str, marker: str = "benchmarks") -> str:
+    """``text`` with the part between the README's two ``marker`` lines replaced by ``block``."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"the README has no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{block}\n{end}{tail}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,13 +157,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--readme", default=None, help="write the tables into this file between its markers"
     )
+    p.add_argument("--marker", default="benchmarks", help="the README block's marker name")
+    p.add_argument("--gpu-gate", default=None, help="also this benchmarks.gpu_gate JSON's table")
     args = p.parse_args(argv)
     block = tables(load_entry(Path(args.history), args.entry))
+    if args.gpu_gate:
+        block += "\n**gpu_gate**\n\n" + gpu_gate_table(json.loads(Path(args.gpu_gate).read_text()))
     if args.readme is None:
         print(block)
         return
     path = Path(args.readme)
-    path.write_text(replace_block(path.read_text(encoding="utf-8"), block), encoding="utf-8")
+    text = path.read_text(encoding="utf-8")
+    path.write_text(replace_block(text, block, args.marker), encoding="utf-8")
     print(f"wrote the tables of {args.history} into {path}")
 
 

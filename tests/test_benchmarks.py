@@ -204,3 +204,41 @@ def test_compare_shuffle_calls_every_function_each_round() -> None:
     rounds = [seen[i : i + 3] for i in range(3, len(seen), 3)]
     assert len(rounds) == 6 and all(sorted(r) == list("abc") for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1
+
+
+def test_gpu_gate_rows_and_readme_gpu_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks.gpu_gate`` (run on the CPU here, 2 rounds, no compile): every formulation at
+    every batch size with its kernel count; the README's GPU block is written between its own
+    markers with the run's commit, leaving the CPU block alone."""
+    gpu_gate = importlib.import_module("benchmarks.gpu_gate")
+    readme_tables = importlib.import_module("benchmarks.readme_tables")
+    suite = importlib.import_module("benchmarks.suite")
+    monkeypatch.setattr(gpu_gate, "BATCHES", (1, 3))
+    monkeypatch.setenv("DSELECTK_COMMIT", "abc1234")
+    assert suite.git_commit() == "abc1234"
+    out = tmp_path / "gpu_gate.json"
+    gpu_gate.main(["--device", "cpu", "--reps", "2", "--no-compile", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == "abc1234"
+    gates = {"topk", "dselect", "dselect_small", "dselect_fused", "dselect_composed"}
+    assert {(r["B"], r["gate"]) for r in doc["rows"]} == {(b, g) for b in (1, 3) for g in gates}
+    assert all(r["kernels"] > 0 and r["median_ms"] > 0 for r in doc["rows"])
+    history = tmp_path / "history.jsonl"
+    entry = {"commit": "abc1234", "machine": {"gpu": "H200", "cpu": "x"}, "items": {}}
+    history.write_text(json.dumps(entry) + "\n")
+    readme = tmp_path / "README.md"
+    cpu_block = "<!-- benchmarks:begin -->\ncpu\n<!-- benchmarks:end -->\n"
+    readme.write_text(
+        f"{cpu_block}<!-- benchmarks-gpu:begin -->\nold\n<!-- benchmarks-gpu:end -->\n"
+    )
+    argv = ["--history", str(history), "--gpu-gate", str(out), "--marker", "benchmarks-gpu"]
+    readme_tables.main([*argv, "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith(cpu_block) and "old" not in text
+    assert "on H200 GPU, x" in text and "| 3 | dselect_fused |" in text
+    with pytest.raises(SystemExit, match="benchmarks-gpu"):
+        readme.write_text("no markers")
+        readme_tables.main([*argv, "--readme", str(readme)])
+    capsys.readouterr()
