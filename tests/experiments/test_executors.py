@@ -20,7 +20,7 @@ import pytest
 
 from dselectk.experiments import slurm as E
 from dselectk.experiments.args import config_from_args
-from dselectk.experiments.executors import LocalExecutor, SlurmExecutor
+from dselectk.experiments.executors import LocalExecutor
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
@@ -28,6 +28,7 @@ from dselectk.experiments.runner import (
     executor_from_args,
     run_sweep,
 )
+from dselectk.experiments.slurm import SlurmExecutor
 
 _FAIL_CELL = -1  #: the cell whose runs raise (a bug that a later code change fixes)
 

@@ -23,7 +23,7 @@ import pytest
 
 from dselectk._testing import PAUSE_ENV
 from dselectk.cli import main
-from dselectk.experiments.executors import JOBS_FILE, squeue_states
+from dselectk.experiments.slurm import JOBS_FILE, squeue_states
 
 pytestmark = pytest.mark.slurm
 

@@ -4,18 +4,17 @@
   ``--jobs`` > 1 in spawned worker processes, largest first, each with its share of the cores
   and its own progress-bar line; workers exit with the sweep's main process (``kill -9`` of the
   sweep stops it whole);
-* :class:`SlurmExecutor` (``--executor slurm``): one Slurm job per cell, through submitit.
-
-The Slurm driver lives in :mod:`dselectk.experiments.slurm`.
+* :class:`~dselectk.experiments.slurm.SlurmExecutor` (``--executor slurm``): one Slurm job per
+  cell, through submitit.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,53 +22,19 @@ from typing import Any, Protocol
 import torch
 
 from dselectk.experiments.records import tracking
-from dselectk.experiments.slurm import (
-    JOBS_FILE,
-    OnCell,
-    SlurmOptions,
-    SweepDetached,
-    SweepFailed,
-    add_executor_arguments,
-    cell_job,
-    run_slurm,
-    slurm_options,
-    squeue_states,
-    sweep_key,
-)
 from dselectk.progress import tqdm
 
-__all__ = [
-    "JOBS_FILE",
-    "Executor",
-    "LocalExecutor",
-    "OnCell",
-    "SlurmExecutor",
-    "SlurmOptions",
-    "SweepDetached",
-    "SweepFailed",
-    "add_executor_arguments",
-    "cell_job",
-    "executor_from_args",
-    "progress_position",
-    "resolve_jobs",
-    "run_slurm",
-    "slurm_options",
-    "squeue_states",
-    "sweep_key",
-]
+__all__ = ["Executor", "LocalExecutor", "OnCell", "progress_position", "run_cell"]
 
+#: ``on_cell(name, selection, run_ids)``: called by an executor once per finished cell
+OnCell = Callable[[str, dict[str, Any], Iterable[str]], None]
 #: state of a pool worker process (its data, progress-bar line); empty in the main process
 _WORKER: dict[str, Any] = {}
 
 
 class Executor(Protocol):
-    """Where a recipe's cells run.
-
-    Attributes:
-        jobs: worker processes (1: this process; the Slurm executor: 1).
-        threads: torch threads per process (0: torch's default, or an equal share in a pool).
-        progress: show progress bars.
-    """
+    """Where a recipe's cells run: ``jobs`` worker processes, ``threads`` torch threads per
+    process (0: torch's default), ``progress`` bars."""
 
     @property
     def jobs(self) -> int: ...
@@ -89,27 +54,36 @@ class Executor(Protocol):
         ...
 
 
+def run_cell(
+    recipe: Any, config: Any, cell: Any, data: Any, progress: bool
+) -> tuple[str, dict[str, Any], set[str]]:
+    """One cell, wherever it runs: its name, its selection and the runs it looked up or wrote."""
+    with tracking() as runs:
+        selection = recipe.run_cell(config, cell, data, progress)
+    return recipe.cell_name(cell), selection, runs
+
+
 @dataclass(frozen=True)
 class LocalExecutor:
-    """The cells on this machine: in this process (``jobs`` 1) or a spawned pool.
-
-    Attributes:
-        jobs: worker processes; 0: one per ``threads`` cores, at most one per cell
-            (:meth:`sized` resolves it).
-        threads: torch threads per process (0: torch's default in one process, an equal share
-            of the cores in a pool).
-        progress: show progress bars.
-    """
+    """The cells on this machine: in this process (``jobs`` 1) or a spawned pool of ``jobs``
+    workers (0: one per ``threads`` cores, at most one per cell, resolved by :meth:`sized`);
+    ``threads`` 0 is torch's default in one process, an equal share of the cores in a pool."""
 
     jobs: int = 1
     threads: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
-        resolve_jobs(self.jobs, self.threads, 1)  # the range checks
+        if self.jobs < 0:
+            raise ValueError(f"--jobs must be >= 0 (0: one per core), got {self.jobs}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0: all cores), got {self.threads}")
 
     def sized(self, cells: int) -> LocalExecutor:
-        return dataclasses.replace(self, jobs=resolve_jobs(self.jobs, self.threads, cells))
+        if self.jobs:
+            return self
+        jobs = max(1, min(cells, torch.get_num_threads() // max(1, self.threads)))
+        return dataclasses.replace(self, jobs=jobs)
 
     def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
         if self.jobs > 1 and len(recipe.cells) > 1:
@@ -119,55 +93,13 @@ class LocalExecutor:
             torch.set_num_threads(self.threads)
         data = recipe.load_data(config)
         for cell in recipe.cells:
-            with tracking() as cell_runs:
-                selection = recipe.run_cell(config, cell, data, self.progress)
-            on_cell(recipe.cell_name(cell), selection, cell_runs)
-
-
-@dataclass(frozen=True)
-class SlurmExecutor:
-    """One Slurm job per cell (module docstring); ``threads`` is the jobs' CPUs."""
-
-    options: SlurmOptions
-    progress: bool = True
-    jobs: int = 1
-
-    @property
-    def threads(self) -> int:
-        return self.options.cpus
-
-    def sized(self, cells: int) -> SlurmExecutor:
-        return self
-
-    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
-        run_slurm(recipe, config, out, self.options, progress=self.progress, on_cell=on_cell)
-
-
-def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executor:
-    """The executor the flags choose (``--executor``, ``--jobs``, ``--no-progress``, the
-    ``--slurm-*`` flags); ``threads`` is the recipe's torch threads per process."""
-    progress = not getattr(args, "no_progress", False)
-    opts = slurm_options(args)
-    if opts is not None:
-        return SlurmExecutor(opts, progress)
-    return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
+            on_cell(*run_cell(recipe, config, cell, data, self.progress))
 
 
 # -- the local pool ---------------------------------------------------------------------------
 def progress_position() -> int | None:
     """The progress-bar line of this worker process (None in the main process)."""
     return _WORKER.get("position")
-
-
-def resolve_jobs(jobs: int, threads: int, cells: int) -> int:
-    """Worker processes: ``jobs``, or with 0 one per ``threads`` cores, at most one per cell."""
-    if jobs < 0:
-        raise ValueError(f"--jobs must be >= 0 (0: one per core), got {jobs}")
-    if threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: all cores), got {threads}")
-    if jobs == 0:
-        jobs = max(1, min(cells, torch.get_num_threads() // max(1, threads)))
-    return jobs
 
 
 class _SweepKilled(BaseException):
@@ -195,34 +127,22 @@ def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progres
     tqdm.set_lock(lock)
 
 
-def _load(recipe: Any, config: Any) -> Any:
-    key = recipe.data_key(config)
-    if _WORKER.get("key") != key or "data" not in _WORKER:
-        _WORKER["data"] = recipe.load_data(config)
-        _WORKER["key"] = key
-    return _WORKER["data"]
-
-
 def _worker_cell(
     recipe: Any, config: Any, cell: Any
-) -> tuple[str, dict[str, Any], float, set[str]]:
+) -> tuple[str, dict[str, Any], set[str], float]:
     """One cell in a pool worker (the data is loaded once per worker)."""
     t0 = time.perf_counter()
     try:
-        with tracking() as runs:
-            selection = recipe.run_cell(config, cell, _load(recipe, config), _WORKER["progress"])
+        if _WORKER.get("key") != (key := recipe.data_key(config)) or "data" not in _WORKER:
+            _WORKER["data"], _WORKER["key"] = recipe.load_data(config), key
+        result = run_cell(recipe, config, cell, _WORKER["data"], _WORKER["progress"])
     except _SweepKilled:
         os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
-    return recipe.cell_name(cell), selection, time.perf_counter() - t0, runs
+    return (*result, time.perf_counter() - t0)
 
 
 def _run_pool(
-    recipe: Any,
-    config: Any,
-    jobs: int,
-    threads: int,
-    progress: bool,
-    on_cell: OnCell,
+    recipe: Any, config: Any, jobs: int, threads: int, progress: bool, on_cell: OnCell
 ) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -239,7 +159,7 @@ def _run_pool(
         bar = tqdm(total=len(futures), disable=not progress, desc=f"cells ({jobs} processes)")
         try:
             for fut in as_completed(futures):
-                key, selection, seconds, cell_runs = fut.result()
+                key, selection, cell_runs, seconds = fut.result()
                 on_cell(key, selection, cell_runs)
                 bar.set_postfix_str(f"{key} {seconds:.0f}s")
                 bar.update(1)

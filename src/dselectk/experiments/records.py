@@ -93,11 +93,8 @@ def _static_environment() -> tuple[tuple[str, Any], ...]:
 
 
 def environment() -> dict[str, Any]:
-    """Package version, git commit, torch/python versions, CPU and thread count.
-
-    The static parts are computed once per process; the thread count (workers set it) and the
-    CUDA device are read on every call.
-    """
+    """Package version, git commit, torch/python versions, CPU, thread count (workers set it)
+    and CUDA device."""
     env = dict(_static_environment())
     env["threads"] = torch.get_num_threads()
     env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -166,15 +163,6 @@ class RunStore:
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
         return removed
-        for tmp in self.runs.glob(".*.tmp"):
-            # io's temp names are .<name>.<pid>.<random>.tmp
-            parts = tmp.name.split(".")
-            pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else None
-            if pid is None or _pid_alive(pid):
-                continue
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-        return removed
 
     def path(self, rid: str) -> Path:
         """The record file of run ``rid`` (the run counts as planned, see :func:`tracking`)."""
@@ -197,15 +185,10 @@ class RunStore:
         return path
 
     def load_planned(self) -> tuple[list[dict[str, Any]], int]:
-        """The records of the last command that ran in this folder (its ``plan.json``), and
-        how many other records the folder holds (earlier commands with other settings).
-
-        Summaries use these only, so runs made with different settings are never averaged
-        together. A folder without ``plan.json`` (written by older versions) gives all records.
-        While a sweep has not finished (:meth:`sweep_status`: Slurm jobs still running, an
-        interrupted command), its runs so far are given: those of its finished cells and the
-        records written since it started.
-        """
+        """The records of the last command that ran in this folder (its ``plan.json``; all
+        records without one), and how many other records the folder holds: summaries never
+        average runs made with different settings. While a sweep has not finished
+        (:meth:`sweep_status`), its runs so far."""
         records = self.load()
         status = self.sweep_status()
         if status is not None:
@@ -239,22 +222,18 @@ class RunStore:
 
     def sweep_cell_done(self, cell: str, runs: Iterable[str]) -> None:
         """Record that a cell of the running sweep finished, with its runs."""
-        state = self._sweep_state()
-        if state is None:
-            return
-        if cell not in state["cells_done"]:
-            state["cells_done"].append(cell)
-        state["runs_done"] = sorted(set(state["runs_done"]) | set(runs))
-        _io.write_json(self.root / SWEEP_FILE, state)
+        if (state := self._sweep_state()) is not None:
+            if cell not in state["cells_done"]:
+                state["cells_done"].append(cell)
+            state["runs_done"] = sorted(set(state["runs_done"]) | set(runs))
+            _io.write_json(self.root / SWEEP_FILE, state)
 
     def end_sweep(self) -> None:
         """Record that the running sweep finished (its ``plan.json`` is written)."""
-        state = self._sweep_state()
-        if state is None:
-            return
-        state["finished"] = True
-        state["ended"] = time.time()
-        _io.write_json(self.root / SWEEP_FILE, state)
+        if (state := self._sweep_state()) is not None:
+            _io.write_json(
+                self.root / SWEEP_FILE, {**state, "finished": True, "ended": time.time()}
+            )
 
     def _sweep_state(self) -> dict[str, Any] | None:
         path = self.root / SWEEP_FILE
@@ -375,15 +354,9 @@ def format_mean_se(
     missing: str = "–",
     show_n: bool = False,
 ) -> str:
-    """``mean ± se`` of a summarised metric (a :func:`mean_se` dict), for tables.
-
-    Args:
-        m: ``{"mean", "se", "n"}`` or None.
-        digits: decimals.
-        scale: multiply mean and se (e.g. 1e4 for the paper's loss tables).
-        missing: text when there is no finite mean.
-        show_n: write ``(n=N)`` when there is no standard error (a single repetition).
-    """
+    """``mean ± se`` of a :func:`mean_se` dict (or None), for tables: ``digits`` decimals,
+    mean and se times ``scale``, ``missing`` without a finite mean, ``(n=N)`` with ``show_n``
+    where there is no standard error (a single repetition)."""
     if not m or not m.get("n", 1) or m.get("mean") is None:
         return missing
     mean = float(m["mean"]) * scale

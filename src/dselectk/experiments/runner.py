@@ -1,22 +1,15 @@
 """The one runner of every experiment: a recipe's cells, resumed from their records, run by an
 executor.
 
-An experiment (a *recipe*) describes itself as a :class:`Recipe`: a list of cells (e.g. one
-(gate, T) pair of the synthetic study), a function that loads the data once per process, a
-function that runs one cell — select its hyperparameters (the shipped selection, or a random
-grid search whose trials are records too), then train the missing repetitions and save one
-record per run — and its report. Every function receives the recipe's **run config**: a frozen
-dataclass of the settings that decide what is computed (never the argparse ``Namespace``); where
-and how the cells run is the executor's business (:mod:`dselectk.experiments.executors`):
-
-* **resume** — a record is written atomically when its run finishes, and a cell skips the runs
-  whose records exist (:func:`missing`), so a sweep killed by Ctrl-C or ``kill -9`` continues
-  where it stopped when the same command runs again;
-* **executors** — :class:`~dselectk.experiments.executors.LocalExecutor` (this process or a
-  ``--jobs`` pool) and :class:`~dselectk.experiments.executors.SlurmExecutor` (one Slurm job per
-  cell through submitit), two implementations of one protocol;
-* **selections** — ``selected_hparams.json`` is rewritten as cells finish (cell order);
-* **grid search** helpers — :func:`grid_points`, :func:`sample_points`.
+A *recipe* (:class:`Recipe`) is a list of cells (e.g. one (gate, T) pair of the synthetic
+study), a function that loads the data once per process, a function that runs one cell (select
+its hyperparameters, then train the missing repetitions and save one record per run) and its
+report. Every function receives the recipe's **run config**: a frozen dataclass of the settings
+that decide what is computed (never the argparse ``Namespace``); where the cells run is the
+executor's business (:class:`~dselectk.experiments.executors.LocalExecutor` or
+:class:`~dselectk.experiments.slurm.SlurmExecutor`). A record is written atomically when its run
+finishes and a cell skips the runs whose records exist (:func:`missing`), so a killed sweep
+continues where it stopped when the same command runs again.
 """
 
 from __future__ import annotations
@@ -39,16 +32,14 @@ from typing import Any
 import numpy as np
 
 from dselectk.experiments.args import check_out_dir, int_at_least, out_dir
-from dselectk.experiments.executors import (
-    Executor,
-    LocalExecutor,
+from dselectk.experiments.executors import Executor, LocalExecutor, progress_position
+from dselectk.experiments.records import RunStore, load_records, record_experiment
+from dselectk.experiments.slurm import (
     SlurmExecutor,
     SweepDetached,
     add_executor_arguments,
-    executor_from_args,
-    progress_position,
+    slurm_options,
 )
-from dselectk.experiments.records import RunStore, load_records, record_experiment
 from dselectk.io import write_json
 from dselectk.runtime import warm_kernels
 
@@ -158,6 +149,16 @@ def add_run_arguments(
         "else JSON lines): binary selections, experts per input, load, selector collisions",
     )
     add_executor_arguments(p)
+
+
+def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executor:
+    """The executor the flags choose (``--executor``, ``--jobs``, ``--no-progress``, the
+    ``--slurm-*`` flags); ``threads`` is the recipe's torch threads per process."""
+    progress = not getattr(args, "no_progress", False)
+    opts = slurm_options(args)
+    if opts is not None:
+        return SlurmExecutor(opts, progress)
+    return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
 
 
 def cell_str(cell: Any) -> str:

@@ -1,21 +1,17 @@
-"""The Slurm executor's driver: one Slurm job per cell, through submitit.
-
-Slurm mode, in the runner's terms (a cell = its tuning + final runs, one record per run):
+"""The Slurm executor: one Slurm job per cell, through submitit.
 
 * **submit** — the cells go out as one submitit job array (``map_array``;
   ``--slurm-array-parallelism`` caps how many run at once); each job loads the data, runs its
-  cell (records are written by the job into the results folder, atomically, as in local mode)
-  and returns the cell's selection and run ids (the submitit result,
-  ``<out>/slurm/<job>_0_result.pkl``; logs beside it);
+  cell (its records are written into the results folder, atomically, as in local mode) and
+  returns the cell's selection and run ids (``<out>/slurm/<job>_0_result.pkl``; logs beside it);
 * **bookkeeping** — ``<out>/slurm_jobs.json`` lists every submitted job: its id, its cell, the
   sweep's settings key (:func:`sweep_key`) and, once collected, its result or error;
 * **resume** — the same command again submits only the cells that are neither complete (a
   successful result whose records all exist) nor queued/running (``squeue``); a job killed or
   preempted mid-way loses only its unfinished runs (the resubmitted cell skips existing records);
-* **wait / detach** — the driver polls the jobs with a progress bar over cells (and records in
-  the folder); Ctrl-C (or ``--slurm-no-wait``) detaches: the jobs keep running, and running the
-  same command again re-attaches. ``dselectk report DIR`` reads records only, so it works while
-  jobs run.
+* **wait / detach** — the driver polls the jobs with a progress bar over cells; Ctrl-C (or
+  ``--slurm-no-wait``) detaches: the jobs keep running, and the same command again re-attaches.
+  ``dselectk report DIR`` reads records only, so it works while jobs run.
 """
 
 from __future__ import annotations
@@ -37,12 +33,14 @@ from typing import Any
 import torch
 
 from dselectk.experiments.args import int_at_least
-from dselectk.experiments.records import RunStore, tracking
+from dselectk.experiments.executors import OnCell, run_cell
+from dselectk.experiments.records import RunStore
 from dselectk.io import write_json
 from dselectk.progress import tqdm
 
 __all__ = [
     "JOBS_FILE",
+    "SlurmExecutor",
     "SlurmOptions",
     "SweepDetached",
     "SweepFailed",
@@ -54,27 +52,13 @@ __all__ = [
     "sweep_key",
 ]
 
-OnCell = Callable[[str, dict[str, Any], Iterable[str]], None]
-#: state of a pool worker process (its data, progress-bar line); empty in the main process
-_WORKER: dict[str, Any] = {}
 JOBS_FILE = "slurm_jobs.json"
 LOG_DIR = "slurm"
 #: squeue states of a job that is still going to produce a result
-_ACTIVE = {
-    "PENDING",
-    "RUNNING",
-    "CONFIGURING",
-    "COMPLETING",
-    "SUSPENDED",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-}
-
-
+_ACTIVE = set(
+    "PENDING RUNNING CONFIGURING COMPLETING SUSPENDED REQUEUED REQUEUE_HOLD REQUEUE_FED "
+    "RESIZING SIGNALING STAGE_OUT".split()
+)
 _LOST = "job ended without a result (cancelled, killed, preempted or out of time)"
 
 
@@ -100,6 +84,26 @@ class SlurmOptions:
     poll_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class SlurmExecutor:
+    """The :class:`~dselectk.experiments.executors.Executor` of ``--executor slurm`` (module
+    docstring); ``threads`` is the jobs' CPUs."""
+
+    options: SlurmOptions
+    progress: bool = True
+    jobs: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.options.cpus
+
+    def sized(self, cells: int) -> SlurmExecutor:
+        return self
+
+    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
+        run_slurm(recipe, config, out, self.options, progress=self.progress, on_cell=on_cell)
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -118,17 +122,13 @@ def add_executor_arguments(p: argparse.ArgumentParser) -> None:
         "(needs dselectk[cluster]); rerun the same command to resume or re-attach",
     )
     g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the default)")
-    g.add_argument(
-        "--slurm-time", type=int_at_least(1), default=60, help="time limit per job, in minutes"
-    )
-    g.add_argument("--slurm-cpus", type=int_at_least(1), default=1, help="CPUs (threads) per job")
-    g.add_argument("--slurm-gpus", type=int_at_least(0), default=0, help="GPUs per job")
-    g.add_argument(
-        "--slurm-array-parallelism",
-        type=int_at_least(1),
-        default=256,
-        help="jobs of the array running at once",
-    )
+    for flag, least, default, doc in [
+        ("time", 1, 60, "time limit per job, in minutes"),
+        ("cpus", 1, 1, "CPUs (threads) per job"),
+        ("gpus", 0, 0, "GPUs per job"),
+        ("array-parallelism", 1, 256, "jobs of the array running at once"),
+    ]:
+        g.add_argument(f"--slurm-{flag}", type=int_at_least(least), default=default, help=doc)
     g.add_argument(
         "--slurm-opt",
         type=_key_value,
@@ -162,30 +162,24 @@ def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
 def sweep_key(config: Any) -> str:
     """A hash of the run config (what the cells compute, not where they run): jobs of another
     command in the same folder never count for this one."""
-    items = dataclasses.asdict(config)
-    text = json.dumps(items, sort_keys=True, default=str)
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# -- the Slurm job ------------------------------------------------------------------------------
 def cell_job(recipe: Any, config: Any, cell: Any, threads: int) -> dict[str, Any]:
-    """One cell in a Slurm job: load the data, run the cell (records land in the results
-    folder), return its selection and run ids (the submitit result)."""
+    """One cell in a Slurm job (the submitit result: its selection and run ids)."""
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
-    data = recipe.load_data(config)
-    with tracking() as runs:
-        selection = recipe.run_cell(config, cell, data, False)
+    name, selection, runs = run_cell(recipe, config, cell, recipe.load_data(config), False)
     return {
-        "cell": recipe.cell_name(cell),
+        "cell": name,
         "selection": selection,
         "runs": sorted(runs),
         "seconds": time.perf_counter() - t0,
     }
 
 
-# -- job states ---------------------------------------------------------------------------------
 def squeue_states(job_ids: Iterable[str]) -> dict[str, str]:
     """The squeue state of each of ``job_ids`` still known to Slurm (array tasks one by one)."""
     wanted = set(job_ids)
@@ -194,12 +188,8 @@ def squeue_states(job_ids: Iterable[str]) -> dict[str, str]:
     out = subprocess.run(
         ["squeue", "-h", "-r", "-o", "%i %T"], capture_output=True, text=True, check=True
     ).stdout
-    states: dict[str, str] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] in wanted:
-            states[parts[0]] = parts[1]
-    return states
+    pairs = (line.split() for line in out.splitlines())
+    return {p[0]: p[1] for p in pairs if len(p) == 2 and p[0] in wanted}
 
 
 def _make_slurm_executor(folder: Path, opts: SlurmOptions) -> Any:
@@ -230,15 +220,6 @@ def _make_slurm_executor(folder: Path, opts: SlurmOptions) -> Any:
     return ex
 
 
-# -- bookkeeping --------------------------------------------------------------------------------
-def _result_path(folder: Path, job_id: str) -> Path:
-    return folder / f"{job_id}_0_result.pkl"
-
-
-def _log_path(folder: Path, job_id: str) -> Path:
-    return folder / f"{job_id}_0_log.err"
-
-
 def _load_book(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -250,7 +231,7 @@ def _load_book(path: Path) -> list[dict[str, Any]]:
 
 def _collect(entry: dict[str, Any], folder: Path) -> bool:
     """Read a finished job's submitit result into its entry; False while there is none."""
-    path = _result_path(folder, entry["job_id"])
+    path = folder / f"{entry['job_id']}_0_result.pkl"
     if not path.is_file():
         return False
     try:
@@ -265,19 +246,11 @@ def _collect(entry: dict[str, Any], folder: Path) -> bool:
     return True
 
 
-def _complete(entry: dict[str, Any] | None, store: RunStore) -> bool:
-    """A successful job whose records are all still there."""
-    if entry is None or "result" not in entry:
-        return False
-    return all(store.runs.joinpath(f"{rid}.json").is_file() for rid in entry["result"]["runs"])
-
-
 def _last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "unknown error"
 
 
-# -- the driver ---------------------------------------------------------------------------------
 def run_slurm(
     recipe: Any,
     config: Any,
@@ -285,7 +258,7 @@ def run_slurm(
     opts: SlurmOptions,
     *,
     progress: bool,
-    on_cell: Callable[[str, dict[str, Any], list[str]], None],
+    on_cell: OnCell,
     make_executor: Callable[[Path, SlurmOptions], Any] | None = None,
     states: Callable[[Iterable[str]], Mapping[str, str]] | None = None,
     log: Callable[[str], None] = print,
@@ -298,11 +271,9 @@ def run_slurm(
     ``make_executor`` (a submitit executor) and ``states`` (job id → squeue state of the jobs
     still queued/running) default to Slurm's; tests pass their own.
     """
-    make_executor = make_executor or _make_slurm_executor
     states = states or squeue_states
     out = Path(out)
-    folder = out / LOG_DIR
-    book_path = out / JOBS_FILE
+    folder, book_path = out / LOG_DIR, out / JOBS_FILE
     book = _load_book(book_path)
     key = sweep_key(config)
     store = RunStore(out)
@@ -311,10 +282,7 @@ def run_slurm(
     def save_book() -> None:
         write_json(book_path, {"jobs": book})
 
-    latest: dict[str, dict[str, Any]] = {}
-    for entry in book:
-        if entry.get("key") == key and entry.get("cell") in cells:
-            latest[entry["cell"]] = entry
+    latest = {e["cell"]: e for e in book if e.get("key") == key and e.get("cell") in cells}
     pending = [e for e in latest.values() if "result" not in e and "error" not in e]
     live = states(e["job_id"] for e in pending) if pending else {}
     for e in pending:
@@ -327,8 +295,9 @@ def run_slurm(
     done = 0
     for name in cells:
         prev = latest.get(name)
-        if prev is not None and _complete(prev, store):
-            on_cell(name, prev["result"]["selection"], prev["result"]["runs"])
+        res = prev.get("result") if prev is not None else None
+        if res is not None and all(store.runs.joinpath(f"{r}.json").is_file() for r in res["runs"]):
+            on_cell(name, res["selection"], res["runs"])  # complete: every record is there
             done += 1
         elif prev is not None and live.get(prev["job_id"], "") in _ACTIVE:
             waiting[name] = prev
@@ -337,15 +306,11 @@ def run_slurm(
     if waiting:
         log(f"re-attached to {len(waiting)} queued/running Slurm job(s) of this sweep")
     if to_submit:
-        executor = make_executor(folder, opts)
-        threads = opts.cpus
+        executor = (make_executor or _make_slurm_executor)(folder, opts)
+        n = len(to_submit)
         try:
             jobs = executor.map_array(
-                cell_job,
-                [recipe] * len(to_submit),
-                [config] * len(to_submit),
-                [cells[n] for n in to_submit],
-                [threads] * len(to_submit),
+                cell_job, [recipe] * n, [config] * n, [cells[c] for c in to_submit], [opts.cpus] * n
             )
         except Exception as e:  # sbatch refused (no controller, bad partition, bad --slurm-*)
             if type(e).__name__ != "FailedJobError":
@@ -354,61 +319,33 @@ def run_slurm(
             raise OSError(f"--executor slurm: the submission failed: {why}") from None
         now = time.time()
         for name, job in zip(to_submit, jobs):
-            entry = {"job_id": str(job.job_id), "cell": name, "key": key, "submitted": now}
-            book.append(entry)
-            waiting[name] = entry
+            waiting[name] = {"job_id": str(job.job_id), "cell": name, "key": key, "submitted": now}
+            book.append(waiting[name])
         save_book()
-        log(f"submitted {len(to_submit)} Slurm job(s): {', '.join(str(j.job_id) for j in jobs)}")
+        log(f"submitted {n} Slurm job(s): {', '.join(str(j.job_id) for j in jobs)}")
     if not waiting:
         return
-    ids = " ".join(e["job_id"] for e in waiting.values())
-    detach_msg = (
-        f"detached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
-        f"again to re-attach (it submits only missing cells); `dselectk report {out}` "
-        f"works meanwhile; scancel {ids} to stop them"
-    )
     if not opts.wait:
-        log(detach_msg)
-        raise SweepDetached(0)
-    failed = _wait(
-        waiting, folder, store, opts, progress, done, len(cells), states, on_cell, save_book
-    )
-    if failed:
-        lines = "\n".join(f"  {name}: {why}" for name, why in failed.items())
-        msg = (
-            f"{len(failed)} of {len(cells)} cells failed (the others' records are in {out}; "
-            f"rerun to resubmit the failed cells):\n{lines}"
+        ids = " ".join(e["job_id"] for e in waiting.values())
+        log(
+            f"detached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
+            f"again to re-attach (it submits only missing cells); `dselectk report {out}` "
+            f"works meanwhile; scancel {ids} to stop them"
         )
-        print(f"dselectk: error: {msg}", file=sys.stderr)
-        raise SweepFailed(1)
+        raise SweepDetached(0)
 
-
-def _wait(
-    waiting: dict[str, dict[str, Any]],
-    folder: Path,
-    store: RunStore,
-    opts: SlurmOptions,
-    progress: bool,
-    done: int,
-    total: int,
-    states: Callable[[Iterable[str]], Mapping[str, str]],
-    on_cell: Callable[[str, dict[str, Any], list[str]], None],
-    save_book: Callable[[], None],
-) -> dict[str, str]:
-    """Poll the jobs until each has a result or is gone; returns the failures by cell."""
+    # wait: poll the jobs until each has a result or is gone
     failed: dict[str, str] = {}
-    bar = tqdm(total=total, initial=done, disable=not progress, desc="cells (slurm)")
+    bar = tqdm(total=len(cells), initial=done, disable=not progress, desc="cells (slurm)")
     try:
         while waiting:
             live = states(e["job_id"] for e in waiting.values())
             for name, entry in list(waiting.items()):
                 jid = entry["job_id"]
                 if not _collect(entry, folder):
-                    if jid in live and live[jid] in _ACTIVE:
+                    if live.get(jid, "") in _ACTIVE:
                         continue
-                    if _collect(entry, folder):  # finished between squeue and the first look
-                        pass
-                    else:
+                    if not _collect(entry, folder):  # (it may have finished since squeue)
                         entry["error"] = f"{_LOST} (state {live.get(jid, 'gone')})"
                 del waiting[name]
                 if "result" in entry:
@@ -417,7 +354,7 @@ def _wait(
                     bar.set_postfix_str(f"{name} {res.get('seconds', 0):.0f}s")
                 else:
                     why = _last_line(entry["error"])
-                    failed[name] = f"job {jid}: {why} (log: {_log_path(folder, jid)})"
+                    failed[name] = f"job {jid}: {why} (log: {folder / f'{jid}_0_log.err'})"
                     print(f"cell {name} failed: {failed[name]}", file=sys.stderr)
                 bar.update(1)
                 save_book()
@@ -439,4 +376,11 @@ def _wait(
         )
         raise SweepDetached(130) from None
     bar.close()
-    return failed
+    if failed:
+        lines = "\n".join(f"  {name}: {why}" for name, why in failed.items())
+        msg = (
+            f"{len(failed)} of {len(cells)} cells failed (the others' records are in {out}; "
+            f"rerun to resubmit the failed cells):\n{lines}"
+        )
+        print(f"dselectk: error: {msg}", file=sys.stderr)
+        raise SweepFailed(1)

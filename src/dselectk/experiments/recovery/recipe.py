@@ -22,7 +22,6 @@ from dselectk.experiments.args import (
     positive_float,
     read_json_object,
 )
-from dselectk.experiments.executors import executor_from_args
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
     BASE_HPARAMS,
@@ -34,7 +33,14 @@ from dselectk.experiments.recovery.model import (
     train_reps,
 )
 from dselectk.experiments.recovery.report import diverged_lrs, print_table, write_report
-from dselectk.experiments.runner import Recipe, add_run_arguments, cell_str, missing, run_recipe
+from dselectk.experiments.runner import (
+    Recipe,
+    add_run_arguments,
+    cell_str,
+    executor_from_args,
+    missing,
+    run_recipe,
+)
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
 __all__ = ["RecoveryConfig", "add_arguments", "recipe", "run", "run_cell", "tuned_hparams"]

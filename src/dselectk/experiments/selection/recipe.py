@@ -7,9 +7,8 @@ import math
 from typing import Any
 
 from dselectk.experiments.args import int_at_least, positive_float
-from dselectk.experiments.executors import executor_from_args
 from dselectk.experiments.recovery.model import BATCH_SIZE
-from dselectk.experiments.runner import Recipe, add_run_arguments, run_recipe
+from dselectk.experiments.runner import Recipe, add_run_arguments, executor_from_args, run_recipe
 from dselectk.experiments.selection import c1 as C1
 from dselectk.experiments.selection import study as S
 from dselectk.experiments.selection.report import print_table, write_report
