@@ -29,7 +29,6 @@ __all__ = [
     "config_from_args",
     "existing_file",
     "file_digest",
-    "finite_float",
     "hparam_type",
     "int_at_least",
     "nonnegative_float",
@@ -66,33 +65,21 @@ def _float(text: str) -> float:
     return value
 
 
-def finite_float(text: str) -> float:
-    """An argparse type: a finite number."""
-    return _float(text)
+def _float_type(domain: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = _float(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {domain}, got {text!r}")
+        return value
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0 (learning rates, γ, temperatures)."""
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0 (regularisation weights)."""
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def probability(text: str) -> float:
-    """An argparse type: a number in [0, 1]."""
-    value = _float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
+#: argparse types: a finite number > 0 (learning rates, γ, temperatures), >= 0 (regularisation
+#: weights), in [0, 1]
+positive_float = _float_type("a finite number > 0", lambda v: v > 0)
+nonnegative_float = _float_type("a finite number >= 0", lambda v: v >= 0)
+probability = _float_type("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
 def check_out_dir(path: str | Path) -> Path:

@@ -32,14 +32,9 @@ from typing import Any
 import numpy as np
 
 from dselectk.experiments.args import check_out_dir, int_at_least, out_dir
-from dselectk.experiments.executors import Executor, LocalExecutor, progress_position
+from dselectk.experiments.executors import Executor, LocalExecutor
 from dselectk.experiments.records import RunStore, load_records, record_experiment
-from dselectk.experiments.slurm import (
-    SlurmExecutor,
-    SweepDetached,
-    add_executor_arguments,
-    slurm_options,
-)
+from dselectk.experiments.slurm import SlurmExecutor, add_executor_arguments, slurm_options
 from dselectk.io import write_json
 from dselectk.runtime import warm_kernels
 
@@ -48,16 +43,13 @@ __all__ = [
     "LocalExecutor",
     "Recipe",
     "SlurmExecutor",
-    "SweepDetached",
     "add_executor_arguments",
     "add_run_arguments",
-    "cell_str",
     "check_config",
     "executor_from_args",
     "folder_lock",
     "grid_points",
     "missing",
-    "progress_position",
     "run_recipe",
     "run_sweep",
     "sample_points",
@@ -66,36 +58,26 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Recipe:
-    """An experiment, as the runner and the executors need it.
-
-    The functions must be module-level (they are sent to spawned worker processes and Slurm
-    jobs). ``config`` below is the recipe's run config (a frozen dataclass with an ``out``
-    field, the results folder).
+    """An experiment, as the runner and the executors need it. The functions must be
+    module-level (they go to spawned workers and Slurm jobs); ``config`` is the run config.
 
     Attributes:
         cells: the cells, in report order.
-        run_cell: ``(config, cell, data, progress) -> selection``; trains the cell's missing runs
-            (one record each) and returns the hyperparameter selection of the cell (a JSON
-            object for ``selected_hparams.json``).
-        load_data: ``config -> data``, called once per process (and again only when
-            ``data_key(config)`` changes).
+        run_cell: ``(config, cell, data, progress) -> selection``: trains the cell's missing
+            runs (one record each); the selection is its entry of ``selected_hparams.json``.
+        load_data: ``config -> data``, once per process (again when ``data_key`` changes).
         data_key: ``config -> key`` identifying the data.
-        cell_name: ``cell -> "gate/T"``-like key of ``selected_hparams.json``.
-        cost: ``cell -> number``; a pool starts the most expensive cells first (None: in
-            cell order).
-        write_report: ``(out, wall_seconds=, command=[, jobs=, threads=])``: rebuilds the
-            report from the records.
+        cell_name: ``cell -> name``, the cell's key in ``selected_hparams.json``.
+        cost: ``cell -> number``: a pool starts the costliest cells first (None: cell order).
+        write_report: ``(out, wall_seconds=, command=)`` (with ``report_jobs`` also ``jobs=``,
+            ``threads=``): rebuilds the report from the records.
         print_table: prints the one-screen table of ``summary.json``.
-        report_jobs: also pass ``jobs`` and ``threads`` to ``write_report``.
-        prepare: ``(out, executor) -> bool``, called before the sweep (load and check data,
-            print a plan); False stops there with exit code 0 (a dry run).
-        diverged: ``summary -> message | None``: one line naming the diverged runs of the
-            written summary; a message makes the command exit 1 after its report.
-        planned_runs: ``(config, cell) -> int``: the final runs a cell will record (None:
-            unknown); a report made before the sweep finished says how many are recorded.
-        experiment: the name its records carry (``config["experiment"]``, or the study they
-            serve); a results folder holding another experiment's records is refused before
-            any work (its report would be overwritten and the folder could not be reported).
+        prepare: ``(out, executor) -> bool``, before the sweep (check data, print a plan);
+            False stops there with exit code 0 (a dry run).
+        diverged: ``summary -> message | None`` naming diverged runs: then the exit code is 1.
+        planned_runs: ``(config, cell) -> int``, the final runs of a cell (for partial reports).
+        experiment: the name its records carry: a folder holding another experiment's records
+            is refused before any work (its report would be overwritten).
     """
 
     cells: Sequence[Hashable]
@@ -116,17 +98,9 @@ class Recipe:
 def add_run_arguments(
     p: argparse.ArgumentParser, *, out: str, threads: int = 1, jobs: int = 0, cells: str = "cells"
 ) -> None:
-    """The flags every recipe shares: ``--out`` (checked: an empty one is refused),
-    ``--threads``, ``--jobs``, ``--no-progress``, ``--telemetry`` and the executor's.
-
-    Args:
-        out: the default results folder.
-        threads: default torch threads per process; 0: torch's default (all cores), and
-            then ``--threads 0`` is allowed (a recipe of tiny models defaults to 1 and refuses
-            0).
-        jobs: default worker processes (0: one per ``--threads`` cores, at most one per cell).
-        cells: what one cell of this recipe is, for ``--jobs``'s help.
-    """
+    """The flags every recipe shares, with its defaults: ``--out``, ``--threads`` (0 is
+    allowed only when it is the default: a recipe of tiny models refuses it), ``--jobs``,
+    ``--no-progress``, ``--telemetry`` and the executor's; ``cells`` names a cell in the help."""
     p.add_argument("--out", type=out_dir, default=Path(out), help=f"results folder ({out})")
     p.add_argument(
         "--threads",
@@ -159,11 +133,6 @@ def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executo
     if opts is not None:
         return SlurmExecutor(opts, progress)
     return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
-
-
-def cell_str(cell: Any) -> str:
-    """The cell's name when the cell is a plain name (a gate, a router)."""
-    return str(cell)
 
 
 def check_config(config: Any) -> None:
@@ -199,27 +168,12 @@ def missing(store: RunStore, configs: Iterable[Mapping[str, Any]]) -> list[int]:
 
 # -- running ------------------------------------------------------------------------------------
 def run_sweep(
-    recipe: Recipe,
-    config: Any,
-    out: str | Path,
-    executor: Executor,
-    *,
-    command: str = "",
+    recipe: Recipe, config: Any, out: str | Path, executor: Executor, *, command: str = ""
 ) -> dict[str, Any]:
-    """Run (or resume) every cell; return the selections by cell name, in cell order.
-
-    When every cell has run, ``plan.json`` lists the runs of this command (records looked up or
-    written by its cells), so the reports summarise them only, never records of earlier
-    commands with other settings (see :meth:`RunStore.load_planned`).
-
-    Args:
-        recipe: the recipe.
-        config: its run config (a frozen dataclass), passed to the recipe's functions.
-        out: results folder; ``selected_hparams.json`` is (re)written there as cells finish.
-        executor: where the cells run. A Slurm executor raises :class:`SweepDetached` when the
-            driver stops waiting (the jobs keep running; the same command again re-attaches).
-        command: the command line, recorded in ``plan.json``.
-    """
+    """Run (or resume) every cell into ``out``; return the selections by cell name, in cell
+    order (``selected_hparams.json``, rewritten as cells finish). Then ``plan.json`` lists the
+    runs of this ``command`` (records its cells looked up or wrote): reports summarise them
+    only (:meth:`RunStore.load_planned`). A Slurm executor may raise ``SweepDetached``."""
     check_config(config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -256,10 +210,9 @@ LOCK_FILE = ".dselectk.lock"
 
 @contextlib.contextmanager
 def folder_lock(out: Path) -> Iterator[None]:
-    """Hold ``out``'s lock for one command: a second command started into the same folder
-    stops at once with a ValueError (it would save and print the other's results), instead of
-    two writers sharing one ``plan.json``, report and summary. The lock is the kernel's
-    (``flock``): it is released when the process ends, however it ends."""
+    """Hold ``out``'s lock for one command: a second command into the same folder stops at
+    once with a ValueError, instead of two writers sharing one ``plan.json``, report and
+    summary. The lock is the kernel's (``flock``): released when the process ends, however."""
     path = Path(out) / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -295,14 +248,7 @@ def _check_same_experiment(out: Path, experiment: str) -> None:
 
 def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
     """The ``run`` of a recipe: check the results folder up front, size the executor to the
-    cells, run (or resume) the sweep, rebuild the report and print its table. Returns the exit
-    code (0).
-
-    Args:
-        recipe: the recipe (with its ``write_report`` and ``print_table``).
-        config: its run config (a frozen dataclass with ``out``).
-        executor: where the cells run (:func:`executor_from_args`).
-    """
+    cells, run (or resume) the sweep, rebuild the report and print its table; the exit code."""
     check_config(config)
     if recipe.write_report is None or recipe.print_table is None:
         raise TypeError("run_recipe needs a recipe with write_report and print_table")

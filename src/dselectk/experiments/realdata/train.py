@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dselectk._train_checks import TrainingDivergedError
+from dselectk.experiments.executors import progress_position
 from dselectk.experiments.realdata.spec import (
     FINITE,
     Experiment,
@@ -27,7 +28,7 @@ from dselectk.experiments.realdata.spec import (
     record_config,
 )
 from dselectk.experiments.records import RunStore, mean_se, run_id
-from dselectk.experiments.runner import grid_points, progress_position, sample_points
+from dselectk.experiments.runner import grid_points, sample_points
 from dselectk.layers.init import init_module_
 from dselectk.monitor import GateMonitor, gate_metrics
 from dselectk.optim import make_reference_optimizer

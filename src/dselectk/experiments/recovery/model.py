@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData, expert_outputs
+from dselectk.experiments.executors import progress_position
 from dselectk.experiments.metrics import recovered_experts
-from dselectk.experiments.runner import progress_position
 from dselectk.gates.base import Gate
 from dselectk.monitor import GateTrajectory
 from dselectk.optim import RowwiseAdam

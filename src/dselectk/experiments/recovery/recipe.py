@@ -36,7 +36,6 @@ from dselectk.experiments.recovery.report import diverged_lrs, print_table, writ
 from dselectk.experiments.runner import (
     Recipe,
     add_run_arguments,
-    cell_str,
     executor_from_args,
     missing,
     run_recipe,
@@ -265,7 +264,7 @@ def recipe(config: RecoveryConfig) -> Recipe:
         run_cell,
         _load_data,
         _data_key,
-        cell_str,
+        str,
         write_report=write_report,
         print_table=print_table,
         diverged=_diverged,

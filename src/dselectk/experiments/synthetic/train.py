@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.data.synthetic import FEATURES, UNITS, SyntheticData
+from dselectk.experiments.executors import progress_position
 from dselectk.experiments.metrics import distinct_experts, pairwise_jaccard
 from dselectk.experiments.records import RunStore, run_id
-from dselectk.experiments.runner import grid_points, progress_position, sample_points
+from dselectk.experiments.runner import grid_points, sample_points
 from dselectk.experiments.synthetic.spec import (
     BATCH_SIZE,
     K,

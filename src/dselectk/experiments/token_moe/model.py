@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from dselectk.data.text import Corpus
-from dselectk.experiments.runner import progress_position
+from dselectk.experiments.executors import progress_position
 from dselectk.models.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
 from dselectk.monitor import StepTimer
 from dselectk.telemetry import RoutingTelemetry

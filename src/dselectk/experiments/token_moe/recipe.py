@@ -23,7 +23,6 @@ from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
     Recipe,
     add_run_arguments,
-    cell_str,
     executor_from_args,
     missing,
     run_recipe,
@@ -233,7 +232,7 @@ def recipe(config: TokenMoEConfig) -> Recipe:
         run_cell=run_cell,
         load_data=_load_data,
         data_key=_data_key,
-        cell_name=cell_str,
+        cell_name=str,
         write_report=write_report,
         print_table=print_table,
         report_jobs=True,
