@@ -83,11 +83,8 @@ probability = _float_type("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
 def check_out_dir(path: str | Path) -> Path:
-    """Create the results folder if needed and check that it can be written, up front.
-
-    Raises:
-        ValueError: ``path`` is empty or a file, or the folder cannot be created or written.
-    """
+    """Create the results folder if needed and check that it can be written, up front (a
+    ValueError when ``path`` is empty or a file, or cannot be created or written)."""
     if not str(path).strip():
         raise ValueError("--out: expected a results folder, got an empty path")
     path = Path(path)
@@ -105,12 +102,8 @@ def check_out_dir(path: str | Path) -> Path:
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
     """A recipe's frozen run config from the parsed flags: each field of the dataclass ``cls``
-    takes the flag of its name (lists become tuples without repeats, so the config is
-    hashable), or ``values``.
-
-    Raises:
-        TypeError: a field without a default has no flag and no value (a recipe bug).
-    """
+    takes ``values``' or the flag of its name (lists become tuples without repeats, so the
+    config is hashable); a TypeError when a field without a default has neither."""
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in values:
@@ -158,12 +151,8 @@ def file_digest(path: str | Path) -> str:
 
 
 def read_json_object(path: str | Path, flag: str) -> tuple[dict[str, Any], str]:
-    """The JSON object in the file ``path`` given by ``flag``, and its content digest.
-
-    Raises:
-        ValueError: one line naming the flag and the file: missing, a folder, unreadable, not
-            JSON, or JSON but not an object.
-    """
+    """The JSON object in the file ``path`` given by ``flag``, and its content digest; else a
+    one-line ValueError naming the flag and the file (missing, a folder, not JSON...)."""
     where = f"{flag} {path}"
     try:
         data = Path(path).read_bytes()

@@ -34,14 +34,8 @@ def jaccard(a: set[int] | Sequence[int], b: set[int] | Sequence[int]) -> float:
 
 
 def jaccard_matrix(selected: Tensor) -> Tensor:
-    """Jaccard index of every pair of rows of a boolean selection mask.
-
-    Args:
-        selected: (..., T, n) bool, ``selected[..., t, i]`` whether task t selects expert i.
-
-    Returns:
-        (..., T, T) float64 Jaccard indices (1.0 where both sets are empty).
-    """
+    """Jaccard index of every pair of rows of a boolean selection mask: (..., T, n) bool
+    (whether task t selects expert i) → (..., T, T) float64 (1.0 where both sets are empty)."""
     s = selected.to(torch.float64)
     inter = s @ s.transpose(-1, -2)
     size = s.sum(-1)
@@ -50,17 +44,10 @@ def jaccard_matrix(selected: Tensor) -> Tensor:
 
 
 def pairwise_jaccard(selected: Tensor, groups: Tensor | Sequence[int]) -> tuple[Tensor, Tensor]:
-    """Average Jaccard index over related pairs and over unrelated pairs (Appendix C.1).
-
-    Args:
-        selected: (..., T, n) bool selection masks (one leading dim per repetition, optional).
-        groups: (T,) group label of each task.
-
-    Returns:
-        (related, unrelated), each of shape (...,): the mean over unordered pairs t < u in the
-        same group, resp. in different groups. NaN where there is no such pair (e.g. unrelated
-        pairs with a single group).
-    """
+    """Average Jaccard index over related pairs and over unrelated pairs (Appendix C.1) of
+    (..., T, n) bool selection masks, tasks grouped by ``groups`` (T,): (related, unrelated),
+    each (...,), the means over pairs t < u in the same group, resp. in different groups; NaN
+    where there is no such pair (e.g. unrelated pairs with a single group)."""
     g = torch.as_tensor(groups)
     t = g.shape[0]
     if selected.shape[-2] != t:
@@ -94,29 +81,16 @@ def expected_random_jaccard(num_experts: int, k: int) -> float:
 
 
 def distinct_experts(selected: Tensor) -> Tensor:
-    """Number of distinct experts each task selects: (..., T, n) bool → (..., T) int.
-
-    Selectors of DSelect-k (or of the softmax ablation) can land on the same expert, so this
-    counts experts, not selectors.
-    """
+    """Number of distinct experts each task selects: (..., T, n) bool → (..., T) int (experts,
+    not selectors: DSelect-k's selectors can land on the same expert)."""
     return selected.sum(-1)
 
 
 def recovered_experts(weights: Tensor, true_experts: Tensor, k: int) -> Tensor:
-    """How many of the true experts a gate selects (Appendix C.2.2).
-
-    The selected set is the experts with a nonzero weight; if a (non-converged) gate puts a
-    nonzero weight on more than k experts, only its k largest weights count, so a gate cannot
-    score by spreading weight over everything.
-
-    Args:
-        weights: (..., n) gate weights.
-        true_experts: (..., n) bool mask of the true experts' positions.
-        k: number of experts a converged gate selects.
-
-    Returns:
-        (...,) integer counts in [0, k].
-    """
+    """How many of the true experts (a (..., n) bool mask) a gate's (..., n) ``weights``
+    select (Appendix C.2.2): (...,) counts in [0, k]. The selected set is the experts with a
+    nonzero weight, of the k largest weights only, so a (non-converged) gate cannot score by
+    spreading weight over everything."""
     top = weights.topk(k, dim=-1).indices
     mask = torch.zeros_like(weights, dtype=torch.bool).scatter(-1, top, True) & (weights > 0)
     return (mask & true_experts).sum(-1)

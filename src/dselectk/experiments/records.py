@@ -1,9 +1,8 @@
 """Result records: one JSON file per finished run, written atomically, so sweeps resume.
 
-A sweep is a list of run configs. Each run is identified by a stable hash of its resolved config
-(:func:`run_id`); its record ``runs/<run_id>.json`` is written with write-to-temp + ``os.replace``
-only once the run has finished, so a killed sweep (Ctrl-C or kill -9) leaves either a complete
-record or none, and the same command restarted skips finished runs.
+A run is identified by a stable hash of its resolved config (:func:`run_id`); its record
+``runs/<run_id>.json`` is written atomically once the run has finished, so a killed sweep leaves
+a complete record or none, and the same command restarted skips finished runs.
 """
 
 from __future__ import annotations
@@ -134,11 +133,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunStore:
-    """The ``runs/`` folder of a results directory.
-
-    Args:
-        root: the results directory; records go to ``root/runs/<run_id>.json``.
-    """
+    """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -146,10 +141,9 @@ class RunStore:
         self.remove_stale_temps()
 
     def remove_stale_temps(self) -> list[Path]:
-        """Delete the temp files of record writes whose process is gone (a sweep killed with
-        ``kill -9`` mid-write cannot remove its own); returns what was removed. Only this
-        host's writers are judged: on a shared filesystem another node's pids mean nothing
-        here, so their temp files are left alone."""
+        """Delete (and return) the temp files of record writes whose process is gone (a sweep
+        killed mid-write cannot remove its own); only this host's: on a shared filesystem
+        another node's pids mean nothing here."""
         removed: list[Path] = []
         if not self.runs.is_dir():
             return removed
@@ -191,17 +185,16 @@ class RunStore:
         (:meth:`sweep_status`), its runs so far."""
         records = self.load()
         status = self.sweep_status()
-        if status is not None:
-            mine = [r for r in records if r.get("run_id") in status["_ids"]]
-            return mine, len(records) - len(mine)
         plan = self.root / PLAN_FILE
-        if not plan.is_file():
+        if status is not None:
+            planned = status["_ids"]
+        elif not plan.is_file():
             return records, 0
-        try:
-            planned = json.loads(plan.read_text(encoding="utf-8"))["runs"]
-            planned = {str(x) for x in planned}
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{plan}: not a valid plan file ({e})") from None
+        else:
+            try:
+                planned = {str(x) for x in json.loads(plan.read_text(encoding="utf-8"))["runs"]}
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{plan}: not a valid plan file ({e})") from None
         mine = [r for r in records if r.get("run_id") in planned]
         return mine, len(records) - len(mine)
 
@@ -337,13 +330,9 @@ def mean_se(values: Sequence[float]) -> dict[str, float | int]:
     """Mean, standard error (sample std / sqrt(n)) and count of the finite values."""
     xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     n = len(xs)
-    if n == 0:
-        return {"mean": math.nan, "se": math.nan, "n": 0}
-    mean = sum(xs) / n
-    if n == 1:
-        return {"mean": mean, "se": math.nan, "n": 1}
-    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
-    return {"mean": mean, "se": math.sqrt(var / n), "n": n}
+    mean = sum(xs) / n if n else math.nan
+    se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) if n > 1 else math.nan
+    return {"mean": mean, "se": se, "n": n}
 
 
 def format_mean_se(
@@ -374,11 +363,10 @@ def diverged(record: Mapping[str, Any], metrics: Sequence[str]) -> bool:
     if record.get("diverged"):
         return True
     values = record.get("metrics", {})
-    for m in metrics:
-        v = values.get(m)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return True
-    return False
+    return any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        for v in map(values.get, metrics)
+    )
 
 
 def summarize(
@@ -430,18 +418,15 @@ def wall_time(
     command: str | None,
     records: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The wall time of the commands that produced a folder's summarised runs, for its summary.
+    """The wall time of the commands that produced a folder's summarised runs, for its summary:
+    ``{"seconds", "commands": [{"command", "seconds"}...], "plan": digest, "runs_untimed"}``.
 
     A command that continues the previous one (the same plan: a resume, a Slurm re-attach, a
     rerun) adds its time to the previous summary's, so a resume never overwrites 421 s by the
     2 s it took to find everything done. A command with another plan starts a new total; the
     planned ``records`` written before it started (by earlier commands, whose time is not known
-    here) are counted as ``runs_untimed``. ``wall_seconds`` None (``dselectk report``) keeps the
+    here) count as ``runs_untimed``. ``wall_seconds`` None (``dselectk report``) keeps the
     previous summary's value.
-
-    Returns:
-        ``{"seconds": total, "commands": [{"command", "seconds"}...], "plan": digest,
-        "runs_untimed": n}``, or None as ``seconds`` when nothing was timed.
     """
     results_dir = Path(results_dir)
     prev = previous.get("wall_time")

@@ -1,10 +1,8 @@
 """``dselectk report DIR``: rebuild a results folder's summary, report and plots from its records.
 
-Convention (shared by every experiment module under :mod:`dselectk.experiments`): a module that
-writes run records with ``config["experiment"] = NAME`` exposes
-``write_report(results_dir: Path) -> None``, which rebuilds ``summary.json``, ``report.md`` and
-the PNG plots from ``results_dir/runs/*.json`` only (no training state, no data). This command
-finds NAME in the records (or in ``summary.json``) and calls that module's ``write_report``.
+The experiment module of the records' ``config["experiment"]`` (:data:`EXPERIMENTS`) exposes
+``write_report(results_dir)``, which rebuilds ``summary.json``, ``report.md`` and the plots from
+``results_dir/runs/*.json`` only (no training state, no data).
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ __all__ = [
     "run",
 ]
 
-#: experiment name (``dselectk reproduce NAME``, ``config["experiment"]``) → module implementing
-#: it. The CLI imports this table (cli → report; report never imports the CLI).
+#: experiment name (``dselectk reproduce NAME``, ``config["experiment"]``) → its module
 EXPERIMENTS: dict[str, str] = {
     "synthetic": "dselectk.experiments.synthetic",
     "recovery": "dselectk.experiments.recovery",
@@ -47,9 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def experiment_name(results_dir: Path) -> str:
-    """The experiment stored in the run records (falls back to ``summary.json``). A run made
-    by one experiment's code for another's study (the selection study's Appendix C.1 tuning runs
-    are synthetic runs) names that study in ``config["data"]["study"]``, which counts.
+    """The experiment of the run records (:func:`record_experiment`; else ``summary.json``'s).
 
     Raises:
         ValueError: no records, or records of several experiments in one folder.

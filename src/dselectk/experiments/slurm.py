@@ -1,17 +1,13 @@
 """The Slurm executor: one Slurm job per cell, through submitit.
 
-* **submit** — the cells go out as one submitit job array (``map_array``;
-  ``--slurm-array-parallelism`` caps how many run at once); each job loads the data, runs its
-  cell (its records are written into the results folder, atomically, as in local mode) and
-  returns the cell's selection and run ids (``<out>/slurm/<job>_0_result.pkl``; logs beside it);
-* **bookkeeping** — ``<out>/slurm_jobs.json`` lists every submitted job: its id, its cell, the
-  sweep's settings key (:func:`sweep_key`) and, once collected, its result or error;
-* **resume** — the same command again submits only the cells that are neither complete (a
-  successful result whose records all exist) nor queued/running (``squeue``); a job killed or
-  preempted mid-way loses only its unfinished runs (the resubmitted cell skips existing records);
-* **wait / detach** — the driver polls the jobs with a progress bar over cells; Ctrl-C (or
-  ``--slurm-no-wait``) detaches: the jobs keep running, and the same command again re-attaches.
-  ``dselectk report DIR`` reads records only, so it works while jobs run.
+The cells go out as one job array; each job runs its cell (writing its records into the
+results folder, as in local mode) and returns the cell's selection and run ids
+(``<out>/slurm/<job>_0_result.pkl``, logs beside it). ``<out>/slurm_jobs.json`` lists every
+job: its id, its cell, the sweep's settings key (:func:`sweep_key`) and, once collected, its
+result or error. The same command again submits only the cells that are neither complete (a
+result whose records all exist) nor queued/running (``squeue``), so a killed job loses only its
+unfinished runs. Ctrl-C or ``--slurm-no-wait`` detaches (the jobs keep running; the same command
+re-attaches); ``dselectk report DIR`` reads records only, so it works while jobs run.
 """
 
 from __future__ import annotations
@@ -104,6 +100,15 @@ class SlurmExecutor:
         run_slurm(recipe, config, out, self.options, progress=self.progress, on_cell=on_cell)
 
 
+#: the integer ``--slurm-*`` flags: SlurmOptions field, flag, least value, help
+_INT_FLAGS = [
+    ("time_min", "time", 1, "time limit per job, in minutes"),
+    ("cpus", "cpus", 1, "CPUs (threads) per job"),
+    ("gpus", "gpus", 0, "GPUs per job"),
+    ("array_parallelism", "array-parallelism", 1, "jobs of the array running at once"),
+]
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -122,12 +127,8 @@ def add_executor_arguments(p: argparse.ArgumentParser) -> None:
         "(needs dselectk[cluster]); rerun the same command to resume or re-attach",
     )
     g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the default)")
-    for flag, least, default, doc in [
-        ("time", 1, 60, "time limit per job, in minutes"),
-        ("cpus", 1, 1, "CPUs (threads) per job"),
-        ("gpus", 0, 0, "GPUs per job"),
-        ("array-parallelism", 1, 256, "jobs of the array running at once"),
-    ]:
+    for name, flag, least, doc in _INT_FLAGS:
+        default = getattr(SlurmOptions, name)
         g.add_argument(f"--slurm-{flag}", type=int_at_least(least), default=default, help=doc)
     g.add_argument(
         "--slurm-opt",
@@ -148,14 +149,15 @@ def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
     """The Slurm options of ``--executor slurm``; None for the local executor."""
     if getattr(args, "executor", "local") != "slurm":
         return None
+    ints = {
+        name: int(getattr(args, "slurm_" + flag.replace("-", "_"), getattr(SlurmOptions, name)))
+        for name, flag, _, _ in _INT_FLAGS
+    }
     return SlurmOptions(
         partition=getattr(args, "slurm_partition", None),
-        time_min=int(getattr(args, "slurm_time", 60)),
-        cpus=int(getattr(args, "slurm_cpus", 1)),
-        gpus=int(getattr(args, "slurm_gpus", 0)),
-        array_parallelism=int(getattr(args, "slurm_array_parallelism", 256)),
         extra=dict(getattr(args, "slurm_opt", None) or []),
         wait=not getattr(args, "slurm_no_wait", False),
+        **ints,
     )
 
 
@@ -202,21 +204,20 @@ def _make_slurm_executor(folder: Path, opts: SlurmOptions) -> Any:
     if shutil.which("sbatch") is None:
         raise ValueError("--executor slurm: sbatch not found (is this a Slurm login node?)")
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    params: dict[str, Any] = {
-        "timeout_min": opts.time_min,
-        "cpus_per_task": opts.cpus,
-        "tasks_per_node": 1,
-        "nodes": 1,
-        "slurm_array_parallelism": opts.array_parallelism,
-        "name": "dselectk",
+    optional = {
+        "gpus_per_node": opts.gpus,
+        "slurm_partition": opts.partition,
+        "slurm_additional_parameters": dict(opts.extra),
     }
-    if opts.gpus:
-        params["gpus_per_node"] = opts.gpus
-    if opts.partition:
-        params["slurm_partition"] = opts.partition
-    if opts.extra:
-        params["slurm_additional_parameters"] = dict(opts.extra)
-    ex.update_parameters(**params)
+    ex.update_parameters(
+        timeout_min=opts.time_min,
+        cpus_per_task=opts.cpus,
+        tasks_per_node=1,
+        nodes=1,
+        slurm_array_parallelism=opts.array_parallelism,
+        name="dselectk",
+        **{k: v for k, v in optional.items() if v},
+    )
     return ex
 
 
@@ -263,14 +264,10 @@ def run_slurm(
     states: Callable[[Iterable[str]], Mapping[str, str]] | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Run (or resume / re-attach to) the sweep's cells as Slurm jobs.
-
-    ``on_cell(name, selection, run_ids)`` is called once per complete cell (earlier invocations'
-    included). Raises :class:`SweepDetached` when the driver stops waiting, :class:`SweepFailed`
-    (after printing which cells failed and why) when jobs failed; the others' records land.
-    ``make_executor`` (a submitit executor) and ``states`` (job id → squeue state of the jobs
-    still queued/running) default to Slurm's; tests pass their own.
-    """
+    """Run (or resume / re-attach to) the sweep's cells as Slurm jobs; ``on_cell`` once per
+    complete cell (earlier commands' included). Raises :class:`SweepDetached` or, after printing
+    which cells failed and why, :class:`SweepFailed`. ``make_executor`` (submitit's) and
+    ``states`` (:func:`squeue_states`) are for tests."""
     states = states or squeue_states
     out = Path(out)
     folder, book_path = out / LOG_DIR, out / JOBS_FILE
