@@ -22,13 +22,8 @@ from dselectk.experiments import slurm as E
 from dselectk.experiments.args import config_from_args
 from dselectk.experiments.executors import LocalExecutor
 from dselectk.experiments.records import RunStore
-from dselectk.experiments.runner import (
-    Recipe,
-    add_executor_arguments,
-    executor_from_args,
-    run_sweep,
-)
-from dselectk.experiments.slurm import SlurmExecutor
+from dselectk.experiments.runner import Recipe, executor_from_args, run_sweep
+from dselectk.experiments.slurm import SlurmExecutor, add_executor_arguments
 
 _FAIL_CELL = -1  #: the cell whose runs raise (a bug that a later code change fixes)
 

@@ -1,15 +1,8 @@
-"""The one runner of every experiment: a recipe's cells, resumed from their records, run by an
-executor.
-
-A *recipe* (:class:`Recipe`) is a list of cells (e.g. one (gate, T) pair of the synthetic
-study), a function that loads the data once per process, a function that runs one cell (select
-its hyperparameters, then train the missing repetitions and save one record per run) and its
-report. Every function receives the recipe's **run config**: a frozen dataclass of the settings
-that decide what is computed (never the argparse ``Namespace``); where the cells run is the
-executor's business (:class:`~dselectk.experiments.executors.LocalExecutor` or
-:class:`~dselectk.experiments.slurm.SlurmExecutor`). A record is written atomically when its run
-finishes and a cell skips the runs whose records exist (:func:`missing`), so a killed sweep
-continues where it stopped when the same command runs again.
+"""The one runner of every experiment: a recipe's cells (:class:`Recipe`), resumed from their
+records (a cell skips the runs whose records exist, :func:`missing`, so a killed sweep continues
+where it stopped), run by an executor (:mod:`dselectk.experiments.executors`). Every function of
+a recipe receives its **run config**: a frozen dataclass of the settings that decide what is
+computed (never the argparse ``Namespace``).
 """
 
 from __future__ import annotations
@@ -39,11 +32,7 @@ from dselectk.io import write_json
 from dselectk.runtime import warm_kernels
 
 __all__ = [
-    "Executor",
-    "LocalExecutor",
     "Recipe",
-    "SlurmExecutor",
-    "add_executor_arguments",
     "add_run_arguments",
     "check_config",
     "executor_from_args",

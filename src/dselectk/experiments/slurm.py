@@ -322,13 +322,17 @@ def run_slurm(
         log(f"submitted {n} Slurm job(s): {', '.join(str(j.job_id) for j in jobs)}")
     if not waiting:
         return
-    if not opts.wait:
+
+    def detached() -> str:
         ids = " ".join(e["job_id"] for e in waiting.values())
-        log(
+        return (
             f"detached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
             f"again to re-attach (it submits only missing cells); `dselectk report {out}` "
             f"works meanwhile; scancel {ids} to stop them"
         )
+
+    if not opts.wait:
+        log(detached())
         raise SweepDetached(0)
 
     # wait: poll the jobs until each has a result or is gone
@@ -365,12 +369,7 @@ def run_slurm(
                 time.sleep(opts.poll_s)
     except KeyboardInterrupt:
         bar.close()
-        ids = " ".join(e["job_id"] for e in waiting.values())
-        print(
-            f"\ndetached: {len(waiting)} Slurm job(s) keep running ({ids}); run the same command "
-            "again to re-attach (it submits only missing cells); scancel them to stop",
-            file=sys.stderr,
-        )
+        print(f"\n{detached()}", file=sys.stderr)
         raise SweepDetached(130) from None
     bar.close()
     if failed:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from dselectk.experiments.args import config_from_args, int_at_least, positive_float
+from dselectk.experiments.executors import Executor
 from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
@@ -35,13 +36,7 @@ from dselectk.experiments.realdata.spec import (
 )
 from dselectk.experiments.realdata.train import overrides, train_one, tune
 from dselectk.experiments.records import RunStore, read_object
-from dselectk.experiments.runner import (
-    Executor,
-    Recipe,
-    add_run_arguments,
-    missing,
-    run_recipe,
-)
+from dselectk.experiments.runner import Recipe, add_run_arguments, missing, run_recipe
 from dselectk.io import write_json
 from dselectk.layers.init import INITS
 from dselectk.optim import OPTIMIZER_DEFAULTS
