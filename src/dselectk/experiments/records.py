@@ -284,9 +284,8 @@ class RunStore:
         )
 
     def load(self, *, strict: bool = True) -> list[dict[str, Any]]:
-        """All complete records, sorted by run id. An unreadable file raises a ValueError
-        naming it; ``strict=False`` passes over it (for checks that are not the sweep's
-        business to refuse: the sweep and the report name such a file)."""
+        """All complete records, sorted by run id; an unreadable file raises a ValueError
+        naming it, or with ``strict=False`` is passed over (by checks that may ignore it)."""
         return load_records(self.runs, strict=strict)
 
 

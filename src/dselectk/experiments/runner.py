@@ -183,9 +183,8 @@ def run_sweep(
         save()
         store.sweep_cell_done(name, cell_runs)
 
-    planned = None
-    if recipe.planned_runs is not None:
-        planned = sum(int(recipe.planned_runs(config, c)) for c in recipe.cells)
+    count = recipe.planned_runs
+    planned = None if count is None else sum(int(count(config, c)) for c in recipe.cells)
     store.begin_sweep(command, names, planned)  # until end_sweep, reports say "partial"
     executor.run(recipe, config, out, on_cell)
     save()
