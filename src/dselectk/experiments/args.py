@@ -51,7 +51,6 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
     return parse
 
 
@@ -212,7 +211,6 @@ def hparam_type(h: HParam) -> Callable[[str], Any]:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
 
-    parse.__name__ = h.range_text()
     return parse
 
 

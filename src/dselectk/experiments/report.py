@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from dselectk.experiments.records import RunStore, partial_line, record_experiment
+from dselectk.experiments.records import RunStore, partial_line, read_object, record_experiment
 from dselectk.io import write_json, write_text
 
 __all__ = [
@@ -51,11 +51,8 @@ def experiment_name(results_dir: Path) -> str:
     """
     names = {name for r in RunStore(results_dir).load() if (name := record_experiment(r["config"]))}
     if not names:
-        summary = Path(results_dir) / "summary.json"
-        if summary.is_file():
-            name = json.loads(summary.read_text(encoding="utf-8")).get("experiment")
-            if name:
-                return str(name)
+        if name := read_object(Path(results_dir) / "summary.json").get("experiment"):
+            return str(name)
         raise ValueError(f"{results_dir}: no run records (runs/*.json) naming an experiment")
     if len(names) > 1:
         raise ValueError(f"{results_dir}: records of several experiments: {sorted(names)}")
