@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.gpu_gate [--device cuda] [--out FILE]``: forward + backward of a
 per-example gate (p = 64, n = 128, k = 4, float32, as ``small_batch``) at B = 1, 16, 256, 4096,
-timed interleaved in one process: Top-k; DSelect-k as dispatched today; DSelect-k forced onto
-each of its three formulations (the small-problem kernel, the fused kernel, the composed
-autograd formulas: ``dselectk.functional``'s size thresholds set for the call); and
+timed interleaved in one process: Top-k; DSelect-k as dispatched today (on a GPU with Triton:
+its two Triton kernels, ``dselectk._triton``); DSelect-k forced onto each of its three ATen
+formulations (the small-problem kernel, the fused kernel, the composed autograd formulas:
+``dselectk.functional``'s size thresholds set and ``DSELECTK_TRITON=0`` for the call); and
 ``torch.compile`` of both gates. Also counts the device kernels one step launches (torch's
 profiler): on a GPU a step this small costs its launches, not its arithmetic. Prints one table;
 ``--out`` writes the rows as JSON.
@@ -50,9 +51,19 @@ def thresholds(*values: int) -> Iterator[None]:
 
 
 def forced(step: Callable[[], None], name: str) -> Callable[[], None]:
+    """``step`` with DSelect-k forced onto one ATen formulation (the Triton kernels off)."""
+
     def run() -> None:
-        with thresholds(*FORCED[name]):
-            step()
+        before = os.environ.get("DSELECTK_TRITON")
+        os.environ["DSELECTK_TRITON"] = "0"
+        try:
+            with thresholds(*FORCED[name]):
+                step()
+        finally:
+            if before is None:
+                del os.environ["DSELECTK_TRITON"]
+            else:
+                os.environ["DSELECTK_TRITON"] = before
 
     return run
 

@@ -14,6 +14,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+if not torch.cuda.is_available():
+    # Triton (when installed) decides at its import whether its kernels run compiled or in its
+    # interpreter: without a GPU, tests/test_triton.py runs DSelect-k's Triton kernels there
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def always_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

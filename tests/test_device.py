@@ -262,6 +262,7 @@ def test_kernel_dispatch_by_device_and_size() -> None:
 
     cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
     assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS, cuda_dev) is _DSelectSmall
+    assert DF._kernel_for(10**9, cuda_dev, triton_ok=True) is DF._triton.DSelectTriton
     assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS + 1, cuda_dev) is _DSelectFused
     assert DF._kernel_for(DF.SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectSmall
     assert DF._kernel_for(DF.FUSED_MIN_ELEMENTS, cpu_dev) is _DSelectFused
@@ -271,13 +272,18 @@ def test_kernel_dispatch_by_device_and_size() -> None:
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("batch", [256, 4096])
+@pytest.mark.parametrize("use_triton", [True, False])
 def test_cuda_small_kernel_matches_composed_formulas(
-    batch: int, monkeypatch: pytest.MonkeyPatch
+    batch: int, use_triton: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The per-example gate's CUDA path (the small kernel at these sizes) against the composed
-    autograd formulas, values and gradients, float64."""
+    """The per-example gate's CUDA paths (the Triton kernels; without them, the small kernel at
+    these sizes) against the composed autograd formulas, values and gradients, float64."""
     from dselectk import functional as DF
 
+    if not use_triton:
+        monkeypatch.setenv("DSELECTK_TRITON", "0")
+    elif not DF._triton.available(torch.zeros(1, 1, 1, device="cuda", dtype=torch.float64)):
+        pytest.skip("Triton does not import here")
     torch.manual_seed(11)
     alpha = torch.randn(batch, 4, dtype=torch.float64, device="cuda", requires_grad=True)
     z = torch.randn(batch, 4, 7, dtype=torch.float64, device="cuda", requires_grad=True)
@@ -341,3 +347,64 @@ def test_dselect_k_step_on_cuda_never_syncs(static: bool) -> None:
         (out.weights.square().sum() + out.aux_loss).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("g", "k", "m"), [(7, 2, 1), (300, 4, 7), (33, 3, 10), (5, 5, 4)])
+@pytest.mark.parametrize("per_gate", [False, True])
+def test_triton_kernels_on_cuda_match_the_aten_small_kernel(
+    dtype: torch.dtype, g: int, k: int, m: int, per_gate: bool
+) -> None:
+    """dselectk._triton compiled on the GPU against the ATen small kernel on the same GPU:
+    values and both gradients, saturated bits included, up to M = 10 bits (N = 1024)."""
+    from types import SimpleNamespace
+
+    from dselectk import _triton
+    from dselectk._kernels import _DSelectSmall
+
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(g + k + m)
+    z = torch.randn(g, k, m, generator=gen, device="cuda", dtype=dtype) * 0.8
+    z[0, 0, 0], z[-1, -1, -1] = 5.0, -3.0
+    alpha = torch.randn(g, k, generator=gen, device="cuda", dtype=dtype)
+    gamma = (
+        torch.rand(g, generator=gen, device="cuda", dtype=dtype) + 0.5
+        if per_gate
+        else torch.tensor(0.7, device="cuda", dtype=dtype)
+    )
+    out, ent = _triton.forward(z, alpha, gamma)
+    ref = _DSelectSmall._forward(z, alpha, gamma)
+    torch.testing.assert_close(out, ref[0])
+    torch.testing.assert_close(ent, ref[1])
+    g_out, g_ent = torch.randn_like(out), torch.randn_like(ent)
+    for go, ge in ((g_out, g_ent), (g_out, None), (None, g_ent)):
+        ctx = SimpleNamespace(saved_tensors=(gamma, *ref[2:]))
+        ref_z, ref_a, _ = _DSelectSmall._backward(ctx, go, ge)
+        g_z, g_a = _triton.backward(z, alpha, gamma, go, ge)
+        torch.testing.assert_close(g_z, ref_z)
+        assert (g_a is None) == (ref_a is None)
+        if g_a is not None:
+            torch.testing.assert_close(g_a, ref_a)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_gate_takes_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dselectk import _triton
+
+    pytest.importorskip("triton")
+    calls = []
+    original = _triton.DSelectTriton.apply
+
+    def spy(*args: torch.Tensor) -> object:
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(_triton.DSelectTriton, "apply", spy)
+    gate = dk.DSelectK(128, 4, in_features=8).to("cuda")
+    for batch in (1, 4096):
+        out = gate(torch.randn(batch, 8, device="cuda"))
+        (out.weights.sum() + out.aux_loss).backward()
+    assert [tuple(c) for c in calls] == [(1, 4, 7), (4096, 4, 7)]

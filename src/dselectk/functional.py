@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dselectk import _triton
 from dselectk._kernels import _DSelectFused, _DSelectSmall, _host_ok
 
 __all__ = [
@@ -214,7 +215,8 @@ SMALL_MAX_ELEMENTS = 8192
 #: :data:`SMALL_MAX_ELEMENTS`) or the composed autograd formulas (above it) are faster there
 FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 
-#: on a CUDA device, up to this many selector entries go to the small kernel at every size: a
+#: on a CUDA device without the Triton kernels (:data:`TRITON_MAX_BITS`), up to this many
+#: selector entries go to the small kernel at every size: a
 #: GPU step this small costs its kernel launches, not its arithmetic, and the small kernel
 #: launches about half the fused kernel's (fwd + bwd of a gate with p = 64, n = 128, k = 4 on an
 #: H200: 2.2 vs 3.1 ms at B = 4096, 2.3 vs 3.0 at B = 256; ``python -m benchmarks.gpu_gate``,
@@ -268,13 +270,34 @@ def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tens
 _small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
 
 
-def _kernel_for(
-    entries: int, device: torch.device
-) -> type[_DSelectSmall] | type[_DSelectFused] | None:
+#: the Triton kernels (:mod:`dselectk._triton`) take CUDA problems of at most this many bits
+#: (N = 2**M codes per selector, held in one program's registers)
+TRITON_MAX_BITS = 10
+
+_Kernel = type[_DSelectSmall] | type[_DSelectFused] | type[_triton.DSelectTriton]
+
+
+def _triton_ok(z: Tensor) -> bool:
+    """Whether the Triton kernels may take ``z`` (..., K, M): CUDA float32/float64, at most
+    :data:`TRITON_MAX_BITS` bits, Triton importable, eager (see :func:`_triton.available`)."""
+    return (
+        z.shape[-1] <= TRITON_MAX_BITS
+        and not torch.compiler.is_compiling()
+        and (_triton.available(z))
+    )
+
+
+def _kernel_for(entries: int, device: torch.device, triton_ok: bool = False) -> _Kernel | None:
     """The formulation :func:`dselect_k_fused` takes for ``entries`` selector entries on
-    ``device``: the small kernel, the fused kernel, or None (the composed formulas)."""
-    if device.type == "cuda" and entries <= CUDA_SMALL_MAX_ELEMENTS:
-        return _DSelectSmall
+    ``device``: on CUDA the Triton kernels (:mod:`dselectk._triton`) at every size when
+    ``triton_ok`` (:func:`_triton_ok`), else the small kernel up to
+    :data:`CUDA_SMALL_MAX_ELEMENTS`; elsewhere the small kernel, the composed formulas (None)
+    or the fused kernel, by size."""
+    if device.type == "cuda":
+        if triton_ok:
+            return _triton.DSelectTriton
+        if entries <= CUDA_SMALL_MAX_ELEMENTS:
+            return _DSelectSmall
     if entries < FUSED_MIN_ELEMENTS:
         return _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
     return _DSelectFused
@@ -327,7 +350,7 @@ def _dselect_k_parts(
         lead = torch.broadcast_shapes(lead, z.shape[:-2])
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
-    kernel: type[_DSelectSmall] | type[_DSelectFused] | None
+    kernel: _Kernel | None
     if leak or (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
         # Tracing and exporting: the composed formulas at every size. A branch on the size
         # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
@@ -336,7 +359,7 @@ def _dselect_k_parts(
         # zero tokens): the composed formulas' empty result.
         kernel = None
     else:
-        kernel = _kernel_for(entries, z.device)
+        kernel = _kernel_for(entries, z.device, z.is_cuda and _triton_ok(z))
     if kernel is None:
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
