@@ -12,9 +12,10 @@ exact at zero factors (no division), as the ATen form does.
 
 Same numbers as the ATen form to float rounding (tested in Triton's interpreter on the CPU,
 ``TRITON_INTERPRET=1``, and on a GPU). Used by :func:`dselectk.functional.dselect_k_fused` for
-CUDA float32/float64 tensors when Triton imports, in eager mode (not under ``torch.compile``,
-tracing, export or ``torch.func`` transforms, which take the ATen form); ``DSELECTK_TRITON=0``
-turns it off. The kernels are built on first use, so the environment can be set before.
+CUDA float32/float64 tensors of at most ``functional.TRITON_MAX_BITS`` bits when Triton
+imports, in eager mode (not under ``torch.compile``, tracing, export or ``torch.func``
+transforms, which take the ATen form); ``DSELECTK_TRITON=0`` turns it off. The kernels are
+built on first use, so the environment can be set before.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 #: GPU step this small costs its kernel launches, not its arithmetic, and the small kernel
 #: launches about half the fused kernel's (fwd + bwd of a gate with p = 64, n = 128, k = 4 on an
 #: H200: 2.2 vs 3.1 ms at B = 4096, 2.3 vs 3.0 at B = 256; ``python -m benchmarks.gpu_gate``,
-#: ``benchmarks/results/gpu/gpu_gate.json``). Its transient memory is O(entries · M²) (~350 MB
+#: ``benchmarks/results/gpu/gpu_gate-86373fc.json``). Its transient memory is O(entries · M²) (~350 MB
 #: at this bound with M = 7 bits), hence a bound: B = 4096 at K = 4, n = 128
 CUDA_SMALL_MAX_ELEMENTS = 2**21
 
@@ -271,8 +271,10 @@ _small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_
 
 
 #: the Triton kernels (:mod:`dselectk._triton`) take CUDA problems of at most this many bits
-#: (N = 2**M codes per selector, held in one program's registers)
-TRITON_MAX_BITS = 10
+#: (N = 2**M codes per selector, held in one program's registers): up to 128 experts. Checked
+#: compiled on an H200 at M = 1 and 7 (float32 and float64); at M = 10 (float64) the check failed
+#: and the next one did not finish in its time, so M > 7 takes the ATen small kernel
+TRITON_MAX_BITS = 7
 
 _Kernel = type[_DSelectSmall] | type[_DSelectFused] | type[_triton.DSelectTriton]
 
