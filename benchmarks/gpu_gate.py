@@ -26,10 +26,9 @@ import torch
 
 import dselectk.functional as DF
 from benchmarks.common import dselect_out, fwd_bwd, topk_out
+from benchmarks.small_batch import gate_steps
 from benchmarks.timing import compare, machine_facts
-from dselectk.gates import DSelectK, TopKGate
 
-P, N, K = 64, 128, 4
 BATCHES = (1, 16, 256, 4096)
 HUGE = 2**62
 #: formulation -> (SMALL_MAX_ELEMENTS, FUSED_MIN_ELEMENTS, CUDA_SMALL_MAX_ELEMENTS) that force
@@ -85,13 +84,8 @@ def kernels_per_step(step: Callable[[], None], dev: torch.device) -> int:
 def measure(dev: torch.device, reps: int, compiled: bool) -> list[dict[str, Any]]:
     rows = []
     for b in BATCHES:
-        torch.manual_seed(0)
-        x = torch.randn(b, P, device=dev)
-        g = torch.randn(b, N, device=dev)
-        gate = DSelectK(N, K, in_features=P, entropy_reg=0.1).to(dev)
-        topk = TopKGate(N, K, in_features=P).to(dev)
-        ours = fwd_bwd(partial(dselect_out, gate, x), g)
-        fns = {"topk": fwd_bwd(partial(topk_out, topk, x), g), "dselect": ours}
+        ours, theirs, gate, topk, x, g = gate_steps(b, dev)
+        fns = {"topk": theirs, "dselect": ours}
         fns.update({f"dselect_{name}": forced(ours, name) for name in FORCED})
         if compiled:
             cg, ct = torch.compile(gate), torch.compile(topk)

@@ -89,6 +89,18 @@ def _control(a: np.ndarray) -> Any:
     return run
 
 
+def gate_steps(b: int, dev: torch.device) -> tuple[Any, Any, DSelectK, TopKGate, Any, Any]:
+    """Seeded per-example DSelect-k and Top-k gates (p = P, n = N, k = K) on a batch of ``b``:
+    (DSelect-k's fwd+bwd step, Top-k's, the two gates, the input, the output gradient)."""
+    torch.manual_seed(0)
+    x = torch.randn(b, P, device=dev)
+    g = torch.randn(b, N, device=dev)
+    gate = DSelectK(N, K, in_features=P, entropy_reg=0.1).to(dev)
+    topk = TopKGate(N, K, in_features=P).to(dev)
+    steps = fwd_bwd(partial(dselect_out, gate, x), g), fwd_bwd(partial(topk_out, topk, x), g)
+    return *steps, gate, topk, x, g
+
+
 def measure(
     batches: tuple[int, ...], threads: int, reps: int, dev: torch.device
 ) -> dict[int, dict[str, dict[str, float]]]:
@@ -99,15 +111,10 @@ def measure(
     torch.set_num_threads(threads)
     try:
         for b in batches:
-            torch.manual_seed(0)
-            x = torch.randn(b, P, device=dev)
-            g = torch.randn(b, N, device=dev)
-            gate = DSelectK(N, K, in_features=P, entropy_reg=0.1).to(dev)
-            topk = TopKGate(N, K, in_features=P).to(dev)
-            ours = fwd_bwd(partial(dselect_out, gate, x), g)
+            ours, theirs, *_ = gate_steps(b, dev)
             fns = {
                 "dselect": ours,
-                "topk": fwd_bwd(partial(topk_out, topk, x), g),
+                "topk": theirs,
                 "dselect_1t": _guarded(ours),
             }
             if dev.type == "cpu":

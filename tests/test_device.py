@@ -52,6 +52,21 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def _assert_same_step(
+    cpu: torch.nn.Module, gpu: torch.nn.Module, loss_of, rel: float = 1e-9, **tol: float
+) -> None:  # type: ignore[no-untyped-def]
+    """``loss_of(module, device)`` on both copies, backward, then the losses (``rel``) and every
+    parameter's gradient (``tol``: assert_close's tolerances) compared."""
+    losses = []
+    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        loss = loss_of(mod, dev)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=rel)
+    for key, g in _grads(cpu).items():
+        torch.testing.assert_close(_grads(gpu)[key], g, msg=key, **tol)
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("name", dk.gate_names())
@@ -162,14 +177,7 @@ def test_c1_bank_loss_on_cuda_matches_cpu(fused: bool) -> None:
     assert bank.fusable
     cpu, gpu = _pair(bank)
     x, y = torch.randn(32, 10, dtype=torch.float64), torch.randn(32, 2, dtype=torch.float64)
-    losses = []
-    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        loss = mod.loss(x.to(dev), y.to(dev), fused=fused)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-9)
-    for key, g in _grads(cpu).items():
-        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+    _assert_same_step(cpu, gpu, lambda mod, dev: mod.loss(x.to(dev), y.to(dev), fused=fused))
 
 
 @pytest.mark.gpu
@@ -190,14 +198,7 @@ def test_char_lm_step_on_cuda_matches_cpu() -> None:
     )
     cpu, gpu = _pair(model)
     ids = torch.randint(0, 256, (4, 17))
-    losses = []
-    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        loss = mod.loss(ids[:, :-1].to(dev), ids[:, 1:].to(dev))
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-9)
-    for key, g in _grads(cpu).items():
-        torch.testing.assert_close(_grads(gpu)[key], g, msg=key)
+    _assert_same_step(cpu, gpu, lambda mod, dev: mod.loss(ids[:, :-1].to(dev), ids[:, 1:].to(dev)))
 
 
 @pytest.mark.gpu
@@ -224,14 +225,14 @@ def test_mixtral_with_our_router_on_cuda_matches_cpu() -> None:
 
     cpu, gpu = model, copy.deepcopy(model).to("cuda")  # float32: HF's grouped_mm has no float64
     ids = torch.randint(0, 50, (2, 9))
-    losses = []
-    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        out = mod(input_ids=ids.to(dev), labels=ids.to(dev))
-        out.loss.backward()
-        losses.append(out.loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    for key, g in _grads(cpu).items():
-        torch.testing.assert_close(_grads(gpu)[key], g, rtol=1e-3, atol=1e-5, msg=key)
+    _assert_same_step(
+        cpu,
+        gpu,
+        lambda mod, dev: mod(input_ids=ids.to(dev), labels=ids.to(dev)).loss,
+        rel=1e-5,
+        rtol=1e-3,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.gpu
@@ -359,12 +360,9 @@ def test_triton_kernels_on_cuda_match_the_aten_small_kernel(
 ) -> None:
     """dselectk._triton compiled on the GPU against the ATen small kernel on the same GPU:
     values and both gradients, saturated bits included, up to TRITON_MAX_BITS = 7 bits."""
-    from types import SimpleNamespace
-
-    from dselectk import _triton
-    from dselectk._kernels import _DSelectSmall
-
     pytest.importorskip("triton")
+    from _triton_check import assert_triton_matches_small_kernel
+
     gen = torch.Generator(device="cuda").manual_seed(g + k + m)
     z = torch.randn(g, k, m, generator=gen, device="cuda", dtype=dtype) * 0.8
     z[0, 0, 0], z[-1, -1, -1] = 5.0, -3.0
@@ -374,19 +372,7 @@ def test_triton_kernels_on_cuda_match_the_aten_small_kernel(
         if per_gate
         else torch.tensor(0.7, device="cuda", dtype=dtype)
     )
-    out, ent = _triton.forward(z, alpha, gamma)
-    ref = _DSelectSmall._forward(z, alpha, gamma)
-    torch.testing.assert_close(out, ref[0])
-    torch.testing.assert_close(ent, ref[1])
-    g_out, g_ent = torch.randn_like(out), torch.randn_like(ent)
-    for go, ge in ((g_out, g_ent), (g_out, None), (None, g_ent)):
-        ctx = SimpleNamespace(saved_tensors=(gamma, *ref[2:]))
-        ref_z, ref_a, _ = _DSelectSmall._backward(ctx, go, ge)
-        g_z, g_a = _triton.backward(z, alpha, gamma, go, ge)
-        torch.testing.assert_close(g_z, ref_z)
-        assert (g_a is None) == (ref_a is None)
-        if g_a is not None:
-            torch.testing.assert_close(g_a, ref_a)
+    assert_triton_matches_small_kernel(z, alpha, gamma)
 
 
 @pytest.mark.gpu

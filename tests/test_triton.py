@@ -8,7 +8,6 @@ CPU): the same kernel code, so values and gradients are checked in CI; the GPU t
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():  # pragma: no cover - the GPU tests cover the compiled kernels
     pytest.skip("the interpreter tests run on CPU-only machines", allow_module_level=True)
 
+from _triton_check import assert_triton_matches_small_kernel
 from dselectk import _triton
 from dselectk import functional as DF
 from dselectk._kernels import _DSelectSmall
@@ -45,22 +45,7 @@ def _inputs(g: int, k: int, m: int, dtype: torch.dtype, per_gate: bool):
 def test_kernels_match_the_aten_small_kernel(
     dtype: torch.dtype, shape: tuple[int, int, int], per_gate: bool
 ) -> None:
-    z, alpha, gamma = _inputs(*shape, dtype, per_gate)
-    out, ent = _triton.forward(z, alpha, gamma)
-    ref = _DSelectSmall._forward(z, alpha, gamma)
-    torch.testing.assert_close(out, ref[0])
-    torch.testing.assert_close(ent, ref[1])
-    gen = torch.Generator().manual_seed(1)
-    g_out = torch.randn(out.shape, generator=gen, dtype=dtype)
-    g_ent = torch.randn(ent.shape, generator=gen, dtype=dtype)
-    for go, ge in ((g_out, g_ent), (g_out, None), (None, g_ent)):
-        ctx = SimpleNamespace(saved_tensors=(gamma, *ref[2:]))
-        ref_z, ref_a, _ = _DSelectSmall._backward(ctx, go, ge)
-        g_z, g_a = _triton.backward(z, alpha, gamma, go, ge)
-        torch.testing.assert_close(g_z, ref_z)
-        assert (g_a is None) == (ref_a is None)
-        if g_a is not None:
-            torch.testing.assert_close(g_a, ref_a)
+    assert_triton_matches_small_kernel(*_inputs(*shape, dtype, per_gate))
 
 
 def test_autograd_node_gradcheck() -> None:
