@@ -2,7 +2,7 @@
 
 Imports go one way, down this stack (a group may import itself and the groups its rule lists):
 
-    base         _kernels, _numba*, _testing, functional, io, progress, runtime   (foundation)
+    base         _kernels, _numba*, _triton*, _testing, functional, io, progress, runtime (foundation)
     gates        dselectk.gates
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
@@ -69,6 +69,8 @@ GROUP_OF_TOP: dict[str, str] = {
     "_kernels": "base",
     "_numba": "base",
     "_numba_nodes": "base",
+    "_triton": "base",
+    "_triton_kernels": "base",
     "_testing": "base",
     "functional": "base",
     "io": "base",
