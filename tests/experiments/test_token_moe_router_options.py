@@ -1,10 +1,12 @@
-"""Token-MoE router options (issue 23 screens): a nonlinear selector input (``router_hidden``)
-and a separate learning rate for the routers (``router_lr_scale``); both off by default, and a
-default command's records keep their identity."""
+"""Token-MoE router options (issue 23 screens): a nonlinear selector input (``router_hidden``),
+a separate learning rate for the routers (``router_lr_scale``) and a capacity limit
+(``capacity_factor``); all off by default, and a default command's records keep their
+identity."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from dselectk.experiments.token_moe.model import make_optimizer_for
 from dselectk.experiments.token_moe.recipe import LATER, TokenMoEConfig
 from dselectk.gates import make_gate
 from dselectk.layers import SparseMoEFeedForward
+from dselectk.models.char_lm import evaluate
 
 #: the settings every record stored before the router options existed
 _RECORD_KEYS = {
@@ -66,10 +69,12 @@ def test_router_hidden_checks() -> None:
 def test_defaults_keep_the_records_identity(tmp_path: Path) -> None:
     assert set(TM.DEFAULTS) == _RECORD_KEYS | LATER
     assert TM.DEFAULTS["router_lr_scale"] == 1.0 and TM.DEFAULTS["router_hidden"] == 0
+    assert TM.DEFAULTS["capacity_factor"] is None
     assert set(TokenMoEConfig(out=tmp_path).record_hparams()) == _RECORD_KEYS
-    cfg = TokenMoEConfig(out=tmp_path, router_lr_scale=0.3, router_hidden=64)
+    cfg = TokenMoEConfig(out=tmp_path, router_lr_scale=0.3, router_hidden=64, capacity_factor=1.25)
     ident = cfg.record_hparams()
     assert ident["router_lr_scale"] == 0.3 and ident["router_hidden"] == 64
+    assert ident["capacity_factor"] == 1.25
     assert list(ident) == sorted(ident)
 
 
@@ -84,6 +89,35 @@ def test_build_model_with_router_hidden_counts_its_parameters() -> None:
         assert sum(p.numel() for p in m.router_parameters()) == 16 * 4 + 4 + 16 * 16 + 16
     logits, _ = hidden(torch.randint(0, 256, (2, 8)))
     assert logits.shape == (2, 8, 256)
+
+
+@pytest.mark.parametrize("router", ["topk", "dselect_k_distinct", "expert_choice"])
+def test_capacity_factor_reaches_every_layer_and_only_when_set(router: str) -> None:
+    hp = dict(TM.DEFAULTS, **_TINY)
+    torch.manual_seed(0)
+    plain = TM.build_model(TM.ROUTERS[router], hp)
+    torch.manual_seed(0)
+    capped = TM.build_model(TM.ROUTERS[router], dict(hp, capacity_factor=0.5))
+    assert all(m.capacity_factor is None for m in plain.moe_layers)
+    assert all(m.capacity_factor == 0.5 for m in capped.moe_layers)
+    # the same parameters (a capacity adds none): the same initialisation at one seed
+    a, b = plain.state_dict(), capped.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randint(0, 256, (6, 8))
+    tokens = x.numel()
+    plain_m, capped_m = evaluate(plain, x, x), evaluate(capped, x, x)
+    assert "dropped_pairs_per_token" not in plain_m
+    for m in capped.moe_layers:
+        cap = m.capacity(tokens)
+        assert cap is not None and int(m.last_stats["load"].max()) <= cap  # type: ignore[index]
+    if router == "expert_choice":  # expert choice has a capacity either way; nothing dropped
+        assert "dropped_pairs_per_token" not in capped_m
+        assert capped.moe_layers[0].capacity(tokens) == math.ceil(0.5 * tokens * 2 / 4)
+        return
+    # at c = 0.5 at most half of the k pairs of a token fit: at least k/2 dropped per token
+    assert capped_m["dropped_pairs_per_token"] >= 1.0 - 1e-9
+    assert plain_m["dispatched_experts_per_token"] == capped_m["dispatched_experts_per_token"]
+    assert plain_m["bits_per_byte"] != capped_m["bits_per_byte"]
 
 
 @pytest.mark.parametrize("router", ["topk", "dselect_k_distinct"])
@@ -116,14 +150,22 @@ def test_cli_runs_the_options_and_records_them_only_when_set(tmp_path: Path) -> 
             "--gates", "topk", "dselect_k_distinct"]  # fmt: skip
     assert main([*base, "--out", str(tmp_path / "d")]) == 0
     assert main([*base, "--out", str(tmp_path / "o"), "--router-lr-scale", "0.5",
-                 "--router-hidden", "8"]) == 0  # fmt: skip
+                 "--router-hidden", "8", "--capacity-factor", "1.25"]) == 0  # fmt: skip
     for name, keys in (
         ("d", _RECORD_KEYS),
-        ("o", _RECORD_KEYS | {"router_lr_scale", "router_hidden"}),
+        ("o", _RECORD_KEYS | {"router_lr_scale", "router_hidden", "capacity_factor"}),
     ):
         records = [json.loads(p.read_text()) for p in (tmp_path / name / "runs").glob("*.json")]
         assert len(records) == 2 and all(set(r["config"]["hparams"]) == keys for r in records)
+        capped = name == "o"
+        assert all(("dropped_pairs_per_token" in r["metrics"]) == capped for r in records)
+        report = (tmp_path / name / "report.md").read_text()
+        assert ("capacity factor 1.25: each expert" in report) == capped
+        assert ("no capacity limit" in report) != capped
     runs = [json.loads(p.read_text()) for p in (tmp_path / "o" / "runs").glob("*.json")]
     (rec,) = [r for r in runs if r["config"]["router"] == "topk"]
     assert rec["config"]["hparams"]["router_hidden"] == 8
+    assert rec["config"]["hparams"]["capacity_factor"] == 1.25
     assert rec["metrics"]["router_parameters"] == 2 * (8 * 4 + 4 + 16 * 8 + 8)
+    with pytest.raises(SystemExit):  # a capacity factor must be > 0
+        main([*base, "--out", str(tmp_path / "z"), "--capacity-factor", "0"])

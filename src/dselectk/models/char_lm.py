@@ -62,6 +62,7 @@ class MoEBlock(nn.Module):
         renormalize: bool = False,
         routing: str = "token",
         router_hidden: int = 0,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         self.heads = heads
@@ -78,6 +79,7 @@ class MoEBlock(nn.Module):
             renormalize=renormalize,
             routing=routing,
             router_hidden=router_hidden,
+            capacity_factor=capacity_factor,
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,6 +114,9 @@ class CharMoETransformer(nn.Module):
         router_hidden: 0 (default) or the width h of a GELU hidden layer in front of each
             router (``router()`` must then return gates with ``in_features=h``; see
             :class:`~dselectk.layers.SparseMoEFeedForward`).
+        capacity_factor: None (default: no limit; expert choice: 1) or c > 0: each expert of
+            a layer takes at most ``ceil(c · N · k / n)`` (token, expert) pairs of a batch of N
+            tokens (:class:`~dselectk.layers.SparseMoEFeedForward`).
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class CharMoETransformer(nn.Module):
         renormalize: bool = False,
         routing: str = "token",
         router_hidden: int = 0,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("heads", heads), ("layers", layers)):
@@ -148,6 +154,7 @@ class CharMoETransformer(nn.Module):
                 renormalize,
                 routing,
                 router_hidden,
+                capacity_factor,
             )
             for _ in range(layers)
         )
@@ -159,13 +166,15 @@ class CharMoETransformer(nn.Module):
         cls, gate: Callable[..., Gate], settings: Mapping[str, Any], routing: str = "token"
     ) -> CharMoETransformer:
         """The model of ``settings``: the constructor's arguments by name (:data:`SHAPE`),
-        ``num_experts`` and an optional ``router_hidden`` (other keys are ignored); every MoE
-        layer is routed by ``gate(num_experts, k=k, in_features=router_hidden or d_model)``."""
+        ``num_experts`` and an optional ``router_hidden`` and ``capacity_factor`` (other keys are
+        ignored); every MoE layer is routed by
+        ``gate(num_experts, k=k, in_features=router_hidden or d_model)``."""
         hidden = int(settings.get("router_hidden", 0))
         width = hidden or settings["d_model"]
         router = partial(gate, settings["num_experts"], k=settings["k"], in_features=width)
         shape = {name: settings[name] for name in SHAPE}
-        return cls(router, routing=routing, router_hidden=hidden, **shape)
+        cap = settings.get("capacity_factor")
+        return cls(router, routing=routing, router_hidden=hidden, capacity_factor=cap, **shape)
 
     @property
     def moe_layers(self) -> list[SparseMoEFeedForward]:
@@ -232,13 +241,15 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
     ``experts_per_token`` (nonzero weights), ``dispatched_experts_per_token`` (distinct experts
     a token is sent to: nonzero weights among its ``k`` largest, at most ``k``) and, for routers
     that binarize (DSelect-k), the fraction of tokens whose bits are binary (overall and per
-    layer; None otherwise)."""
+    layer; None otherwise); with a capacity limit also ``dropped_pairs_per_token`` (the
+    (token, expert) pairs over capacity, per token and layer: the distinct experts a token
+    reaches are ``dispatched_experts_per_token`` minus these)."""
     model.eval()
     layers = model.moe_layers
     n = int(layers[0].num_experts)
     loads = [torch.zeros(n) for _ in layers]
     binary = [0.0 for _ in layers]
-    nonzero = dispatched = 0.0
+    nonzero = dispatched = dropped = 0.0
     inputs: list[Tensor] = []
     hooks = [m.router.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for m in layers]
     total, tokens = 0.0, 0
@@ -252,6 +263,7 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
             for j, moe in enumerate(layers):
                 assert moe.last_stats is not None
                 loads[j] += moe.last_stats["load"].float()
+                dropped += float(moe.last_stats["dropped"])
                 w = moe.router(inputs[j]).weights
                 nonzero += float((w > 0).sum())
                 dispatched += float((w.topk(min(moe.k, n), -1).values > 0).sum())
@@ -263,6 +275,8 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
     model.train()
     binarizes = bool(layers[0].router.binarizes)
     fractions = [(ld / ld.sum()).tolist() for ld in loads]
+    capped = any(m.routing == "token" and m.capacity_factor is not None for m in layers)
+    extra = {"dropped_pairs_per_token": dropped / (tokens * len(loads))} if capped else {}
     return {
         "bits_per_byte": total / tokens / math.log(2),
         "load": fractions,
@@ -271,4 +285,4 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
         "dispatched_experts_per_token": dispatched / (tokens * len(loads)),
         "binary_token_fraction": sum(binary) / (tokens * len(loads)) if binarizes else None,
         "binary_token_fraction_per_layer": [b / tokens for b in binary] if binarizes else None,
-    }
+    } | extra

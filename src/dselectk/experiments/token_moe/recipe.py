@@ -101,6 +101,13 @@ class TokenMoEConfig:
         " (DSelect-k routers only: ε of the smooth-step's leaky gradient, max(S', ε·S'(0)); "
         "0: the exact gradient)",
     )
+    capacity_factor: float | None = _flag(
+        None,
+        positive_float,
+        " (no limit; c: each expert of a layer takes at most ceil(c·N·k/n) of a batch's N·k "
+        "(token, expert) pairs, first choices first, the rest dropped; expert choice: its "
+        "capacity factor, 1 when unset)",
+    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -151,7 +158,7 @@ _SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, f
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"router_lr_scale", "router_hidden", "smooth_step_leak"})
+LATER = frozenset({"router_lr_scale", "router_hidden", "smooth_step_leak", "capacity_factor"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -162,6 +162,25 @@ def _verdict(rows: list[dict[str, Any]], per_seed: list[list[Any]]) -> str:
     return "Validation bits per byte (lower is better):\n\n" + "\n".join(lines)
 
 
+def _capacity(summary: Mapping[str, Any]) -> str:
+    """The report's words for the capacity limit (``--capacity-factor``), with the pairs each
+    router had dropped on the validation tokens."""
+    c = (summary.get("hparams") or {}).get("capacity_factor")
+    if c is None:
+        return "no capacity limit"
+    dropped = [
+        f"{r['label']} {d['mean']:.3f}"
+        for r in summary["rows"]
+        if (d := r["metrics"].get("dropped_pairs_per_token")) and d.get("mean") is not None
+    ]
+    return (
+        f"capacity factor {c:g}: each expert takes at most ⌈{c:g}·N·k/n⌉ of the (token, expert) "
+        "pairs of a batch of N tokens, first choices first, in training and validation, and "
+        "drops the rest; pairs dropped per validation token and layer: "
+        + ("; ".join(dropped) or "(not recorded)")
+    )
+
+
 def _markdown(summary: Mapping[str, Any]) -> str:
     rows, loads = [], []
     columns = [("val_bpc", 4), ("train_loss", 3), ("load_max_over_mean", 2)]
@@ -189,6 +208,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
         records=summary["records"],
         diverged=f" **{line}.**" if (line := diverged_line(summary)) else "",
         others=others_note(summary.get("records_not_summarised", 0)),
+        capacity=_capacity(summary),
         hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
         val_windows=" or ".join(str(n) for n in summary.get("val_windows") or [] if n)
         or "(not recorded)",
