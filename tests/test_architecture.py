@@ -2,7 +2,7 @@
 
 Imports go one way, down this stack (a group may import itself and the groups its rule lists):
 
-    base         _kernels, _numba*, _triton*, _testing, functional, io, progress, runtime (foundation)
+    base         _kernels, _numba*, _triton*, _testing, functional, io, progress, runtime
     gates        dselectk.gates
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)

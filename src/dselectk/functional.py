@@ -220,8 +220,8 @@ FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
 #: GPU step this small costs its kernel launches, not its arithmetic, and the small kernel
 #: launches about half the fused kernel's (fwd + bwd of a gate with p = 64, n = 128, k = 4 on an
 #: H200: 2.2 vs 3.1 ms at B = 4096, 2.3 vs 3.0 at B = 256; ``python -m benchmarks.gpu_gate``,
-#: ``benchmarks/results/gpu/gpu_gate-86373fc.json``). Its transient memory is O(entries · M²) (~350 MB
-#: at this bound with M = 7 bits), hence a bound: B = 4096 at K = 4, n = 128
+#: ``benchmarks/results/gpu/gpu_gate-86373fc.json``). Its transient memory is O(entries · M²)
+#: (~350 MB at this bound with M = 7 bits), hence a bound: B = 4096 at K = 4, n = 128
 CUDA_SMALL_MAX_ELEMENTS = 2**21
 
 
