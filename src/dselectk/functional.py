@@ -285,7 +285,7 @@ def _triton_ok(z: Tensor) -> bool:
     return (
         z.shape[-1] <= TRITON_MAX_BITS
         and not torch.compiler.is_compiling()
-        and (_triton.available(z))
+        and _triton.available(z)
     )
 
 
@@ -316,8 +316,10 @@ def dselect_k_fused(
     :mod:`dselectk._kernels`, where a comment explains the algorithm). γ gets no
     gradient; a γ that requires one uses the composed formulation. Problems smaller than
     :data:`FUSED_MIN_ELEMENTS` use the small-problem kernel (``_DSelectSmall``, up to
-    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation; on a CUDA device the small kernel
-    takes every problem up to :data:`CUDA_SMALL_MAX_ELEMENTS`.
+    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation. On a CUDA device the Triton kernels
+    (:mod:`dselectk._triton`) take float32/float64 problems of at most
+    :data:`TRITON_MAX_BITS` bits at every size, and otherwise the small kernel every problem up
+    to :data:`CUDA_SMALL_MAX_ELEMENTS` (see :func:`_kernel_for`).
 
     Args:
         alpha: (..., K) selector logits.
