@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
 
 from dselectk.data.text import Corpus
 from dselectk.experiments.executors import progress_position
@@ -31,7 +32,8 @@ from dselectk.training import (
 )
 from dselectk.variants import Variant, variant_table
 
-__all__ = ["DEFAULT_ROUTERS", "ROUTERS", "build_model", "make_optimizer_for", "train_run"]
+__all__ = ["DEFAULT_ROUTERS", "ROUTERS", "build_model", "make_optimizer_for", "router_start_step"]
+__all__ += ["router_schedulers", "train_run"]
 
 EXPERIMENT = "token-moe"
 
@@ -75,18 +77,45 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     return CharMoETransformer.from_settings(gate, hp, routing=variant.routing)
 
 
+def router_start_step(hp: Mapping[str, Any]) -> int:
+    """The optimizer steps the routers sit out: ``floor(router_start × steps)`` (0: none)."""
+    return math.floor(float(hp.get("router_start", 0.0)) * int(hp["steps"]))
+
+
 def make_optimizer_for(model: CharMoETransformer, hp: Mapping[str, Any]) -> Optimizer | None:
     """Adam with the routers' parameters (:meth:`~dselectk.models.char_lm.CharMoETransformer.
-    router_parameters`) at ``lr × router_lr_scale`` and the rest at ``lr``; None (the training
-    loop's own Adam over every parameter at ``lr``) when the scale is 1."""
+    router_parameters`) in a group of their own at ``lr × router_lr_scale`` and the rest at
+    ``lr``; None (the training loop's own Adam over every parameter at ``lr``) when the scale is
+    1 and the routers start with the rest (:func:`router_start_step` 0). With a late start the
+    routers' group starts at lr 0 (:func:`router_schedulers` raises it)."""
     scale = float(hp.get("router_lr_scale", 1.0))
-    if scale == 1.0:
+    start = router_start_step(hp)
+    if scale == 1.0 and not start:
         return None
     lr = float(hp["lr"])
     routing = {id(p) for p in model.router_parameters()}
     rest = [p for p in model.parameters() if id(p) not in routing]
     routers = [p for p in model.parameters() if id(p) in routing]
     return make_optimizer("adam", [{"params": rest}, {"params": routers, "lr": lr * scale}], lr)
+
+
+def router_schedulers(optimizer: Optimizer | None, hp: Mapping[str, Any]) -> list[LambdaLR]:
+    """The late router start (``router_start`` F > 0): a scheduler that holds the routers'
+    group (the last of :func:`make_optimizer_for`'s) at lr 0 for the first
+    ``floor(F·steps)`` optimizer steps and at its own lr (``lr × router_lr_scale``) from then
+    on; every other group keeps its lr. [] when the routers start with the rest.
+
+    Adam at lr 0 leaves the routers' parameters exactly as initialised (its step is
+    ``lr × m̂ / (√v̂ + ε)``, no weight decay) but still updates their moments and step count
+    from the frozen steps' gradients, so the first live step is a bias-corrected Adam step
+    whose moments remember the early gradients (β₂ = 0.999: about a quarter of v still comes
+    from them after 300 steps) rather than a fresh Adam's first step."""
+    if not router_start_step(hp):
+        return []
+    if optimizer is None or len(optimizer.param_groups) != 2:
+        raise ValueError("router_start: expected make_optimizer_for's two parameter groups")
+    start = router_start_step(hp)
+    return [LambdaLR(optimizer, [lambda s: 1.0, lambda s: float(s >= start)])]
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:
@@ -121,7 +150,11 @@ def train_run(
     timer = StepTimer(WARMUP_STEPS)
     callbacks = [timer, *(callbacks or [])]
     # the variant's ramps (γ, λ, ...), one scheduler per MoE layer's router
-    scheds = [s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)]
+    scheds: list[Any] = [
+        s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)
+    ]
+    optimizer = make_optimizer_for(model, hp)
+    scheds += router_schedulers(optimizer, hp)  # --router-start: the routers' lr 0, then on
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(
@@ -145,7 +178,7 @@ def train_run(
             None,
             cfg,
             schedulers=scheds,
-            optimizer=make_optimizer_for(model, hp),
+            optimizer=optimizer,
             callbacks=callbacks,
             loss_fn=_lm_loss,
         )

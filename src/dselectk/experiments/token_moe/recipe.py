@@ -18,6 +18,7 @@ from dselectk.experiments.args import (
     int_at_least,
     nonnegative_float,
     positive_float,
+    unit_interval_open,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
@@ -108,12 +109,20 @@ class TokenMoEConfig:
         "(token, expert) pairs, first choices first, the rest dropped; expert choice: its "
         "capacity factor, 1 when unset)",
     )
+    router_start: float = _flag(
+        0.0,
+        unit_interval_open,
+        " (F in [0, 1): the routers' learning rate is 0 for the first floor(F·steps) steps, "
+        "then --lr × --router-lr-scale; the rest of the model trains from step 1)",
+    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
             raise ValueError(
                 f"--d-model {self.d_model}: must be a multiple of the {self.heads} attention heads"
             )
+        if not 0.0 <= self.router_start < 1.0:  # NaN too
+            raise ValueError(f"--router-start {self.router_start}: expected a number in [0, 1)")
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
         expert_routed = [g for g in self.gates if ROUTERS[g].routing == "expert"]
@@ -158,7 +167,9 @@ _SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, f
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"router_lr_scale", "router_hidden", "smooth_step_leak", "capacity_factor"})
+LATER = frozenset(
+    {"router_lr_scale", "router_hidden", "smooth_step_leak", "capacity_factor", "router_start"}
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
