@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -31,38 +31,27 @@ from benchmarks.timing import compare, machine_facts
 
 BATCHES = (1, 16, 256, 4096)
 HUGE = 2**62
-#: formulation -> (SMALL_MAX_ELEMENTS, FUSED_MIN_ELEMENTS, CUDA_SMALL_MAX_ELEMENTS) that force
-#: it at every size
-FORCED = {"small": (HUGE, HUGE + 1, HUGE), "fused": (0, 1, 0), "composed": (0, HUGE, 0)}
-NAMES = ("SMALL_MAX_ELEMENTS", "FUSED_MIN_ELEMENTS", "CUDA_SMALL_MAX_ELEMENTS")
-
-
-@contextmanager
-def thresholds(*values: int) -> Iterator[None]:
-    before = [getattr(DF, n) for n in NAMES]
-    for n, v in zip(NAMES, values):
-        setattr(DF, n, v)
-    try:
-        yield
-    finally:
-        for n, v in zip(NAMES, before):
-            setattr(DF, n, v)
+#: formulation -> the dselectk.functional size thresholds that force it at every size
+FORCED = {
+    "small": {
+        "SMALL_MAX_ELEMENTS": HUGE,
+        "FUSED_MIN_ELEMENTS": HUGE + 1,
+        "CUDA_SMALL_MAX_ELEMENTS": HUGE,
+    },
+    "fused": {"SMALL_MAX_ELEMENTS": 0, "FUSED_MIN_ELEMENTS": 1, "CUDA_SMALL_MAX_ELEMENTS": 0},
+    "composed": {"SMALL_MAX_ELEMENTS": 0, "FUSED_MIN_ELEMENTS": HUGE, "CUDA_SMALL_MAX_ELEMENTS": 0},
+}
 
 
 def forced(step: Callable[[], None], name: str) -> Callable[[], None]:
     """``step`` with DSelect-k forced onto one ATen formulation (the Triton kernels off)."""
 
     def run() -> None:
-        before = os.environ.get("DSELECTK_TRITON")
-        os.environ["DSELECTK_TRITON"] = "0"
-        try:
-            with thresholds(*FORCED[name]):
-                step()
-        finally:
-            if before is None:
-                del os.environ["DSELECTK_TRITON"]
-            else:
-                os.environ["DSELECTK_TRITON"] = before
+        with (
+            mock.patch.dict(os.environ, {"DSELECTK_TRITON": "0"}),
+            mock.patch.multiple(DF, **FORCED[name]),
+        ):
+            step()
 
     return run
 

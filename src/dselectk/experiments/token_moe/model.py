@@ -110,11 +110,11 @@ def router_schedulers(optimizer: Optimizer | None, hp: Mapping[str, Any]) -> lis
     from the frozen steps' gradients, so the first live step is a bias-corrected Adam step
     whose moments remember the early gradients (β₂ = 0.999: about a quarter of v still comes
     from them after 300 steps) rather than a fresh Adam's first step."""
-    if not router_start_step(hp):
+    start = router_start_step(hp)
+    if not start:
         return []
     if optimizer is None or len(optimizer.param_groups) != 2:
         raise ValueError("router_start: expected make_optimizer_for's two parameter groups")
-    start = router_start_step(hp)
     return [LambdaLR(optimizer, [lambda s: 1.0, lambda s: float(s >= start)])]
 
 
