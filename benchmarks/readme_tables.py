@@ -49,11 +49,16 @@ def _small_batch(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _contention(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| gate | batch | idle | beside busy processes | busy / idle |", "|---|---|---|---|---|"]
+    out = [
+        "| gate | batch | idle | beside busy processes | busy / idle | blocks' range |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
+        ratios = r.get("ratios") or []
+        span = f"{min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)})" if ratios else "–"
         out.append(
             f"| {r.get('gate')} | {r.get('B')} | {_ms(r.get('base_ms'))} | {_ms(r['ours_ms'])} "
-            f"| {_ratio(r.get('ratio'))} |"
+            f"| {_ratio(r.get('ratio'))} | {span} |"
         )
     return out
 

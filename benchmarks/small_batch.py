@@ -7,9 +7,13 @@ DSelect-k (>= 1: DSelect-k at least as fast). A third column times the DSelect-k
 in ``dselectk.runtime.intra_op_threads(1)`` (what a user can do for small batches on a shared
 machine).
 
-Contention (on by default, ``--no-contention`` skips it): the same measurement on 2 threads
-after starting 3 processes that spin on the CPU (``multiprocessing``), stopped afterwards; rows
-give busy / idle medians (the idle ones from the table above, same process). A ``control`` row
+Contention (on by default, ``--no-contention`` skips it): the same measurement on 2 threads in
+``--contention-blocks`` blocks (default 3), each an idle half followed at once by a busy half
+(3 processes that spin on the CPU, ``multiprocessing``, started and stopped around it), so that
+each busy time has an idle time measured seconds before it, not minutes (the load of a shared
+machine drifts between the two; a single idle and a single busy phase gave 1.7-3.7x for the same
+code). A row gives the medians over the blocks of the idle and the busy medians, and the median
+of the blocks' busy / idle ratios, with their range. A ``control`` row
 per batch size times plain single-threaded NumPy work of the gate's size (exp and sum of a
 (B, n) float32 array, 8 times) in the same rounds: its busy / idle is what this machine does to
 any one-thread step beside the spinners (about 2 on 2 CPUs: four runnable threads), the
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import time
 from functools import partial
 from typing import Any
@@ -36,6 +41,7 @@ from dselectk.runtime import intra_op_threads
 P, N, K = 64, 128, 4
 BATCHES = (1, 16, 256, 4096)
 BUSY_PROCESSES = 3
+CONTENTION_BLOCKS = 3
 
 
 def _spin(stop: Any) -> None:  # pragma: no cover - runs in a child process
@@ -166,31 +172,48 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     )
     if getattr(args, "no_contention", False) or dev.type != "cpu" or 2 not in idle:
         return
-    with Busy(BUSY_PROCESSES):
-        load = _load()
-        busy = measure(batches, 2, reps, dev)
-        load_after = _load()
-    crow = []
+    blocks = getattr(args, "contention_blocks", 0) or CONTENTION_BLOCKS
+    rep.table(
+        "contention",
+        f"2 threads beside {BUSY_PROCESSES} busy processes, {blocks} blocks of idle then busy: "
+        "ours ms = busy, base ms = idle (medians over the blocks), ratio = the blocks' median "
+        "busy/idle (range in the config)",
+        contention_rows(batches, max(3, reps // blocks), dev, blocks),
+        "target: DSelect-k busy/idle <= 2.5 at every B",
+    )
+
+
+def contention_rows(
+    batches: tuple[int, ...], reps: int, dev: torch.device, blocks: int
+) -> list[dict[str, Any]]:
+    """``blocks`` times: :func:`measure` on 2 threads idle, then beside :data:`BUSY_PROCESSES`
+    spinning processes; one row per (B, function) with the medians over the blocks."""
+    idle, busy, loads = [], [], []
+    for _ in range(blocks):
+        idle.append(measure(batches, 2, reps, dev))
+        with Busy(BUSY_PROCESSES):
+            loads.append(_load())
+            busy.append(measure(batches, 2, reps, dev))
+    rows = []
     for b in batches:
         for name in ("dselect", "topk", "dselect_1t", "control"):
-            i_ms, b_ms = idle[2][b][name]["median_ms"], busy[b][name]["median_ms"]
-            crow.append(
+            i_ms = [blk[b][name]["median_ms"] for blk in idle]
+            b_ms = [blk[b][name]["median_ms"] for blk in busy]
+            ratios = [x / y for x, y in zip(b_ms, i_ms)]
+            rows.append(
                 {
                     "case": f"{name} B={b} busy/idle",
-                    "ours_ms": b_ms,
-                    "base_ms": i_ms,
-                    "ratio": b_ms / i_ms,
-                    "config": f"threads=2 busy={BUSY_PROCESSES} load={load}->{load_after}",
+                    "ours_ms": statistics.median(b_ms),
+                    "base_ms": statistics.median(i_ms),
+                    "ratio": statistics.median(ratios),
+                    "ratios": ratios,
+                    "config": f"threads=2 busy={BUSY_PROCESSES} blocks={blocks} "
+                    f"ratios={min(ratios):.2f}-{max(ratios):.2f} load={min(loads)}-{max(loads)}",
                     "B": b,
                     "gate": name,
                     "threads": 2,
-                    "load_avg_1m": load,
+                    "blocks": blocks,
+                    "load_avg_1m": loads[0],
                 }
             )
-    rep.table(
-        "contention",
-        f"2 threads beside {BUSY_PROCESSES} busy processes: ours ms = busy, base ms = idle, "
-        "ratio = busy/idle",
-        crow,
-        "target: DSelect-k busy/idle <= 2.5 at every B",
-    )
+    return rows

@@ -4,8 +4,8 @@ Items (``--only`` takes these names; each is a module of this package with a
 ``run(rep, dev, args)`` function):
 
 - ``small_batch``: per-example DSelect-k vs Top-k forward + backward at B = 1, 16, 256, 4096 on
-  1 and 2 threads, side by side; then (table ``contention``) on 2 threads beside 3 busy
-  processes, busy / idle (``--no-contention`` skips that part).
+  1 and 2 threads, side by side; then (table ``contention``) on 2 threads in blocks of idle
+  then beside 3 busy processes, busy / idle (``--no-contention`` skips that part).
 - ``gate``: per-example DSelect-k forward + backward (B = 4096, p = 64, n = 128, k = 4) against
   the product-table formulation of the paper's formulas and against a Top-k gate, at
   initialisation and in a sparse regime (~30 % of the bits exactly 0 or 1).
@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-history", action="store_true", help="do not append to the history")
     p.add_argument(
         "--no-contention", action="store_true", help="small_batch: skip the busy-process part"
+    )
+    p.add_argument(
+        "--contention-blocks",
+        type=int_at_least(1),
+        default=0,
+        help="small_batch: idle-then-busy blocks of the contention part (0: default 3)",
     )
     p.add_argument(
         "--small-batches",

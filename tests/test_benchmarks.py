@@ -193,6 +193,44 @@ def test_busy_processes_start_and_stop() -> None:
     assert not any(p.is_alive() for p in busy.procs)
 
 
+def test_contention_rows_pair_each_busy_block_with_the_idle_block_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The contention table: ``blocks`` times idle then busy; each row's ratio is the median of
+    the blocks' busy / idle (not median busy over median idle), its times the blocks' medians."""
+    small_batch = importlib.import_module("benchmarks.small_batch")
+    phases: list[str] = []
+    idle_ms, busy_ms = iter([1.0, 2.0, 4.0]), iter([2.0, 6.0, 4.0])  # ratios 2, 3, 1
+
+    class NoBusy:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __enter__(self) -> None:
+            phases.append("busy")
+
+        def __exit__(self, *exc: object) -> None:
+            phases.append("idle")
+
+    def fake_measure(batches: tuple[int, ...], threads: int, reps: int, dev: object) -> object:
+        assert threads == 2
+        ms = next(busy_ms) if phases and phases[-1] == "busy" else next(idle_ms)
+        names = ("dselect", "topk", "dselect_1t", "control")
+        return {b: {n: {"median_ms": ms} for n in names} for b in batches}
+
+    monkeypatch.setattr(small_batch, "Busy", NoBusy)
+    monkeypatch.setattr(small_batch, "measure", fake_measure)
+    rows = small_batch.contention_rows((16,), 5, torch.device("cpu"), 3)
+    assert phases == ["busy", "idle"] * 3
+    assert [r["gate"] for r in rows] == ["dselect", "topk", "dselect_1t", "control"]
+    row = rows[0]
+    assert row["ratios"] == [2.0, 3.0, 1.0] and row["ratio"] == 2.0
+    assert (row["base_ms"], row["ours_ms"], row["blocks"]) == (2.0, 4.0, 3)
+    assert "ratios=1.00-3.00" in row["config"]
+    table = importlib.import_module("benchmarks.readme_tables")._contention(rows)
+    assert "| dselect | 16 | 2 ms | 4 ms | 2.00× | 1.00–3.00 (3) |" in table
+
+
 def test_compare_shuffle_calls_every_function_each_round() -> None:
     """``compare(shuffle=True)`` (the small_batch item): every function once per round, in
     varying orders; the same timings fields as without."""
