@@ -1,11 +1,7 @@
-"""``dselectk reproduce synthetic``: the recipe — flags, cells, and one cell's work.
-
-A cell is one (gate, T) pair: select its hyperparameters (the paper's grid search under
-``--full``, else the shipped tuning record), then train the missing final repetitions, one
-record each. The shared runner (:mod:`dselectk.experiments.runner`) resumes, parallelises the
-cells over worker processes (``--jobs``) and writes ``selected_hparams.json``. On 2 cores, 2
-one-thread processes ran the quick default 2.3x and the C.1 final phase 1.3x faster than one
-two-thread process; batches of 100 repetitions were 1.6x faster on 2 threads than on 1.
+"""``dselectk reproduce synthetic``: the flags, the run config and one (gate, T) cell, run by the
+shared runner. On 2 cores, 2 one-thread processes ran the quick default 2.3x and the C.1 final
+phase 1.3x faster than one two-thread process (hence ``--threads 0 --jobs 0``); batches of 100
+repetitions were 1.6x faster on 2 threads than on 1.
 """
 
 from __future__ import annotations
@@ -13,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,16 +40,13 @@ from dselectk.experiments.synthetic.spec import (
     K,
     init_seed,
     load_tuned,
-    missing_tuned_cells,
     record_config,
     resolve_hparams,
+    tuned_entry,
     with_ramps,
 )
 from dselectk.experiments.synthetic.train import train_reps, tune
 from dselectk.variants import Ramp, Variant
-
-__all__ = ["SyntheticConfig", "add_arguments", "recipe", "run", "run_cell"]
-
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
 #: bytes per generated row while the data is built: 10 features and 128 task targets in float64
@@ -133,8 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class SyntheticConfig:
-    """What a ``reproduce synthetic`` command computes (its run config; the flags of the same
-    names)."""
+    """What a ``reproduce synthetic`` command computes: the flags of the same names."""
 
     out: Path
     gates: tuple[str, ...]
@@ -162,13 +155,12 @@ class SyntheticConfig:
     telemetry: bool = False
 
     def overrides(self) -> dict[str, Any]:
-        """The hyperparameters set on the command line."""
         keys = ("epochs", "lr", "gamma", "entropy_reg", "temperature")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def variant(self, gate: str) -> Variant:
-        """The variant ``gate`` with the command line's ramps (--gamma-end, --entropy-reg-end)
-        of the hyperparameters it takes."""
+        """The variant ``gate`` with the ramps of --gamma-end and --entropy-reg-end (of the
+        hyperparameters it takes)."""
         ramps = []
         if self.gamma_end is not None:
             ramps.append(Ramp("gamma", end=self.gamma_end, shape="geometric"))
@@ -179,21 +171,17 @@ class SyntheticConfig:
 
     @property
     def repetitions(self) -> int:
-        """Final repetitions per cell: --reps, else 100 under --full and 5 otherwise."""
         return self.reps if self.reps is not None else (100 if self.full else 5)
 
     def shape(self, num_tasks: int) -> dict[str, int]:
-        """The model's shape at T = ``num_tasks``: experts (default T/4) and k."""
         return {"num_experts": self.experts or num_tasks // 4, "k": self.k}
 
 
 def run_cell(
     args: SyntheticConfig, cell: tuple[str, int], data: SyntheticData, progress: bool
 ) -> dict[str, Any]:
-    """One (gate, T) cell of the sweep: select its hyperparameters (the grid search under
-    ``--full``, else the tuning record), then train the missing final repetitions. Every
-    finished run is saved as its own record, so a killed cell resumes where it stopped.
-    Returns the selection (written to ``selected_hparams.json`` by :func:`run`)."""
+    """Select the cell's hyperparameters (the grid search under ``--full``, else the tuning
+    record) and train its missing final repetitions, one record each; returns the selection."""
     gate, t = cell
     v, shape = args.variant(gate), args.shape(t)
     store = RunStore(args.out)
@@ -244,17 +232,16 @@ def run_cell(
             k=shape["k"],
         )
         assert isinstance(res, tuple)
-        metrics, model = res
         elapsed = time.perf_counter() - tc
-        w = model.inference_weights()
+        final, w = res[0][int(hp["epochs"])], res[1].inference_weights()
         for i, (r, s) in enumerate(chunk):
             extra: dict[str, Any] = {"train_seconds": elapsed / len(chunk)}
-            mse = metrics[int(hp["epochs"])][i].get("test_mse")
+            mse = final[i].get("test_mse")
             if mse is None or not math.isfinite(float(mse)):
                 extra["diverged"] = True  # counted in the report, never averaged
             if r == 0:
                 extra["weights"] = [[round(float(x), 4) for x in row] for row in w[i]]
-            store.save(config(r, s), metrics[int(hp["epochs"])][i], **extra)
+            store.save(config(r, s), final[i], **extra)
     return selection
 
 
@@ -262,16 +249,8 @@ def _generate(args: SyntheticConfig) -> SyntheticData:
     return generate_data(args.data_seed, args.n_train, args.n_eval, args.n_eval)
 
 
-def _data_key(args: SyntheticConfig) -> tuple[int, int, int]:
-    return (args.data_seed, args.n_train, args.n_eval)
-
-
 def _cell_name(cell: tuple[str, int]) -> str:
     return f"{cell[0]}/{cell[1]}"
-
-
-def _cell_cost(cell: tuple[str, int]) -> float:
-    return float(cell[1])  # the largest T first: long cells should not end up last
 
 
 def _planned_runs(args: SyntheticConfig, cell: tuple[str, int]) -> int:
@@ -284,9 +263,9 @@ def recipe(config: SyntheticConfig) -> Recipe:
         cells=list(itertools.product(config.gates, sorted(config.tasks))),
         run_cell=run_cell,
         load_data=_generate,
-        data_key=_data_key,
+        data_key=operator.attrgetter("data_seed", "n_train", "n_eval"),
         cell_name=_cell_name,
-        cost=_cell_cost,
+        cost=operator.itemgetter(1),  # the largest T first: long cells should not end up last
         write_report=write_report,
         print_table=print_table,
         diverged=diverged_line,
@@ -296,7 +275,6 @@ def recipe(config: SyntheticConfig) -> Recipe:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
     config = config_from_args(SyntheticConfig, args)
     for t in config.tasks:
         e = config.shape(t)["num_experts"]
@@ -319,11 +297,16 @@ def run(args: argparse.Namespace) -> int:
     if config.tuned is not None:
         # refused up front: a cell without an entry would silently train with the built-in
         # settings while the report credits the file
-        absent = missing_tuned_cells(load_tuned(config.tuned), config.gates, config.tasks)
+        tuned = load_tuned(config.tuned)
+        absent = [
+            f"{g}/{t}"
+            for g in config.gates
+            for t in config.tasks
+            if tuned_entry(tuned, VARIANTS[g], t) is None
+        ]
         if absent:
             raise ValueError(
                 f"--tuned {config.tuned}: no hyperparameters for {', '.join(absent)} (give each "
                 'gate an entry for these T or a "default" one, or drop --tuned)'
             )
-    threads = int(getattr(args, "threads", 0) or 0)
-    return run_recipe(recipe(config), config, executor_from_args(args, threads=threads))
+    return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dselectk import plots
 from dselectk.data.synthetic import TASKS_PER_GROUP
 from dselectk.experiments.metrics import expected_random_jaccard
 from dselectk.experiments.records import (
@@ -19,19 +20,10 @@ from dselectk.experiments.records import (
     wall_line,
     wall_time,
 )
-from dselectk.experiments.synthetic.spec import (
-    ALL_GATES,
-    EXPERIMENT,
-    PAPER,
-    VARIANTS,
-    K,
-    load_tuned,
-)
+from dselectk.experiments.synthetic.spec import EXPERIMENT, PAPER, VARIANTS, K, load_tuned
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
-
-__all__ = ["FINITE", "diverged_cells", "diverged_line", "print_table", "write_report"]
-
+from dselectk.plots.core import finite
 
 #: Figure C.1's panels: metric, y label, title, and the name of its own plot (``NAME_vs_tasks``)
 PANELS = [
@@ -42,6 +34,17 @@ PANELS = [
 
 #: metrics a run must have finite, else it counts as diverged
 FINITE = ("test_mse",)
+_fmt = format_mean_se
+#: the report table's metrics (after gate and T) and their decimals
+COLUMNS = [
+    ("test_mse", 4),
+    ("test_mse_soft", 4),
+    ("related_jaccard", 3),
+    ("unrelated_jaccard", 3),
+    ("experts_per_task", 2),
+    ("frac_tasks_k_experts", 2),
+    ("frac_tasks_binary", 2),
+]
 
 
 def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
@@ -88,13 +91,9 @@ def _summary_rows(final: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["label"] = _label(row["gate"])
         if "k" in cfgs[0]:
             row["shape"] = {"num_experts": cfgs[0]["num_experts"], "k": cfgs[0]["k"]}
-    order = {g: i for i, g in enumerate(ALL_GATES)}
+    order = {g: i for i, g in enumerate(VARIANTS)}
     rows.sort(key=lambda r: (order.get(r["gate"], len(order)), r["gate"], r["num_tasks"]))
     return rows
-
-
-def _fmt(m: Mapping[str, Any] | None, digits: int = 3) -> str:
-    return format_mean_se(m, digits)
 
 
 def _verdict(t: int, ok: bool) -> str:
@@ -129,14 +128,11 @@ def print_table(summary: Mapping[str, Any]) -> None:
 def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
     """Sentences comparing ``gate`` with Top-k at the largest T against the paper's claims."""
     by = {(r["gate"], r["num_tasks"]): r["metrics"] for r in rows}
-    ts = sorted(
-        {r["num_tasks"] for r in rows if r["gate"] == gate and (("topk", r["num_tasks"]) in by)}
-    )
+    ts = [t for g, t in by if g == gate and ("topk", t) in by]
     if not ts:
         return []
-    t = ts[-1]
+    t = max(ts)
     d, k = by[(gate, t)], by[("topk", t)]
-    lines = []
     mse_d, mse_k = d["test_mse"]["mean"], k["test_mse"]["mean"]
     imp = (mse_k - mse_d) / mse_k
     claim = "paper at T = 128: > 40 % lower MSE" if t == 128 else "paper's claim is for T = 128"
@@ -154,10 +150,10 @@ def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
         if used is not None and used > k_t + 0.5
         else ""
     )
-    lines.append(
+    lines = [
         f"- **{_label(gate)} vs Top-k, T = {t}, test MSE**: {mse_d:.4f} vs {mse_k:.4f}, "
         f"i.e. {rel_txt} ({claim}) → {verdict}.{caveat}"
-    )
+    ]
     jd = (d.get("related_jaccard") or {}).get("mean")
     jk = (k.get("related_jaccard") or {}).get("mean")
     if jd is not None and jk and math.isfinite(jd) and math.isfinite(jk):
@@ -174,17 +170,10 @@ def write_report(
     results_dir: Path, *, wall_seconds: float | None = None, command: str | None = None
 ) -> None:
     """Rebuild ``summary.json``, ``report.md`` and the PNG plots from the run records alone."""
-    from dselectk.plots import (
-        optional_plot,
-        plot_metric_panels,
-        plot_metric_vs,
-        plot_weight_heatmap,
-    )
-
     # a report goes without plots on the core install (no matplotlib): one line says so
-    draw_panels, versus = optional_plot(plot_metric_panels), optional_plot(plot_metric_vs)
-    heatmap = optional_plot(plot_weight_heatmap)
-
+    draw_panels = plots.optional_plot(plots.plot_metric_panels)
+    versus = plots.optional_plot(plots.plot_metric_vs)
+    heatmap = plots.optional_plot(plots.plot_weight_heatmap)
     results_dir = Path(results_dir)
     records, others = RunStore(results_dir).load_planned()
     final = [r for r in records if r["config"].get("phase") == "final"]
@@ -212,24 +201,23 @@ def write_report(
     write_json(results_dir / "summary.json", summary)
 
     # plots (Figure C.1's three panels, and one heatmap per gate at the largest T)
-    gates = [g for g in ALL_GATES if any(r["gate"] == g for r in rows)]
-    gates += sorted({r["gate"] for r in rows} - set(gates))
+    gates = list(dict.fromkeys(r["gate"] for r in rows))  # rows are in gate, then T order
 
     def series(metric: str) -> dict[str, Any]:
         out = {}
         for g in gates:
-            rs = sorted((r for r in rows if r["gate"] == g), key=lambda r: r["num_tasks"])
+            rs = [r for r in rows if r["gate"] == g]
             ms = [r["metrics"].get(metric, {}) for r in rs]
             out[_label(g)] = (
                 [r["num_tasks"] for r in rs],
-                [_nan(m.get("mean")) for m in ms],
-                [_nan(m.get("se")) for m in ms],
+                [finite(m.get("mean")) for m in ms],
+                [finite(m.get("se")) for m in ms],
             )
         return out
 
     ref = {"random gate (expected)": (tasks, [random_ref[t] for t in tasks])}
-    plots = []
-    finite_mse = any(math.isfinite(_nan(r["metrics"]["test_mse"].get("mean"))) for r in rows)
+    drawn: list[Path | None] = []  # None: matplotlib is not installed
+    finite_mse = any(math.isfinite(finite(r["metrics"]["test_mse"].get("mean"))) for r in rows)
     if rows and finite_mse:  # no plot of nothing but diverged runs (log scale of NaN)
         panels: list[dict[str, Any]] = [
             {
@@ -241,28 +229,18 @@ def write_report(
             }
             for metric, ylabel, title, _ in PANELS
         ]
-        plots.append(
+        drawn.append(
             draw_panels(panels, results_dir / "fig_c1.png", xlabel="number of tasks", logx=True)
         )
         for panel, (*_, name) in zip(panels, PANELS):
-            plots.append(
-                versus(
-                    panel["series"],
-                    results_dir / f"{name}_vs_tasks.png",
-                    xlabel="number of tasks",
-                    ylabel=panel["ylabel"],
-                    title=panel["title"],
-                    reference=panel["reference"],
-                    logx=True,
-                    logy=panel["logy"],
-                )
-            )
+            path = results_dir / f"{name}_vs_tasks.png"
+            drawn.append(versus(path=path, xlabel="number of tasks", logx=True, **panel))
         for g in gates:
             cands = [r for r in final if r["config"]["gate"] == g and r.get("weights") is not None]
             if cands:
                 best = max(cands, key=lambda r: r["config"]["num_tasks"])
                 t = best["config"]["num_tasks"]
-                plots.append(
+                drawn.append(
                     heatmap(
                         best["weights"],
                         results_dir / f"weights_{g}_T{t}.png",
@@ -289,28 +267,19 @@ def write_report(
         ]
         if notes:
             source += ". " + "; ".join(notes)
-    drawn = [p for p in plots if p is not None]  # None: matplotlib is not installed
-    write_text(results_dir / "report.md", _markdown(summary, source, drawn))
-
-
-def _nan(v: Any) -> float:
-    return math.nan if v is None else float(v)
+    paths = [p for p in drawn if p is not None]
+    write_text(results_dir / "report.md", _markdown(summary, source, paths))
 
 
 def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) -> str:
     rows = summary["rows"]
     findings = [str(f) for f in load_tuned().get("findings", [])]
-    result_rows = []
-    for r in rows:
-        m = r["metrics"]
-        result_rows.append(
-            f"| {r['label']} | {r['num_tasks']} | {_fmt(m.get('test_mse'), 4)} | "
-            f"{_fmt(m.get('test_mse_soft'), 4)} | "
-            f"{_fmt(m.get('related_jaccard'))} | {_fmt(m.get('unrelated_jaccard'))} | "
-            f"{_fmt(m.get('experts_per_task'), 2)} | {_fmt(m.get('frac_tasks_k_experts'), 2)} | "
-            f"{_fmt(m.get('frac_tasks_binary'), 2)} | {m.get('test_mse', {}).get('n', 0)} | "
-            f"{r.get('diverged', 0)} |"
-        )
+    result_rows = [
+        f"| {r['label']} | {r['num_tasks']} | "
+        + " | ".join(_fmt(r["metrics"].get(name), digits) for name, digits in COLUMNS)
+        + f" | {r['metrics'].get('test_mse', {}).get('n', 0)} | {r.get('diverged', 0)} |"
+        for r in rows
+    ]
     seen: dict[str, set[str]] = {}
     for r in rows:
         for hp in r.get("hparams", []):
@@ -373,7 +342,7 @@ def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     comp = []
     abl = sorted((r for r in rows if r["gate"] == "ablation_entropy"), key=lambda r: r["num_tasks"])
     if abl:
-        es = [_nan((r["metrics"].get("experts_per_task") or {}).get("mean")) for r in abl]
+        es = [finite((r["metrics"].get("experts_per_task") or {}).get("mean")) for r in abl]
         t0 = abl[0]["num_tasks"]
         comp.append(
             f"- **Ablation (Entropy) distinct experts per task** (k = {_shape(rows, t0)[1]}): "

@@ -47,17 +47,9 @@ VARIANTS: dict[str, Variant] = variant_table(
     ),
     Variant("ablation_entropy", "ablation_entropy", "Ablation (Entropy)"),
 )
-#: the quick default: the paper's gates, our spread init, and DSelect-k + swap search (the
-#: variant that is binary with exactly k experts and beats Top-k, docs/collapse.md §7)
-DEFAULT_GATES = [
-    "dselect_k",
-    "dselect_k_spread",
-    "dselect_k_search",
-    "topk",
-    "ablation_annealing",
-    "ablation_entropy",
-]
-ALL_GATES = list(VARIANTS)
+#: the quick default, every variant but topk_search_refit: the paper's gates, our spread init,
+#: and DSelect-k + swap search (binary with exactly k experts, beats Top-k, docs/collapse.md §7)
+DEFAULT_GATES = [g for g in VARIANTS if g != "topk_search_refit"]
 
 #: the paper's tuning grid (Appendix D, "Synthetic Data"): the trainer's axes, then the values of
 #: each gate's hyperparameters (the hyperparameters a study run of that gate takes)
@@ -81,7 +73,7 @@ PAPER = {
 }
 
 #: values used when neither the tuned file nor the command line gives one (of the keys a
-#: variant takes, :func:`hparam_keys`)
+#: variant takes, :func:`paper_grid`)
 BASE_HPARAMS: dict[str, Any] = {
     "lr": 0.01,
     "epochs": 25,
@@ -105,14 +97,9 @@ def paper_grid(variant: Variant) -> dict[str, list[float]]:
     return {**TRAINER_GRID, **GATE_GRID[variant.gate]}
 
 
-def hparam_keys(variant: Variant) -> list[str]:
-    """The hyperparameters a run of ``variant`` takes: lr, epochs and its gate's grid axes."""
-    return list(paper_grid(variant))
-
-
 def with_ramps(variant: Variant, ramps: Sequence[Ramp]) -> Variant:
     """``variant`` with the command line's ramps of the hyperparameters it takes."""
-    own = [r for r in ramps if r.param in hparam_keys(variant)]
+    own = [r for r in ramps if r.param in paper_grid(variant)]
     return dataclasses.replace(variant, schedules=(*variant.schedules, *own)) if own else variant
 
 
@@ -121,22 +108,18 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
     or a results folder's ``selected_hparams.json`` (``{"gate/T": {"hparams": ...}}``), so the
     final phase can be rerun with the selections of an earlier grid search. Every entry is
     checked against its variant's declared hyperparameters (ValueError naming the file)."""
-    where = "tuned_synthetic.json" if path is None else f"--tuned {path}"
-    digest = None
+    where, digest = "tuned_synthetic.json", None
     if path is None:
-        text = resources.files("dselectk.experiments").joinpath("tuned_synthetic.json").read_text()
+        text = resources.files("dselectk.experiments").joinpath(where).read_text()
         rec = dict(json.loads(text))
     else:
         rec, digest = read_json_object(path, "--tuned")
+        where = f"--tuned {path}"
     if "hparams" not in rec:
         per_gate: dict[str, dict[str, Any]] = {}
         for key, sel in rec.items():
             gate, _, t = str(key).partition("/")
-            if (
-                not t.isdigit()
-                or not isinstance(sel, dict)
-                or not isinstance(sel.get("hparams"), dict)
-            ):
+            if not (t.isdigit() and isinstance(sel, dict) and isinstance(sel.get("hparams"), dict)):
                 raise ValueError(
                     f"{where}: expected a tuning record (with 'hparams') or a "
                     f"selected_hparams.json ('gate/T' keys), found key {key!r}"
@@ -154,39 +137,29 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
     if digest is not None:  # the report credits the file by its content, not only its name
         rec = {**rec, "source": f"{rec.get('source', 'tuning record')} (--tuned {path}, "
                f"sha256 {digest})", "sha256": digest}  # fmt: skip
-    for gate, per_t in rec["hparams"].items():
+    for gate, per_t in table.items():
         for t, hp in per_t.items():
             variant_of(gate).check_hparams(hp, f"{where}: {gate}/{t}")
     return rec
 
 
-def missing_tuned_cells(
-    tuned: Mapping[str, Any], gates: Sequence[str], tasks: Sequence[int]
-) -> list[str]:
-    """The ``gate/T`` cells of a command for which the tuning record ``tuned`` has no entry
-    (neither ``T`` nor ``"default"``, under the gate's name or the name it is tuned as)."""
+def tuned_entry(tuned: Mapping[str, Any], v: Variant, num_tasks: int) -> dict[str, Any] | None:
+    """The tuning record's hyperparameters of ``v`` at T = ``num_tasks`` (its entry for T, else
+    its ``"default"``; under the variant's name or the name it is tuned as), or None."""
     table = tuned.get("hparams", {})
-    out = []
-    for gate in gates:
-        v = variant_of(gate)
-        per_gate = table.get(v.name) or table.get(v.tuned_name) or {}
-        out += [
-            f"{gate}/{t}" for t in tasks if str(t) not in per_gate and "default" not in per_gate
-        ]
-    return out
+    per_gate = table.get(v.name) or table.get(v.tuned_name) or {}
+    return per_gate.get(str(num_tasks), per_gate.get("default"))
 
 
 def resolve_hparams(
     gate: str | Variant, num_tasks: int, tuned: Mapping[str, Any], overrides: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """BASE ← tuned[gate][str(T)] (or tuned[gate]["default"]) ← command-line overrides, each
-    restricted to the hyperparameters the variant takes (:func:`hparam_keys`)."""
+    """BASE ← the tuning record's entry (:func:`tuned_entry`) ← command-line overrides, the
+    base values and overrides restricted to the hyperparameters the variant takes."""
     v = variant_of(gate)
-    keys = hparam_keys(v)
+    keys = paper_grid(v)
     hp = {k: BASE_HPARAMS[k] for k in keys}
-    table = tuned.get("hparams", {})
-    per_gate = table.get(v.name) or table.get(v.tuned_name, {})
-    hp.update(per_gate.get(str(num_tasks), per_gate.get("default", {})))
+    hp.update(tuned_entry(tuned, v, num_tasks) or {})
     hp.update({k: x for k, x in overrides.items() if x is not None and k in keys})
     return v.check_hparams(hp, f"hyperparameters of {v.name}")
 

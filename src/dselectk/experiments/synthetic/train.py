@@ -21,7 +21,6 @@ from dselectk.experiments.runner import grid_points, sample_points
 from dselectk.experiments.synthetic.spec import (
     BATCH_SIZE,
     K,
-    hparam_keys,
     init_seed,
     paper_grid,
     record_config,
@@ -36,8 +35,6 @@ from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 from dselectk.variants import Variant, stack_members
 
-__all__ = ["build_model", "evaluate_model", "train_reps", "tune"]
-
 
 def build_model(
     gate: str | Variant,
@@ -49,33 +46,16 @@ def build_model(
     num_experts: int | None = None,
     k: int = K,
 ) -> MoEBank:
-    """R multi-gate MoEs of Appendix C.1 (E experts of the generator's form, one static gate
-    per task choosing k) as one bank; member r's parameters are those a single model built
-    under ``torch.manual_seed(init_seeds[r])`` gets.
-
-    Args:
-        gate: a variant (or its name, :data:`~dselectk.experiments.synthetic.spec.VARIANTS`).
-        num_tasks: T.
-        hparams: resolved hyperparameters (γ, λ, start temperature).
-        init_seeds: one seed per member.
-        member_hparams: one mapping per seed overriding ``hparams`` for that member (per-gate
-            γ, λ, temperature).
-        num_experts: E (default T/4, the generator's number of experts).
-        k: experts each task's gate selects.
-    """
+    """R multi-gate MoEs of Appendix C.1 as one bank: E experts of the generator's form
+    (``num_experts``, default T/4) and one static gate per task choosing ``k``. Member r's
+    parameters are those a single model built under ``torch.manual_seed(init_seeds[r])`` gets;
+    its hyperparameters are ``hparams`` updated by ``member_hparams[r]`` (when given)."""
     v = variant_of(gate)
-    if member_hparams is not None and len(member_hparams) != len(init_seeds):
-        raise ValueError(
-            f"member_hparams needs one entry per seed ({len(init_seeds)}), "
-            f"got {len(member_hparams)}"
-        )
     if num_experts is None and num_tasks % 4:
         raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
-    if not init_seeds:
-        raise ValueError("init_seeds must hold at least one seed")
     reps, e = len(init_seeds), num_tasks // 4 if num_experts is None else num_experts
-    keys = hparam_keys(v)  # the hyperparameters the study gives this variant
-    members = _members(hparams, member_hparams, reps)
+    keys = paper_grid(v)  # the hyperparameters the study gives this variant
+    members = [{**hparams, **m} for m in member_hparams or [{}] * reps]
     experts, gates = [], []
     for s, hp_i in zip(init_seeds, members, strict=True):
         torch.manual_seed(int(s))
@@ -91,17 +71,7 @@ def build_model(
     return MoEBank(stack_members(bank_experts, experts), stack_members(bank_gates, gates), reps)
 
 
-def _members(
-    hparams: Mapping[str, Any], member_hparams: Sequence[Mapping[str, Any]] | None, reps: int
-) -> list[Mapping[str, Any]]:
-    """Each member's hyperparameters: ``hparams`` updated by its own entry."""
-    if member_hparams is None:
-        return [hparams] * reps
-    return [{**hparams, **m} for m in member_hparams]
-
-
 def _values(members: Sequence[Mapping[str, Any]], key: str) -> Tensor:
-    """(R,) float64 values of one hyperparameter, one per member."""
     return torch.tensor([float(m.get(key) or 0.0) for m in members], dtype=torch.float64)
 
 
@@ -182,33 +152,15 @@ def train_reps(
     num_experts: int | None = None,
     k: int = K,
 ) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], MoEBank]:
-    """Train R repetitions together; return metrics per checkpoint epoch and repetition.
+    """Train R repetitions together (the same mini-batches, nothing shared: R independent Adam
+    runs, one :class:`~dselectk.optim.RowwiseAdam` when their learning rates differ) and return
+    each one's metrics after each of the ``checkpoints`` epochs (default: the last only).
 
-    Each step minimises Σ_r [Σ_t MSE_t,r + aux_r] (summed task losses, Appendix C.1) with the
-    fused loss; all repetitions see the same mini-batches and share parameters with nothing, so
-    this is R independent Adam runs (one :class:`~dselectk.optim.RowwiseAdam` when their
-    learning rates differ).
-
-    Args:
-        gate: the variant (or its name).
-        num_tasks: T (tasks 0..T-1 of the data, i.e. groups G1..G_{T/16}).
-        hparams: lr, epochs and the gate's hyperparameters (:func:`resolve_hparams`).
-        init_seeds: one per repetition.
-        data: the data set.
-        shuffle_seed: seed of the mini-batch order, shared by all repetitions.
-        checkpoints: epochs after which to evaluate (default: the last only). Only meaningful
-            for settings whose schedules do not depend on the total number of epochs.
-        progress: show a progress bar (updated once per epoch).
-        desc: progress bar label.
-        return_model: also return the trained model.
-        member_hparams: one mapping per seed overriding lr, epochs and the gate's
-            hyperparameters for that member: different configurations trained as one model
-            (used by :func:`tune`). Training runs for the largest ``epochs``; a member's
-            annealing schedule spans its own epochs (evaluate it at its own epochs).
-        telemetry_dir: log routing telemetry there once per epoch (binary S(Z), experts per
-            task, selector collisions, ...; gate ``gates/task<r*T + t>`` is repetition r's
-            task t).
-        num_experts, k: the model's shape (default T/4 experts, k = 4).
+    ``member_hparams``: one mapping per seed overriding ``hparams`` (lr, epochs, the gate's)
+    for that member, so that different configurations train as one model (:func:`tune`); the
+    run lasts the largest ``epochs`` and a member's annealing spans its own epochs.
+    ``telemetry_dir``: log routing telemetry there once per epoch (gate ``gates/task<r*T + t>``
+    is repetition r's task t).
     """
     v = variant_of(gate)
     if member_hparams is not None:
@@ -225,7 +177,7 @@ def train_reps(
     )
     steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
     steps = epochs * steps_per_epoch
-    members = _members(hparams, member_hparams, model.members)
+    members = [{**hparams, **m} for m in member_hparams or []]
     opt: torch.optim.Optimizer
     if member_hparams is None:
         opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
@@ -286,18 +238,13 @@ def tune(
 ) -> dict[str, Any]:
     """Grid search of Appendix D for one variant and T; returns the selected hyperparameters.
 
-    Every grid point (``grid``: the axes, default :func:`paper_grid`) is trained with
-    ``trials`` fresh initialisations, and all (point, trial) pairs train together as the
-    members of batched models of up to ``max_members`` members (per-member lr, γ, λ and
-    temperature schedule; see :func:`train_reps`). For variants without schedules or search the
-    epochs axis costs nothing extra: one run of max(epochs) is evaluated after each epoch count
-    of the grid (an Adam run of 25 epochs is the first 25 epochs of a 100-epoch run with the
-    same seeds); otherwise (a ramp or the search spans the run) epochs is one more grid axis.
-    ``max_points`` samples that many grid points at random (random grid search); records
-    already in ``store`` are not trained again. Selection: lowest mean validation MSE; for
-    gates that binarize (DSelect-k), configurations whose S(Z) is not binary in every trial
-    are discarded (Appendix D); if none is binary, the best non-binary one is returned with
-    ``"binary": False``. ``shape``: ``num_experts`` and ``k`` of the model (default T/4, 4).
+    Every point of ``grid`` (default :func:`paper_grid`) is trained from ``trials``
+    initialisations, all (point, trial) pairs as the members of batched models of up to
+    ``max_members``. Without schedules or search, one run of max(epochs) is evaluated at each
+    epoch count of the grid; otherwise epochs is one more axis. ``max_points`` samples that many
+    points; runs already in ``store`` are not trained again. Selection (Appendix D): lowest mean
+    validation MSE, among the configurations whose S(Z) is binary in every trial for gates that
+    binarize (if none is, the best non-binary one, ``"binary": False``).
     """
     v = variant_of(gate)
     axes = dict(paper_grid(v) if grid is None else grid)
@@ -360,27 +307,32 @@ def tune(
         for j, (p, i, eps) in enumerate(chunk):
             for e in eps:
                 store.save(config(p, e, i), res[e][j])
-    scores: dict[str, tuple[float, bool, dict[str, Any]]] = {}
+    trials_of: dict[str, list[dict[str, Any]]] = {}  # configuration -> its trials' metrics
     for rec in store.load():
-        if rec.get("run_id") not in planned:
-            continue
-        c = rec["config"]
-        key = json.dumps(c["hparams"], sort_keys=True)
-        m = rec["metrics"]
-        prev = scores.get(key, (0.0, True, {"n": 0}))
-        n = prev[2]["n"] + 1
-        binary = prev[1] and bool(m.get("all_binary", 1.0))  # gates that binarize only
-        val = m.get("val_mse")  # a diverged trial (NaN, saved as null) makes its config inf
-        val = float(val) if isinstance(val, (int, float)) and math.isfinite(val) else math.inf
-        scores[key] = (prev[0] + val, binary, {"n": n, "hparams": c["hparams"]})
-    ranked = sorted(scores.values(), key=lambda s: s[0] / s[2]["n"])
+        if rec.get("run_id") in planned:
+            key = json.dumps(rec["config"]["hparams"], sort_keys=True)
+            trials_of.setdefault(key, []).append(rec["metrics"])
+
+    def val(m: Mapping[str, Any]) -> float:  # a diverged trial (NaN, saved as null): inf
+        x = m.get("val_mse")
+        return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else math.inf
+
+    scores = [  # (mean validation MSE, binary in every trial (gates that binarize), hparams)
+        (
+            sum(map(val, ms)) / len(ms),
+            all(bool(m.get("all_binary", 1.0)) for m in ms),
+            json.loads(key),
+        )
+        for key, ms in trials_of.items()
+    ]
+    ranked = sorted(scores, key=lambda s: s[0])
     finite = [s for s in ranked if math.isfinite(s[0])] or ranked
     best = ([s for s in finite if s[1]] or finite)[0]
     return {
-        "hparams": best[2]["hparams"],
-        "val_mse": best[0] / best[2]["n"],
-        "binary": bool(best[1]),
+        "hparams": best[2],
+        "val_mse": best[0],
+        "binary": best[1],
         "configs_tried": len(scores),
-        "configs_binary": sum(1 for s in scores.values() if s[1]),
-        "configs_diverged": sum(1 for s in scores.values() if not math.isfinite(s[0])),
+        "configs_binary": sum(1 for s in scores if s[1]),
+        "configs_diverged": sum(1 for s in scores if not math.isfinite(s[0])),
     }
