@@ -7,20 +7,18 @@ at random positions and random others, and a trainable static gate choosing ``--
 recovered all 4 true experts and Top-k only 1 (Figures C.3, C.4). The setup and the choices
 where the paper is silent are written into every report (``templates/recovery.md``).
 
-Laid out as the other recipes: ``model`` (variants, vectorized model, training by the
-library's loop), ``recipe`` (flags, run config, one cell per variant) and ``report``; the
-generated data is :mod:`dselectk.data.recovery`.
+``model``: variants, vectorized model and its training; ``recipe``: flags, run config, one
+cell per variant; ``report``. The generated data is :mod:`dselectk.data.recovery`.
 """
 
 from dselectk.data.recovery import RecoveryData
 from dselectk.experiments.recovery.model import BASE_HPARAMS, VARIANTS, RecoveryMoE, train_reps
-from dselectk.experiments.recovery.recipe import RecoveryConfig, add_arguments, run
+from dselectk.experiments.recovery.recipe import add_arguments, run
 from dselectk.experiments.recovery.report import write_report
 
 __all__ = [
     "BASE_HPARAMS",
     "VARIANTS",
-    "RecoveryConfig",
     "RecoveryData",
     "RecoveryMoE",
     "add_arguments",

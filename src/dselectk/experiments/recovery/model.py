@@ -22,8 +22,6 @@ from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import TaskData, TrainConfig, train
 from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
 
-__all__ = ["VARIANTS", "RecoveryMoE", "train_reps"]
-
 EXPERIMENT = "recovery"
 #: the paper's shape: the defaults of --experts, --true-experts and --k
 NUM_EXPERTS, K = 16, NUM_TRUE
@@ -105,16 +103,11 @@ class RecoveryMoE(nn.Module):
             return h, out.aux_loss
         return torch.einsum("rbu,ru->rb", h, self.head_w) + self.head_b.unsqueeze(-1), out.aux_loss
 
-    @torch.no_grad()
-    def weights(self) -> Tensor:
-        """(R, E) current gate weights."""
-        return self.gates.expert_weights()
-
 
 @torch.no_grad()
 def _evaluate(model: RecoveryMoE, feats: Tensor, y: Tensor) -> list[dict[str, float]]:
     logits, _ = model(feats)
-    w = model.weights()
+    w = model.gates.expert_weights()
     rec = recovered_experts(w, model.true_mask, model.k)
     cols = {
         "val_loss": _bce(logits, y),
@@ -174,21 +167,19 @@ def train_reps(
     ``record_every`` steps; 0: none). ``telemetry_dir``: routing telemetry, gates/task<r> = rep r.
     """
     model = RecoveryMoE(variant, hparams, data, init_seeds, experts=experts, k=k)
-    rates = [float(hparams["lr"])] * model.reps if lrs is None else [float(v) for v in lrs]
-    if len(rates) != model.reps:
-        raise ValueError(f"lrs must give one learning rate per repetition ({model.reps})")
+    rates = [float(v) for v in lrs] if lrs else [float(hparams["lr"])] * model.reps
     opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
     epochs = int(hparams["epochs"])
     steps = total_steps(epochs, data.y_train.shape[0], BATCH_SIZE)
     trajectory = GateTrajectory(model.gates, record_reps if record_every else (), record_every or 1)
     for r, tr in trajectory.trajectories.items():  # and the positions of the true experts
         tr["true"] = model.true_mask[r].nonzero().flatten().tolist()
-    callbacks: list[Any] = [trajectory]
+    cbs: list[Any] = [trajectory]
     if variant.search is not None:
         loss = _member_loss(model, data, variant.search, shuffle_seed)
-        callbacks.append(variant.search.callback(model.gates, loss, steps))
+        cbs.append(variant.search.callback(model.gates, loss, steps))
     if telemetry_dir is not None:
-        callbacks.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
+        cbs.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
     config = TrainConfig.for_members(
         lr=max(rates),
         batch_size=BATCH_SIZE,
@@ -198,16 +189,9 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
+    feats = TaskData(model.features(data.x_train), [data.y_train])
     scheds = variant.schedulers(model.gates, hparams, steps)
-    train_data = TaskData(model.features(data.x_train), [data.y_train])
     train(
-        model,
-        train_data,
-        None,
-        config,
-        schedulers=scheds,
-        optimizer=opt,
-        callbacks=callbacks,
-        loss_fn=_loss,
+        model, feats, None, config, schedulers=scheds, optimizer=opt, callbacks=cbs, loss_fn=_loss
     )
     return _evaluate(model, model.features(data.x_val), data.y_val), trajectory.trajectories

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -32,7 +31,7 @@ from dselectk.experiments.recovery.model import (
     VARIANTS,
     train_reps,
 )
-from dselectk.experiments.recovery.report import diverged_lrs, print_table, write_report
+from dselectk.experiments.recovery.report import diverged_line, print_table, write_report
 from dselectk.experiments.runner import (
     Recipe,
     add_run_arguments,
@@ -41,8 +40,6 @@ from dselectk.experiments.runner import (
     run_recipe,
 )
 from dselectk.variants import TRAINER_HPARAMS, Variant
-
-__all__ = ["RecoveryConfig", "add_arguments", "recipe", "run", "run_cell", "tuned_hparams"]
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
 #: examples of the training and of the validation set (RecoveryData's defaults)
@@ -116,7 +113,6 @@ class RecoveryConfig:
                     f"argument {flag}: expected an integer in [1, --experts = {self.experts}], "
                     f"got {value}"
                 )
-
         runs = self.runs_per_variant
         check_fits(
             runs * self.experts * (2 * N_EXAMPLES * UNITS + FEATURES * UNITS) * 4.0,
@@ -126,12 +122,10 @@ class RecoveryConfig:
 
     @property
     def repetitions(self) -> int:
-        """--reps, else 100 under --full and 20 otherwise."""
         return self.reps if self.reps is not None else (100 if self.full else 20)
 
     @property
     def lr_grid(self) -> tuple[float, ...]:
-        """--lrs, else the paper's five under --full and the first three otherwise."""
         return tuple(self.lrs or (LRS if self.full else LRS[:3]))
 
     @property
@@ -141,24 +135,18 @@ class RecoveryConfig:
 
     @property
     def shape(self) -> dict[str, int]:
-        """The study's shape, as records store it."""
         return {"experts": self.experts, "true": self.true_experts, "k": int(self.k or 0)}
 
 
 def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str, Any]:
     """The variant's hyperparameters: the :data:`BASE_HPARAMS` its gate declares, then its entry
-    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked.
-
-    Raises:
-        ValueError: ``path`` is not a readable JSON object with an ``hparams`` object, or has
-            no entry for the variant (``hparams.<its tuned name>``): a user's file never falls
-            back silently to the built-in values.
-    """
-    src = resources.files("dselectk.experiments").joinpath("tuned_recovery.json")
+    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked. A
+    user's file without an entry for the variant is a ValueError, never a silent fallback."""
     if path:
         rec, _ = read_json_object(path, "--tuned")
         where = f"--tuned {path}"
     else:
+        src = resources.files("dselectk.experiments").joinpath("tuned_recovery.json")
         rec, where = json.loads(src.read_text(encoding="utf-8")), src.name
     table = rec.get("hparams")
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
@@ -173,13 +161,7 @@ def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str,
     return variant.check_hparams({**base, **entry}, f"{where}: hparams.{variant.tuned_name}")
 
 
-def tuned_source(path: str | Path | None) -> str:
-    """What the report credits for the hyperparameters: the shipped file, or the user's file
-    by name and content digest."""
-    return f"--tuned {path} (sha256 {file_digest(path)})" if path else "tuned_recovery.json"
-
-
-def _init_seed(seed: int, rep: int) -> int:
+def init_seed(seed: int, rep: int) -> int:
     """Repetition r's seed: the same for every variant and learning rate (paired comparison)."""
     return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
 
@@ -209,13 +191,13 @@ def run_cell(
     """One variant: every (learning rate, repetition) not recorded yet, trained in one
     vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
     variant, store = VARIANTS[gate], RunStore(config.out)
-    reps, lrs = config.repetitions, config.lr_grid
     hp = tuned_hparams(variant, config.tuned)
     if config.epochs is not None:
         hp["epochs"] = config.epochs
-    lr_list = [float(v) for v in lrs]
-    selection = {"hparams": hp, "lrs": lr_list, "source": tuned_source(config.tuned)}
-    jobs = [(lr, r, _init_seed(config.seed, r)) for lr in lrs for r in range(reps)]
+    tuned, reps = config.tuned, config.repetitions
+    source = f"--tuned {tuned} (sha256 {file_digest(tuned)})" if tuned else "tuned_recovery.json"
+    selection = {"hparams": hp, "lrs": [float(v) for v in config.lr_grid], "source": source}
+    jobs = [(lr, r, init_seed(config.seed, r)) for lr in config.lr_grid for r in range(reps)]
     cfgs = [_record_config(config, variant, {**hp, "lr": float(lr)}, r, s) for lr, r, s in jobs]
     todo = missing(store, cfgs)
     if not todo:
@@ -267,7 +249,7 @@ def recipe(config: RecoveryConfig) -> Recipe:
         str,
         write_report=write_report,
         print_table=print_table,
-        diverged=_diverged,
+        diverged=diverged_line,
         planned_runs=_planned_runs,
         experiment=EXPERIMENT,
     )
@@ -279,14 +261,3 @@ def run(args: argparse.Namespace) -> int:
     for gate in config.gates:  # a bad or incomplete --tuned is refused before any training
         tuned_hparams(VARIANTS[gate], config.tuned)
     return run_recipe(recipe(config), config, executor_from_args(args, threads=args.threads))
-
-
-def _diverged(summary: Mapping[str, Any]) -> str | None:
-    """The one line naming the learning rates whose runs diverged, or None."""
-    bad = diverged_lrs(summary)
-    if not bad:
-        return None
-    return (
-        f"runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
-        "counts them and the selection skips those learning rates; lower --lrs"
-    )

@@ -22,8 +22,6 @@ from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, VARIANT
 from dselectk.experiments.templates import others_note, render
 from dselectk.io import write_json, write_text
 
-__all__ = ["FINITE", "PAPER", "diverged_lrs", "print_table", "write_report"]
-
 #: true experts recovered by the paper's tuned model, at the paper's shape
 PAPER = {"dselect_k": 4, "topk": 1}
 PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": K}
@@ -41,15 +39,25 @@ def diverged_lrs(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def diverged_line(summary: Mapping[str, Any]) -> str | None:
+    """The runner's line naming the learning rates whose runs diverged, or None."""
+    bad = diverged_lrs(summary)
+    if not bad:
+        return None
+    return (
+        f"runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
+        "counts them and the selection skips those learning rates; lower --lrs"
+    )
+
+
 def _skipped_text(summary: Mapping[str, Any]) -> str:
     """One line on the learning rates the selection skipped (diverged runs), or ''."""
     skipped = summary.get("skipped_lrs") or {}
     parts = [f"{g}: {', '.join(f'{lr:g}' for lr in lrs)}" for g, lrs in sorted(skipped.items())]
-    none = summary.get("no_selection") or []
     text = ""
     if parts:
         text = f"Learning rates skipped by the selection (runs diverged): {'; '.join(parts)}."
-    if none:
+    if none := summary.get("no_selection"):
         text += f" No learning rate without diverged runs for {', '.join(none)}: not selected."
     return text.strip()
 
@@ -75,22 +83,10 @@ def print_table(summary: Mapping[str, Any]) -> None:
     print(f"| gate | lr | recovered of {n} | all {n} | histogram | val acc | selected | paper |")
     for row in summary["selected"]:
         print(_selected_row(summary, row))
-    bad = diverged_lrs(summary)
-    if bad:
+    if bad := diverged_lrs(summary):
         print(f"diverged runs (non-finite validation loss): {', '.join(bad)}")
-    if _skipped_text(summary):
-        print(_skipped_text(summary))
-
-
-def _hparams_source(results_dir: Path) -> str:
-    """Where the variants' hyperparameters came from (``selected_hparams.json``'s sources: the
-    shipped file, or a ``--tuned`` file named with its content digest)."""
-    sel = read_object(results_dir / "selected_hparams.json")
-    sources = {
-        str(v.get("source")) for v in sel.values() if isinstance(v, dict) and v.get("source")
-    }
-    named = sorted(f"`{s}`" if s == "tuned_recovery.json" else s for s in sources)
-    return "; ".join(named) or "the shipped `tuned_recovery.json`"
+    if skipped := _skipped_text(summary):
+        print(skipped)
 
 
 def write_report(
@@ -100,34 +96,33 @@ def write_report(
     from dselectk.plots import optional_plot, plot_trajectories
 
     trajectories = optional_plot(plot_trajectories)  # draws nothing on the core install
-
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()
     records = [r for r in planned if r["config"].get("phase") == "final"]
     prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
     shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
-    rows, trajs = summarize(records, ["gate", "lr"], finite=FINITE), {}
+    rows = summarize(records, ["gate", "lr"], finite=FINITE)
+    by_key = {(row["gate"], row["lr"]): row for row in rows}
     for row in rows:
         row["label"] = VARIANTS[row["gate"]].label if row["gate"] in VARIANTS else row["gate"]
-        key = (row["gate"], row["lr"])
-        mine = [r for r in records if (r["config"]["gate"], r["config"]["lr"]) == key]
         row["recovered_histogram"] = [0] * (shape["true"] + 1)
-        for r in mine:
-            if not diverged(r, FINITE):
-                row["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
-        trajs[key] = next((r["trajectory"] for r in mine if r.get("trajectory")), None)
+    trajs: dict[tuple[str, float], Any] = {}
+    for r in records:
+        key = (r["config"]["gate"], r["config"]["lr"])
+        if not diverged(r, FINITE):
+            by_key[key]["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
+        if r.get("trajectory"):
+            trajs.setdefault(key, r["trajectory"])
     # Tuning: the learning rate with the lowest mean validation loss, per variant; a learning
     # rate with a diverged run is skipped (its mean would be over the survivors only).
     selected, skipped, no_selection = [], {}, []
     for g in sorted({r["gate"] for r in rows}):
-        mine_rows = [r for r in rows if r["gate"] == g]
+        mine = [r for r in rows if r["gate"] == g]
         ok = [
-            r
-            for r in mine_rows
-            if not r["diverged"] and math.isfinite(r["metrics"]["val_loss"]["mean"])
+            r for r in mine if not r["diverged"] and math.isfinite(r["metrics"]["val_loss"]["mean"])
         ]
-        if len(ok) < len(mine_rows):
-            skipped[g] = sorted(r["lr"] for r in mine_rows if r not in ok)
+        if len(ok) < len(mine):
+            skipped[g] = sorted(r["lr"] for r in mine if r not in ok)
         if ok:
             selected.append(min(ok, key=lambda r: r["metrics"]["val_loss"]["mean"]))
         else:
@@ -155,16 +150,14 @@ def write_report(
     write_json(results_dir / "summary.json", summary)
     plots = []
     for row in selected:
-        traj = trajs[(row["gate"], row["lr"])]
+        traj = trajs.get((row["gate"], row["lr"]))
         if traj and traj.get("steps"):
-            title = f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)"
-            path = results_dir / f"trajectory_{row['gate']}.png"
             plots.append(
                 trajectories(
                     traj["steps"],
                     traj["weights"],
-                    path,
-                    title=title,
+                    results_dir / f"trajectory_{row['gate']}.png",
+                    title=f"{row['label']}, lr = {row['lr']:g}, repetition 0 (true experts solid)",
                     highlight=traj.get("true"),
                     zoom_steps=max(1, traj["steps"][-1] // 10),
                 )
@@ -173,8 +166,33 @@ def write_report(
     write_text(results_dir / "report.md", _markdown(summary, drawn))
 
 
+def _hparams_source(results_dir: Path) -> str:
+    """Where the variants' hyperparameters came from (``selected_hparams.json``'s sources: the
+    shipped file, or a ``--tuned`` file named with its content digest)."""
+    sel = read_object(results_dir / "selected_hparams.json")
+    sources = {str(v["source"]) for v in sel.values() if isinstance(v, dict) and v.get("source")}
+    named = sorted(f"`{s}`" if s == "tuned_recovery.json" else s for s in sources)
+    return "; ".join(named) or "the shipped `tuned_recovery.json`"
+
+
 def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
-    shape = summary["shape"]
+    shape, sel = summary["shape"], {r["gate"]: r["metrics"] for r in summary["selected"]}
+    claims = [
+        f"- {VARIANTS[gate].label}: paper {claim}/4 (one tuned model); ours "
+        f"{sel[gate]['recovered']['mean']:.2f}/4 on average over {sel[gate]['recovered']['n']} "
+        f"repetitions, {100 * sel[gate]['all_recovered']['mean']:.0f} % of repetitions recover "
+        "all 4."
+        for gate, claim in PAPER.items()
+        if gate in sel and shape == PAPER_SHAPE
+    ]
+    if shape != PAPER_SHAPE:
+        claims.append(f"- The paper's counts are for {_shape_text(PAPER_SHAPE)}: not compared.")
+    if "dselect_k" in sel and "topk" in sel:
+        d, k = sel["dselect_k"]["recovered"]["mean"], sel["topk"]["recovered"]["mean"]
+        claims.append(
+            "- Qualitative claim (DSelect-k recovers more true experts than Top-k): "
+            f"{'reproduces' if d > k else 'does not reproduce'} ({d:.2f} vs {k:.2f})."
+        )
     all_rows = [
         f"| {r['label']} | {r['lr']:g} | {_fmt(m.get('recovered'))} | "
         f"{_fmt(m.get('all_recovered'))} | {_fmt(m.get('val_loss'), 4)} | "
@@ -183,24 +201,6 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
         for r in summary["rows"]
         for m in [r["metrics"]]
     ]
-    sel = {r["gate"]: r["metrics"] for r in summary["selected"]}
-    claims = []
-    if shape != PAPER_SHAPE:
-        claims.append(f"- The paper's counts are for {_shape_text(PAPER_SHAPE)}: not compared.")
-    for gate, claim in PAPER.items():
-        if gate in sel and shape == PAPER_SHAPE:
-            rec = sel[gate]["recovered"]
-            claims.append(
-                f"- {VARIANTS[gate].label}: paper {claim}/4 (one tuned model); ours "
-                f"{rec['mean']:.2f}/4 on average over {rec['n']} repetitions, "
-                f"{100 * sel[gate]['all_recovered']['mean']:.0f} % of repetitions recover all 4."
-            )
-    if "dselect_k" in sel and "topk" in sel:
-        d, k = sel["dselect_k"]["recovered"]["mean"], sel["topk"]["recovered"]["mean"]
-        claims.append(
-            "- Qualitative claim (DSelect-k recovers more true experts than Top-k): "
-            f"{'reproduces' if d > k else 'does not reproduce'} ({d:.2f} vs {k:.2f})."
-        )
     return render(
         "recovery",
         command=summary.get("command") or "(rebuilt with dselectk report)",
