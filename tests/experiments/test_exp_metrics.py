@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -11,11 +12,20 @@ import torch
 from dselectk.experiments.metrics import (
     distinct_experts,
     expected_random_jaccard,
-    jaccard,
     jaccard_matrix,
     pairwise_jaccard,
     recovered_experts,
 )
+
+
+def jaccard(a: set[int] | Sequence[int], b: set[int] | Sequence[int]) -> float:
+    """|A ∩ B| / |A ∪ B| of two expert sets (1.0 when both are empty): the reference the
+    vectorised metrics are checked against."""
+    sa, sb = set(a), set(b)
+    union = sa | sb
+    if not union:
+        return 1.0
+    return len(sa & sb) / len(union)
 
 
 def _mask(sets: list[set[int]], n: int) -> torch.Tensor:

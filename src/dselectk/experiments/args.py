@@ -22,23 +22,6 @@ from dselectk.gates.registry import HParam, gate_spec
 
 T = TypeVar("T")
 
-__all__ = [
-    "add_hparam_arguments",
-    "check_fits",
-    "check_out_dir",
-    "config_from_args",
-    "existing_file",
-    "file_digest",
-    "hparam_type",
-    "int_at_least",
-    "nonnegative_float",
-    "out_dir",
-    "positive_float",
-    "probability",
-    "read_json_object",
-    "unit_interval_open",
-]
-
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``."""

@@ -24,8 +24,6 @@ import torch
 from dselectk.experiments.records import tracking
 from dselectk.progress import tqdm
 
-__all__ = ["Executor", "LocalExecutor", "OnCell", "progress_position", "run_cell"]
-
 #: ``on_cell(name, selection, run_ids)``: called by an executor once per finished cell
 OnCell = Callable[[str, dict[str, Any], Iterable[str]], None]
 #: state of a pool worker process (its data, progress-bar line); empty in the main process
@@ -34,7 +32,9 @@ _WORKER: dict[str, Any] = {}
 
 class Executor(Protocol):
     """Where a recipe's cells run: ``jobs`` worker processes, ``threads`` torch threads per
-    process (0: torch's default), ``progress`` bars."""
+    process (0: torch's default), ``progress`` bars. :meth:`sized` resolves the worker count
+    for a number of cells; :meth:`run` runs (or resumes) every cell of a recipe and calls
+    ``on_cell`` once per finished cell."""
 
     @property
     def jobs(self) -> int: ...
@@ -45,13 +45,9 @@ class Executor(Protocol):
     @property
     def progress(self) -> bool: ...
 
-    def sized(self, cells: int) -> Executor:
-        """This executor with its worker count resolved for ``cells`` cells."""
-        ...
+    def sized(self, cells: int) -> Executor: ...
 
-    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None:
-        """Run (or resume) every cell of ``recipe``; call ``on_cell`` once per finished cell."""
-        ...
+    def run(self, recipe: Any, config: Any, out: Path, on_cell: OnCell) -> None: ...
 
 
 def run_cell(

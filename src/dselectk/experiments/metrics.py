@@ -14,24 +14,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "distinct_experts",
-    "expected_random_jaccard",
-    "jaccard",
-    "jaccard_matrix",
-    "pairwise_jaccard",
-    "recovered_experts",
-]
-
-
-def jaccard(a: set[int] | Sequence[int], b: set[int] | Sequence[int]) -> float:
-    """|A ∩ B| / |A ∪ B| of two expert sets (1.0 when both are empty)."""
-    sa, sb = set(a), set(b)
-    union = sa | sb
-    if not union:
-        return 1.0
-    return len(sa & sb) / len(union)
-
 
 def jaccard_matrix(selected: Tensor) -> Tensor:
     """Jaccard index of every pair of rows of a boolean selection mask: (..., T, n) bool
@@ -55,14 +37,9 @@ def pairwise_jaccard(selected: Tensor, groups: Tensor | Sequence[int]) -> tuple[
     jm = jaccard_matrix(selected)
     upper = torch.ones(t, t, dtype=torch.bool).triu(1)
     same = g.unsqueeze(0) == g.unsqueeze(1)
-    out = []
-    for mask in (upper & same, upper & ~same):
-        n = int(mask.sum())
-        if n == 0:
-            out.append(torch.full(jm.shape[:-2], math.nan, dtype=torch.float64))
-        else:
-            out.append((jm * mask).sum((-1, -2)) / n)
-    return out[0], out[1]
+    # the mean over the pairs of each mask: 0 / 0 = NaN where there is none
+    related, unrelated = ((jm * m).sum((-1, -2)) / m.sum() for m in (upper & same, upper & ~same))
+    return related, unrelated
 
 
 def expected_random_jaccard(num_experts: int, k: int) -> float:

@@ -1,9 +1,6 @@
-"""Result records: one JSON file per finished run, written atomically, so sweeps resume.
-
-A run is identified by a stable hash of its resolved config (:func:`run_id`); its record
-``runs/<run_id>.json`` is written atomically once the run has finished, so a killed sweep leaves
-a complete record or none, and the same command restarted skips finished runs.
-"""
+"""Result records: one JSON file per finished run, ``runs/<run_id>.json`` (:func:`run_id`: a
+stable hash of its resolved config), written atomically once the run has finished, so a killed
+sweep leaves a complete record or none and the same command restarted skips finished runs."""
 
 from __future__ import annotations
 
@@ -25,26 +22,6 @@ import torch
 from dselectk import io as _io
 from dselectk._testing import pause_point
 
-__all__ = [
-    "PLAN_FILE",
-    "SWEEP_FILE",
-    "RunStore",
-    "diverged",
-    "environment",
-    "format_mean_se",
-    "load_records",
-    "mean_se",
-    "partial_line",
-    "read_object",
-    "read_record",
-    "record_experiment",
-    "run_id",
-    "summarize",
-    "tracking",
-    "wall_line",
-    "wall_time",
-]
-
 
 def record_experiment(config: Mapping[str, Any]) -> str | None:
     """The experiment a run record belongs to: the study it was run for
@@ -61,43 +38,31 @@ def run_id(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _git_commit() -> str | None:
+@functools.cache
+def _static_environment() -> tuple[tuple[str, Any], ...]:
+    """What a record says of its environment that cannot change within a process, computed
+    once (the git commit costs a subprocess; a sweep saves thousands of records)."""
+    from dselectk import __version__
+
     try:
-        out = subprocess.run(
+        git = subprocess.run(
             ["git", "rev-parse", "HEAD"],
             capture_output=True,
             text=True,
             timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
+        commit = git.stdout.strip() or None if git.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-@functools.cache
-def _static_environment() -> tuple[tuple[str, Any], ...]:
-    """The parts of :func:`environment` that cannot change within a process, computed once (the
-    git commit costs a subprocess; a sweep saves thousands of records)."""
-    from dselectk import __version__
-
+        commit = None
     return (
         ("dselectk", __version__),
-        ("git_commit", _git_commit()),
+        ("git_commit", commit),
         ("torch", torch.__version__),
         ("python", platform.python_version()),
         ("machine", platform.machine()),
         ("processor", platform.processor() or platform.machine()),
     )
-
-
-def environment() -> dict[str, Any]:
-    """Package version, git commit, torch/python versions, CPU, thread count (workers set it)
-    and CUDA device."""
-    env = dict(_static_environment())
-    env["threads"] = torch.get_num_threads()
-    env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return env
 
 
 #: which runs the last command of a results folder consists of
@@ -122,16 +87,6 @@ def tracking() -> Iterator[set[str]]:
             outer.update(ids)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class RunStore:
     """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``."""
 
@@ -140,23 +95,21 @@ class RunStore:
         self.runs = self.root / "runs"
         self.remove_stale_temps()
 
-    def remove_stale_temps(self) -> list[Path]:
-        """Delete (and return) the temp files of record writes whose process is gone (a sweep
-        killed mid-write cannot remove its own); only this host's: on a shared filesystem
-        another node's pids mean nothing here."""
-        removed: list[Path] = []
-        if not self.runs.is_dir():
-            return removed
+    def remove_stale_temps(self) -> None:
+        """Delete the temp files of record writes whose process is gone (a sweep killed
+        mid-write cannot remove its own); only this host's: on a shared filesystem another
+        node's pids mean nothing here."""
         for tmp in self.runs.glob(".*.tmp"):
-            # io's temp names are .<name>.<host>-<pid>.<random>.tmp
-            parts = tmp.name.split(".")
-            writer = parts[-3] if len(parts) >= 5 else ""
-            who, _, pid = writer.rpartition("-")
-            if who != _io.HOST or not pid.isdigit() or _pid_alive(int(pid)):
+            parts = tmp.name.split(".")  # io's temp names: .<name>.<host>-<pid>.<random>.tmp
+            who, _, pid = (parts[-3] if len(parts) >= 5 else "").rpartition("-")
+            if who != _io.HOST or not pid.isdigit():
                 continue
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-        return removed
+            try:
+                os.kill(int(pid), 0)  # is the writer alive? (PermissionError: yes, not ours)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except PermissionError:
+                pass
 
     def path(self, rid: str) -> Path:
         """The record file of run ``rid`` (the run counts as planned, see :func:`tracking`)."""
@@ -171,10 +124,11 @@ class RunStore:
     def save(self, config: Mapping[str, Any], metrics: Mapping[str, Any], **extra: Any) -> Path:
         """Write the record of a finished run (config, metrics, environment) atomically."""
         rid = run_id(config)
+        env = dict(_static_environment())
+        env["threads"] = torch.get_num_threads()  # (pool workers set it)
+        env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         record = {"run_id": rid, "config": dict(config), "metrics": dict(metrics)}
-        record["environment"] = environment()
-        record.update(extra)
-        path = _io.write_json(self.path(rid), record)
+        path = _io.write_json(self.path(rid), {**record, "environment": env, **extra})
         pause_point("record-saved")  # test-only; see dselectk._testing
         return path
 
@@ -246,20 +200,18 @@ class RunStore:
 
     def sweep_status(self) -> dict[str, Any] | None:
         """None when the last sweep of this folder finished (or none was recorded); else how
-        far it got: ``command``, ``cells``, ``cells_done``, ``planned_runs`` (final runs, None
-        when unknown), ``recorded`` (its final-run records so far) and ``_ids`` (its run ids
-        so far: the finished cells' runs and every record written since it started)."""
+        far it got, with ``_ids``: its run ids so far (the finished cells' runs and every record
+        written since it started), of which ``recorded`` final runs."""
         state = self._sweep_state()
         if state is None or state.get("finished"):
             return None
         ids = set(state["runs_done"])
-        if self.runs.is_dir():
-            for p in self.runs.glob("*.json"):
-                try:
-                    if p.stat().st_mtime >= state["started"]:
-                        ids.add(p.stem)
-                except OSError:
-                    pass
+        for p in self.runs.glob("*.json"):
+            try:
+                if p.stat().st_mtime >= state["started"]:
+                    ids.add(p.stem)
+            except OSError:
+                pass
         recorded = 0
         for rid in ids:
             try:
@@ -314,8 +266,6 @@ def load_records(runs: Path, *, strict: bool = True) -> list[dict[str, Any]]:
     """The records of a ``runs/`` folder, sorted by run id (see :meth:`RunStore.load`); reads
     and deletes nothing else (unlike :class:`RunStore`, which clears stale temp files)."""
     records: list[dict[str, Any]] = []
-    if not runs.is_dir():
-        return records
     for p in sorted(runs.glob("*.json")):
         try:
             records.append(read_record(p))
@@ -342,9 +292,8 @@ def format_mean_se(
     missing: str = "–",
     show_n: bool = False,
 ) -> str:
-    """``mean ± se`` of a :func:`mean_se` dict (or None), for tables: ``digits`` decimals,
-    mean and se times ``scale``, ``missing`` without a finite mean, ``(n=N)`` with ``show_n``
-    where there is no standard error (a single repetition)."""
+    """``mean ± se`` of a :func:`mean_se` dict (or None) for tables, both times ``scale``;
+    ``missing`` without a finite mean; ``(n=N)`` with ``show_n`` where there is no se."""
     if not m or not m.get("n", 1) or m.get("mean") is None:
         return missing
     mean = float(m["mean"]) * scale
@@ -401,15 +350,6 @@ def summarize(
     return rows
 
 
-def _plan_digest(results_dir: Path) -> str | None:
-    """Digest of the run ids in ``plan.json`` (which runs the last command consists of)."""
-    try:
-        runs = json.loads((results_dir / PLAN_FILE).read_text(encoding="utf-8"))["runs"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return None
-    return hashlib.sha256(json.dumps(sorted(runs)).encode()).hexdigest()[:16]
-
-
 def wall_time(
     results_dir: str | Path,
     previous: Mapping[str, Any],
@@ -417,8 +357,7 @@ def wall_time(
     command: str | None,
     records: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The wall time of the commands that produced a folder's summarised runs, for its summary:
-    ``{"seconds", "commands": [{"command", "seconds"}...], "plan": digest, "runs_untimed"}``.
+    """The wall time of the commands that produced a folder's summarised runs, for its summary.
 
     A command that continues the previous one (the same plan: a resume, a Slurm re-attach, a
     rerun) adds its time to the previous summary's, so a resume never overwrites 421 s by the
@@ -441,7 +380,11 @@ def wall_time(
         }
     if wall_seconds is None:
         return dict(prev)
-    plan = _plan_digest(results_dir)
+    try:  # the digest of plan.json's run ids (which runs the last command consists of)
+        runs = json.loads((results_dir / PLAN_FILE).read_text(encoding="utf-8"))["runs"]
+        plan = hashlib.sha256(json.dumps(sorted(runs)).encode()).hexdigest()[:16]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        plan = None
     same = (plan is not None and prev.get("plan") == plan) or (
         prev.get("plan") is None and command is not None and previous.get("command") == command
     )
@@ -452,11 +395,10 @@ def wall_time(
     else:
         commands = [this]
         start = time.time() - float(wall_seconds) - 1.0
-        runs = results_dir / "runs"
         untimed = 0
         for r in records:
             try:
-                if (runs / f"{r.get('run_id')}.json").stat().st_mtime < start:
+                if (results_dir / "runs" / f"{r.get('run_id')}.json").stat().st_mtime < start:
                     untimed += 1
             except OSError:
                 pass

@@ -9,22 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
 from dselectk.experiments.records import RunStore, partial_line, read_object, record_experiment
 from dselectk.io import write_json, write_text
-
-__all__ = [
-    "EXPERIMENTS",
-    "add_arguments",
-    "experiment_module",
-    "experiment_name",
-    "mark_partial",
-    "rebuild",
-    "run",
-]
 
 #: experiment name (``dselectk reproduce NAME``, ``config["experiment"]``) → its module
 EXPERIMENTS: dict[str, str] = {
@@ -97,15 +86,10 @@ def mark_partial(results_dir: Path) -> str | None:
         return None
     line = partial_line(status)
     summary_path, report_path = results_dir / "summary.json", results_dir / "report.md"
-    if summary_path.is_file():
-        try:
-            summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        except ValueError:
-            summary = None
-        if isinstance(summary, dict):
-            summary["partial"] = {k: v for k, v in status.items() if not k.startswith("_")}
-            summary["partial"]["line"] = line
-            write_json(summary_path, summary)
+    if summary := read_object(summary_path):  # (a garbled summary.json is left as it is)
+        summary["partial"] = {k: v for k, v in status.items() if not k.startswith("_")}
+        summary["partial"]["line"] = line
+        write_json(summary_path, summary)
     if report_path.is_file():
         text = report_path.read_text(encoding="utf-8")
         head, sep, rest = text.partition("\n")
@@ -125,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{directory}: {what}, expected a results folder")
     name = rebuild(directory)  # a ValueError is a user error: the CLI prints it, exit code 2
     print(f"rebuilt the {name} report: {directory / 'report.md'}")
-    status = RunStore(directory).sweep_status()
-    if status is not None:
+    if (status := RunStore(directory).sweep_status()) is not None:
         print(f"dselectk: {partial_line(status)}", file=sys.stderr)
     return 0

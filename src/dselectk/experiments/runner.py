@@ -31,19 +31,6 @@ from dselectk.experiments.slurm import SlurmExecutor, add_executor_arguments, sl
 from dselectk.io import write_json
 from dselectk.runtime import warm_kernels
 
-__all__ = [
-    "Recipe",
-    "add_run_arguments",
-    "check_config",
-    "executor_from_args",
-    "folder_lock",
-    "grid_points",
-    "missing",
-    "run_recipe",
-    "run_sweep",
-    "sample_points",
-]
-
 
 @dataclass(frozen=True)
 class Recipe:

@@ -34,20 +34,6 @@ from dselectk.experiments.records import RunStore
 from dselectk.io import write_json
 from dselectk.progress import tqdm
 
-__all__ = [
-    "JOBS_FILE",
-    "SlurmExecutor",
-    "SlurmOptions",
-    "SweepDetached",
-    "SweepFailed",
-    "add_executor_arguments",
-    "cell_job",
-    "run_slurm",
-    "slurm_options",
-    "squeue_states",
-    "sweep_key",
-]
-
 JOBS_FILE = "slurm_jobs.json"
 LOG_DIR = "slurm"
 #: squeue states of a job that is still going to produce a result
@@ -174,12 +160,8 @@ def cell_job(recipe: Any, config: Any, cell: Any, threads: int) -> dict[str, Any
     if threads:
         torch.set_num_threads(threads)
     name, selection, runs = run_cell(recipe, config, cell, recipe.load_data(config), False)
-    return {
-        "cell": name,
-        "selection": selection,
-        "runs": sorted(runs),
-        "seconds": time.perf_counter() - t0,
-    }
+    seconds = time.perf_counter() - t0
+    return {"cell": name, "selection": selection, "runs": sorted(runs), "seconds": seconds}
 
 
 def squeue_states(job_ids: Iterable[str]) -> dict[str, str]:
@@ -230,11 +212,16 @@ def _load_book(path: Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not a valid Slurm job list ({e})") from None
 
 
-def _collect(entry: dict[str, Any], folder: Path) -> bool:
-    """Read a finished job's submitit result into its entry; False while there is none."""
+def _settle(entry: dict[str, Any], live: Mapping[str, str], folder: Path) -> bool:
+    """Whether the job of ``entry`` is over: its submitit result read into the entry
+    (``result`` or ``error``), or gone from the queue without one; False while it is queued or
+    running (``live``: the squeue states)."""
     path = folder / f"{entry['job_id']}_0_result.pkl"
     if not path.is_file():
-        return False
+        if live.get(entry["job_id"], "") in _ACTIVE:
+            return False
+        entry["error"] = f"{_LOST} (state {live.get(entry['job_id'], 'gone')})"
+        return True
     try:
         with path.open("rb") as f:
             status, value = pickle.load(f)
@@ -281,10 +268,9 @@ def run_slurm(
 
     latest = {e["cell"]: e for e in book if e.get("key") == key and e.get("cell") in cells}
     pending = [e for e in latest.values() if "result" not in e and "error" not in e]
-    live = states(e["job_id"] for e in pending) if pending else {}
+    live = states(e["job_id"] for e in pending)
     for e in pending:
-        if live.get(e["job_id"], "") not in _ACTIVE and not _collect(e, folder):
-            e["error"] = _LOST
+        _settle(e, live, folder)
     save_book()
 
     waiting: dict[str, dict[str, Any]] = {}
@@ -342,25 +328,21 @@ def run_slurm(
         while waiting:
             live = states(e["job_id"] for e in waiting.values())
             for name, entry in list(waiting.items()):
-                jid = entry["job_id"]
-                if not _collect(entry, folder):
-                    if live.get(jid, "") in _ACTIVE:
-                        continue
-                    if not _collect(entry, folder):  # (it may have finished since squeue)
-                        entry["error"] = f"{_LOST} (state {live.get(jid, 'gone')})"
+                if not _settle(entry, live, folder):
+                    continue
                 del waiting[name]
                 if "result" in entry:
                     res = entry["result"]
                     on_cell(name, res["selection"], res["runs"])
                     bar.set_postfix_str(f"{name} {res.get('seconds', 0):.0f}s")
                 else:
-                    why = _last_line(entry["error"])
+                    why, jid = _last_line(entry["error"]), entry["job_id"]
                     failed[name] = f"job {jid}: {why} (log: {folder / f'{jid}_0_log.err'})"
                     print(f"cell {name} failed: {failed[name]}", file=sys.stderr)
                 bar.update(1)
                 save_book()
             if waiting:
-                n_rec = sum(1 for _ in store.runs.glob("*.json")) if store.runs.is_dir() else 0
+                n_rec = sum(1 for _ in store.runs.glob("*.json"))
                 running = sum(1 for e in waiting.values() if live.get(e["job_id"]) == "RUNNING")
                 bar.set_description_str(
                     f"cells (slurm: {running} running, {len(waiting) - running} queued, "
@@ -374,9 +356,9 @@ def run_slurm(
     bar.close()
     if failed:
         lines = "\n".join(f"  {name}: {why}" for name, why in failed.items())
-        msg = (
-            f"{len(failed)} of {len(cells)} cells failed (the others' records are in {out}; "
-            f"rerun to resubmit the failed cells):\n{lines}"
+        print(
+            f"dselectk: error: {len(failed)} of {len(cells)} cells failed (the others' records "
+            f"are in {out}; rerun to resubmit the failed cells):\n{lines}",
+            file=sys.stderr,
         )
-        print(f"dselectk: error: {msg}", file=sys.stderr)
         raise SweepFailed(1)
