@@ -2,11 +2,8 @@
 
 A thin recipe over the library: the data is :mod:`dselectk.data.synthetic`, the model a
 :class:`~dselectk.models.MoEBank` (R repetitions, or grid-search configurations, as one
-vectorized model with a fused CPU loss), trained by :func:`dselectk.training.train`. The package
-holds ``spec`` (the variants, the paper's grid and claims, record identity), ``train`` (the C.1
-model, its evaluation, training and the grid search), ``recipe`` (flags and one cell of the
-sweep, run by the shared runner) and ``report`` (its prose in ``templates/synthetic.md``, with
-the choices where the paper is silent).
+vectorized model with a fused CPU loss), trained by :func:`dselectk.training.train`; the
+report's prose, with the choices where the paper is silent, is ``templates/synthetic.md``.
 
 Model (Appendix C.1, "Experiment Design"): multi-gate MoE with E = T/4 trainable experts of the
 generator's form (``--experts``) and one static gate per task choosing k = 4 (``--k``); squared

@@ -80,25 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
     )
     p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(VARIANTS))
-    p.add_argument("--experts", type=POS, default=None, help="experts E of the model (T/4)")
+    p.add_argument("--experts", type=POS, help="experts E of the model (T/4)")
     p.add_argument("--k", type=POS, default=K, help=f"experts each task selects ({K})")
-    p.add_argument("--reps", type=POS, default=None, help="repetitions (quick 5, full 100)")
-    p.add_argument("--batch-reps", type=POS, default=None, help="repetitions trained together")
+    p.add_argument("--reps", type=POS, help="repetitions (quick 5, full 100)")
+    p.add_argument("--batch-reps", type=POS, help="repetitions trained together")
     p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
     p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
     p.add_argument("--full", action="store_true", help="paper protocol: grid search + 100 reps")
-    p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every gate")
-    p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
-    p.add_argument("--gamma", type=positive_float, default=None, help="override DSelect-k's γ")
-    p.add_argument(
-        "--gamma-end", type=positive_float, default=None, help="anneal γ to this (log scale)"
-    )
-    p.add_argument(
-        "--entropy-reg", type=nonnegative_float, default=None, help="override λ (DSelect-k, abl.)"
-    )
-    p.add_argument(
-        "--entropy-reg-end", type=nonnegative_float, default=None, help="ramp λ linearly to this"
-    )
+    p.add_argument("--epochs", type=POS, help="override the epochs of every gate")
+    p.add_argument("--lr", type=positive_float, help="override the learning rate")
+    p.add_argument("--gamma", type=positive_float, help="override DSelect-k's γ")
+    p.add_argument("--gamma-end", type=positive_float, help="anneal γ to this (log scale)")
+    p.add_argument("--entropy-reg", type=nonnegative_float, help="override λ (DSelect-k, abl.)")
+    p.add_argument("--entropy-reg-end", type=nonnegative_float, help="ramp λ linearly to this")
     p.add_argument(
         "--entropy-warmup",
         type=warmup_fraction,
@@ -109,7 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--temperature",
         "--temperature-start",
         type=positive_float,
-        default=None,
         help="annealing start temperature s (Ablation (Annealing))",
     )
     p.add_argument("--n-train", type=POS, default=100_000, help="training rows (paper 100k)")
@@ -117,12 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tuned",
         type=existing_file,
-        default=None,
         help="tuning record to use (every --gates x --tasks cell needs an entry: its T or "
         '"default")',
     )
     p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
-    p.add_argument("--max-points", type=POS, default=None, help="--full: grid points sampled")
+    p.add_argument("--max-points", type=POS, help="--full: grid points sampled")
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,9 @@ def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
 
 def _summary_rows(final: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     rows = summarize(final, ["gate", "num_tasks"], finite=FINITE)
-    configs: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
-    for r in final:
-        configs.setdefault((r["config"]["gate"], r["config"]["num_tasks"]), []).append(r["config"])
     for row in rows:
-        cfgs = configs[(row["gate"], row["num_tasks"])]
+        cell = (row["gate"], row["num_tasks"])
+        cfgs = [c for c in (r["config"] for r in final) if (c["gate"], c["num_tasks"]) == cell]
         hps = {json.dumps(c["hparams"], sort_keys=True) for c in cfgs}
         row["hparams"] = [json.loads(h) for h in sorted(hps)]
         row["label"] = _label(row["gate"])
@@ -340,7 +338,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
 def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Sentences on the ablation gates' claims (collapse to ~2 experts; DSelect-k better)."""
     comp = []
-    abl = sorted((r for r in rows if r["gate"] == "ablation_entropy"), key=lambda r: r["num_tasks"])
+    abl = [r for r in rows if r["gate"] == "ablation_entropy"]  # in T order
     if abl:
         es = [finite((r["metrics"].get("experts_per_task") or {}).get("mean")) for r in abl]
         t0 = abl[0]["num_tasks"]
@@ -356,7 +354,7 @@ def _ablation_claims(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         )
     by = {(r["gate"], r["num_tasks"]): r["metrics"] for r in rows}
     top_t = max((r["num_tasks"] for r in rows), default=None)
-    if top_t is not None and ("dselect_k", top_t) in by:
+    if ("dselect_k", top_t) in by:
         d = by[("dselect_k", top_t)]["test_mse"]["mean"]
         others = [
             (g, by[(g, top_t)]["test_mse"]["mean"])

@@ -80,39 +80,29 @@ def evaluate_model(model: MoEBank, data: SyntheticData, k: int = K) -> list[dict
     """Metrics of each member: MSEs, Jaccard indices, experts per task, binarization."""
     t = model.num_tasks
     w = model.inference_weights()
-    yv, yt = data.y_val[:, :t], data.y_test[:, :t]
-    val = model.mse(data.x_val, yv, w)
-    test = model.mse(data.x_test, yt, w)
+    yt = data.y_test[:, :t]
     sel = w > 0
     rel, unrel = pairwise_jaccard(sel, data.groups[:t])
     nsel = distinct_experts(sel).double()  # (R, T)
-    out: list[dict[str, float]] = []
-    soft_test = None
+    cols = {
+        "val_mse": model.mse(data.x_val, data.y_val[:, :t], w),
+        "test_mse": model.mse(data.x_test, yt, w),
+        "related_jaccard": rel,
+        "unrelated_jaccard": unrel,
+        "experts_per_task": nsel.mean(1),
+        "experts_per_task_min": nsel.amin(1),
+        "experts_per_task_max": nsel.amax(1),
+        "frac_tasks_k_experts": (nsel == k).double().mean(1),
+    }
     if model.gates.posthoc_inference:  # the ablations: their own soft weights, too
-        soft_test = model.mse(data.x_test, yt, model.expert_weights())
-    binary = None
+        cols["test_mse_soft"] = model.mse(data.x_test, yt, model.expert_weights())
     if model.gates.binarizes:  # DSelect-k: which bits of S(Z) are exactly 0 or 1
         is_bin = model.gates.binary_entries().view(model.members, t, -1)
-        binary = (is_bin.flatten(2).float().mean(-1), is_bin.flatten(1).float().mean(-1))
-    for r in range(model.members):
-        m = {
-            "val_mse": float(val[r]),
-            "test_mse": float(test[r]),
-            "related_jaccard": float(rel[r]),
-            "unrelated_jaccard": float(unrel[r]),
-            "experts_per_task": float(nsel[r].mean()),
-            "experts_per_task_min": float(nsel[r].min()),
-            "experts_per_task_max": float(nsel[r].max()),
-            "frac_tasks_k_experts": float((nsel[r] == k).double().mean()),
-        }
-        if soft_test is not None:
-            m["test_mse_soft"] = float(soft_test[r])
-        if binary is not None:
-            m["frac_binary_entries"] = float(binary[1][r])
-            m["frac_tasks_binary"] = float((binary[0][r] == 1).double().mean())
-            m["all_binary"] = float(bool((binary[0][r] == 1).all()))
-        out.append(m)
-    return out
+        task_binary = is_bin.flatten(2).float().mean(-1) == 1  # (R, T)
+        cols["frac_binary_entries"] = is_bin.flatten(1).float().mean(-1)
+        cols["frac_tasks_binary"] = task_binary.double().mean(-1)
+        cols["all_binary"] = task_binary.all(-1).double()
+    return [{name: float(c[r]) for name, c in cols.items()} for r in range(model.members)]
 
 
 class _Checkpoints(Callback):
@@ -163,12 +153,10 @@ def train_reps(
     is repetition r's task t).
     """
     v = variant_of(gate)
-    if member_hparams is not None:
-        for m in member_hparams:
-            v.check_hparams(m, "member_hparams")
-        epochs = max(int(m.get("epochs", hparams["epochs"])) for m in member_hparams)
-    else:
-        epochs = int(hparams["epochs"])
+    for m in member_hparams or []:
+        v.check_hparams(m, "member_hparams")
+    members = [{**hparams, **m} for m in member_hparams or [{}]]
+    epochs = max(int(m["epochs"]) for m in members)
     cps = sorted(set(checkpoints or [epochs]))
     if cps[-1] > epochs or cps[0] < 1:
         raise ValueError(f"checkpoints must lie in [1, {epochs}], got {cps}")
@@ -177,7 +165,6 @@ def train_reps(
     )
     steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
     steps = epochs * steps_per_epoch
-    members = [{**hparams, **m} for m in member_hparams or []]
     opt: torch.optim.Optimizer
     if member_hparams is None:
         opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
@@ -187,8 +174,8 @@ def train_reps(
     callbacks: list[Any] = [evaluator]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
+    y = data.y_train[:, :num_tasks]
     if v.search is not None:  # each (repetition, task) gate scored by the task's probe MSE
-        y = data.y_train[:, :num_tasks]
         callbacks.append(v.search.bank_callback(model, data.x_train, y, steps, shuffle_seed))
     config = TrainConfig.for_members(
         lr=float(hparams["lr"]),
@@ -201,7 +188,7 @@ def train_reps(
     )
     train(
         model,
-        TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
+        TaskData(data.x_train, [y]),
         None,
         config,
         schedulers=(
@@ -264,7 +251,9 @@ def tune(
         hp = {**base, **p, "epochs": e}
         return record_config(v, num_tasks, hp, i, seeds[i], seed, data_cfg, "tune", shape)
 
-    members: list[Member] = []
+    # ramps and the search plan are fractions of the batch's steps: the members of such a
+    # variant are batched by epoch count (the others share batches freely)
+    by_epochs: dict[int, list[Member]] = {}  # the (point, trial) pairs not trained yet
     planned: set[str] = set()  # this search's runs: records of other settings are not scored
     for p in points:
         eps = [int(p["epochs"])] if epoch_dependent else epochs_axis
@@ -272,12 +261,7 @@ def tune(
             cfgs = [config(p, e, i) for e in eps]
             planned.update(run_id(c) for c in cfgs)
             if not all(store.done(c) for c in cfgs):
-                members.append((p, i, eps))
-    # ramps and the search plan are fractions of the batch's steps: the members of such a
-    # variant are batched by epoch count (the others share batches freely)
-    by_epochs: dict[int, list[Member]] = {}
-    for m in members:
-        by_epochs.setdefault(max(m[2]) if epoch_dependent else 0, []).append(m)
+                by_epochs.setdefault(max(eps) if epoch_dependent else 0, []).append((p, i, eps))
     chunks = [
         group[i : i + max_members]
         for group in by_epochs.values()
