@@ -32,37 +32,12 @@ from dselectk.layers.experts import StackedMLP
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 
-__all__ = [
-    "EXPERIMENT",
-    "PAPER_TABLE1",
-    "PAPER_TABLE_C3",
-    "MovieLensConfig",
-    "MovieLensEmbedding",
-    "add_arguments",
-    "build_model",
-    "load_data",
-    "masked_mse",
-    "notes",
-    "run",
-    "write_report",
-]
-
-EXPERIMENT = "movielens"
 NUM_EXPERTS = 8
 ALPHAS = (0.1, 0.5, 0.9)
 TASK_NAMES = ("task 1: watch (CE)", "task 2: rating (MSE)")
-
-_PAPER = rd.paper_numbers("movielens")
-#: Table 1 of the paper: α → gate → (test loss × 10⁴, standard error, selected experts)
-PAPER_TABLE1: dict[float, dict[str, list[Any]]] = {
-    float(a): rows for a, rows in _PAPER["table1"].items()
-}
-#: Table C.3: α → gate → (task-2 loss × 10⁴, se, task-1 accuracy %, se)
-PAPER_TABLE_C3: dict[float, dict[str, list[Any]]] = {
-    float(a): rows for a, rows in _PAPER["table_c3"].items()
-}
-#: Table C.2 (MovieLens columns): % training steps until binary S(Z), FLOPs DSelect-k / Top-k
-PAPER_C2: dict[str, dict[str, float]] = _PAPER["c2"]
+#: the paper's numbers: "table1" α → gate → (test loss × 10⁴, se, selected experts), "table_c3"
+#: α → gate → (task-2 loss × 10⁴, se, task-1 accuracy %, se), "c2" (the MovieLens columns)
+PAPER = rd.paper_numbers("movielens")
 
 #: Hyperparameters of the quick default (values inside the Appendix D.1 grid, not tuned beyond
 #: the learning rate). One epoch of the full ML-1M (12,503 steps of 128): ~15–20 ms per step on
@@ -70,54 +45,44 @@ PAPER_C2: dict[str, dict[str, float]] = _PAPER["c2"]
 #: fits in ~30 minutes. The learning rate is the grid's value with the lowest *validation* loss
 #: of static DSelect-k after this one epoch (seed 0, α = 0.5; val loss ×10⁴: lr 0.1 → 4337,
 #: 0.2 → 4257, 0.3 → 4230): one epoch of Adagrad wants the largest step of the grid.
-QUICK_EPOCHS = 1
 QUICK_LR = 0.3
-_QUICK = {"lr": QUICK_LR, "epochs": QUICK_EPOCHS}
-_DSELECT = {**_QUICK, "k": 2, "gamma": 1.0, "entropy_reg": 1.0}
-QUICK_HPARAMS: dict[str, dict[str, Any]] = {
-    "dselect_k_static": _DSELECT,
-    "dselect_k_per_example": dict(_DSELECT),
-    "topk_static": {**_QUICK, "k": 2},
-    "topk_per_example": {**_QUICK, "k": 2},
-    "gumbel_softmax": {**_QUICK, "sparsity_reg": 1e-3},
-    "softmax": dict(_QUICK),
-    "shared_bottom": {**_QUICK, "units": 256},
-}
+_QUICK = {"lr": QUICK_LR, "epochs": 1}
+QUICK_HPARAMS = rd.per_gate(
+    {
+        "dselect_k": {**_QUICK, "k": 2, "gamma": 1.0, "entropy_reg": 1.0},
+        "topk": {**_QUICK, "k": 2},
+        "gumbel_softmax": {**_QUICK, "sparsity_reg": 1e-3},
+        "softmax": _QUICK,
+        "shared_bottom": {**_QUICK, "units": 256},
+    }
+)
 #: gates, α values and repetitions of the quick default (the others behind --gates / --alphas)
 QUICK_GATES = ("dselect_k_static", "topk_static", "softmax")
 QUICK_ALPHAS = (0.5,)
 QUICK_REPS = 3
 _OPT: dict[str, list[Any]] = {"lr": [0.001, 0.01, 0.1, 0.2, 0.3], "epochs": [5, 10, 20, 30, 40, 50]}
 #: Appendix D.1 grid.
-GRID: dict[str, dict[str, list[Any]]] = {
-    "dselect_k_static": {**_OPT, "k": [2, 4], "entropy_reg": [0.1, 1, 10], "gamma": [1, 10]},
-    "dselect_k_per_example": {**_OPT, "k": [2, 4], "entropy_reg": [0.1, 1, 10], "gamma": [1, 10]},
-    "topk_static": {**_OPT, "k": [2, 4]},
-    "topk_per_example": {**_OPT, "k": [2, 4]},
-    "gumbel_softmax": {**_OPT, "sparsity_reg": [10.0**e for e in range(-6, 2)]},
-    "softmax": dict(_OPT),
-    "shared_bottom": {**_OPT, "units": [32, 256, 2048, 4096, 8192]},
-}
+GRID = rd.per_gate(
+    {
+        "dselect_k": {**_OPT, "k": [2, 4], "entropy_reg": [0.1, 1, 10], "gamma": [1, 10]},
+        "topk": {**_OPT, "k": [2, 4]},
+        "gumbel_softmax": {**_OPT, "sparsity_reg": [10.0**e for e in range(-6, 2)]},
+        "softmax": _OPT,
+        "shared_bottom": {**_OPT, "units": [32, 256, 2048, 4096, 8192]},
+    }
+)
 
 
 def masked_mse(pred: Tensor, y: Tensor) -> Tensor:
-    """Task-2 loss: Σ mask·(pred − rating)² / B (Keras ``sample_weight`` semantics).
-
-    Args:
-        pred: (B, 1) predicted ratings.
-        y: (B, 2) with the rating in column 0 and the observed-rating mask (0/1) in column 1.
-    """
+    """Task-2 loss: Σ mask·(pred − rating)² / B (Keras ``sample_weight`` semantics); ``pred``
+    (B, 1), ``y`` (B, 2): the rating, then the observed-rating mask (0/1)."""
     err = pred.reshape(-1) - y[:, 0]
     return (err.square() * y[:, 1]).mean()
 
 
-LOSSES = ["bce", masked_mse]
-
-
 def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn.Module:
     """The Appendix D.1 model for ``gate`` (a name of ``realdata.VARIANTS``)."""
-    side = meta.get("side")
-    bottom = MovieLensEmbedding(meta["num_users"], meta["num_items"], side)
+    bottom = MovieLensEmbedding(meta["num_users"], meta["num_items"], meta.get("side"))
     d = bottom.out_features
     choice = rd.VARIANTS[gate]
     if choice.variant is None:  # the shared bottom: one shared layer, no gate
@@ -133,17 +98,6 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
 def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
     """Forward FLOPs of one expert (dense d → 256) on one example: 2·d·256."""
     return 2.0 * float(meta["bottom_features"]) * 256
-
-
-def _pack(split: Any, side: bool) -> TaskData:
-    cols = [split.user, split.item]
-    if side:
-        cols += [split.user_age, split.user_gender, split.user_occupation]
-    x = torch.stack(cols, dim=1).to(torch.int64)
-    if side:
-        x = torch.cat([x, split.item_genres.round().to(torch.int64)], dim=1)
-    y2 = torch.stack([split.rating.float(), split.rating_mask.float()], dim=1)
-    return TaskData(x, [split.watched.float(), y2])
 
 
 def _task_weights(alpha: Any) -> list[float]:
@@ -162,7 +116,6 @@ class MovieLensConfig(rd.RealDataConfig):
 
     @property
     def settings(self) -> tuple[Any, ...]:
-        """The α values."""
         return self.alphas
 
 
@@ -182,10 +135,9 @@ def data_bytes(variant: str, neg_ratio: int, side: bool = True) -> int:
 
 
 def check_memory(config: MovieLensConfig, total: int | None = None) -> None:
-    """Refuse, before loading, a ``--neg-ratio`` whose data set would not fit in memory
-    (:func:`~dselectk.experiments.args.check_fits`'s share of ``total``, default the machine's):
-    a ValueError naming the flag and the estimate."""
-    total = physical_memory() if total is None else total
+    """Refuse, before loading, a ``--neg-ratio`` whose data would not fit in memory (``total``,
+    default the machine's; :func:`~dselectk.experiments.args.check_fits`)."""
+    total = physical_memory() if total is None else total  # looked up here: tests patch it
     need = data_bytes(config.variant, config.neg_ratio, not config.no_side_features)
     what = (
         f"argument --neg-ratio {config.neg_ratio}: the {config.variant} training data "
@@ -195,8 +147,8 @@ def check_memory(config: MovieLensConfig, total: int | None = None) -> None:
 
 
 def load_data(args: MovieLensConfig) -> rd.Splits:
-    """The two-task MovieLens splits of the run config, with their data config (the files'
-    checksums included: a run made from other data never counts as done)."""
+    """The two-task MovieLens splits, with their data config (the files' checksums included:
+    a run made from other data never counts as done)."""
     from dselectk.data import load_movielens
 
     side = not args.no_side_features
@@ -204,7 +156,18 @@ def load_data(args: MovieLensConfig) -> rd.Splits:
         args.data_dir, variant=args.variant, neg_ratio=args.neg_ratio, seed=args.seed,
         side_features=side,
     )  # fmt: skip
-    train, val, test = (_pack(s, side) for s in (data.train, data.val, data.test))
+
+    def pack(split: Any) -> TaskData:
+        cols = [split.user, split.item]
+        if side:
+            cols += [split.user_age, split.user_gender, split.user_occupation]
+        x = torch.stack(cols, dim=1).to(torch.int64)
+        if side:
+            x = torch.cat([x, split.item_genres.round().to(torch.int64)], dim=1)
+        y2 = torch.stack([split.rating.float(), split.rating_mask.float()], dim=1)
+        return TaskData(x, [split.watched.float(), y2])
+
+    train, val, test = (pack(s) for s in (data.train, data.val, data.test))
     if args.max_train is not None and args.max_train < len(train):
         train = train.batch(torch.arange(args.max_train))  # already shuffled by the loader
     sizes = (data.num_age_buckets, data.num_genders, data.num_occupations, data.num_genres)
@@ -234,19 +197,12 @@ def load_data(args: MovieLensConfig) -> rd.Splits:
     return rd.Splits(train, val, test, meta, config)
 
 
-def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
-    """The report's "Setup and choices" (prose in ``templates/movielens.md``)."""
+def notes(args: MovieLensConfig, data: rd.Splits) -> dict[str, Any]:
+    """The values of the report's "Setup and choices" (``templates/movielens.md``)."""
     m = data.meta
-    side = (
-        ", age bucket (4), gender (2), occupation (4), genres (multi-hot → linear 8)"
-        if not args.no_side_features
-        else ""
-    )
-    return rd.template_notes(
-        "movielens",
-        quick=not args.full,
+    side = ", age bucket (4), gender (2), occupation (4), genres (multi-hot → linear 8)"
+    return dict(
         variant=args.variant,
-        init_note=rd.training_note(args),
         variant_note=" instead of ML-1M"
         if args.variant == "ml-100k"
         else " (the paper's data set)",
@@ -254,35 +210,32 @@ def notes(args: MovieLensConfig, data: rd.Splits) -> list[str]:
         neg_ratio=args.neg_ratio,
         **{k: f"{m[k]:,}" for k in ("num_ratings", "n_train", "n_val", "n_test")},
         positive_fraction=f"{m['test_positive_fraction']:.2f}",
-        side_inputs=side,
+        side_inputs="" if args.no_side_features else side,
         bottom_features=m["bottom_features"],
-        epochs=args.epochs or QUICK_HPARAMS["softmax"]["epochs"],
         lr_note=f"lr {args.lr:g}, set by --lr"
         if args.lr
         else f"lr {QUICK_LR:g}: the grid's value with the lowest validation loss of static "
         "DSelect-k after one epoch, seed 0",
-        repetitions=args.repetitions if args.repetitions is not None else QUICK_REPS,
     )
-
-
-def _pairs(d: TaskData) -> MovieLensSplit:
-    y2 = d.ys[1]
-    return MovieLensSplit(d.x[:, 0], d.x[:, 1], d.ys[0].reshape(-1), y2[:, 0], y2[:, 1])
 
 
 def reference(args: MovieLensConfig, data: rd.Splits) -> dict[str, Any]:
     """The non-neural reference predictors on the run's splits
     (:mod:`dselectk.data.movielens.baselines`)."""
-    train, val, test = (_pairs(d) for d in (data.train, data.val, data.test))
+
+    def pairs(d: TaskData) -> MovieLensSplit:
+        y2 = d.ys[1]
+        return MovieLensSplit(d.x[:, 0], d.x[:, 1], d.ys[0].reshape(-1), y2[:, 0], y2[:, 1])
+
+    train, val, test = (pairs(d) for d in (data.train, data.val, data.test))
     return reference_metrics(train, val, test, data.meta["num_users"], data.meta["num_items"])
 
 
 def experiment() -> rd.Experiment:
-    """The MovieLens :class:`~dselectk.experiments.realdata.Experiment`."""
     return rd.Experiment(
-        name=EXPERIMENT,
+        name="movielens",
         setting_key="alpha",
-        losses=LOSSES,
+        losses=["bce", masked_mse],
         task_names=TASK_NAMES,
         optimizer="adagrad",
         batch_size=128,
@@ -294,10 +247,11 @@ def experiment() -> rd.Experiment:
         expert_flops=expert_flops,
         load_data=load_data,
         data_fields=("data_dir", "variant", "seed", "neg_ratio", "no_side_features", "max_train"),
+        template="movielens",
         notes=notes,
         title="MovieLens",
         tables=_tables,
-        paper_c2=PAPER_C2,
+        paper_c2=PAPER["c2"],
         c2_column="MovieLens α={}",
         quick_reps=QUICK_REPS,
         reference=reference,
@@ -305,7 +259,6 @@ def experiment() -> rd.Experiment:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``dselectk reproduce movielens``."""
     rd.add_common_arguments(p, "results/movielens")
     p.add_argument(
         "--variant", choices=["ml-100k", "ml-1m"], default="ml-1m", help="ml-1m: the paper's"
@@ -319,7 +272,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run (or resume) the MovieLens sweep, then write summary.json, report.md and plots."""
     alphas = args.alphas if args.alphas is not None else (ALPHAS if args.full else QUICK_ALPHAS)
     config = rd.config_of(
         MovieLensConfig, args, QUICK_GATES, alphas=tuple(dict.fromkeys(float(a) for a in alphas))
@@ -328,40 +280,19 @@ def run(args: argparse.Namespace) -> int:
     return rd.run_experiment(experiment(), config, executor_from_args(args, threads=args.threads))
 
 
-# --------------------------------------------------------------------------------------------
-# report
-# --------------------------------------------------------------------------------------------
+# -- report -----------------------------------------------------------------------------------
 #: report labels of the non-neural reference predictors (``data.movielens.baselines``)
 REFERENCE_LABELS = {
     "popularity_biases": "*Non-neural: item popularity + user/item biases*",
     "constant": "*Constant predictor*",
 }
-
-
-def _reference_rows(ref: Mapping[str, Any] | None, alpha: Any, c3: bool) -> list[str]:
-    """Table rows of the non-neural predictors (test split) in the units of the gates' rows."""
-    lines = []
-    for key, label in REFERENCE_LABELS.items():
-        if not ref or key not in ref:
-            continue
-        t = ref[key]["test"]
-        if c3:
-            acc = 100 * t["accuracy_task1"]
-            lines.append(f"| {label} | {1e4 * t['loss_task2']:.0f} | - | {acc:.2f} | - |")
-        else:
-            a = float(alpha)
-            loss = a * t["loss_task1"] + (1 - a) * t["loss_task2"]
-            lines.append(f"| {label} | {1e4 * loss:.0f} | - | - | - |")
-    return lines
-
-
 #: the report's tables: title, header, columns (see ``realdata.gate_rows``), paper numbers
 TABLES = (
     (
         "Table 1: test loss (× 10⁴) and number of selected experts",
         "| gate | loss: ours | loss: paper | experts: ours | experts: paper |",
         [("test_loss", 1e4, 0, 0, ".0f", True), ("selected_experts", 1, 2, 2, ".1f", False)],
-        PAPER_TABLE1,
+        "table1",
     ),
     (
         "Table C.3: task-2 test loss (× 10⁴) and task-1 test accuracy (%)",
@@ -370,7 +301,7 @@ TABLES = (
             ("test_loss_task2", 1e4, 0, 0, ".0f", True),
             ("test_accuracy_task1", 100, 2, 2, ".2f", True),
         ],
-        PAPER_TABLE_C3,
+        "table_c3",
     ),
 )
 
@@ -381,17 +312,25 @@ def _tables(
     ref: Mapping[str, Any] | None,
 ) -> list[str]:
     md: list[str] = []
-    for title, header, cols, paper in TABLES:
+    for title, header, cols, table in TABLES:
         md += [f"## {title}", ""]
         for a in settings:
             md += [f"### α = {a}", "", header, "|---|---|---|---|---|"]
-            md += rd.gate_rows(rows, a, cols, paper.get(float(a), {}))
-            md += _reference_rows(ref, a, c3=paper is PAPER_TABLE_C3)
+            md += rd.gate_rows(rows, a, cols, PAPER[table].get(str(float(a)), {}))
+            for key, label in REFERENCE_LABELS.items():  # the non-neural predictors' test rows
+                if not ref or key not in ref:
+                    continue
+                t = ref[key]["test"]
+                if table == "table_c3":
+                    acc = 100 * t["accuracy_task1"]
+                    md.append(f"| {label} | {1e4 * t['loss_task2']:.0f} | - | {acc:.2f} | - |")
+                else:
+                    loss = float(a) * t["loss_task1"] + (1 - float(a)) * t["loss_task2"]
+                    md.append(f"| {label} | {1e4 * loss:.0f} | - | - | - |")
             md.append("")
     return md
 
 
 def write_report(results_dir: Path) -> None:
-    """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder
-    (with the non-neural reference rows when its cache is there)."""
+    """Rebuild ``summary.json``, ``report.md`` and the plots of a MovieLens results folder."""
     rd.write_report(Path(results_dir), experiment())

@@ -6,7 +6,6 @@ one. Model (Appendix D.2): a multi-gate MoE with 8 CNN experts (conv 5×5×10 + 
 conv 5×5×20 + max-pool, a stack of ReLU dense layers of 50 units) evaluated as one batched module
 (:class:`~dselectk.layers.cnn.BatchedCNNExperts`), per-task towers dense 50-50-10, the summed
 cross-entropy of the two tasks, Adam, batch 256. The shared-bottom baseline shares one CNN.
-
 Per-example gates see the raw image (flattened to 1,296 features), as the experts do.
 """
 
@@ -23,69 +22,59 @@ from torch import nn
 
 from dselectk.experiments import realdata as rd
 from dselectk.experiments.args import check_fits, int_at_least
+from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
 from dselectk.models.moe import MultiGateMoE, SharedBottom
 from dselectk.training import TaskData
 
-__all__ = [
-    "PAPER_TABLE2",
-    "MultiMNISTConfig",
-    "add_arguments",
-    "build_model",
-    "expert_flops",
-    "load_data",
-    "notes",
-    "run",
-    "write_report",
-]
-
 NUM_EXPERTS = 8
 IMAGE_SHAPE = (1, 36, 36)
-KINDS = {"multi-mnist": "mnist", "multi-fashion": "fashion-mnist"}
-TITLES = {"multi-mnist": "Multi-MNIST", "multi-fashion": "Multi-Fashion-MNIST"}
-C2_COLUMNS = {"multi-mnist": "Multi-MNIST", "multi-fashion": "Multi-Fashion"}
-TASK_NAMES = ("task 1: top-left item", "task 2: bottom-right item")
-
-_PAPER = rd.paper_numbers("multi_mnist")
-#: Table 2: experiment → gate → (accuracy 1 %, se, accuracy 2 %, se, selected experts)
-PAPER_TABLE2: dict[str, dict[str, list[Any]]] = _PAPER["table2"]
-#: Table C.2 (image columns)
-PAPER_C2: dict[str, dict[str, float]] = _PAPER["c2"]
+#: experiment → (data kind, report title, Table C.2 column)
+KINDS = {
+    "multi-mnist": ("mnist", "Multi-MNIST", "Multi-MNIST"),
+    "multi-fashion": ("fashion-mnist", "Multi-Fashion-MNIST", "Multi-Fashion"),
+}
+#: the paper's numbers: "table2" experiment → gate → (accuracy 1 %, se, accuracy 2 %, se,
+#: selected experts), "c2" (the image columns of Table C.2)
+PAPER = rd.paper_numbers("multi_mnist")
 
 #: Quick default: 12,800 training images × 8 epochs = 400 steps of 256 per run (was 71, then
 #: 200). Measured on the 2-core CPU with ``--jobs 2 --threads 1``: the 7 gates × 1 repetition
 #: took 1,377 s (Multi-MNIST) and 1,208 s (Multi-Fashion), inside the 30-minute budget, with
 #: conditional computation skipping the experts no sparse gate uses; ``--dry-run`` prints the
-#: estimate for another machine.
-QUICK_N_TRAIN = 12_800
+#: estimate for another machine. The hyperparameters are untuned, inside the Appendix D.2 grid
+#: (λ of DSelect-k is not in that grid and is fixed at 0.1).
 _BASE = {"lr": 1e-3, "epochs": 8, "dense_layers": 1}
-#: Untuned hyperparameters of the quick default (inside the Appendix D.2 grid; λ of DSelect-k is
-#: not in that grid and is fixed at 0.1).
-QUICK_HPARAMS: dict[str, dict[str, Any]] = {
-    "dselect_k_static": {**_BASE, "k": 2, "gamma": 0.1, "entropy_reg": 0.1},
-    "dselect_k_per_example": {**_BASE, "k": 2, "gamma": 0.1, "entropy_reg": 0.1},
-    "topk_static": {**_BASE, "k": 4},
-    "topk_per_example": {**_BASE, "k": 4},
-    "gumbel_softmax": {**_BASE, "sparsity_reg": 1e-2},
-    "softmax": dict(_BASE),
-    "shared_bottom": dict(_BASE),
-}
+QUICK_HPARAMS = rd.per_gate(
+    {
+        "dselect_k": {**_BASE, "k": 2, "gamma": 0.1, "entropy_reg": 0.1},
+        "topk": {**_BASE, "k": 4},
+        "gumbel_softmax": {**_BASE, "sparsity_reg": 1e-2},
+        "softmax": _BASE,
+        "shared_bottom": _BASE,
+    }
+)
 _OPT: dict[str, list[Any]] = {
     "lr": [1e-2, 1e-3, 1e-4, 1e-5],
     "epochs": [25, 50, 75, 100],
     "dense_layers": [1, 3, 5],
 }
 #: Appendix D.2 grid.
-GRID: dict[str, dict[str, list[Any]]] = {
-    "dselect_k_static": {**_OPT, "k": [2, 4], "gamma": [0.1, 1, 10]},
-    "dselect_k_per_example": {**_OPT, "k": [2, 4], "gamma": [0.1, 1, 10]},
-    "topk_static": {**_OPT, "k": [2, 4]},
-    "topk_per_example": {**_OPT, "k": [2, 4]},
-    "gumbel_softmax": {**_OPT, "sparsity_reg": [0.0, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 1000.0]},
-    "softmax": dict(_OPT),
-    "shared_bottom": dict(_OPT),
-}
+GRID = rd.per_gate(
+    {
+        "dselect_k": {**_OPT, "k": [2, 4], "gamma": [0.1, 1, 10]},
+        "topk": {**_OPT, "k": [2, 4]},
+        "gumbel_softmax": {**_OPT, "sparsity_reg": [0.0, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 1000.0]},
+        "softmax": _OPT,
+        "shared_bottom": _OPT,
+    }
+)
+#: (train, val, test) images of the quick default and of ``--full``
+QUICK_SIZES, FULL_SIZES = (12_800, 1000, 2000), (100_000, 20_000, 20_000)
+#: bytes per composed image while the splits are built: the uint8 36x36 image, its float32
+#: copy and the flattened float32 rows the models read
+BYTES_PER_IMAGE = 36 * 36 * (1 + 4 + 4)
 
 
 def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn.Module:
@@ -117,10 +106,6 @@ def _equal_weights(_setting: Any) -> list[float]:
     return [1.0, 1.0]
 
 
-#: (train, val, test) images of the quick default and of ``--full``
-QUICK_SIZES, FULL_SIZES = (QUICK_N_TRAIN, 1000, 2000), (100_000, 20_000, 20_000)
-
-
 @dataclass(frozen=True)
 class MultiMNISTConfig(rd.RealDataConfig):
     """What a ``reproduce multi-mnist|multi-fashion`` command computes (the flags of the same
@@ -132,13 +117,24 @@ class MultiMNISTConfig(rd.RealDataConfig):
     n_test: int = QUICK_SIZES[2]
 
 
+def check_memory(config: MultiMNISTConfig, total: int | None = None) -> None:
+    """Refuse, before loading, ``--n-train/--n-val/--n-test`` whose images would not fit in
+    memory (:func:`~dselectk.experiments.args.check_fits`; ``total``: the machine's)."""
+    what = (
+        f"arguments --n-train/--n-val/--n-test ({config.n_train:,} + {config.n_val:,} + "
+        f"{config.n_test:,} images)"
+    )
+    n = config.n_train + config.n_val + config.n_test
+    check_fits(n * BYTES_PER_IMAGE, what, total)
+
+
 def load_data(args: MultiMNISTConfig) -> rd.Splits:
-    """The splits of the run config as flattened-image task data, with their data config (the
-    files' checksums included: a run made from other data never counts as done)."""
+    """The splits as flattened-image task data, with their data config (the files' checksums
+    included: a run made from other data never counts as done)."""
     from dselectk.data import load_multi_mnist
 
-    kind, sizes = KINDS[args.experiment_name], (args.n_train, args.n_val, args.n_test)
-    d = load_multi_mnist(args.data_dir, kind, *sizes, seed=args.seed)
+    kind = KINDS[args.experiment_name][0]
+    d = load_multi_mnist(args.data_dir, kind, args.n_train, args.n_val, args.n_test, seed=args.seed)
 
     def pack(s: Any) -> TaskData:
         return TaskData(s.X.reshape(len(s), -1).contiguous(), [s.y1, s.y2])
@@ -149,28 +145,19 @@ def load_data(args: MultiMNISTConfig) -> rd.Splits:
     return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta, config)
 
 
-def notes(args: MultiMNISTConfig, data: rd.Splits) -> list[str]:
-    """The report's "Setup and choices" (prose in ``templates/multi_mnist.md``)."""
-    return rd.template_notes(
-        "multi_mnist",
-        quick=not args.full,
-        title=TITLES[args.experiment_name],
-        init_note=rd.training_note(args),
-        n_train=f"{args.n_train:,}",
-        n_val=f"{args.n_val:,}",
-        n_test=f"{args.n_test:,}",
-        epochs=args.epochs or _BASE["epochs"],
-        repetitions=args.repetitions if args.repetitions is not None else 1,
-    )
+def notes(args: MultiMNISTConfig, data: rd.Splits) -> dict[str, Any]:
+    """The values of the report's "Setup and choices" (``templates/multi_mnist.md``)."""
+    sizes = {k: f"{getattr(args, k):,}" for k in ("n_train", "n_val", "n_test")}
+    return {"title": KINDS[args.experiment_name][1], **sizes}
 
 
 def experiment(name: str) -> rd.Experiment:
-    """The :class:`~dselectk.experiments.realdata.Experiment` of ``name``."""
+    _, title, c2_column = KINDS[name]
     return rd.Experiment(
         name=name,
         setting_key=None,
         losses=["ce", "ce"],
-        task_names=TASK_NAMES,
+        task_names=("task 1: top-left item", "task 2: bottom-right item"),
         optimizer="adam",
         batch_size=256,
         quick_hparams=QUICK_HPARAMS,
@@ -181,17 +168,17 @@ def experiment(name: str) -> rd.Experiment:
         expert_flops=expert_flops,
         load_data=load_data,
         data_fields=("data_dir", "experiment_name", "seed", "n_train", "n_val", "n_test"),
+        template="multi_mnist",
         notes=notes,
-        title=TITLES[name],
+        title=title,
         tables=functools.partial(_tables, name),
-        paper_c2={C2_COLUMNS[name]: PAPER_C2[C2_COLUMNS[name]]},
-        c2_column=C2_COLUMNS[name],
+        paper_c2={c2_column: PAPER["c2"][c2_column]},
+        c2_column=c2_column,
         quick_reps=1,
     )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``dselectk reproduce multi-mnist|multi-fashion``."""
     rd.add_common_arguments(p, "results/multi-mnist")
     splits = zip(
         ("train", "val", "test"), ("training", "validation", "test"), QUICK_SIZES, FULL_SIZES
@@ -202,7 +189,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run (or resume) the sweep, then write summary.json, report.md and the plots."""
     name = str(getattr(args, "experiment_name", "multi-mnist"))
     out = args.out
     if out == Path("results/multi-mnist") and name != "multi-mnist":
@@ -224,25 +210,7 @@ def run(args: argparse.Namespace) -> int:
     return rd.run_experiment(experiment(name), config, executor)
 
 
-#: bytes per composed image while the splits are built: the uint8 36x36 image, its float32
-#: copy and the flattened float32 rows the models read
-BYTES_PER_IMAGE = 36 * 36 * (1 + 4 + 4)
-
-
-def check_memory(config: MultiMNISTConfig, total: int | None = None) -> None:
-    """Refuse, before loading, ``--n-train/--n-val/--n-test`` whose images would not fit in
-    memory (:func:`~dselectk.experiments.args.check_fits`; ``total``: the machine's)."""
-    n = config.n_train + config.n_val + config.n_test
-    what = (
-        f"arguments --n-train/--n-val/--n-test ({config.n_train:,} + {config.n_val:,} + "
-        f"{config.n_test:,} images)"
-    )
-    check_fits(n * BYTES_PER_IMAGE, what, total)
-
-
-# --------------------------------------------------------------------------------------------
-# report
-# --------------------------------------------------------------------------------------------
+# -- report -----------------------------------------------------------------------------------
 def _tables(
     name: str,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
@@ -250,7 +218,7 @@ def _tables(
     reference: Any,
 ) -> list[str]:
     md = [
-        f"## Table 2 ({TITLES[name]}): test accuracy (%) and number of selected experts",
+        f"## Table 2 ({KINDS[name][1]}): test accuracy (%) and number of selected experts",
         "",
         "| gate | accuracy 1: ours | paper | accuracy 2: ours | paper | experts: ours | paper |",
         "|---|---|---|---|---|---|---|",
@@ -260,24 +228,18 @@ def _tables(
         ("test_accuracy_task2", 100, 2, 2, ".2f", True),
         ("selected_experts", 1, 2, 4, "g", False),
     ]
-    md += rd.gate_rows(rows, None, cols, PAPER_TABLE2[name])
+    md += rd.gate_rows(rows, None, cols, PAPER["table2"][name])
     md += ["", "Training throughput (examples/s, mean over runs):", ""]
     for g in rd.VARIANTS:
         if (None, g) in rows:
-            m = rows[(None, g)]["metrics"]
-            name = rd.diverged_label(rows[(None, g)])
-            md.append(f"- {name}: {rd.fmt(m.get('examples_per_second'), 1, 0)}")
+            speed = rd.fmt(rows[(None, g)]["metrics"].get("examples_per_second"), 1, 0)
+            md.append(f"- {rd.diverged_label(rows[(None, g)])}: {speed}")
     return md
 
 
 def write_report(results_dir: Path) -> None:
-    """Rebuild ``summary.json``, ``report.md`` and the plots from the run records alone.
-
-    The experiment (Multi-MNIST or Multi-Fashion) is read from the records.
-    """
-    from dselectk.experiments.records import RunStore
-
-    results_dir = Path(results_dir)
+    """Rebuild ``summary.json``, ``report.md`` and the plots from the run records alone (the
+    experiment, Multi-MNIST or Multi-Fashion, read from the records)."""
     names = {r["config"].get("experiment") for r in RunStore(results_dir).load()}
     name = "multi-fashion" if "multi-fashion" in names else "multi-mnist"
-    rd.write_report(results_dir, experiment(name))
+    rd.write_report(Path(results_dir), experiment(name))

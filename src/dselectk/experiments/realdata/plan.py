@@ -1,11 +1,8 @@
-"""The cost of a real-data command, printed before ``--full`` starts and by ``--dry-run``.
-
-The plan counts the runs (tuning trials under ``--full``, then the final repetitions) and their
-training steps, and prices them with a short timed probe: one model per gate trains
-``PROBE_STEPS`` steps (through :func:`~.train.train_one`, monitor and evaluation included) on a
-slice of the training data, in this process with ``--threads`` threads. The estimate is CPU time
-(thread-seconds: probe time × threads); the wall-time estimate spreads the (setting, gate) cells
-over the ``--jobs`` workers, largest first, as the runner does.
+"""The cost of a real-data command, printed before ``--full`` starts and by ``--dry-run``: the
+runs (tuning trials under ``--full``, then the final repetitions) and their training steps,
+priced by a timed probe of each gate (:func:`probe`) in this process with ``--threads``
+threads. The estimate is CPU time (probe time × threads); the wall time spreads the (setting,
+gate) cells over the ``--jobs`` workers, largest first, as the runner does.
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ import torch
 from dselectk.experiments.realdata.spec import Experiment, RealDataConfig, Splits, label
 from dselectk.experiments.realdata.train import train_one
 from dselectk.experiments.runner import grid_points
-
-__all__ = ["PROBE_STEPS", "estimate", "print_plan", "probe", "repetitions"]
 
 #: training steps of the timed probe of each gate (after one warm-up step)
 PROBE_STEPS = 30
@@ -54,13 +49,8 @@ def _epochs(exp: Experiment, args: Any, gate: str) -> tuple[float, int]:
 def probe(
     exp: Experiment, data: Splits, gates: Sequence[str], setting: Any, steps: int = PROBE_STEPS
 ) -> dict[str, dict[str, float]]:
-    """Time ``steps`` training steps (fewer for slow models, see :data:`PROBE_SECONDS`; and a
-    small evaluation) of one model per gate.
-
-    Returns:
-        gate → {"step_seconds": seconds per training step, "eval_seconds_per_example": ...},
-        wall seconds of this process (multiply by its threads for CPU time).
-    """
+    """gate → {"step_seconds", "eval_seconds_per_example"} (wall seconds of this process) of
+    ``steps`` training steps (fewer for slow models) and a small evaluation."""
 
     def head(n_train: int, n_eval: int) -> Splits:  # the first examples of each split
         train = data.train.batch(torch.arange(min(len(data.train), n_train)))
@@ -126,12 +116,11 @@ def estimate(
     loads = [0.0] * max(1, jobs)
     for c in cells:  # largest first onto the least-loaded worker, as the runner's pool does
         loads[loads.index(min(loads))] += c
-    cpu = sum(cells)
     return {
         "settings": list(settings),
         "gates": gates,
         "runs": sum(len(settings) * (g["tune_runs"] + g["final_runs"]) for g in gates.values()),
-        "cpu_seconds": cpu,
+        "cpu_seconds": sum(cells),
         "wall_seconds": max(loads) / max(1, threads),
         "jobs": jobs,
         "threads": threads,
@@ -146,20 +135,19 @@ def _hms(s: float) -> str:
 
 def print_plan(
     exp: Experiment, args: RealDataConfig, data: Splits, jobs: int, threads: int = 0
-) -> dict[str, Any]:
-    """Probe each gate, then print (and return) the plan of the command (``threads``: of each
-    process, 0: torch's)."""
+) -> None:
+    """Probe each gate, then print the plan of the command (``threads``: 0 is torch's)."""
     settings = args.settings
     threads = threads or torch.get_num_threads()
     timing = probe(exp, data, list(args.gates), settings[0])
     n_eval = len(data.val) + len(data.test)
     est = estimate(exp, args, settings, len(data.train), n_eval, timing, jobs, threads)
-    key = exp.setting_key or "setting"
     lines = [
         f"Plan of `{exp.name}` ({'full' if args.full else 'quick'}; init {exp.init}, "
         f"optimizer {exp.optimizer} with {exp.optimizer_defaults} defaults): "
-        f"{len(settings)} {key} value(s) × {len(args.gates)} gate(s), {est['runs']} runs, "
-        f"{len(data.train):,} training examples = {est['steps_per_epoch']:,} steps per epoch.",
+        f"{len(settings)} {exp.setting_key or 'setting'} value(s) × {len(args.gates)} gate(s), "
+        f"{est['runs']} runs, {len(data.train):,} training examples = "
+        f"{est['steps_per_epoch']:,} steps per epoch.",
         "| gate | tuning runs × steps | final runs × steps | probe ms/step |",
         "|---|---|---|---|",
     ]
@@ -175,4 +163,3 @@ def print_plan(
         f"{_hms(est['wall_seconds'])} (data loading not included)."
     )
     print("\n".join(lines), flush=True)
-    return est

@@ -1,8 +1,6 @@
-"""The real-data sweep on the shared runner: flags, one (setting, gate) cell, the command.
-
-A cell selects its hyperparameters (the Appendix D random grid search under ``--full``, else
-the recipe's quick defaults), then trains the missing final repetitions, one record each;
-:func:`run_experiment` then writes ``run_info.json`` and the recipe's report.
+"""The real-data sweep on the shared runner: the flags, one (setting, gate) cell (its
+hyperparameters selected, then its missing final repetitions trained, one record each) and the
+command (:func:`run_experiment`), which ends with ``run_info.json`` and the recipe's report.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from dselectk.experiments.executors import Executor
 from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
 from dselectk.experiments.realdata.plan import repetitions as _repetitions
-from dselectk.experiments.realdata.report import cached_reference
 from dselectk.experiments.realdata.spec import (
     VARIANTS,
     Experiment,
@@ -42,22 +39,8 @@ from dselectk.layers.init import INITS
 from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.progress import tqdm
 
-__all__ = [
-    "add_common_arguments",
-    "build_recipe",
-    "config_of",
-    "declares_gamma",
-    "load",
-    "run_cell",
-    "run_experiment",
-    "with_gamma",
-    "with_training_defaults",
-]
-
 #: the data this process loaded for the running command (data key → splits); see :func:`load`
 _DATA: dict[Hashable, Splits] = {}
-
-
 POS, NONNEG = int_at_least(1), int_at_least(0)
 
 
@@ -118,15 +101,15 @@ C = TypeVar("C", bound=RealDataConfig)
 def config_of(
     cls: type[C], args: argparse.Namespace, quick_gates: Sequence[str] | None = None, **values: Any
 ) -> C:
-    """The run config of the parsed flags, defaults resolved: ``--gates`` (all gates, or
-    ``quick_gates`` in quick mode) and ``values`` (the recipe's own resolved defaults)."""
+    """The run config of the parsed flags: ``--gates`` (default all, or ``quick_gates`` in
+    quick mode) and ``values`` (the recipe's own resolved defaults)."""
     gates = args.gates or (list(VARIANTS) if args.full or not quick_gates else quick_gates)
     return config_from_args(cls, args, gates=tuple(gates), **values)
 
 
 def load(exp: Experiment, config: RealDataConfig) -> Splits:
-    """The experiment's data for this config, loaded once per process and command (the sweep's
-    ``load_data``: in one process the cells reuse what :func:`run_experiment` loaded)."""
+    """The experiment's data, loaded once per process and command (the cells of one process
+    reuse what :func:`prepare` loaded)."""
     key = data_key(exp, config)
     if key not in _DATA:
         _DATA.clear()
@@ -137,9 +120,9 @@ def load(exp: Experiment, config: RealDataConfig) -> Splits:
 def run_cell(
     exp: Experiment, args: RealDataConfig, cell: tuple[Any, str], data: Splits, progress: bool
 ) -> dict[str, Any]:
-    """One (setting, gate) cell: select its hyperparameters (the random grid search under
-    ``--full``, else the quick defaults with the flags' overrides), then train the missing
-    final repetitions, one record each. Returns the cell's entry of ``selected_hparams.json``."""
+    """One (setting, gate) cell: its hyperparameters (the grid search under ``--full``, else
+    the quick defaults with the flags' overrides), then its missing final repetitions. Returns
+    the cell's entry of ``selected_hparams.json``."""
     setting, gate = cell
     store, key = RunStore(args.out), cell_key(exp.setting_key, gate, setting)
     if args.full:
@@ -189,9 +172,8 @@ def declares_gamma(gate: str) -> bool:
 
 
 def with_gamma(exp: Experiment, gamma: float | None) -> Experiment:
-    """``exp`` with ``--gamma``: the quick default and the ``--full`` grid axis of ``gamma`` set
-    to that value for the gates that declare ``gamma`` (the others, and ``None``, unchanged).
-    γ is then in every such run's ``hparams``, so records with different γ never mix."""
+    """``exp`` with ``--gamma`` as the quick default and the only ``--full`` grid value of
+    ``gamma`` of the gates that declare it; γ is then in every such run's ``hparams``."""
     if gamma is None:
         return exp
     g = float(gamma)
@@ -220,9 +202,9 @@ def _printed(summary: Any) -> None:
 
 
 def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Executor) -> bool:
-    """Before the sweep: load the data (fails before any worker starts when it is missing),
-    save its facts in ``run_info.json``, print the plan (``--full``, ``--dry-run``; False stops
-    a dry run there), cache the recipe's reference predictors."""
+    """Before the sweep: load the data (a missing data set fails before any worker starts),
+    print the plan (``--full``, ``--dry-run``: False stops a dry run there), save the data's
+    facts and the setup notes in ``run_info.json``, cache the recipe's reference predictors."""
     if executor.threads:
         torch.set_num_threads(executor.threads)
     data = load(exp, config)
@@ -230,16 +212,25 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
         print_plan(exp, config, data, executor.jobs, executor.threads)
         if config.dry_run:
             return False
+    notes = rd_report.template_notes(
+        exp.template,
+        quick=not config.full,
+        init_note=f"this run used `--init {config.init} --optimizer-defaults "
+        f"{config.optimizer_defaults}`.",
+        epochs=config.epochs or exp.quick_hparams[config.gates[0]]["epochs"],
+        repetitions=_repetitions(exp, config),
+        **exp.notes(config, data),
+    )
     info = read_object(out / "run_info.json")
     info.update(
-        notes=list(exp.notes(config, data)),
+        notes=notes,
         data=dict(data.config),
         meta={k: v for k, v in data.meta.items() if isinstance(v, (int, float, str))},
     )
     write_json(out / "run_info.json", info)
     if exp.reference is not None:
         ref = exp.reference
-        cached_reference(out, data.config, lambda: ref(config, data))
+        rd_report.cached_reference(out, data.config, lambda: ref(config, data))
     if executor.jobs > 1:
         _DATA.clear()  # the workers load their own copies
     return True
@@ -300,8 +291,7 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
 
 
 def run_experiment(exp: Experiment, config: RealDataConfig, executor: Executor) -> int:
-    """Run (or resume) the sweep settings × gates × repetitions, then write the report
-    (:func:`~dselectk.experiments.runner.run_recipe`)."""
+    """Run (or resume) the sweep settings × gates × repetitions, then write the report."""
     try:
         return run_recipe(build_recipe(exp, config), config, executor)
     finally:

@@ -1,10 +1,7 @@
-"""The real-data reports: ``summary.json``, ``report.md`` and the plots, from the records alone.
-
-A recipe's :class:`~.spec.Experiment` gives its title, its paper tables as Markdown lines and
-the paper's Table C.2 column; :func:`write_report` summarises the final records of the latest
-sweep command of a results folder, measures Table C.2 (:func:`table_c2`), draws the gate
-heatmaps and trajectories, and renders the ``realdata`` report template.
-"""
+"""The real-data reports, rebuilt from the records alone (:func:`write_report`): the final
+records of the latest sweep command summarised into ``summary.json``, the recipe's paper
+tables, Table C.2 (:func:`table_c2`), the gate heatmaps and trajectories, all rendered through
+the ``realdata`` report template."""
 
 from __future__ import annotations
 
@@ -28,28 +25,12 @@ from dselectk.experiments.templates import render
 from dselectk.io import write_json, write_text
 from dselectk.monitor import flops_ratio
 
-__all__ = [
-    "cached_reference",
-    "current_records",
-    "diverged_cells",
-    "diverged_label",
-    "fmt",
-    "gate_rows",
-    "load_reference",
-    "paper_numbers",
-    "reference_path",
-    "table_c2",
-    "template_notes",
-    "training_note",
-    "write_report",
-]
-
 #: the paragraph of a notes template after which the quick-mode notes start
 QUICK_MARK = "<!-- quick mode -->"
 
 
 def reference_path(results_dir: Path, data_cfg: Mapping[str, Any]) -> Path:
-    """The cache file of the reference predictors of this data configuration."""
+    """``reference_<hash of the data config>.json``: the cached reference predictors."""
     key = hashlib.sha1(json.dumps(dict(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
     return Path(results_dir) / f"reference_{key}.json"
 
@@ -57,8 +38,7 @@ def reference_path(results_dir: Path, data_cfg: Mapping[str, Any]) -> Path:
 def cached_reference(
     results_dir: Path, data_cfg: Mapping[str, Any], compute: Callable[[], dict[str, Any]]
 ) -> dict[str, Any]:
-    """``compute()``, once per data configuration: cached in ``results_dir`` as
-    ``reference_<hash of the data config>.json`` (the config inside)."""
+    """``compute()``, once per data configuration (cached with the config inside)."""
     path = reference_path(results_dir, data_cfg)
     cached = read_object(path)
     if "reference" in cached and cached.get("data") == json.loads(json.dumps(dict(data_cfg))):
@@ -68,17 +48,9 @@ def cached_reference(
     return ref
 
 
-def load_reference(results_dir: Path) -> dict[str, Any] | None:
-    """The cached reference of the data of ``run_info.json`` (None if absent)."""
-    data_cfg = read_object(Path(results_dir) / "run_info.json").get("data")
-    if not isinstance(data_cfg, dict):
-        return None
-    return read_object(reference_path(results_dir, data_cfg)).get("reference")
-
-
 def paper_numbers(name: str) -> dict[str, Any]:
-    """The paper's reported numbers for recipe ``name`` (``experiments/realdata_paper.json``;
-    keys starting with ``_`` are comments)."""
+    """The paper's numbers for recipe ``name`` (``experiments/realdata_paper.json``; keys
+    starting with ``_`` are comments)."""
     text = resources.files("dselectk.experiments").joinpath("realdata_paper.json").read_text()
 
     def drop_comments(d: dict[str, Any]) -> dict[str, Any]:
@@ -98,8 +70,8 @@ def gate_rows(
     columns: Sequence[Column],
     paper: Mapping[str, Sequence[Any]],
 ) -> list[str]:
-    """Markdown rows of a paper table, one per gate run at ``setting`` (report order): the
-    gate's label, then per column ours (``mean ± se``) and the paper's (``-`` when absent)."""
+    """Markdown rows of a paper table, one per gate run at ``setting`` (report order): its
+    label, then per column ours (``mean ± se``) and the paper's (``-`` when absent)."""
     out = []
     for gate in VARIANTS:
         if (setting, gate) not in rows:
@@ -117,8 +89,7 @@ def gate_rows(
 
 
 def diverged_label(row: Mapping[str, Any]) -> str:
-    """A table row's gate label, with ``**d of n runs diverged**`` when some runs of the row
-    diverged (non-finite losses: left out of the row's means)."""
+    """A row's gate label, with ``(**d of n runs diverged**)`` when some of its runs did."""
     text = label(str(row.get("gate")))
     if row.get("diverged"):
         text += f" (**{row['diverged']} of {row.get('runs', '?')} runs diverged**)"
@@ -137,11 +108,9 @@ def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
 
 
 def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
-    """The "Setup and choices" notes of a recipe, from its template ``templates/<name>.md``.
-
-    One note per paragraph; ``<!-- ... -->`` paragraphs are comments, and the paragraphs after
-    the ``<!-- quick mode -->`` one are kept only when ``quick``.
-    """
+    """The "Setup and choices" notes of template ``templates/<name>.md``: one per paragraph,
+    ``<!-- ... -->`` paragraphs left out, those after ``<!-- quick mode -->`` only when
+    ``quick``."""
     setup, _, rest = render(name, **values).partition(QUICK_MARK)
 
     def paragraphs(text: str) -> list[str]:
@@ -151,24 +120,9 @@ def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:
     return paragraphs(setup) + (paragraphs(rest) if quick else [])
 
 
-def training_note(args: Any) -> str:
-    """The report sentence naming the run's ``--init`` and ``--optimizer-defaults``."""
-    init = getattr(args, "init", None) or "keras"
-    opt = getattr(args, "optimizer_defaults", None) or "tf"
-    return f"this run used `--init {init} --optimizer-defaults {opt}`."
-
-
 def fmt(m: Mapping[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:
     """``mean ± se`` of a summarised metric (``-`` when missing)."""
     return format_mean_se(m, digits, scale=scale, missing="-", show_n=True)
-
-
-def _final_records(records: Iterable[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
-    return [
-        r
-        for r in records
-        if r["config"].get("phase") == "final" and r["config"].get("experiment") == name
-    ]
 
 
 def current_records(
@@ -178,21 +132,15 @@ def current_records(
     selected: Mapping[str, Any],
     training: Mapping[str, Any] | None = None,
 ) -> list[Mapping[str, Any]]:
-    """The records of the latest sweep command of a results folder.
-
-    A folder may hold records of earlier commands with other flags (e.g. ``--epochs``); only
-    those with the data settings of ``run_info.json`` and the hyperparameters of
-    ``selected_hparams.json`` (when these files are present), and with its ``--init`` and
-    ``--optimizer-defaults`` (``training``), are summarised, so that a table
-    row never mixes configurations. The others stay on disk (and are reused when the same
-    flags are run again).
-    """
+    """The records of the latest sweep command of a results folder: those with the data of
+    ``run_info.json``, the ``--init`` and ``--optimizer-defaults`` of its ``training`` and the
+    hyperparameters of ``selected_hparams.json`` (each when present), so that a table row never
+    mixes configurations; the others stay on disk (reused when their flags run again)."""
     out = []
     for r in records:
         c = r["config"]
         if data_cfg is not None and c.get("data") != dict(data_cfg):
             continue
-        # --init / --optimizer-defaults of the latest command: the two never mix in a row
         if training and any(c.get(k) != v for k, v in training.items()):
             continue
         sel = selected.get(cell_key(setting_key, c["gate"], c.get(setting_key or "")))
@@ -270,7 +218,6 @@ def _plots(
     from dselectk.plots.realdata import plot_task_heatmap, plot_task_trajectories
 
     heatmap, trajectories = optional_plot(plot_task_heatmap), optional_plot(plot_task_trajectories)
-
     plots: list[Path | None] = []
     key, names = spec.setting_key, spec.task_names
     for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
@@ -294,17 +241,21 @@ def _plots(
 
 
 def write_report(results_dir: Path, spec: Experiment) -> None:
-    """Rebuild ``summary.json``, ``report.md`` and the plots of the experiment ``spec`` from the
-    run records alone (and the cached reference predictors, :func:`load_reference`)."""
+    """Rebuild ``summary.json``, ``report.md`` and the plots of ``spec`` from the run records
+    (and the cached reference predictors of the data of ``run_info.json``)."""
     results_dir = Path(results_dir)
     all_records, others = RunStore(results_dir).load_planned()
     info = read_object(results_dir / "run_info.json")
     selected = read_object(results_dir / "selected_hparams.json")
-    finals = _final_records(all_records, spec.name)
+    finals = [
+        r
+        for r in all_records
+        if r["config"].get("phase") == "final" and r["config"].get("experiment") == spec.name
+    ]
     records = current_records(
         finals, spec.setting_key, info.get("data"), selected, info.get("training")
     )
-    tune_count = sum(1 for r in all_records if r["config"].get("phase") == "tune")
+    tunes = [r for r in all_records if r["config"].get("phase") == "tune"]
     group = ["gate"] if spec.setting_key is None else [spec.setting_key, "gate"]
     summary_rows = summarize(records, group, finite=FINITE)
     rows = {(row.get(spec.setting_key or ""), row["gate"]): row for row in summary_rows}
@@ -318,23 +269,25 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         "table_c2": c2_values,
         "records": len(records),
         "diverged": sum(int(r.get("diverged", 0)) for r in summary_rows),
-        "tune_records": tune_count,
-        "tune_diverged": sum(
-            1 for r in all_records if r["config"].get("phase") == "tune" and diverged(r, FINITE)
-        ),
+        "tune_records": len(tunes),
+        "tune_diverged": sum(1 for r in tunes if diverged(r, FINITE)),
         "run_info": info,
         "plots": [str(p.relative_to(results_dir)) for p in plots],
     }
     write_json(results_dir / "summary.json", summary)
+    data_cfg = info.get("data")
+    reference = None
+    if isinstance(data_cfg, dict):
+        reference = read_object(reference_path(results_dir, data_cfg)).get("reference")
     text = render(
         "realdata",
         title=spec.title,
         run_info="".join(f"{line}\n" for line in _run_lines(info, records)),
         records=len(records),
         diverged=_diverged_sentence(summary),
-        tune_records=tune_count,
+        tune_records=len(tunes),
         stale=len(finals) - len(records) + others,
-        tables="\n".join(spec.tables(rows, settings, load_reference(results_dir))),
+        tables="\n".join(spec.tables(rows, settings, reference)),
         table_c2="".join(f"\n{line}" for line in c2_lines),  # rows under the template's header
         plots="\n".join(f"- [{p.name}]({p.relative_to(results_dir)})" for p in plots),
     )
@@ -344,14 +297,12 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
 def _diverged_sentence(summary: Mapping[str, Any]) -> str:
     """The report's sentence on diverged runs (final and tuning)."""
     n, tune = int(summary.get("diverged") or 0), int(summary.get("tune_diverged") or 0)
-    text = ""
+    text = " None diverged."
     if n:
-        text += (
+        text = (
             f" **{n} of them diverged** (non-finite losses: {', '.join(diverged_cells(summary))});"
             " the tables name them beside their gate and leave them out of the means."
         )
-    else:
-        text += " None diverged."
     if tune:
         text += f" **{tune} tuning runs diverged** (their grid points were never selected)."
     return text

@@ -15,22 +15,6 @@ from dselectk.gates import Gate
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
-__all__ = [
-    "FINITE",
-    "MODEL_HPARAMS",
-    "VARIANTS",
-    "Experiment",
-    "GateChoice",
-    "RealDataConfig",
-    "Splits",
-    "TaskData",
-    "cell_key",
-    "data_key",
-    "init_seed",
-    "label",
-    "record_config",
-]
-
 #: hyperparameters of a run that shape the model, not the gate's declared ones (``k`` is the
 #: gate's structure: it goes to the constructor unchecked)
 MODEL_HPARAMS = ("k", "units", "dense_layers")
@@ -48,9 +32,8 @@ class GateChoice:
     per_example: bool = False
 
     def check_hparams(self, hparams: Mapping[str, Any], where: str = "") -> None:
-        """A ValueError when ``hparams`` has a key that is neither a trainer setting, a model
-        setting (:data:`MODEL_HPARAMS`) nor a hyperparameter the gate declares (or a declared
-        value out of its range)."""
+        """A ValueError on a key that is neither a trainer, a model (:data:`MODEL_HPARAMS`) nor
+        a declared gate hyperparameter, or on a declared value out of its range."""
         rest = {k: v for k, v in hparams.items() if k not in MODEL_HPARAMS}
         if self.variant is None:
             rest = {k: v for k, v in rest.items() if k not in TRAINER_HPARAMS}
@@ -62,8 +45,7 @@ class GateChoice:
     def build(
         self, num_experts: int, hparams: Mapping[str, Any], num_gates: int, in_features: int
     ) -> Gate:
-        """The bank of ``num_gates`` gates of this choice (``in_features``: what a per-example
-        gate sees); ``hparams`` gives ``k`` and the gate's declared hyperparameters."""
+        """The bank of ``num_gates`` gates (``in_features``: what a per-example gate sees)."""
         if self.variant is None:
             raise ValueError("the shared bottom is a model, not a gate")
         structure: dict[str, Any] = {"num_gates": num_gates}
@@ -93,6 +75,14 @@ VARIANTS: dict[str, GateChoice] = {
 }
 
 
+def per_gate(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A recipe's table by registry gate (``shared_bottom`` for the baseline) spread over
+    :data:`VARIANTS`: the static and per-example variants of a gate share its row."""
+    return {
+        name: dict(table[c.variant.gate if c.variant else name]) for name, c in VARIANTS.items()
+    }
+
+
 def label(gate: str) -> str:
     """What the reports call ``gate`` (the name itself when unknown)."""
     return VARIANTS[gate].label if gate in VARIANTS else gate
@@ -113,68 +103,44 @@ class Splits:
 
 @dataclass(frozen=True)
 class Experiment:
-    """How one real-data experiment is run and reported: the recipe's half of the shared
-    runner's :class:`~dselectk.experiments.runner.Recipe` (``realdata.recipe.build_recipe``
-    makes the runner's functions from it). Every callable is a module-level function (the
-    spec is sent to the sweep's worker processes).
+    """How one real-data experiment is run and reported (``realdata.recipe.build_recipe`` makes
+    the shared runner's :class:`~dselectk.experiments.runner.Recipe` from it). Every callable
+    is a module-level function: the spec is sent to the sweep's worker processes."""
 
-    Attributes:
-        name: CLI name, also ``config["experiment"]`` of every record.
-        setting_key: name of the per-setting config key (e.g. "alpha"), or None.
-        losses, task_names: the per-task losses of :func:`~dselectk.training.train`, labels.
-        optimizer, batch_size: "adagrad" / "adam"; examples per step.
-        quick_hparams: gate → hyperparameters of the quick default.
-        grid: gate → {hyperparameter: values} of the ``--full`` random grid search.
-        select: the tuning metric, "min_loss" (weighted validation loss) or "max_accuracy".
-        build_model: (gate, hparams, meta) → model returning a ``MultiTaskOutput``.
-        task_weights: setting value → task weights of the summed loss.
-        expert_flops: (hparams, meta) → forward FLOPs of one expert on one example.
-        load_data: run config → :class:`Splits`; called once per process of the sweep.
-        data_fields: the run-config fields that decide the data ``load_data`` returns.
-        notes: (run config, data) → lines of the report's "Setup and choices".
-        title: the report's title.
-        tables: (rows keyed by (setting, gate), settings, reference or None) → Markdown lines
-            of the paper tables (ours beside the paper's).
-        paper_c2: Table C.2 of the paper: column label → {"pct": ..., "flops": ...}.
-        c2_column: the Table C.2 column label of a setting (``str.format`` of the setting).
-        quick_reps: repetitions of the quick default.
-        reference: (run config, data) → metrics of non-neural reference predictors (computed
-            once per data configuration and cached in the results folder), or None.
-        init, optimizer_defaults: "keras" / "torch" initialisation
-            (:func:`~dselectk.layers.init.keras_init_`) and "tf" / "torch" optimizer constants
-            (:func:`~dselectk.optim.make_reference_optimizer`).
-    """
-
-    name: str
-    setting_key: str | None
-    losses: Sequence[Any]
+    name: str  # CLI name, also ``config["experiment"]`` of every record
+    setting_key: str | None  # the per-setting config key (e.g. "alpha"), or None
+    losses: Sequence[Any]  # per-task losses of :func:`~dselectk.training.train`
     task_names: Sequence[str]
-    optimizer: str
+    optimizer: str  # "adagrad" / "adam"
     batch_size: int
-    quick_hparams: Mapping[str, Mapping[str, Any]]
-    grid: Mapping[str, Mapping[str, Sequence[Any]]]
-    select: str
+    quick_hparams: Mapping[str, Mapping[str, Any]]  # gate → hyperparameters of quick mode
+    grid: Mapping[str, Mapping[str, Sequence[Any]]]  # gate → the ``--full`` random grid
+    select: str  # the tuning metric: "min_loss" (weighted val loss) or "max_accuracy"
     build_model: Callable[[str, Mapping[str, Any], Mapping[str, Any]], nn.Module]
-    task_weights: Callable[[Any], list[float]]
-    expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]
-    load_data: Callable[[Any], Splits]
-    data_fields: tuple[str, ...]
-    notes: Callable[[Any, Splits], list[str]]
+    task_weights: Callable[[Any], list[float]]  # setting → weights of the summed loss
+    expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]  # one expert, one x
+    load_data: Callable[[Any], Splits]  # once per process of the sweep
+    data_fields: tuple[str, ...]  # the run-config fields that decide the data
+    # the report's "Setup and choices": the template ``templates/<template>.md`` and
+    # (run config, data) → its recipe-specific values (see ``realdata.recipe.prepare``)
+    template: str
+    notes: Callable[[Any, Splits], dict[str, Any]]
     title: str
+    # (rows keyed by (setting, gate), settings, reference or None) → the paper tables' lines
     tables: Callable[[Mapping[tuple[Any, str], Mapping[str, Any]], Sequence[Any], Any], list[str]]
-    paper_c2: Mapping[str, Mapping[str, float]]
-    c2_column: str
+    paper_c2: Mapping[str, Mapping[str, float]]  # Table C.2 column → {"pct", "flops"}
+    c2_column: str  # a setting's Table C.2 column (``str.format`` of the setting)
     quick_reps: int = 2
+    # (run config, data) → metrics of non-neural predictors, cached per data configuration
     reference: Callable[[Any, Splits], dict[str, Any]] | None = None
-    init: str = "keras"
-    optimizer_defaults: str = "tf"
+    init: str = "keras"  # :func:`~dselectk.layers.init.keras_init_` or torch's
+    optimizer_defaults: str = "tf"  # :func:`~dselectk.optim.make_reference_optimizer`
 
 
 @dataclass(frozen=True)
 class RealDataConfig:
-    """What a real-data command computes (its run config: the flags every real-data experiment
-    shares, resolved); each recipe subclasses it with its own flags
-    (:class:`~dselectk.experiments.movielens.MovieLensConfig`, ...)."""
+    """The run config of a real-data command (the flags every real-data experiment shares,
+    resolved); each recipe subclasses it with its own flags."""
 
     out: Path
     gates: tuple[str, ...]
@@ -204,7 +170,6 @@ FINITE = ("test_loss", "val_loss")
 
 
 def data_key(exp: Experiment, config: Any) -> tuple[Any, ...]:
-    """The key of the data ``exp.load_data(config)`` returns (its data fields' values)."""
     return tuple(getattr(config, f) for f in exp.data_fields)
 
 
@@ -215,8 +180,7 @@ def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final"
 
 
 def cell_key(setting_key: str | None, gate: str, setting: Any) -> str:
-    """Key of a (setting, gate) cell in ``selected_hparams.json`` and the reports:
-    ``gate[/setting_key=setting]`` (the experiment's :attr:`Experiment.setting_key`)."""
+    """``gate[/setting_key=setting]``: a cell's key in ``selected_hparams.json`` and reports."""
     return gate if setting_key is None else f"{gate}/{setting_key}={setting}"
 
 

@@ -1,9 +1,6 @@
-"""Training one real-data run (:func:`train_one`) and the ``--full`` grid search (:func:`tune`).
-
-A run trains the experiment's model with the library's loop (:func:`~dselectk.training.train`),
-observed by a :class:`~dselectk.monitor.GateMonitor` callback, then evaluates it on the test and
-validation splits and measures its gates (Table C.2's quantities included).
-"""
+"""One real-data run (:func:`train_one`: the library's training loop observed by a
+:class:`~dselectk.monitor.GateMonitor`, then evaluated and its gates measured) and the
+``--full`` random grid search (:func:`tune`)."""
 
 from __future__ import annotations
 
@@ -20,13 +17,7 @@ import torch
 
 from dselectk._train_checks import TrainingDivergedError
 from dselectk.experiments.executors import progress_position
-from dselectk.experiments.realdata.spec import (
-    FINITE,
-    Experiment,
-    Splits,
-    init_seed,
-    record_config,
-)
+from dselectk.experiments.realdata.spec import FINITE, Experiment, Splits, init_seed, record_config
 from dselectk.experiments.records import RunStore, mean_se, run_id
 from dselectk.experiments.runner import grid_points, sample_points
 from dselectk.layers.init import init_module_
@@ -36,19 +27,17 @@ from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, TrainConfig, evaluate, train
 from dselectk.variants import total_steps
 
-__all__ = ["FINITE", "diverged_metrics", "overrides", "train_one", "tune"]
-
 
 def diverged_metrics(
     error: BaseException, train_seconds: float, num_tasks: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The (metrics, extra) of a run whose training diverged: its losses NaN (JSON null), the
-    step and the error in the record, ``"diverged": true`` (see
-    :func:`dselectk.experiments.records.diverged`)."""
+    """The (metrics, extra) of a run whose training diverged: NaN losses (JSON null), the step
+    and the error, ``"diverged": true`` (see :func:`dselectk.experiments.records.diverged`)."""
+    step = int(getattr(error, "step", 0) or 0)
     metrics: dict[str, Any] = {
         "train_seconds": train_seconds,
-        "steps": int(getattr(error, "step", 0) or 0),
-        "diverged_at_step": int(getattr(error, "step", 0) or 0),
+        "steps": step,
+        "diverged_at_step": step,
         "test_loss": math.nan,
         "val_loss": math.nan,
     }
@@ -71,13 +60,8 @@ def train_one(
     desc: str = "",
     telemetry_dir: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Train one model and measure it (``telemetry_dir``: log routing telemetry there about
-    60 times per run, see :class:`~dselectk.telemetry.RoutingTelemetry`).
-
-    Returns:
-        (metrics, extra): scalar metrics for the record's ``metrics`` and bulky extras (gate
-        weights, trajectories, binary checks) stored beside them.
-    """
+    """Train one model and measure it: (scalar metrics, bulky extras such as gate weights and
+    trajectories). ``telemetry_dir``: log routing telemetry there about 60 times per run."""
     torch.manual_seed(seed)
     random.seed(seed)
     model = init_module_(exp.build_model(gate, hparams, data.meta), exp.init)
@@ -113,15 +97,14 @@ def train_one(
     except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
         return diverged_metrics(e, time.perf_counter() - t0, len(weights))
     train_seconds = time.perf_counter() - t0
-    test = evaluate(model, data.test, list(exp.losses))
-    val = evaluate(model, data.val, list(exp.losses))
     metrics: dict[str, Any] = {
         "train_seconds": train_seconds,
         "examples_per_second": monitor.examples / max(1e-9, train_seconds),
         "steps": hist.steps,
         "final_train_loss": hist.train_loss[-1] if hist.train_loss else math.nan,
     }
-    for split, res in (("test", test), ("val", val)):
+    for split, d in (("test", data.test), ("val", data.val)):
+        res = evaluate(model, d, list(exp.losses))
         for t, (loss, acc) in enumerate(zip(res["loss"], res["accuracy"])):
             metrics[f"{split}_loss_task{t + 1}"] = loss
             if math.isfinite(acc):
@@ -142,14 +125,6 @@ def train_one(
     return metrics, extra
 
 
-def _better(exp: Experiment, a: float, b: float) -> bool:
-    if not math.isfinite(a):
-        return False
-    if not math.isfinite(b):
-        return True
-    return a < b if exp.select == "min_loss" else a > b
-
-
 def overrides(args: Any) -> dict[str, Any]:
     """The hyperparameters set by ``--epochs`` and ``--lr``."""
     return {k: v for k, v in {"epochs": args.epochs, "lr": args.lr}.items() if v is not None}
@@ -164,18 +139,16 @@ def tune(
     store: RunStore,
     progress: bool,
 ) -> dict[str, Any]:
-    """Random grid search (Appendix D): ``--grid-points`` random grid points × ``--trials`` runs.
-
-    Each trial is a resumable ``phase="tune"`` record. The point with the best mean validation
-    metric wins; for Gumbel-softmax only points whose expected number of nonzeros is <= 4 are
-    eligible (as in the paper). ``--epochs`` and ``--lr`` fix their axes of the grid.
-    """
+    """Random grid search (Appendix D): ``--grid-points`` random grid points × ``--trials``
+    runs, each a resumable ``phase="tune"`` record; ``--epochs`` and ``--lr`` fix their axes.
+    The point with the best mean validation metric wins; only points whose expected number
+    of nonzeros is <= 4 are eligible (Gumbel-softmax, as in the paper)."""
     base_seed, data_cfg = args.seed, data.config
     grid = {**exp.grid[gate], **{k: [v] for k, v in overrides(args).items()}}
-    pts = grid_points(grid, sort_keys=True)
     seed = f"{exp.name}|{gate}|{json.dumps(setting)}|{base_seed}"
-    pts = sample_points(pts, int(args.grid_points), seed)
+    pts = sample_points(grid_points(grid, sort_keys=True), int(args.grid_points), seed)
     metric = "val_loss" if exp.select == "min_loss" else "val_mean_accuracy"
+    sign = 1.0 if exp.select == "min_loss" else -1.0
     best_hp, best_val = dict(exp.quick_hparams[gate]), math.nan
     for i, point in enumerate(pts):
         hp = {**exp.quick_hparams[gate], **point}
@@ -198,9 +171,9 @@ def tune(
             nnz.append(m.get("expected_nonzeros", 0.0))
         finite = all(v is not None and math.isfinite(float(v)) for v in vals)
         # a point with a diverged trial is never selected (its mean would hide the failure)
-        v = mean_se(vals)["mean"] if finite else math.nan
+        v = float(mean_se(vals)["mean"]) if finite else math.nan
         if float(np.mean(nnz)) > 4.0:  # only Gumbel-softmax has expected nonzeros
             continue
-        if _better(exp, float(v), float(best_val)):
-            best_hp, best_val = hp, float(v)
+        if math.isfinite(v) and (not math.isfinite(best_val) or sign * v < sign * best_val):
+            best_hp, best_val = hp, v
     return {"hparams": best_hp, "val_metric": best_val, "metric": metric, "points": len(pts)}
