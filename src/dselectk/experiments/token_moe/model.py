@@ -32,9 +32,6 @@ from dselectk.training import (
 )
 from dselectk.variants import Variant, variant_table
 
-__all__ = ["DEFAULT_ROUTERS", "ROUTERS", "build_model", "make_optimizer_for", "router_start_step"]
-__all__ += ["router_schedulers", "train_run"]
-
 EXPERIMENT = "token-moe"
 
 #: the routers compared (``--gates``); DSelect-k takes the study's ``gamma`` and ``entropy_reg``
@@ -42,16 +39,13 @@ ROUTERS = variant_table(
     Variant("dselect_k", "dselect_k", "DSelect-k (per token)"),
     Variant("topk", "topk", "Top-k"),
     Variant(
-        "dselect_k_distinct",
-        "dselect_k",
-        "DSelect-k, distinct codes (ours)",
-        options={"distinct": True},
+        "dselect_k_distinct", "dselect_k", "DSelect-k, distinct codes (ours)", {"distinct": True}
     ),
     Variant(
         "dselect_k_diversity",
         "dselect_k",
         "DSelect-k, diversity μ = 0.1 (ours)",
-        options={"diversity": 0.1},
+        {"diversity": 0.1},
     ),
     Variant(
         "expert_choice",
@@ -69,8 +63,8 @@ WARMUP_STEPS = 10
 
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
-    gate's hyperparameters found in ``hp``) and as ``variant.routing`` says. A DSelect-k gate
-    also gets ``hp["smooth_step_leak"]`` as its ``leak`` when it is set (other gates ignore it)."""
+    gate's hyperparameters found in ``hp``); a DSelect-k gate gets ``hp["smooth_step_leak"]``
+    as its ``leak`` when it is set."""
     leak = float(hp.get("smooth_step_leak", 0.0))
     extra: dict[str, Any] = {"leak": leak} if leak and variant.gate == "dselect_k" else {}
     gate = partial(variant.build, hparams=hp, **extra)
@@ -83,14 +77,11 @@ def router_start_step(hp: Mapping[str, Any]) -> int:
 
 
 def make_optimizer_for(model: CharMoETransformer, hp: Mapping[str, Any]) -> Optimizer | None:
-    """Adam with the routers' parameters (:meth:`~dselectk.models.char_lm.CharMoETransformer.
-    router_parameters`) in a group of their own at ``lr × router_lr_scale`` and the rest at
-    ``lr``; None (the training loop's own Adam over every parameter at ``lr``) when the scale is
-    1 and the routers start with the rest (:func:`router_start_step` 0). With a late start the
-    routers' group starts at lr 0 (:func:`router_schedulers` raises it)."""
+    """Adam with the routers' parameters in a group of their own at ``lr × router_lr_scale``
+    (the last group) and the rest at ``lr``; None (the training loop's own Adam) when the
+    scale is 1 and the routers start with the rest."""
     scale = float(hp.get("router_lr_scale", 1.0))
-    start = router_start_step(hp)
-    if scale == 1.0 and not start:
+    if scale == 1.0 and not router_start_step(hp):
         return None
     lr = float(hp["lr"])
     routing = {id(p) for p in model.router_parameters()}
@@ -100,16 +91,13 @@ def make_optimizer_for(model: CharMoETransformer, hp: Mapping[str, Any]) -> Opti
 
 
 def router_schedulers(optimizer: Optimizer | None, hp: Mapping[str, Any]) -> list[LambdaLR]:
-    """The late router start (``router_start`` F > 0): a scheduler that holds the routers'
-    group (the last of :func:`make_optimizer_for`'s) at lr 0 for the first
-    ``floor(F·steps)`` optimizer steps and at its own lr (``lr × router_lr_scale``) from then
-    on; every other group keeps its lr. [] when the routers start with the rest.
+    """The late router start: the routers' group of :func:`make_optimizer_for` at lr 0 for the
+    first :func:`router_start_step` steps, then at its own lr ([] without a late start).
 
-    Adam at lr 0 leaves the routers' parameters exactly as initialised (its step is
-    ``lr × m̂ / (√v̂ + ε)``, no weight decay) but still updates their moments and step count
-    from the frozen steps' gradients, so the first live step is a bias-corrected Adam step
-    whose moments remember the early gradients (β₂ = 0.999: about a quarter of v still comes
-    from them after 300 steps) rather than a fresh Adam's first step."""
+    Adam at lr 0 leaves the routers' parameters as initialised but still updates their
+    moments from the frozen steps' gradients, so the first live step is a bias-corrected Adam
+    step whose moments remember the early gradients (β₂ = 0.999: about a quarter of v still
+    comes from them after 300 steps) rather than a fresh Adam's first step."""
     start = router_start_step(hp)
     if not start:
         return []
@@ -135,12 +123,8 @@ def train_run(
 ) -> dict[str, Any]:
     """Train one model for ``hp["steps"]`` steps on random windows; returns its metrics (a run
     whose loss or gradients become non-finite stops there: ``val_bpc`` NaN and the step).
-
-    With ``telemetry_dir``, routing telemetry (:class:`~dselectk.telemetry.RoutingTelemetry`:
-    binary fraction, experts per token, load, selector collisions, per router) is logged there
-    20 times over the run (TensorBoard if installed, else JSON lines). ``callbacks`` are
-    passed on to :func:`~dselectk.training.train` (e.g. a diagnosis that watches the routers).
-    """
+    ``telemetry_dir``: routing telemetry, 20 times over the run; ``callbacks``: passed on to
+    :func:`~dselectk.training.train`."""
     torch.manual_seed(seed)
     model = build_model(variant, hp)
     seq, steps = int(hp["seq_len"]), int(hp["steps"])
@@ -153,8 +137,8 @@ def train_run(
     scheds: list[Any] = [
         s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)
     ]
-    optimizer = make_optimizer_for(model, hp)
-    scheds += router_schedulers(optimizer, hp)  # --router-start: the routers' lr 0, then on
+    opt = make_optimizer_for(model, hp)
+    scheds += router_schedulers(opt, hp)  # --router-start: the routers' lr 0, then on
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(
@@ -178,7 +162,7 @@ def train_run(
             None,
             cfg,
             schedulers=scheds,
-            optimizer=optimizer,
+            optimizer=opt,
             callbacks=callbacks,
             loss_fn=_lm_loss,
         )
@@ -193,14 +177,15 @@ def train_run(
     wall = time.perf_counter() - t0
     val_x, val_y = byte_windows(corpus.val, seq, int(hp["val_windows"]))
     m = evaluate(model, val_x, val_y)
-    metrics = {"val_bpc": m.pop("bits_per_byte"), **m}  # the records' name for bits per byte
-    metrics["val_windows"] = int(val_x.shape[0])  # --val-windows is a maximum
-    return metrics | dict(
-        train_loss=hist.train_loss[-1] if hist.train_loss else math.nan,
-        steps=hist.steps,
-        seconds_per_step=timer.per_step(),
-        train_seconds=wall,
-        parameters=sum(p.numel() for p in model.parameters()),
-        router_parameters=sum(p.numel() for p in model.router_parameters()),
+    return {
+        "val_bpc": m.pop("bits_per_byte"),  # the records' name for bits per byte
+        **m,
+        "val_windows": int(val_x.shape[0]),  # --val-windows is a maximum
+        "train_loss": hist.train_loss[-1] if hist.train_loss else math.nan,
+        "steps": hist.steps,
+        "seconds_per_step": timer.per_step(),
+        "train_seconds": wall,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "router_parameters": sum(p.numel() for p in model.router_parameters()),
         **machine,
-    )
+    }

@@ -39,8 +39,6 @@ from dselectk.experiments.token_moe.report import diverged_line, print_table, wr
 from dselectk.gates.registry import HParam, gate_spec
 from dselectk.models import char_lm
 
-__all__ = ["DEFAULTS", "TokenMoEConfig", "add_arguments", "recipe", "run", "run_cell"]
-
 
 def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
     """A study setting: its default and its ``--flag`` (argparse type: the value's domain)."""
@@ -52,13 +50,10 @@ _DK = gate_spec("dselect_k").hparams
 
 @dataclass(frozen=True)
 class TokenMoEConfig:
-    """What a ``reproduce token-moe`` command computes (its run config): the routers, seeds,
-    and the study settings (one ``--flag`` each but ``val_fraction`` and ``heads``; their
-    defaults, :data:`DEFAULTS`, are the default study).
-
-    Raises:
-        ValueError: settings that cannot run together, naming the flags.
-    """
+    """What a ``reproduce token-moe`` command computes: the routers, seeds, and the study
+    settings (one ``--flag`` each but ``val_fraction`` and ``heads``; their defaults,
+    :data:`DEFAULTS`, are the default study). Settings that cannot run together are a
+    ValueError naming the flags."""
 
     out: Path
     gates: tuple[str, ...] = DEFAULT_ROUTERS
@@ -147,7 +142,6 @@ class TokenMoEConfig:
         )
 
     def hparams(self) -> dict[str, Any]:
-        """The study settings (the keys of :data:`DEFAULTS`)."""
         return {name: getattr(self, name) for name in DEFAULTS}
 
     def record_hparams(self) -> dict[str, Any]:
@@ -209,6 +203,7 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
          "seed": s, "hparams": ident, "corpus": data}
         for s in range(config.first_seed, config.first_seed + config.seeds)
     ]  # fmt: skip
+    files = {"corpus_files": corpus.files, "corpus_content_sha256": corpus.content_sha256}
     for i in missing(store, cfgs):
         seed = config.first_seed + i
         tel = Path(config.out) / "telemetry" / f"{router}-seed{seed}" if config.telemetry else None
@@ -217,14 +212,7 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
             telemetry_dir=tel,
         )  # fmt: skip
         extra = {"diverged": True} if "diverged_at_step" in metrics else {}
-        store.save(
-            cfgs[i],
-            metrics,
-            **extra,
-            corpus_files=corpus.files,
-            corpus_content_sha256=corpus.content_sha256,
-            corpus_root=corpus.root,
-        )
+        store.save(cfgs[i], metrics, **extra, **files, corpus_root=corpus.root)
     return {"hparams": ident}
 
 

@@ -25,8 +25,6 @@ from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
 
-__all__ = ["FINITE", "diverged_line", "print_table", "write_report"]
-
 
 def _label(router: str) -> str:
     return ROUTERS[router].label if router in ROUTERS else router
@@ -51,8 +49,8 @@ def print_table(summary: Mapping[str, Any]) -> None:
         m = row["metrics"]
         cells = "".join(f"{format_mean_se(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
         print(f"{row['label']:<40}{cells}{m['val_bpc']['n']:>4}")
-    if diverged_line(summary):
-        print(diverged_line(summary))
+    if line := diverged_line(summary):
+        print(line)
 
 
 def write_report(
@@ -98,9 +96,9 @@ def write_report(
             for r in records
             if diverged(r, FINITE)
         ),
-        "hparams": first["config"]["hparams"] if first else None,
+        "hparams": first.get("config", {}).get("hparams"),
         "val_windows": sorted({r["metrics"].get("val_windows") or 0 for r in ok}),
-        "corpus": first["config"]["corpus"] if first else None,
+        "corpus": first.get("config", {}).get("corpus"),
         "records": len(records),
         "records_not_summarised": others,
         "wall_seconds": wall["seconds"],
@@ -108,7 +106,7 @@ def write_report(
         **{k: v if v is not None else prev.get(k) for k, v in given.items()},
         "environment": first.get("environment"),
         "machine": {
-            "cpu_count": first["metrics"].get("cpu_count") if first else None,
+            "cpu_count": first.get("metrics", {}).get("cpu_count"),
             "load_average": sorted(
                 round(float(r["metrics"].get("load_average_at_start", float("nan"))), 1)
                 for r in records
