@@ -1,12 +1,7 @@
-"""Where a recipe's cells run: one protocol (:class:`Executor`), two implementations.
-
-* :class:`LocalExecutor` (``--executor local``): the cells in this process, or with
-  ``--jobs`` > 1 in spawned worker processes, largest first, each with its share of the cores
-  and its own progress-bar line; workers exit with the sweep's main process (``kill -9`` of the
-  sweep stops it whole);
-* :class:`~dselectk.experiments.slurm.SlurmExecutor` (``--executor slurm``): one Slurm job per
-  cell, through submitit.
-"""
+"""Where a recipe's cells run: one protocol (:class:`Executor`), two implementations:
+:class:`LocalExecutor` (``--executor local``: this process or a pool of worker processes) and
+:class:`~dselectk.experiments.slurm.SlurmExecutor` (``--executor slurm``: one Slurm job per
+cell, through submitit)."""
 
 from __future__ import annotations
 
@@ -62,8 +57,10 @@ def run_cell(
 @dataclass(frozen=True)
 class LocalExecutor:
     """The cells on this machine: in this process (``jobs`` 1) or a spawned pool of ``jobs``
-    workers (0: one per ``threads`` cores, at most one per cell, resolved by :meth:`sized`);
-    ``threads`` 0 is torch's default in one process, an equal share of the cores in a pool."""
+    workers (0: one per ``threads`` cores, at most one per cell, resolved by :meth:`sized`),
+    largest cells first, each with its progress-bar line; the workers exit with the sweep's main
+    process (``kill -9`` of the sweep stops it whole). ``threads`` 0 is torch's default in one
+    process, an equal share of the cores in a pool."""
 
     jobs: int = 1
     threads: int = 0

@@ -370,14 +370,9 @@ def wall_time(
     prev = previous.get("wall_time")
     if not isinstance(prev, Mapping):  # an older summary: only the last command's time
         old = previous.get("wall_seconds")
-        prev = {
-            "seconds": old,
-            "commands": [{"command": previous.get("command"), "seconds": old}]
-            if isinstance(old, (int, float))
-            else [],
-            "plan": None,
-            "runs_untimed": 0,
-        }
+        timed = isinstance(old, (int, float))
+        legacy = [{"command": previous.get("command"), "seconds": old}] if timed else []
+        prev = {"seconds": old, "commands": legacy, "plan": None, "runs_untimed": 0}
     if wall_seconds is None:
         return dict(prev)
     try:  # the digest of plan.json's run ids (which runs the last command consists of)

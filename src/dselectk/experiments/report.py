@@ -33,11 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def experiment_name(results_dir: Path) -> str:
-    """The experiment of the run records (:func:`record_experiment`; else ``summary.json``'s).
-
-    Raises:
-        ValueError: no records, or records of several experiments in one folder.
-    """
+    """The experiment of the run records (:func:`record_experiment`; else ``summary.json``'s);
+    a ValueError when there is none, or records of several experiments in one folder."""
     names = {name for r in RunStore(results_dir).load() if (name := record_experiment(r["config"]))}
     if not names:
         if name := read_object(Path(results_dir) / "summary.json").get("experiment"):
@@ -67,11 +64,7 @@ def rebuild(results_dir: Path) -> str:
             f"{results_dir}: records of an unknown experiment {name!r}; expected one of "
             f"{', '.join(EXPERIMENTS)}"
         )
-    module = importlib.import_module(experiment_module(name))
-    write = getattr(module, "write_report", None)
-    if write is None:
-        raise ValueError(f"{module.__name__} has no write_report(results_dir)")
-    write(results_dir)
+    importlib.import_module(experiment_module(name)).write_report(results_dir)
     mark_partial(results_dir)
     return name
 

@@ -105,8 +105,7 @@ def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executo
     """The executor the flags choose (``--executor``, ``--jobs``, ``--no-progress``, the
     ``--slurm-*`` flags); ``threads`` is the recipe's torch threads per process."""
     progress = not getattr(args, "no_progress", False)
-    opts = slurm_options(args)
-    if opts is not None:
+    if (opts := slurm_options(args)) is not None:
         return SlurmExecutor(opts, progress)
     return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
 
@@ -188,8 +187,7 @@ def folder_lock(out: Path) -> Iterator[None]:
     """Hold ``out``'s lock for one command: a second command into the same folder stops at
     once with a ValueError, instead of two writers sharing one ``plan.json``, report and
     summary. The lock is the kernel's (``flock``): released when the process ends, however."""
-    path = Path(out) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Path(out) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -208,12 +206,9 @@ def folder_lock(out: Path) -> Iterator[None]:
 
 def _check_same_experiment(out: Path, experiment: str) -> None:
     """ValueError when ``out`` holds records of an experiment other than ``experiment``."""
-    if not experiment:
-        return
     # an unreadable record is the sweep's business (it names it), not this check's
-    records = load_records(out / "runs", strict=False)
-    names = {record_experiment(r["config"]) for r in records} - {None, experiment}
-    if names:
+    records = load_records(out / "runs", strict=False) if experiment else []
+    if names := {record_experiment(r["config"]) for r in records} - {None, experiment}:
         raise ValueError(
             f"--out {out}: the folder holds records of another experiment "
             f"({', '.join(sorted(map(str, names)))}), whose report this run would overwrite; "
@@ -247,8 +242,7 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     recipe.print_table(summary)
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
-    message = recipe.diverged(summary) if recipe.diverged is not None else None
-    if message:
+    if recipe.diverged is not None and (message := recipe.diverged(summary)):
         print(f"dselectk: {message}", file=sys.stderr)
         return 1
     return 0
