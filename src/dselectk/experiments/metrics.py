@@ -43,11 +43,9 @@ def pairwise_jaccard(selected: Tensor, groups: Tensor | Sequence[int]) -> tuple[
 
 
 def expected_random_jaccard(num_experts: int, k: int) -> float:
-    """E[J(A, B)] for two independent uniformly random k-subsets of n experts.
-
-    |A ∩ B| is hypergeometric: P(j) = C(k, j) C(n - k, k - j) / C(n, k), and J = j / (2k - j).
-    This is the "random gate" reference line of Figure C.1 (middle and right).
-    """
+    """E[J(A, B)] for two independent uniformly random k-subsets of n experts (the random gate
+    of Figure C.1): |A ∩ B| is hypergeometric, P(j) = C(k, j) C(n - k, k - j) / C(n, k), and
+    J = j / (2k - j)."""
     if not 1 <= k <= num_experts:
         raise ValueError(f"need 1 <= k <= num_experts, got k={k}, n={num_experts}")
     total = math.comb(num_experts, k)

@@ -137,10 +137,8 @@ class RunStore:
         records without one), and how many other records the folder holds: summaries never
         average runs made with different settings. While a sweep has not finished
         (:meth:`sweep_status`), its runs so far."""
-        records = self.load()
-        status = self.sweep_status()
-        plan = self.root / PLAN_FILE
-        if status is not None:
+        records, plan = self.load(), self.root / PLAN_FILE
+        if (status := self.sweep_status()) is not None:
             planned = status["_ids"]
         elif not plan.is_file():
             return records, 0
@@ -178,9 +176,8 @@ class RunStore:
     def end_sweep(self) -> None:
         """Record that the running sweep finished (its ``plan.json`` is written)."""
         if (state := self._sweep_state()) is not None:
-            _io.write_json(
-                self.root / SWEEP_FILE, {**state, "finished": True, "ended": time.time()}
-            )
+            state.update(finished=True, ended=time.time())
+            _io.write_json(self.root / SWEEP_FILE, state)
 
     def _sweep_state(self) -> dict[str, Any] | None:
         path = self.root / SWEEP_FILE

@@ -203,15 +203,6 @@ def _make_slurm_executor(folder: Path, opts: SlurmOptions) -> Any:
     return ex
 
 
-def _load_book(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    try:
-        return list(json.loads(path.read_text(encoding="utf-8"))["jobs"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a valid Slurm job list ({e})") from None
-
-
 def _settle(entry: dict[str, Any], live: Mapping[str, str], folder: Path) -> bool:
     """Whether the job of ``entry`` is over: its submitit result read into the entry
     (``result`` or ``error``), or gone from the queue without one; False while it is queued or
@@ -258,7 +249,12 @@ def run_slurm(
     states = states or squeue_states
     out = Path(out)
     folder, book_path = out / LOG_DIR, out / JOBS_FILE
-    book = _load_book(book_path)
+    book: list[dict[str, Any]] = []
+    if book_path.is_file():
+        try:
+            book = list(json.loads(book_path.read_text(encoding="utf-8"))["jobs"])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{book_path}: not a valid Slurm job list ({err})") from None
     key = sweep_key(config)
     store = RunStore(out)
     cells = {recipe.cell_name(c): c for c in recipe.cells}
@@ -267,24 +263,20 @@ def run_slurm(
         write_json(book_path, {"jobs": book})
 
     latest = {e["cell"]: e for e in book if e.get("key") == key and e.get("cell") in cells}
-    pending = [e for e in latest.values() if "result" not in e and "error" not in e]
-    live = states(e["job_id"] for e in pending)
-    for e in pending:
-        _settle(e, live, folder)
+    pending = {n: e for n, e in latest.items() if "result" not in e and "error" not in e}
+    live = states(e["job_id"] for e in pending.values())
+    # the jobs still queued or running; the others' results or errors go into the book
+    waiting = {n: e for n in cells if (e := pending.get(n)) and not _settle(e, live, folder)}
     save_book()
 
-    waiting: dict[str, dict[str, Any]] = {}
     to_submit: list[str] = []
     done = 0
     for name in cells:
-        prev = latest.get(name)
-        res = prev.get("result") if prev is not None else None
+        res = latest[name].get("result") if name in latest else None
         if res is not None and all(store.runs.joinpath(f"{r}.json").is_file() for r in res["runs"]):
             on_cell(name, res["selection"], res["runs"])  # complete: every record is there
             done += 1
-        elif prev is not None and live.get(prev["job_id"], "") in _ACTIVE:
-            waiting[name] = prev
-        else:
+        elif name not in waiting:
             to_submit.append(name)
     if waiting:
         log(f"re-attached to {len(waiting)} queued/running Slurm job(s) of this sweep")
