@@ -102,10 +102,6 @@ def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -
     return float(conv1 + conv2 + dense)
 
 
-def _equal_weights(_setting: Any) -> list[float]:
-    return [1.0, 1.0]
-
-
 @dataclass(frozen=True)
 class MultiMNISTConfig(rd.RealDataConfig):
     """What a ``reproduce multi-mnist|multi-fashion`` command computes (the flags of the same
@@ -164,7 +160,6 @@ def experiment(name: str) -> rd.Experiment:
         grid=GRID,
         select="max_accuracy",
         build_model=build_model,
-        task_weights=_equal_weights,
         expert_flops=expert_flops,
         load_data=load_data,
         data_fields=("data_dir", "experiment_name", "seed", "n_train", "n_val", "n_test"),

@@ -150,22 +150,14 @@ def current_records(
     return out
 
 
-def _of(
-    spec: Experiment, records: Iterable[Mapping[str, Any]], setting: Any, gate: str
-) -> list[Mapping[str, Any]]:
-    """The records of one (setting, gate) cell."""
-    key = spec.setting_key
-    return [
-        r
-        for r in records
-        if r["config"]["gate"] == gate and (key is None or r["config"].get(key) == setting)
-    ]
+#: records by (setting, gate) cell, as the summary rows are keyed
+Cells = Mapping[tuple[Any, str], Sequence[Mapping[str, Any]]]
 
 
 def table_c2(
     spec: Experiment,
     rows: Mapping[tuple[Any, str], Mapping[str, Any]],
-    records: Sequence[Mapping[str, Any]],
+    cells: Cells,
     settings: Sequence[Any],
 ) -> tuple[list[str], dict[str, Any]]:
     """Markdown rows and values of Table C.2 (ours beside the paper's; the header is the
@@ -177,11 +169,11 @@ def table_c2(
         dk, tk = f"dselect_k_{kind}", f"topk_{kind}"
         if (setting, dk) not in rows:
             continue
-        m, recs = rows[(setting, dk)]["metrics"], _of(spec, records, setting, dk)
+        m, recs = rows[(setting, dk)]["metrics"], cells.get((setting, dk), [])
         reached = sum(1 for r in recs if r["metrics"].get("binary_reached"))
         ratio = math.nan
         if (setting, tk) in rows:
-            fb = [r["metrics"].get("train_expert_flops") for r in _of(spec, records, setting, tk)]
+            fb = [r["metrics"].get("train_expert_flops") for r in cells.get((setting, tk), [])]
             ratio = flops_ratio([r["metrics"].get("train_expert_flops") for r in recs], fb)
         values[f"{col}/{kind}"] = {
             "pct_steps_until_binary": m.get("pct_steps_until_binary"),
@@ -211,7 +203,7 @@ def _num(v: float | None, spec: str = "g") -> str:
 
 
 def _plots(
-    spec: Experiment, rows: Iterable[tuple[Any, str]], records: Sequence[Any], out: Path
+    spec: Experiment, rows: Iterable[tuple[Any, str]], cells: Cells, out: Path
 ) -> list[Path]:
     """Heatmap and trajectory of repetition 0 (the lowest) of each (setting, gate) row."""
     from dselectk.plots import optional_plot
@@ -221,7 +213,7 @@ def _plots(
     plots: list[Path | None] = []
     key, names = spec.setting_key, spec.task_names
     for setting, gate in sorted(rows, key=lambda k: (str(k[0]), k[1])):
-        recs = sorted(_of(spec, records, setting, gate), key=lambda r: r["config"]["rep"])
+        recs = sorted(cells.get((setting, gate), []), key=lambda r: r["config"]["rep"])
         if not recs:
             continue
         rec, traj = recs[0], recs[0].get("trajectory")
@@ -260,8 +252,12 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
     summary_rows = summarize(records, group, finite=FINITE)
     rows = {(row.get(spec.setting_key or ""), row["gate"]): row for row in summary_rows}
     settings = sorted({k[0] for k in rows}, key=lambda v: (v is None, v))
-    c2_lines, c2_values = table_c2(spec, rows, records, settings)
-    plots = _plots(spec, rows, records, results_dir)
+    cells: dict[tuple[Any, str], list[Mapping[str, Any]]] = {}
+    for r in records:
+        c = r["config"]
+        cells.setdefault((c.get(spec.setting_key or ""), c["gate"]), []).append(r)
+    c2_lines, c2_values = table_c2(spec, rows, cells, settings)
+    plots = _plots(spec, rows, cells, results_dir)
     summary = {
         "experiment": spec.name,
         "group_by": group,

@@ -117,7 +117,6 @@ class Experiment:
     grid: Mapping[str, Mapping[str, Sequence[Any]]]  # gate → the ``--full`` random grid
     select: str  # the tuning metric: "min_loss" (weighted val loss) or "max_accuracy"
     build_model: Callable[[str, Mapping[str, Any], Mapping[str, Any]], nn.Module]
-    task_weights: Callable[[Any], list[float]]  # setting → weights of the summed loss
     expert_flops: Callable[[Mapping[str, Any], Mapping[str, Any]], float]  # one expert, one x
     load_data: Callable[[Any], Splits]  # once per process of the sweep
     data_fields: tuple[str, ...]  # the run-config fields that decide the data
@@ -131,6 +130,8 @@ class Experiment:
     paper_c2: Mapping[str, Mapping[str, float]]  # Table C.2 column → {"pct", "flops"}
     c2_column: str  # a setting's Table C.2 column (``str.format`` of the setting)
     quick_reps: int = 2
+    # setting → weights of the tasks' losses in the summed loss (None: 1 each)
+    task_weights: Callable[[Any], list[float]] | None = None
     # (run config, data) → metrics of non-neural predictors, cached per data configuration
     reference: Callable[[Any, Splits], dict[str, Any]] | None = None
     init: str = "keras"  # :func:`~dselectk.layers.init.keras_init_` or torch's

@@ -65,7 +65,7 @@ def train_one(
     torch.manual_seed(seed)
     random.seed(seed)
     model = init_module_(exp.build_model(gate, hparams, data.meta), exp.init)
-    weights = exp.task_weights(setting)
+    weights = exp.task_weights(setting) if exp.task_weights else [1.0] * len(exp.losses)
     epochs = int(hparams["epochs"])
     steps_total = total_steps(epochs, len(data.train), exp.batch_size)
     monitor = GateMonitor(
