@@ -2,8 +2,7 @@
 
 argparse calls these on the raw strings before any work starts, so ``--reps -1`` or
 ``--lrs nan`` stop with one line naming the flag and the expected range (exit code 2), instead
-of empty results or a crash after a gate has trained.
-"""
+of empty results or a crash after a gate has trained."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The Jaccard index of two selected expert sets A, B is |A ∩ B| / |A ∪ B|. The paper averages it
 over all pairs of *related* tasks (same group) and over all pairs of *unrelated* tasks (different
 groups). The reference line of Figure C.1 is a random gate that picks k experts uniformly at
-random; its expected Jaccard index is computed here in closed form (hypergeometric overlap).
-"""
+random; its expected Jaccard index is computed here in closed form (hypergeometric overlap)."""
 
 from __future__ import annotations
 

@@ -204,11 +204,9 @@ class RunStore:
             return None
         ids = set(state["runs_done"])
         for p in self.runs.glob("*.json"):
-            try:
+            with contextlib.suppress(OSError):  # (deleted meanwhile)
                 if p.stat().st_mtime >= state["started"]:
                     ids.add(p.stem)
-            except OSError:
-                pass
         recorded = 0
         for rid in ids:
             try:
@@ -320,13 +318,10 @@ def summarize(
     *,
     finite: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per distinct value of the config keys ``group_by``, with mean/se/n of each metric.
-
-    Only numeric scalar metrics are summarised (the mean of the finite values). With
-    ``finite`` (metric names a run must have finite), each row also counts its ``runs`` and
-    how many of them ``diverged`` (:func:`diverged`), so a run lost to NaN stays visible; the
-    means are then over the runs that did not diverge.
-    """
+    """One row per distinct value of the config keys ``group_by``, with mean/se/n of each
+    numeric metric (over its finite values). With ``finite`` (metric names a run must have
+    finite), each row also counts its ``runs`` and how many ``diverged`` (:func:`diverged`), so
+    a run lost to NaN stays visible; the means are then over the runs that did not diverge."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
         key = tuple(json.dumps(r["config"].get(k)) for k in group_by)
@@ -354,15 +349,13 @@ def wall_time(
     command: str | None,
     records: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The wall time of the commands that produced a folder's summarised runs, for its summary.
-
-    A command that continues the previous one (the same plan: a resume, a Slurm re-attach, a
+    """The wall time of the commands that produced a folder's summarised runs, for its summary:
+    a command that continues the previous one (the same plan: a resume, a Slurm re-attach, a
     rerun) adds its time to the previous summary's, so a resume never overwrites 421 s by the
     2 s it took to find everything done. A command with another plan starts a new total; the
     planned ``records`` written before it started (by earlier commands, whose time is not known
     here) count as ``runs_untimed``. ``wall_seconds`` None (``dselectk report``) keeps the
-    previous summary's value.
-    """
+    previous summary's value."""
     results_dir = Path(results_dir)
     prev = previous.get("wall_time")
     if not isinstance(prev, Mapping):  # an older summary: only the last command's time
@@ -389,11 +382,9 @@ def wall_time(
         start = time.time() - float(wall_seconds) - 1.0
         untimed = 0
         for r in records:
-            try:
+            with contextlib.suppress(OSError):
                 if (results_dir / "runs" / f"{r.get('run_id')}.json").stat().st_mtime < start:
                     untimed += 1
-            except OSError:
-                pass
     total = sum(float(c["seconds"]) for c in commands if isinstance(c.get("seconds"), (int, float)))
     return {"seconds": total, "commands": commands, "plan": plan, "runs_untimed": untimed}
 

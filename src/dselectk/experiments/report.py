@@ -2,8 +2,7 @@
 
 The experiment module of the records' ``config["experiment"]`` (:data:`EXPERIMENTS`) exposes
 ``write_report(results_dir)``, which rebuilds ``summary.json``, ``report.md`` and the plots from
-``results_dir/runs/*.json`` only (no training state, no data).
-"""
+``results_dir/runs/*.json`` only (no training state, no data)."""
 
 from __future__ import annotations
 

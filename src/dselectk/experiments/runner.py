@@ -2,8 +2,7 @@
 records (a cell skips the runs whose records exist, :func:`missing`, so a killed sweep continues
 where it stopped), run by an executor (:mod:`dselectk.experiments.executors`). Every function of
 a recipe receives its **run config**: a frozen dataclass of the settings that decide what is
-computed (never the argparse ``Namespace``).
-"""
+computed (never the argparse ``Namespace``)."""
 
 from __future__ import annotations
 

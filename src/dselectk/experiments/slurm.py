@@ -7,8 +7,7 @@ job: its id, its cell, the sweep's settings key (:func:`sweep_key`) and, once co
 result or error. The same command again submits only the cells that are neither complete (a
 result whose records all exist) nor queued/running (``squeue``), so a killed job loses only its
 unfinished runs. Ctrl-C or ``--slurm-no-wait`` detaches (the jobs keep running; the same command
-re-attaches); ``dselectk report DIR`` reads records only, so it works while jobs run.
-"""
+re-attaches); ``dselectk report DIR`` reads records only, so it works while jobs run."""
 
 from __future__ import annotations
 
