@@ -14,12 +14,12 @@ from dselectk.experiments.executors import LocalExecutor
 from dselectk.experiments.recovery import RecoveryData
 from dselectk.experiments.runner import run_recipe
 from dselectk.experiments.selection import ARMS, PROTOCOL
-from dselectk.experiments.selection import c1 as C1
 from dselectk.experiments.selection.recipe import recipe
 from dselectk.experiments.selection.report import paired
 from dselectk.experiments.selection.study import (
     BUDGET_ARMS,
     SEED_RANGE,
+    C1Sizes,
     HeldOutData,
     SelectionConfig,
     budget_epochs,
@@ -161,7 +161,7 @@ def tiny_c1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("selection_c1")
     cfg = SelectionConfig(
         out=out, arms=("topk", "dselect_k_search", "search_only"), shapes=(), tasks=(16,),
-        c1=C1.C1Sizes(256, 128, 128, points=1, trials=1, reps=2),
+        c1=C1Sizes(256, 128, 128, points=1, trials=1, reps=2),
     )  # fmt: skip
     assert run_recipe(recipe(cfg), cfg, LocalExecutor(jobs=1, threads=1, progress=False)) == 0
     return out

@@ -5,8 +5,8 @@ and a search-only arm (DSelect-k's gate frozen at init); learning rate tuned per
 on validation loss, the selected one read once on a test set; paired seeds; data seeds from a
 reserved range. The protocol is :data:`study.PROTOCOL`, printed at the top of every report.
 
-Laid out as the other recipes: ``study`` (arms, protocol, data, one cell), ``recipe`` (flags,
-dry run) and ``report``.
+``study``: arms, protocol, data, one cell (recovery or Appendix C.1); ``recipe``: flags, dry
+run; ``report``.
 """
 
 from dselectk.experiments.selection.recipe import add_arguments, run

@@ -9,12 +9,9 @@ from typing import Any
 from dselectk.experiments.args import int_at_least, positive_float
 from dselectk.experiments.recovery.model import BATCH_SIZE
 from dselectk.experiments.runner import Recipe, add_run_arguments, executor_from_args, run_recipe
-from dselectk.experiments.selection import c1 as C1
 from dselectk.experiments.selection import study as S
 from dselectk.experiments.selection.report import print_table, write_report
-from dselectk.experiments.synthetic.spec import GATE_GRID, TRAINER_GRID
-
-__all__ = ["add_arguments", "config_of", "plan_text", "recipe", "run"]
+from dselectk.experiments.synthetic.spec import paper_grid
 
 #: the dry run's cost model, seconds on one core of the development machine under load ~6 on
 #: 2 cores (fitted on two 32/3 cells of the quick form): per training call, steps × (A + B·members)
@@ -68,20 +65,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> S.SelectionConfig:
+    """The run config: the flags given, else the quick (or ``--full``) study's values."""
     full = bool(args.full)
     return S.SelectionConfig(
         out=args.out,
         arms=tuple(args.arms),
-        shapes=tuple(S.FULL_SHAPES if full else S.QUICK_SHAPES)
-        if args.shapes is None
-        else tuple(args.shapes),
+        shapes=tuple(args.shapes or (S.FULL_SHAPES if full else S.QUICK_SHAPES)),
         reps=args.reps or (S.FULL_REPS if full else S.QUICK_REPS),
         lrs=tuple(args.lrs or (S.FULL_LRS if full else S.QUICK_LRS)),
         epochs=args.epochs,
         tasks=tuple(
             (S.FULL_TASKS if full else S.QUICK_TASKS) if args.tasks is None else args.tasks
         ),
-        c1=C1.FULL if full else C1.QUICK,
+        c1=S.C1_FULL if full else S.C1_QUICK,
     )
 
 
@@ -89,11 +85,8 @@ def plan_text(config: S.SelectionConfig) -> str:
     """The plan (cells, runs) and its cost estimate."""
     epochs = config.epochs or 50
     per_epoch = math.ceil(S.N_TRAIN / BATCH_SIZE)
-    steps = epochs * per_epoch
     runs = probe = 0
-    sec = 0.0
-    lines = [S.PROTOCOL, "Plan:"]
-    c1_sec = c1_runs = 0.0
+    sec = c1_sec = c1_runs = 0.0
     for arm_name, study, n, t in S.cells(config):
         if study == "c1":
             runs_, sec_ = _c1_cost(config, arm_name, n)
@@ -105,19 +98,21 @@ def plan_text(config: S.SelectionConfig) -> str:
             runs += members
             probe += members * bound
             sec += arm_steps * (A + B * members) + bound * (C + D * members)
-    lines += [
+    sec += c1_sec
+    lines = [
+        S.PROTOCOL,
+        "Plan:",
         f"  arms {', '.join(config.arms)}",
         f"  recovery shapes {' '.join(f'{n}/{t}' for n, t in config.shapes)} (data seeds "
         f"{', '.join(str(S.data_seed(n, t)) for n, t in config.shapes)})",
         f"  {config.reps} repetitions × lrs {list(config.lrs)} + the selected lr's test retrain",
-        f"  {len(S.cells(config))} cells, {int(runs)} runs, {epochs} epochs ({steps} steps) each "
-        f"(equal-budget arms: more, protocol item 5)",
+        f"  {len(S.cells(config))} cells, {int(runs)} runs, {epochs} epochs "
+        f"({epochs * per_epoch} steps) each (equal-budget arms: more, protocol item 5)",
         f"  probe passes at most {int(probe):,} (member × candidate evaluations)",
         f"  C.1 at T = {', '.join(map(str, config.tasks)) or 'none'}: {int(c1_runs)} runs "
         f"(tuning trials × sampled configurations, then {config.c1.reps} repetitions), "
         f"{config.c1.n_train:,} training examples",
-        f"  estimated cost {(sec + c1_sec) / 60:.0f} CPU-minutes on one core "
-        f"(about {(sec + c1_sec) / 120:.0f} min "
+        f"  estimated cost {sec / 60:.0f} CPU-minutes on one core (about {sec / 120:.0f} min "
         "on 2 idle cores); split over cells by --executor slurm",
     ]
     return "\n".join(lines)
@@ -127,7 +122,7 @@ def _c1_cost(config: S.SelectionConfig, arm_name: str, tasks: int) -> tuple[int,
     """Runs and estimated seconds of a C.1 cell: tuning members × their epochs, then the
     repetitions at the grid's mean epochs, each step costing E + F·members·T/32."""
     arm, sz = S.C1_ARMS[arm_name], config.c1
-    grid = {**TRAINER_GRID, **GATE_GRID[arm.gate]}
+    grid = paper_grid(arm)
     points = math.prod(len(v) for k, v in grid.items() if k != "epochs")
     epochs = grid["epochs"]
     steps = math.ceil(sz.n_train / BATCH_SIZE)
@@ -144,7 +139,7 @@ def _c1_cost(config: S.SelectionConfig, arm_name: str, tasks: int) -> tuple[int,
 
 def _load_data(config: S.SelectionConfig) -> Any:
     """The C.1 data when the command has C.1 cells (recovery cells make their own, cheaply)."""
-    return C1.load(config.c1) if config.tasks else None
+    return S.load_c1(config.c1) if config.tasks else None
 
 
 def _data_key(config: S.SelectionConfig) -> Any:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -29,8 +29,6 @@ from dselectk.experiments.selection.study import (
 from dselectk.experiments.templates import others_note
 from dselectk.io import write_json, write_text
 
-__all__ = ["paired", "print_table", "write_report"]
-
 #: the verdict's comparisons: (arm, against)
 VERDICT_PAIRS = (("dselect_k_search", "search_only"), ("dselect_k_search", "topk_search"))
 _fmt = format_mean_se
@@ -53,45 +51,40 @@ def paired(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
     }
 
 
-def _by_rep(records: Sequence[Mapping[str, Any]], arm: str, shape: str) -> dict[int, float]:
-    return {
-        r["config"]["rep"]: float(r["metrics"]["recovered"])
-        for r in records
-        if r["config"]["arm"] == arm and _key(r["config"]["shape"]) == shape
-    }
-
-
-def _c1_by_rep(records: Sequence[Mapping[str, Any]], arm: str, t: int) -> dict[int, float]:
-    """Test MSE per repetition, negated (so that a positive difference is a win)."""
-    return {
-        r["config"]["rep"]: -float(r["metrics"]["test_mse"])
-        for r in records
-        if r["config"]["arm"] == arm and r["config"]["num_tasks"] == t
-    }
-
-
-def _c1_summary(tests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per T: one row per arm (selected hyperparameters, test metrics), paired differences of
-    test MSE against the best no-search arm (lowest mean validation MSE) and the verdict
-    pairs."""
-    out: dict[str, Any] = {}
-    for row in summarize(tests, ["num_tasks", "arm", "hparams"]):
-        s = out.setdefault(str(row["num_tasks"]), {"tasks": row["num_tasks"], "rows": []})
-        arm = C1_ARMS.get(row["arm"])
-        row["label"] = arm.label if arm else row["arm"]
-        s["rows"].append(row)
+def _compare(s: dict[str, Any], tests: list[dict], metric: str, sign: float, val: Any) -> None:
+    """Sort the rows of setting ``s`` in arm order, find its best no-search arm (lowest ``val``
+    of the row, a validation figure), and pair by repetition the test ``metric`` × ``sign``
+    (positive: better) of every other arm against it, and of the verdict pairs."""
     order = list(ARMS)
-    for s in out.values():
-        s["rows"].sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99)
-        base = [r for r in s["rows"] if r["arm"] in BASELINES]
-        best = min(base, key=lambda r: r["metrics"]["val_mse"]["mean"])["arm"] if base else None
-        s["best_baseline"], s["paired"] = best, []
-        pairs = [(r["arm"], best) for r in s["rows"] if best and r["arm"] != best]
-        for a, b in [*pairs, *VERDICT_PAIRS]:
-            p = paired(_c1_by_rep(tests, a, s["tasks"]), _c1_by_rep(tests, b, s["tasks"]))
-            if p["n"]:
-                s["paired"].append({"arm": a, "against": b, **p})
-    return out
+    s["rows"].sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99)
+    base = [r for r in s["rows"] if r["arm"] in BASELINES]
+    best = min(base, key=val)["arm"] if base else None
+    s["best_baseline"], s["paired"] = best, []
+
+    def by_rep(arm: str) -> dict[int, float]:
+        return {
+            r["config"]["rep"]: sign * float(r["metrics"][metric])
+            for r in tests
+            if r["config"]["arm"] == arm
+        }
+
+    pairs = [(r["arm"], best) for r in s["rows"] if best and r["arm"] != best]
+    for a, b in [*pairs, *VERDICT_PAIRS]:
+        p = paired(by_rep(a), by_rep(b))
+        if p["n"]:
+            s["paired"].append({"arm": a, "against": b, **p})
+
+
+def _pooled(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The verdict pairs' differences pooled over the settings (setting × repetition pairs)."""
+    pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
+    for s in settings.values():
+        for p in s["paired"]:
+            if (p["arm"], p["against"]) in VERDICT_PAIRS:
+                pooled[f"{p['arm']} - {p['against']}"] += p["diffs"]
+    return {
+        k: paired(dict(enumerate(v)), dict.fromkeys(range(len(v)), 0.0)) for k, v in pooled.items()
+    }
 
 
 def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,37 +95,27 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     shapes: dict[str, Any] = {}
     for row in summarize(tests, ["shape", "arm", "lr"]):
         s = shapes.setdefault(_key(row["shape"]), {"shape": row["shape"], "rows": []})
-        arm = ARMS.get(row["arm"])
-        row["label"] = arm.label if arm else row["arm"]
-        row["search"] = bool(arm and arm.search)
+        row["label"] = ARMS[row["arm"]].label if row["arm"] in ARMS else row["arm"]
+        row["search"] = bool(row["arm"] in ARMS and ARMS[row["arm"]].search)
         s["rows"].append(row)
-    val: dict[tuple[str, str, float], float] = {}
+    val: dict[str, dict[tuple[str, float], float]] = {}
     for row in summarize(tune, ["shape", "arm", "lr"]):  # recovered at every lr (robustness)
-        rec = row["metrics"]["recovered"]
-        shapes[_key(row["shape"])].setdefault("by_lr", {}).setdefault(row["arm"], {})[
-            f"{row['lr']:g}"
-        ] = rec["mean"]
-        val[(_key(row["shape"]), row["arm"], row["lr"])] = row["metrics"]["val_loss"]["mean"]
-    pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
-    for key, s in shapes.items():
-        order = list(ARMS)
-        s["rows"].sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99)
-        base = [r for r in s["rows"] if r["arm"] in BASELINES]
-        best = (  # chosen on validation: the lowest mean validation loss at the selected lr
-            min(base, key=lambda r: val.get((key, r["arm"], r["lr"]), math.inf))["arm"]
-            if base
-            else None
-        )
-        s["best_baseline"], s["paired"] = best, []
-        for r in s["rows"]:
-            if best is not None and r["arm"] != best:
-                p = paired(_by_rep(tests, r["arm"], key), _by_rep(tests, best, key))
-                s["paired"].append({"arm": r["arm"], "against": best, **p})
-        for a, b in VERDICT_PAIRS:
-            p = paired(_by_rep(tests, a, key), _by_rep(tests, b, key))
-            if p["n"]:
-                s["paired"].append({"arm": a, "against": b, **p})
-                pooled[f"{a} - {b}"] += p["diffs"]
+        key = _key(row["shape"])
+        by_lr = shapes[key].setdefault("by_lr", {}).setdefault(row["arm"], {})
+        by_lr[f"{row['lr']:g}"] = row["metrics"]["recovered"]["mean"]
+        val.setdefault(key, {})[(row["arm"], row["lr"])] = row["metrics"]["val_loss"]["mean"]
+    for key, s in shapes.items():  # the best no-search arm: lowest validation loss at its lr
+        mine = [r for r in tests if _key(r["config"]["shape"]) == key]
+        v = val.get(key, {})
+        _compare(s, mine, "recovered", 1.0, lambda r, v=v: v.get((r["arm"], r["lr"]), math.inf))
+    c1_tasks: dict[str, Any] = {}
+    for row in summarize(c1, ["num_tasks", "arm", "hparams"]):
+        s = c1_tasks.setdefault(str(row["num_tasks"]), {"tasks": row["num_tasks"], "rows": []})
+        row["label"] = C1_ARMS[row["arm"]].label if row["arm"] in C1_ARMS else row["arm"]
+        s["rows"].append(row)
+    for s in c1_tasks.values():  # test MSE negated: a positive difference is a win
+        mine = [r for r in c1 if r["config"]["num_tasks"] == s["tasks"]]
+        _compare(s, mine, "test_mse", -1.0, lambda r: r["metrics"]["val_mse"]["mean"])
     tuned = {r["run_id"]: r["metrics"]["recovered"] for r in tune}
     same = sum(
         tuned.get(run_id({**c, "phase": "tune", "data": {**c["data"], "n_test": 0}}))
@@ -140,22 +123,8 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         for t in tests
         for c in [t["config"]]
     )
-    verdict = {
-        k: paired(dict(enumerate(v)), dict.fromkeys(range(len(v)), 0.0)) for k, v in pooled.items()
-    }
-    c1_tasks = _c1_summary(c1)
-    c1_pooled: dict[str, list[float]] = {f"{a} - {b}": [] for a, b in VERDICT_PAIRS}
-    for s in c1_tasks.values():
-        for p in s["paired"]:
-            name = f"{p['arm']} - {p['against']}"
-            if name in c1_pooled and (p["arm"], p["against"]) in VERDICT_PAIRS:
-                c1_pooled[name] += p["diffs"]
-    c1_verdict = {
-        k: paired(dict(enumerate(v)), dict.fromkeys(range(len(v)), 0.0))
-        for k, v in c1_pooled.items()
-    }
-    return {"shapes": shapes, "pooled": verdict, "tests": len(tests), "tune": len(tune),
-            "retrain_same_selection": same, "c1": c1_tasks, "c1_pooled": c1_verdict,
+    return {"shapes": shapes, "pooled": _pooled(shapes), "tests": len(tests), "tune": len(tune),
+            "retrain_same_selection": same, "c1": c1_tasks, "c1_pooled": _pooled(c1_tasks),
             "c1_tests": len(c1)}  # fmt: skip
 
 

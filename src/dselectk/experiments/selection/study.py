@@ -1,7 +1,17 @@
-"""The selection study's arms, protocol, data and cells (one cell = one arm at one shape)."""
+"""The selection study's arms, protocol, data and cells (one cell = one arm at one shape: a
+recovery shape, or Appendix C.1 at T tasks).
+
+C.1 cells: T related regression tasks (groups of 16 sharing 4 generating experts), T/4 trainable
+experts, one static gate per task choosing k = 4. Each (arm, T) is tuned on VALIDATION over the
+paper's grid (lr, epochs and the gate's γ/λ; Appendix D) by
+:func:`dselectk.experiments.synthetic.train.tune` with the test split replaced by the validation
+split (so tuning never reads it), then the selection is trained again for ``reps`` repetitions
+with the study's paired init seeds and read once on the TEST split. Every arm of a cell sees the
+same data (one data seed from the reserved range)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, replace
@@ -13,15 +23,20 @@ from typing import Any
 import torch
 
 from dselectk.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
-from dselectk.experiments.records import RunStore, run_id
+from dselectk.data.synthetic import SyntheticData, generate_data
+from dselectk.experiments.records import RunStore, read_record, run_id
 from dselectk.experiments.recovery import VARIANTS, train_reps
 from dselectk.experiments.recovery.model import BATCH_SIZE
+from dselectk.experiments.recovery.recipe import init_seed as recovery_init_seed
 from dselectk.experiments.recovery.recipe import tuned_hparams
 from dselectk.experiments.runner import missing
-from dselectk.experiments.selection import c1 as C1
+from dselectk.experiments.synthetic import train as c1_train
+from dselectk.experiments.synthetic.spec import BATCH_SIZE as C1_BATCH
+from dselectk.experiments.synthetic.spec import VARIANTS as C1_VARIANTS
+from dselectk.experiments.synthetic.spec import K as C1_K
 from dselectk.gates.base import Gate
 from dselectk.search import SwapSearch
-from dselectk.variants import SearchPlan, Variant, variant_table
+from dselectk.variants import SearchPlan, Variant, total_steps, variant_table
 
 EXPERIMENT = "selection"
 #: data seeds of this study: 9000 + 10·experts + true (all inside the reserved range 9000-9999;
@@ -34,6 +49,26 @@ FULL_SHAPES = tuple((n, t) for n in (16, 32, 64) for t in (2, 3, 4, 6) if t <= n
 QUICK_LRS, FULL_LRS = (1e-1, 1e-2, 1e-3), (1e-1, 1e-2, 1e-3, 1e-4, 1e-5)
 QUICK_REPS, FULL_REPS = 8, 100
 QUICK_TASKS, FULL_TASKS = (32, 64), (32, 64, 128)  # Appendix C.1's T
+#: the C.1 data seed of this study (reserved range 9000-9999; no development run used it)
+C1_DATA_SEED = 9700
+#: the grid's epoch counts (Appendix D); the no-search arms evaluate all of them from one run
+EPOCHS_AXIS = 4
+
+
+@dataclass(frozen=True)
+class C1Sizes:
+    """Split sizes, tuning effort and repetitions of the C.1 cells."""
+
+    n_train: int
+    n_val: int
+    n_test: int
+    points: int | None  # configurations of the gate's axes sampled per arm (None: every one)
+    trials: int  # initialisations per configuration in tuning
+    reps: int  # repetitions of the selected configuration (paired across arms)
+
+
+C1_QUICK = C1Sizes(20_000, 10_000, 10_000, points=4, trials=2, reps=6)
+C1_FULL = C1Sizes(100_000, 20_000, 20_000, points=None, trials=5, reps=25)  # the paper's splits
 
 #: searches started by a CountedPlan in this process (probe passes are read from them)
 _SEARCHES: list[SwapSearch] = []
@@ -84,7 +119,7 @@ def _budget(v: Variant, label: str) -> Variant:
 
 
 _DSK_SEARCH = _counted(VARIANTS["dselect_k_search"])
-#: the arms, in report order; "search" says whether the swap search (refit scoring) runs
+#: the arms, in report order
 ARMS = variant_table(
     VARIANTS["dselect_k"],
     VARIANTS["topk"],
@@ -99,15 +134,24 @@ ARMS = variant_table(
         _DSK_SEARCH.options, search=_DSK_SEARCH.search, tuned_as="dselect_k",
     ),
 )  # fmt: skip
-BASELINES = ("dselect_k", "topk", "comet", "topk_budget", "comet_budget")
-BUDGET_ARMS = ("topk_budget", "comet_budget")
-SEARCH_ARMS = ("dselect_k_search", "topk_search", "search_only")
-#: the arms of the C.1 cells (the budget arms are recovery's only: C.1's no-search arms are
-#: tuned over epochs up to 100 already, see the protocol)
-C1_ARMS = C1.arms(ARMS, _counted)
+BASELINES = tuple(a for a, v in ARMS.items() if v.search is None)
+BUDGET_ARMS = tuple(a for a in BASELINES if a.endswith("_budget"))
+SEARCH_ARMS = tuple(a for a, v in ARMS.items() if v.search is not None)
+_C1_SEARCH = _counted(C1_VARIANTS["dselect_k_search"])
+#: the arms of the C.1 cells, by the same names, with C.1's search plans (refit scoring, the
+#: swap search at recovery's fractions); the budget arms are recovery's only: C.1's no-search
+#: arms are tuned over epochs up to 100 already, see the protocol
+C1_ARMS = {
+    "dselect_k": C1_VARIANTS["dselect_k"],
+    "topk": C1_VARIANTS["topk"],
+    "comet": ARMS["comet"],
+    "dselect_k_search": _C1_SEARCH,
+    "topk_search": _counted(replace(C1_VARIANTS["topk_search_refit"], name="topk_search")),
+    "search_only": replace(ARMS["search_only"], search=_C1_SEARCH.search),
+}
 #: COMET's tree gate has no discrete selection to search (Gate.searchable False): no COMET +
 #: search arm.
-NOT_RUN = {"comet + search": "COMET's gate is not searchable (dselectk.search refuses it)"}
+NOT_RUN = "COMET's gate is not searchable (dselectk.search refuses it)"
 
 
 def max_probe_passes(arm: Variant, n: int, k: int) -> int:
@@ -129,7 +173,7 @@ def budget_epochs(epochs: int, n: int, k: int) -> int:
     return epochs + math.ceil(probe / N_TRAIN)
 
 
-def _sizes_text(z: C1.C1Sizes) -> str:
+def _sizes_text(z: C1Sizes) -> str:
     points = "every configuration" if z.points is None else f"{z.points} random configurations"
     return (
         f"{z.n_train:,}/{z.n_val:,}/{z.n_test:,} train/validation/test examples, {points} "
@@ -143,10 +187,10 @@ def _protocol() -> str:
     text = resources.files("dselectk.experiments.templates").joinpath("selection.md")
     head = text.read_text(encoding="utf-8").split("<!-- results -->")[0]
     return Template(head).substitute(
-        arms=", ".join(f"`{a}`" for a in ARMS), not_run=NOT_RUN["comet + search"],
-        c1_seed=C1.DATA_SEED, quick_tasks=list(QUICK_TASKS), full_tasks=list(FULL_TASKS),
+        arms=", ".join(f"`{a}`" for a in ARMS), not_run=NOT_RUN,
+        c1_seed=C1_DATA_SEED, quick_tasks=list(QUICK_TASKS), full_tasks=list(FULL_TASKS),
         budget=", ".join(f"{n}/{t}: {budget_epochs(50, n, t)}" for n, t in FULL_SHAPES),
-        c1_quick=_sizes_text(C1.QUICK), c1_full=_sizes_text(C1.FULL),
+        c1_quick=_sizes_text(C1_QUICK), c1_full=_sizes_text(C1_FULL),
         quick_lrs=list(QUICK_LRS), full_lrs=list(FULL_LRS), n_test=f"{N_TEST:,}",
         seed_lo=SEED_RANGE[0], seed_hi=SEED_RANGE[1], probe=SearchPlan.probe,
     ).strip()  # fmt: skip
@@ -164,7 +208,12 @@ def data_seed(experts: int, true: int) -> int:
 
 def init_seed(rep: int) -> int:
     """Repetition r's init seed: the same for every arm, shape and learning rate (paired)."""
-    return (STUDY_SEED * 1_000_003 + rep * 7919 + 17) % 2**31
+    return recovery_init_seed(STUDY_SEED, rep)
+
+
+def load_c1(sizes: C1Sizes) -> SyntheticData:
+    """The study's C.1 data (all 128 tasks; a cell of T tasks uses the first T)."""
+    return generate_data(C1_DATA_SEED, sizes.n_train, sizes.n_val, sizes.n_test)
 
 
 class HeldOutData:
@@ -190,7 +239,7 @@ class HeldOutData:
 @dataclass(frozen=True)
 class SelectionConfig:
     """What a ``reproduce selection`` command computes: recovery at ``shapes`` and Appendix C.1
-    at ``tasks`` (either may be empty)."""
+    at ``tasks`` (either may be empty; the flags' types check the shapes, tasks and arms)."""
 
     out: Path
     arms: tuple[str, ...] = tuple(ARMS)
@@ -199,21 +248,11 @@ class SelectionConfig:
     lrs: tuple[float, ...] = QUICK_LRS
     epochs: int | None = None
     tasks: tuple[int, ...] = QUICK_TASKS
-    c1: C1.C1Sizes = C1.QUICK
+    c1: C1Sizes = C1_QUICK
 
     def __post_init__(self) -> None:
         for n, t in self.shapes:
-            if not 1 <= t <= n // 4:
-                raise ValueError(f"argument --shapes: {n}/{t}: need 1 <= true <= experts/4")
             data_seed(n, t)
-        bad = [t for t in self.tasks if t not in (16, 32, 64, 128)]
-        if bad:
-            raise ValueError(f"argument --tasks: {bad}: choose from 16, 32, 64, 128")
-        unknown = [a for a in self.arms if a not in ARMS]
-        if unknown:
-            raise ValueError(f"argument --arms: unknown {unknown}; choose from {list(ARMS)}")
-        if not self.shapes and not self.tasks:
-            raise ValueError("arguments --shapes/--tasks: nothing to run (both empty)")
 
 
 #: a cell: (arm, "recovery", experts, true) or (arm, "c1", tasks, k)
@@ -222,7 +261,7 @@ Cell = tuple[str, str, int, int]
 
 def cells(config: SelectionConfig) -> list[Cell]:
     rec = [(a, "recovery", n, t) for n, t in config.shapes for a in config.arms]
-    c1 = [(a, "c1", t, C1.K) for t in config.tasks for a in config.arms if a in C1_ARMS]
+    c1 = [(a, "c1", t, C1_K) for t in config.tasks for a in config.arms if a in C1_ARMS]
     return rec + c1
 
 
@@ -251,77 +290,104 @@ def _record(arm: str, shape: tuple[int, int], hp: dict, lr: float, rep: int, pha
     }  # fmt: skip
 
 
-def _counting(fn: Any) -> tuple[Any, int]:
-    """``fn()`` and the probe passes of the searches it ran (every candidate evaluation scores
-    every member of the vectorised bank)."""
-    _SEARCHES.clear()
-    out = fn()
-    passes = sum(res.evaluations for s in _SEARCHES for res in s.results)
-    _SEARCHES.clear()
-    return out, passes
+def _c1_data_cfg(sizes: C1Sizes) -> dict[str, Any]:
+    return {"study": "selection", "seed": C1_DATA_SEED, "n_train": sizes.n_train,
+            "n_val": sizes.n_val, "n_test": sizes.n_test}  # fmt: skip
 
 
-def _train(arm: Variant, hp: dict, data: Any, jobs: list, shape: tuple[int, int], desc: str,
-           progress: bool) -> list[dict[str, float]]:  # fmt: skip
-    metrics, passes = _counting(
-        lambda: train_reps(
-            arm, {**hp, "lr": float(jobs[0][0])}, data, [init_seed(r) for _, r in jobs],
-            shuffle_seed=STUDY_SEED, experts=shape[0], k=shape[1], lrs=[lr for lr, _ in jobs],
-            record_every=0, progress=progress, desc=desc,
-        )[0]
-    )  # fmt: skip
-    steps = int(hp["epochs"]) * math.ceil(N_TRAIN / BATCH_SIZE)
-    for m in metrics:
-        m["probe_passes"] = float(passes)
-        m["probe_share"] = passes * SearchPlan.probe / (steps * BATCH_SIZE)
-    return metrics
-
-
-def _c1_record(arm: str, tasks: int, sizes: C1.C1Sizes, hp: dict, rep: int) -> dict:
+def _c1_record(arm: str, tasks: int, sizes: C1Sizes, hp: dict, rep: int) -> dict:
     return {
         "experiment": EXPERIMENT, "study": "c1", "phase": "test", "arm": arm,
         "variant": C1_ARMS[arm].identity(), "num_tasks": tasks, "num_experts": tasks // 4,
-        "k": C1.K, "hparams": dict(sorted(hp.items())), "rep": rep, "init_seed": init_seed(rep),
-        "shuffle_seed": STUDY_SEED, "data": C1.data_cfg(sizes),
+        "k": C1_K, "hparams": dict(sorted(hp.items())), "rep": rep, "init_seed": init_seed(rep),
+        "shuffle_seed": STUDY_SEED, "data": _c1_data_cfg(sizes),
     }  # fmt: skip
+
+
+def _counting(train: Any, examples: int) -> list[dict[str, float]]:
+    """The metrics ``train()`` returns, each with the probe passes of the searches it ran (every
+    candidate evaluation scores every member of the vectorised bank) and their share of the
+    ``examples`` the training passed."""
+    _SEARCHES.clear()
+    metrics = train()
+    passes = sum(res.evaluations for s in _SEARCHES for res in s.results)
+    _SEARCHES.clear()
+    for m in metrics:
+        m["probe_passes"] = float(passes)
+        m["probe_share"] = passes * SearchPlan.probe / examples
+    return metrics
+
+
+def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: SyntheticData,
+                 progress: bool) -> dict:  # fmt: skip
+    """Tune the arm at T = ``tasks`` on validation, then retrain the selection ``reps`` times
+    and evaluate it once on the test split."""
+    arm, sizes, store = C1_ARMS[name], config.c1, RunStore(config.out)
+    shape = {"num_experts": tasks // 4, "k": C1_K}
+    per_config = EPOCHS_AXIS if arm.schedules or arm.search is not None else 1
+    points = None if sizes.points is None else sizes.points * per_config
+    no_test = dataclasses.replace(data, x_test=data.x_val, y_test=data.y_val)
+    selected = c1_train.tune(
+        arm, tasks, no_test, store, trials=sizes.trials, max_points=points, seed=STUDY_SEED,
+        data_cfg=_c1_data_cfg(sizes), progress=progress, shape=shape,
+    )  # fmt: skip
+    hp = dict(selected["hparams"])
+    cfgs = [_c1_record(name, tasks, sizes, hp, r) for r in range(sizes.reps)]
+    todo = missing(store, cfgs)
+    if todo:
+        metrics = _counting(
+            lambda: c1_train.train_reps(
+                arm, tasks, hp, [init_seed(r) for r in todo], data, shuffle_seed=STUDY_SEED,
+                progress=progress, desc=f"{name}/c1-T{tasks} test", num_experts=tasks // 4,
+                k=C1_K,
+            )[int(hp["epochs"])],
+            total_steps(int(hp["epochs"]), sizes.n_train, C1_BATCH) * C1_BATCH,
+        )  # fmt: skip
+        for m, i in zip(metrics, todo, strict=True):
+            store.save(cfgs[i], m)
+    return {**selected, "hparams": json.loads(json.dumps(hp)), "rule": "lowest mean validation "
+            "MSE over the trials (binary configurations first, Appendix D)"}  # fmt: skip
 
 
 def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> dict:
     """Tune on validation, then retrain the selection and evaluate it once on the test set."""
     name, study, a, b = cell
-    store = RunStore(config.out)
     if study == "c1":
-        return C1.run_c1_cell(
-            C1_ARMS[name], a, data, config.c1, store, init_seed=init_seed, study_seed=STUDY_SEED,
-            record=lambda hp, r: _c1_record(name, a, config.c1, hp, r), train_counted=_counting,
-            progress=progress,
-        )  # fmt: skip
-    arm, shape = ARMS[name], (a, b)
+        return _run_c1_cell(config, name, a, data, progress)
+    store, arm, shape = RunStore(config.out), ARMS[name], (a, b)
     base = RecoveryData(data_seed(a, b), N_TRAIN, N_VAL, num_true=b)
     hp = hparams_of(config, arm, shape)
-    jobs = [(lr, r) for lr in config.lrs for r in range(config.reps)]
-    cfgs = [_record(name, shape, hp, lr, r, "tune") for lr, r in jobs]
-    todo = missing(store, cfgs)
-    if todo:
-        ms = _train(
-            arm, hp, base, [jobs[i] for i in todo], shape, f"{cell_name(cell)} tune", progress
-        )
-        for m, i in zip(ms, todo):
+    examples = total_steps(int(hp["epochs"]), N_TRAIN, BATCH_SIZE) * BATCH_SIZE
+
+    def train(cfgs: list[dict[str, Any]], data: Any, phase: str) -> None:
+        """Train the runs of ``cfgs`` not recorded yet, as one vectorized model."""
+        todo = missing(store, cfgs)
+        if not todo:
+            return
+        lrs, reps = [cfgs[i]["lr"] for i in todo], [cfgs[i]["rep"] for i in todo]
+        metrics = _counting(
+            lambda: train_reps(
+                arm, {**hp, "lr": lrs[0]}, data, [init_seed(r) for r in reps],
+                shuffle_seed=STUDY_SEED, experts=a, k=b, lrs=lrs, record_every=0,
+                progress=progress, desc=f"{cell_name(cell)} {phase}",
+            )[0],
+            examples,
+        )  # fmt: skip
+        for m, i in zip(metrics, todo):
+            if phase == "test":
+                m = {k.replace("val_", "test_"): v for k, v in m.items()}
             store.save(cfgs[i], m)
+
+    cfgs = [
+        _record(name, shape, hp, lr, r, "tune") for lr in config.lrs for r in range(config.reps)
+    ]
+    train(cfgs, base, "tune")
     loss: dict[float, list[float]] = {}
     for c in cfgs:
-        rec = json.loads(store.path(run_id(c)).read_text(encoding="utf-8"))
+        rec = read_record(store.path(run_id(c)))
         loss.setdefault(c["lr"], []).append(rec["metrics"]["val_loss"])
     mean = {v: sum(ls) / len(ls) for v, ls in loss.items()}
     lr = min(loss, key=lambda v: (mean[v] if math.isfinite(mean[v]) else math.inf, v))
     tests = [_record(name, shape, hp, lr, r, "test") for r in range(config.reps)]
-    todo = missing(store, tests)
-    if todo:
-        test = HeldOutData(base)
-        ms = _train(
-            arm, hp, test, [(lr, r) for r in todo], shape, f"{cell_name(cell)} test", progress
-        )
-        for m, i in zip(ms, todo):
-            m = {k.replace("val_", "test_"): v for k, v in m.items()}
-            store.save(tests[i], m)
+    train(tests, HeldOutData(base), "test")
     return {"lr": lr, "lrs": list(config.lrs), "rule": "lowest mean validation loss"}
