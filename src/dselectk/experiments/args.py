@@ -76,9 +76,7 @@ def check_out_dir(path: str | Path) -> Path:
         raise ValueError(f"--out {path}: is a file, expected a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check.")
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.TemporaryFile(dir=path, prefix=".write-check.").close()
     except OSError as e:
         raise ValueError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     return path
@@ -122,8 +120,7 @@ def existing_file(text: str) -> Path:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file")
     try:
-        with path.open("rb"):
-            pass
+        path.open("rb").close()
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text}: cannot read it ({e.strerror or e})") from None
     return path
