@@ -180,7 +180,7 @@ def train_reps(
         cbs.append(variant.search.callback(model.gates, loss, steps))
     if telemetry_dir is not None:
         cbs.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
-    config = TrainConfig.for_members(
+    cfg = TrainConfig.for_members(
         lr=max(rates),
         batch_size=BATCH_SIZE,
         epochs=epochs,
@@ -189,9 +189,9 @@ def train_reps(
         desc=desc,
         position=progress_position(),
     )
-    feats = TaskData(model.features(data.x_train), [data.y_train])
+    train_xy = TaskData(model.features(data.x_train), [data.y_train])
     scheds = variant.schedulers(model.gates, hparams, steps)
     train(
-        model, feats, None, config, schedulers=scheds, optimizer=opt, callbacks=cbs, loss_fn=_loss
+        model, train_xy, None, cfg, schedulers=scheds, optimizer=opt, callbacks=cbs, loss_fn=_loss
     )
     return _evaluate(model, model.features(data.x_val), data.y_val), trajectory.trajectories

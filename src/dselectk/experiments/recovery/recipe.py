@@ -138,10 +138,13 @@ class RecoveryConfig:
         return {"experts": self.experts, "true": self.true_experts, "k": int(self.k or 0)}
 
 
-def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str, Any]:
+def tuned_hparams(
+    variant: Variant, path: str | Path | None = None, epochs: int | None = None
+) -> dict[str, Any]:
     """The variant's hyperparameters: the :data:`BASE_HPARAMS` its gate declares, then its entry
-    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked. A
-    user's file without an entry for the variant is a ValueError, never a silent fallback."""
+    in the tuning record (``path``, default the shipped ``tuned_recovery.json``), checked, then
+    ``epochs`` when given. A user's file without an entry for the variant is a ValueError,
+    never a silent fallback."""
     if path:
         rec, _ = read_json_object(path, "--tuned")
         where = f"--tuned {path}"
@@ -158,7 +161,8 @@ def tuned_hparams(variant: Variant, path: str | Path | None = None) -> dict[str,
         )
     entry = table.get(variant.tuned_name, {})
     base = {k: v for k, v in BASE_HPARAMS.items() if k in (*TRAINER_HPARAMS, *variant.spec.hparams)}
-    return variant.check_hparams({**base, **entry}, f"{where}: hparams.{variant.tuned_name}")
+    hp = variant.check_hparams({**base, **entry}, f"{where}: hparams.{variant.tuned_name}")
+    return hp if epochs is None else {**hp, "epochs": epochs}
 
 
 def init_seed(seed: int, rep: int) -> int:
@@ -191,9 +195,7 @@ def run_cell(
     """One variant: every (learning rate, repetition) not recorded yet, trained in one
     vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
     variant, store = VARIANTS[gate], RunStore(config.out)
-    hp = tuned_hparams(variant, config.tuned)
-    if config.epochs is not None:
-        hp["epochs"] = config.epochs
+    hp = tuned_hparams(variant, config.tuned, config.epochs)
     tuned, reps = config.tuned, config.repetitions
     source = f"--tuned {tuned} (sha256 {file_digest(tuned)})" if tuned else "tuned_recovery.json"
     selection = {"hparams": hp, "lrs": [float(v) for v in config.lr_grid], "source": source}

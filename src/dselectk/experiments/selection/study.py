@@ -271,9 +271,7 @@ def cell_name(cell: Cell) -> str:
 
 
 def hparams_of(config: SelectionConfig, arm: Variant, shape: tuple[int, int]) -> dict[str, Any]:
-    hp = tuned_hparams(arm)
-    if config.epochs is not None:
-        hp["epochs"] = config.epochs
+    hp = tuned_hparams(arm, epochs=config.epochs)
     if arm.name in BUDGET_ARMS:
         hp["epochs"] = budget_epochs(int(hp["epochs"]), *shape)
     return hp

@@ -56,7 +56,7 @@ ROUTERS = variant_table(
 )
 #: the routers a command runs without ``--gates`` (expert choice sees the whole batch, future
 #: tokens included: a competitor to run on purpose, not a default)
-DEFAULT_ROUTERS = ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
+DEFAULT_ROUTERS = tuple(name for name, v in ROUTERS.items() if v.routing == "token")
 #: optimizer steps the step timer leaves out (warm-up)
 WARMUP_STEPS = 10
 

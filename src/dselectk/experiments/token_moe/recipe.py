@@ -174,7 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_ROUTERS),
         choices=list(ROUTERS),
-        help=f"routers (default: {' '.join(DEFAULT_ROUTERS)}; also expert_choice)",
+        help=f"routers (default: {' '.join(DEFAULT_ROUTERS)}; also "
+        f"{' '.join(n for n in ROUTERS if n not in DEFAULT_ROUTERS)})",
     )
     p.add_argument(
         "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
