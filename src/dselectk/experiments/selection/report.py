@@ -197,11 +197,14 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
         lines += ["", "Appendix C.1:", *[x for x, _ in c1]]
     lines.append(f"- Probe passes per run, mean over settings: {text}.")
     lines += _passes_table(summary)
-    studies = {"expert recovery": [c for _, c in rec if c != "not run"],
-               "Appendix C.1": [c for _, c in c1 if c != "not run"]}  # fmt: skip
-    adds = [k for k, cs in studies.items() if cs and all(c == "ahead" for c in cs)]
-    ran = [k for k, cs in studies.items() if cs]
-    if ran and len(adds) == len(ran):
+    calls = [
+        (pair[1], call, study)
+        for study, pooled in (("expert recovery", rec), ("Appendix C.1", c1))
+        for pair, (_, call) in zip(VERDICT_PAIRS, pooled)
+        if call != "not run"
+    ]
+    ran = list(dict.fromkeys(study for _, _, study in calls))
+    if ran and all(call == "ahead" for _, call, _ in calls):
         lines.append(
             "- **Verdict: DSelect-k's smooth phase adds to the search** (DSelect-k + search is "
             "ahead of both search-only and Top-k + search by more than 2 s.e. in "
@@ -210,11 +213,7 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
         )
     elif ran:
         lead = {"ahead": "ahead of ", "no difference": "within 2 s.e. of: ", "behind": "behind "}
-        named: dict[str, list[str]] = {call: [] for call in lead}
-        for study, pooled in (("expert recovery", rec), ("Appendix C.1", c1)):
-            for (_, call), pair in zip(pooled, VERDICT_PAIRS, strict=False):
-                if call != "not run":
-                    named[call].append(f"{pair[1]} in {study}")
+        named = {c: [f"{arm} in {study}" for arm, call, study in calls if call == c] for c in lead}
         lines.append(
             "- **Verdict: this study does not show that DSelect-k's smooth phase adds anything "
             "beyond the search in every setting.** DSelect-k + search is "
