@@ -57,20 +57,16 @@ def _float_type(domain: str, ok: Callable[[float], bool]) -> Callable[[str], flo
     return parse
 
 
-#: argparse types: a finite number > 0 (learning rates, γ, temperatures), >= 0 (regularisation
-#: weights), in [0, 1]
+#: argparse types: a finite number > 0 (learning rates, γ), >= 0 (weights), in [0, 1], in [0, 1)
 positive_float = _float_type("a finite number > 0", lambda v: v > 0)
 nonnegative_float = _float_type("a finite number >= 0", lambda v: v >= 0)
 probability = _float_type("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
-#: a finite number in [0, 1) (a fraction of a run's steps that must leave some)
 unit_interval_open = _float_type("a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
 def check_out_dir(path: str | Path) -> Path:
     """Create the results folder if needed and check that it can be written, up front (a
-    ValueError when ``path`` is empty or a file, or cannot be created or written)."""
-    if not str(path).strip():
-        raise ValueError("--out: expected a results folder, got an empty path")
+    ValueError when ``path`` is a file, or cannot be created or written)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {path}: is a file, expected a folder")
@@ -84,21 +80,33 @@ def check_out_dir(path: str | Path) -> Path:
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
     """A recipe's frozen run config from the parsed flags: each field of the dataclass ``cls``
-    takes ``values``' or the flag of its name (lists become tuples without repeats, so the
-    config is hashable); a TypeError when a field without a default has neither."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in values:
-            value = values[f.name]
-        elif hasattr(args, f.name):
-            value = getattr(args, f.name)
-        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-            continue
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name}: no flag --{f.name.replace('_', '-')}")
-        # lists become tuples, repeated values once (``--gates topk topk`` is one cell)
-        kw[f.name] = tuple(dict.fromkeys(value)) if isinstance(value, list) else value
-    return cls(**kw)
+    takes ``values``' or the flag of its name, else its default."""
+    given = {**vars(args), **values}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    kw = {f.name: given[f.name] for f in fields if f.name in given}
+    # lists become tuples without repeats: the config is hashable, ``--gates topk topk`` one cell
+    return cls(**{k: tuple(dict.fromkeys(v)) if isinstance(v, list) else v for k, v in kw.items()})
+
+
+def setting(default: Any, /, help: str | None = None, alias: str | None = None, **kw: Any) -> Any:
+    """A run-config field that is also the flag ``--NAME`` (and ``alias``) of
+    :func:`add_config_arguments`, with argparse's ``kw`` (``type``, ``choices``...): a tuple
+    takes one or more values, False makes a switch; the flag's default is the field's unless
+    ``kw`` has another (None: the recipe resolves an absent flag)."""
+    kw = {"help": help, "default": default, **kw}
+    if isinstance(default, tuple):
+        kw["nargs"] = "+"
+    if default is False:
+        kw["action"] = "store_true"
+    return dataclasses.field(default=default, metadata={"flag": (alias, kw)})
+
+
+def add_config_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per :func:`setting` of the dataclass ``cls``, in field order."""
+    for f in dataclasses.fields(cls):
+        if "flag" in f.metadata:
+            alias, kw = f.metadata["flag"]
+            p.add_argument(f"--{f.name.replace('_', '-')}", *([alias] if alias else []), **kw)
 
 
 def out_dir(text: str) -> Path:
@@ -115,10 +123,9 @@ def existing_file(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a file, got an empty path")
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: is a folder, expected a file")
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+        why = "is a folder, expected a file" if path.is_dir() else "no such file"
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
     try:
         path.open("rb").close()
     except OSError as e:
@@ -163,9 +170,8 @@ def physical_memory() -> int | None:
 
 
 def check_fits(need: float, what: str, total: int | None = None) -> None:
-    """Refuse, before allocating, ``need`` bytes that scale with flags: a ValueError naming
-    ``what`` (the flags and values) and the estimate when it exceeds :data:`MEMORY_FRACTION` of
-    ``total`` (default the machine's memory)."""
+    """Refuse, before allocating, ``need`` bytes that scale with flags (``what``: the flags and
+    values) when it exceeds :data:`MEMORY_FRACTION` of ``total`` (default the machine's)."""
     total = physical_memory() if total is None else total
     if total is None or need <= MEMORY_FRACTION * total:
         return
@@ -177,8 +183,7 @@ def check_fits(need: float, what: str, total: int | None = None) -> None:
 
 
 def hparam_type(h: HParam) -> Callable[[str], Any]:
-    """An argparse type for one declared gate hyperparameter: its type and range, from the
-    registry (:class:`~dselectk.gates.registry.HParam`), never restated by a recipe."""
+    """An argparse type for one declared gate hyperparameter: its type and range, from ``h``."""
 
     def parse(text: str) -> Any:
         value: Any = text
@@ -197,9 +202,8 @@ def hparam_type(h: HParam) -> Callable[[str], Any]:
 
 
 def add_hparam_arguments(p: argparse.ArgumentParser, gates: Iterable[str]) -> list[str]:
-    """One ``--NAME`` flag per hyperparameter the registry declares for ``gates`` (registry
-    names), typed and range-checked from the declaration, default None (the tuned value).
-    Returns the flags' destinations, so the recipe can collect the overrides."""
+    """One ``--NAME`` flag per hyperparameter the registry declares for ``gates``, typed and
+    range-checked by :func:`hparam_type`, default None (the tuned value); returns their names."""
     seen: dict[str, HParam] = {}
     for name in gates:
         for h in gate_spec(name).hparams.values():

@@ -17,12 +17,14 @@ from typing import Any
 
 from dselectk.data.synthetic import SyntheticData, generate_data
 from dselectk.experiments.args import (
+    add_config_arguments,
     check_fits,
     config_from_args,
     existing_file,
     int_at_least,
     nonnegative_float,
     positive_float,
+    setting,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
@@ -76,45 +78,7 @@ def warmup_fraction(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
     add_run_arguments(p, out="results/synthetic", threads=0, jobs=0, cells="(gate, T) cells")
-    p.add_argument(
-        "--tasks", type=task_count, nargs="+", default=[16, 32, 64, 128], help="T values"
-    )
-    p.add_argument("--gates", nargs="+", default=DEFAULT_GATES, choices=sorted(VARIANTS))
-    p.add_argument("--experts", type=POS, help="experts E of the model (T/4)")
-    p.add_argument("--k", type=POS, default=K, help=f"experts each task selects ({K})")
-    p.add_argument("--reps", type=POS, help="repetitions (quick 5, full 100)")
-    p.add_argument("--batch-reps", type=POS, help="repetitions trained together")
-    p.add_argument("--seed", type=NONNEG, default=0, help="base seed (init, shuffling)")
-    p.add_argument("--data-seed", type=NONNEG, default=0, help="seed of the generated data")
-    p.add_argument("--full", action="store_true", help="paper protocol: grid search + 100 reps")
-    p.add_argument("--epochs", type=POS, help="override the epochs of every gate")
-    p.add_argument("--lr", type=positive_float, help="override the learning rate")
-    p.add_argument("--gamma", type=positive_float, help="override DSelect-k's γ")
-    p.add_argument("--gamma-end", type=positive_float, help="anneal γ to this (log scale)")
-    p.add_argument("--entropy-reg", type=nonnegative_float, help="override λ (DSelect-k, abl.)")
-    p.add_argument("--entropy-reg-end", type=nonnegative_float, help="ramp λ linearly to this")
-    p.add_argument(
-        "--entropy-warmup",
-        type=warmup_fraction,
-        default=0.0,
-        help="with --entropy-reg-end: the fraction of the run with λ = 0 before the ramp",
-    )
-    p.add_argument(
-        "--temperature",
-        "--temperature-start",
-        type=positive_float,
-        help="annealing start temperature s (Ablation (Annealing))",
-    )
-    p.add_argument("--n-train", type=POS, default=100_000, help="training rows (paper 100k)")
-    p.add_argument("--n-eval", type=POS, default=20_000, help="validation = test rows (20k)")
-    p.add_argument(
-        "--tuned",
-        type=existing_file,
-        help="tuning record to use (every --gates x --tasks cell needs an entry: its T or "
-        '"default")',
-    )
-    p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
-    p.add_argument("--max-points", type=POS, help="--full: grid points sampled")
+    add_config_arguments(p, SyntheticConfig)
 
 
 @dataclass(frozen=True)
@@ -122,28 +86,43 @@ class SyntheticConfig:
     """What a ``reproduce synthetic`` command computes: the flags of the same names."""
 
     out: Path
-    gates: tuple[str, ...]
-    tasks: tuple[int, ...]
-    experts: int | None = None
-    k: int = K
-    reps: int | None = None
-    batch_reps: int | None = None
-    seed: int = 0
-    data_seed: int = 0
-    full: bool = False
-    epochs: int | None = None
-    lr: float | None = None
-    gamma: float | None = None
-    gamma_end: float | None = None
-    entropy_reg: float | None = None
-    entropy_reg_end: float | None = None
-    entropy_warmup: float = 0.0
-    temperature: float | None = None
-    n_train: int = 100_000
-    n_eval: int = 20_000
-    tuned: Path | None = None
-    trials: int = 5
-    max_points: int | None = None
+    tasks: tuple[int, ...] = setting((16, 32, 64, 128), "T values", type=task_count)
+    gates: tuple[str, ...] = setting(tuple(DEFAULT_GATES), choices=sorted(VARIANTS))
+    experts: int | None = setting(None, "experts E of the model (T/4)", type=POS)
+    k: int = setting(K, f"experts each task selects ({K})", type=POS)
+    reps: int | None = setting(None, "repetitions (quick 5, full 100)", type=POS)
+    batch_reps: int | None = setting(None, "repetitions trained together", type=POS)
+    seed: int = setting(0, "base seed (init, shuffling)", type=NONNEG)
+    data_seed: int = setting(0, "seed of the generated data", type=NONNEG)
+    full: bool = setting(False, "paper protocol: grid search + 100 reps")
+    epochs: int | None = setting(None, "override the epochs of every gate", type=POS)
+    lr: float | None = setting(None, "override the learning rate", type=positive_float)
+    gamma: float | None = setting(None, "override DSelect-k's γ", type=positive_float)
+    gamma_end: float | None = setting(None, "anneal γ to this (log scale)", type=positive_float)
+    entropy_reg: float | None = setting(
+        None, "override λ (DSelect-k, abl.)", type=nonnegative_float
+    )
+    entropy_reg_end: float | None = setting(None, "ramp λ linearly to this", type=nonnegative_float)
+    entropy_warmup: float = setting(
+        0.0,
+        "with --entropy-reg-end: the fraction of the run with λ = 0 before the ramp",
+        type=warmup_fraction,
+    )
+    temperature: float | None = setting(
+        None,
+        "annealing start temperature s (Ablation (Annealing))",
+        "--temperature-start",
+        type=positive_float,
+    )
+    n_train: int = setting(100_000, "training rows (paper 100k)", type=POS)
+    n_eval: int = setting(20_000, "validation = test rows (20k)", type=POS)
+    tuned: Path | None = setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        'tuning record to use (every --gates x --tasks cell needs an entry: its T or "default")',
+        type=existing_file,
+    )
+    trials: int = setting(5, "--full: trials per grid point", type=POS)
+    max_points: int | None = setting(None, "--full: grid points sampled", type=POS)
     telemetry: bool = False
 
     def overrides(self) -> dict[str, Any]:
