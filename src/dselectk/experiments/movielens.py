@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from dselectk.data.movielens import MovieLensSplit
 from dselectk.data.movielens.baselines import reference_metrics
 from dselectk.experiments import realdata as rd
-from dselectk.experiments.args import check_fits, int_at_least, physical_memory, probability
+from dselectk.experiments.args import (
+    check_fits,
+    int_at_least,
+    physical_memory,
+    probability,
+    setting,
+)
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import make_towers
 from dselectk.layers.embedding import MovieLensEmbedding
@@ -108,11 +114,13 @@ def _task_weights(alpha: Any) -> list[float]:
 class MovieLensConfig(rd.RealDataConfig):
     """What a ``reproduce movielens`` command computes (the flags of the same names)."""
 
-    variant: str = "ml-1m"
-    alphas: tuple[float, ...] = QUICK_ALPHAS
-    neg_ratio: int = 1
-    max_train: int | None = None
-    no_side_features: bool = False
+    variant: str = setting("ml-1m", "ml-1m: the paper's", choices=["ml-100k", "ml-1m"])
+    alphas: tuple[float, ...] = setting(  # an absent --alphas: resolved by ``run``
+        QUICK_ALPHAS, "α values (quick 0.5, full all)", type=probability, default=None
+    )
+    neg_ratio: int = setting(1, "negatives per rating", type=int_at_least(1))
+    max_train: int | None = setting(None, "training examples", type=int_at_least(1))
+    no_side_features: bool = setting(False, "user and movie ids only")
 
     @property
     def settings(self) -> tuple[Any, ...]:
@@ -259,16 +267,7 @@ def experiment() -> rd.Experiment:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    rd.add_common_arguments(p, "results/movielens")
-    p.add_argument(
-        "--variant", choices=["ml-100k", "ml-1m"], default="ml-1m", help="ml-1m: the paper's"
-    )
-    p.add_argument(
-        "--alphas", type=probability, nargs="+", default=None, help="α values (quick 0.5, full all)"
-    )
-    p.add_argument("--neg-ratio", type=int_at_least(1), default=1, help="negatives per rating")
-    p.add_argument("--max-train", type=int_at_least(1), default=None, help="training examples")
-    p.add_argument("--no-side-features", action="store_true", help="user and movie ids only")
+    rd.add_common_arguments(p, "results/movielens", MovieLensConfig)
 
 
 def run(args: argparse.Namespace) -> int:

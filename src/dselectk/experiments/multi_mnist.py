@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from dselectk.experiments import realdata as rd
-from dselectk.experiments.args import check_fits, int_at_least
+from dselectk.experiments.args import check_fits, int_at_least, setting
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import executor_from_args
 from dselectk.layers.cnn import BatchedCNNExperts, SingleCNN, make_towers
@@ -102,15 +102,22 @@ def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -
     return float(conv1 + conv2 + dense)
 
 
+def _size(split: int, what: str) -> Any:
+    """The setting of a split's image count (an absent flag: resolved by ``run``)."""
+    quick, full = QUICK_SIZES[split], FULL_SIZES[split]
+    help_text = f"{what} images (quick {quick}, full {full})"
+    return setting(quick, help_text, type=int_at_least(1), default=None)
+
+
 @dataclass(frozen=True)
 class MultiMNISTConfig(rd.RealDataConfig):
     """What a ``reproduce multi-mnist|multi-fashion`` command computes (the flags of the same
     names; ``experiment_name`` is the command's)."""
 
     experiment_name: str = "multi-mnist"
-    n_train: int = QUICK_SIZES[0]
-    n_val: int = QUICK_SIZES[1]
-    n_test: int = QUICK_SIZES[2]
+    n_train: int = _size(0, "training")
+    n_val: int = _size(1, "validation")
+    n_test: int = _size(2, "test")
 
 
 def check_memory(config: MultiMNISTConfig, total: int | None = None) -> None:
@@ -174,13 +181,7 @@ def experiment(name: str) -> rd.Experiment:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    rd.add_common_arguments(p, "results/multi-mnist")
-    splits = zip(
-        ("train", "val", "test"), ("training", "validation", "test"), QUICK_SIZES, FULL_SIZES
-    )
-    for split, what, quick, full in splits:
-        help_text = f"{what} images (quick {quick}, full {full})"
-        p.add_argument(f"--n-{split}", type=int_at_least(1), default=None, help=help_text)
+    rd.add_common_arguments(p, "results/multi-mnist", MultiMNISTConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,9 +2,9 @@
 D.1, D.2). A recipe (:mod:`dselectk.experiments.movielens`,
 :mod:`dselectk.experiments.multi_mnist`) describes its experiment as an :class:`Experiment`;
 this package, which never imports the recipes, runs it: ``spec`` (the gates, the spec, the run
-config, record identity), ``train`` (one run, the ``--full`` grid search), ``recipe`` (flags,
-cells, the command on the shared runner), ``plan`` (the ``--dry-run`` cost) and ``report``
-(summary, report and plots from the records alone).
+config and its flags, record identity), ``train`` (one run, the ``--full`` grid search),
+``recipe`` (cells, the command on the shared runner), ``plan`` (the ``--dry-run`` cost) and
+``report`` (summary, report and plots from the records alone).
 """
 
 from dselectk.experiments.realdata.recipe import add_common_arguments, config_of, run_experiment

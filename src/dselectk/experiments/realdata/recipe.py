@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dselectk.experiments.args import config_from_args, int_at_least, positive_float
+from dselectk.experiments.args import add_config_arguments, config_from_args
 from dselectk.experiments.executors import Executor
 from dselectk.experiments.realdata import report as rd_report
 from dselectk.experiments.realdata.plan import print_plan
@@ -35,64 +35,17 @@ from dselectk.experiments.realdata.train import overrides, train_one, tune
 from dselectk.experiments.records import RunStore, read_object
 from dselectk.experiments.runner import Recipe, add_run_arguments, missing, run_recipe
 from dselectk.io import write_json
-from dselectk.layers.init import INITS
-from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.progress import tqdm
 
 #: the data this process loaded for the running command (data key → splits); see :func:`load`
 _DATA: dict[Hashable, Splits] = {}
-POS, NONNEG = int_at_least(1), int_at_least(0)
 
 
-def add_common_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
-    """Flags shared by the real-data experiments (with the runner's, :func:`add_run_arguments`:
-    every worker of ``--jobs`` loads its own copy of the data, hence the default 1)."""
+def add_common_arguments(p: argparse.ArgumentParser, default_out: str, cls: type) -> None:
+    """The runner's flags (:func:`add_run_arguments`: every worker of ``--jobs`` loads its own
+    copy of the data, hence the default 1), then the settings of the run config ``cls``."""
     add_run_arguments(p, out=default_out, threads=1, jobs=1, cells="(setting, gate) cells")
-    p.add_argument(
-        "--data-dir", type=Path, default=None, help="data folder ($DSELECTK_DATA or ~/.cache)"
-    )
-    p.add_argument(
-        "--repetitions",
-        "--reps",
-        type=POS,
-        default=None,
-        dest="repetitions",
-        help="repetitions per gate and setting (quick: MovieLens 3, Multi-MNIST 1; full 100)",
-    )
-    p.add_argument("--seed", type=NONNEG, default=0, help="seed of the data and of the runs")
-    p.add_argument(
-        "--gates",
-        nargs="+",
-        default=None,
-        choices=list(VARIANTS),
-        help="gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
-    )
-    p.add_argument(
-        "--full", action="store_true", help="paper protocol: Appendix D grid search, 100 reps"
-    )
-    p.add_argument("--epochs", type=POS, default=None, help="override the epochs of every run")
-    p.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
-    p.add_argument(
-        "--gamma",
-        type=positive_float,
-        default=None,
-        help="override the smooth-step γ of the gates that declare one (DSelect-k; quick default "
-        "or --full grid axis); part of every such run's hyperparameters",
-    )
-    p.add_argument("--grid-points", type=POS, default=20, help="--full: grid points per cell")
-    p.add_argument("--trials", type=POS, default=5, help="--full: trials per grid point")
-    p.add_argument(
-        "--init", choices=list(INITS), default="keras", help="initialisation (keras: TF2's)"
-    )
-    p.add_argument(
-        "--optimizer-defaults",
-        choices=list(OPTIMIZER_DEFAULTS),
-        default="tf",
-        help="optimizer constants (tf: TF2 Keras' Adagrad accumulator 0.1, eps 1e-7)",
-    )
-    p.add_argument(
-        "--dry-run", action="store_true", help="print the plan (a timed probe of each gate), exit"
-    )
+    add_config_arguments(p, cls)
 
 
 C = TypeVar("C", bound=RealDataConfig)

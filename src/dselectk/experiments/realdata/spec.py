@@ -11,13 +11,17 @@ from typing import Any
 
 from torch import nn
 
+from dselectk.experiments.args import int_at_least, positive_float, setting
 from dselectk.gates import Gate
+from dselectk.layers.init import INITS
+from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 
 #: hyperparameters of a run that shape the model, not the gate's declared ones (``k`` is the
 #: gate's structure: it goes to the constructor unchecked)
 MODEL_HPARAMS = ("k", "units", "dense_layers")
+POS = int_at_least(1)
 
 
 @dataclass(frozen=True)
@@ -144,20 +148,41 @@ class RealDataConfig:
     resolved); each recipe subclasses it with its own flags."""
 
     out: Path
-    gates: tuple[str, ...]
-    data_dir: Path | None = None
-    repetitions: int | None = None
-    seed: int = 0
-    full: bool = False
-    epochs: int | None = None
-    lr: float | None = None
-    grid_points: int = 20
-    trials: int = 5
+    data_dir: Path | None = setting(  # noqa: RUF009 (a dataclasses.field)
+        None, "data folder ($DSELECTK_DATA or ~/.cache)", type=Path
+    )
+    repetitions: int | None = setting(
+        None,
+        "repetitions per gate and setting (quick: MovieLens 3, Multi-MNIST 1; full 100)",
+        "--reps",
+        type=POS,
+    )
+    seed: int = setting(0, "seed of the data and of the runs", type=int_at_least(0))
+    gates: tuple[str, ...] = setting(  # an absent --gates: resolved by ``config_of``
+        tuple(VARIANTS),
+        "gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
+        choices=list(VARIANTS),
+        default=None,
+    )
+    full: bool = setting(False, "paper protocol: Appendix D grid search, 100 reps")
+    epochs: int | None = setting(None, "override the epochs of every run", type=POS)
+    lr: float | None = setting(None, "override the learning rate", type=positive_float)
+    gamma: float | None = setting(
+        None,
+        "override the smooth-step γ of the gates that declare one (DSelect-k; quick default or "
+        "--full grid axis); part of every such run's hyperparameters",
+        type=positive_float,
+    )
+    grid_points: int = setting(20, "--full: grid points per cell", type=POS)
+    trials: int = setting(5, "--full: trials per grid point", type=POS)
     telemetry: bool = False
-    init: str = "keras"
-    optimizer_defaults: str = "tf"
-    gamma: float | None = None
-    dry_run: bool = False
+    init: str = setting("keras", "initialisation (keras: TF2's)", choices=list(INITS))
+    optimizer_defaults: str = setting(
+        "tf",
+        "optimizer constants (tf: TF2 Keras' Adagrad accumulator 0.1, eps 1e-7)",
+        choices=list(OPTIMIZER_DEFAULTS),
+    )
+    dry_run: bool = setting(False, "print the plan (a timed probe of each gate), exit")
 
     @property
     def settings(self) -> tuple[Any, ...]:
