@@ -110,16 +110,14 @@ def add_config_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, c
 
 
 def out_dir(text: str) -> Path:
-    """An argparse type: a results folder (an empty ``--out ""`` is refused: it would write
-    into the working directory)."""
+    """An argparse type: a results folder, not ``""`` (that would write into the working one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a results folder, got an empty path")
     return Path(text)
 
 
 def existing_file(text: str) -> Path:
-    """An argparse type: a readable file (an empty path, a missing file or a folder is refused
-    when the flags are parsed, not after the data has loaded)."""
+    """An argparse type: a readable file, checked when the flags are parsed (not after loading)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a file, got an empty path")
     path = Path(text)
