@@ -1,8 +1,6 @@
-"""Validated command-line values: every numeric flag of the recipes has a type with its domain.
-
-argparse calls these on the raw strings before any work starts, so ``--reps -1`` or
-``--lrs nan`` stop with one line naming the flag and the expected range (exit code 2), instead
-of empty results or a crash after a gate has trained."""
+"""Command-line flags: run-config fields that declare their own (:func:`setting`), and argparse
+types with domains, checked before any work starts: ``--reps -1`` or ``--lrs nan`` stop with one
+line naming the flag and the range (exit code 2), not after a gate has trained."""
 
 from __future__ import annotations
 
