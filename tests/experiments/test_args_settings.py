@@ -86,6 +86,18 @@ def test_a_bad_value_is_refused_naming_the_flag(
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_setting_may_take_its_own_nargs_or_action() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Own:
+        tasks: tuple[int, ...] = setting((1,), "T", type=int, nargs="*", default=None)
+        renormalize: bool = setting(False, "a value", type=str, action="store")
+
+    p = argparse.ArgumentParser()
+    add_config_arguments(p, Own)
+    assert p.parse_args(["--tasks"]).tasks == []
+    assert p.parse_args(["--renormalize", "true"]).renormalize == "true"
+
+
 def test_help_lists_the_settings() -> None:
     text = _parser().format_help()
     assert "--n-train N_TRAIN     training rows" in text
@@ -97,10 +109,20 @@ def test_the_recipes_flags_match_their_configs() -> None:
     """Every flag a recipe declares through its config defaults to the config's default, or to
     None where the recipe resolves an absent flag (quick or full values)."""
     from dselectk.experiments import movielens, multi_mnist
+    from dselectk.experiments.recovery import recipe as recovery
+    from dselectk.experiments.selection import recipe as selection
     from dselectk.experiments.synthetic import recipe as synthetic
+    from dselectk.experiments.token_moe import recipe as token_moe
 
     for add, cls, resolved in [
         (synthetic.add_arguments, synthetic.SyntheticConfig, set()),
+        (token_moe.add_arguments, token_moe.TokenMoEConfig, set()),
+        (recovery.add_arguments, recovery.RecoveryConfig, set()),
+        (
+            selection.add_arguments,
+            selection.SelectionConfig,
+            {"shapes", "reps", "lrs", "tasks"},
+        ),
         (movielens.add_arguments, movielens.MovieLensConfig, {"gates", "alphas"}),
         (
             multi_mnist.add_arguments,

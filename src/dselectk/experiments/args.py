@@ -90,12 +90,13 @@ def setting(default: Any, /, help: str | None = None, alias: str | None = None, 
     """A run-config field that is also the flag ``--NAME`` (and ``alias``) of
     :func:`add_config_arguments`, with argparse's ``kw`` (``type``, ``choices``...): a tuple
     takes one or more values, False makes a switch; the flag's default is the field's unless
-    ``kw`` has another (None: the recipe resolves an absent flag)."""
+    ``kw`` has another (None: the recipe resolves an absent flag), and ``kw`` may set another
+    ``nargs`` or ``action``."""
     kw = {"help": help, "default": default, **kw}
     if isinstance(default, tuple):
-        kw["nargs"] = "+"
+        kw.setdefault("nargs", "+")
     if default is False:
-        kw["action"] = "store_true"
+        kw.setdefault("action", "store_true")
     return dataclasses.field(default=default, metadata={"flag": (alias, kw)})
 
 

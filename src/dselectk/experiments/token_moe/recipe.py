@@ -12,12 +12,14 @@ from typing import Any
 
 from dselectk.data.text import Corpus, load_corpus
 from dselectk.experiments.args import (
+    add_config_arguments,
     check_fits,
     config_from_args,
     hparam_type,
     int_at_least,
     nonnegative_float,
     positive_float,
+    setting,
     unit_interval_open,
 )
 from dselectk.experiments.records import RunStore
@@ -41,8 +43,9 @@ from dselectk.models import char_lm
 
 
 def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
-    """A study setting: its default and its ``--flag`` (argparse type: the value's domain)."""
-    return dataclasses.field(default=default, metadata={"type": kind, "note": note})
+    """A study :func:`setting` taking a value (renormalize's False too): its default, its argparse
+    type (the value's domain) and a help that names the default, then ``note``."""
+    return setting(default, f"default {default}{note}", type=kind, action="store")
 
 
 _DK = gate_spec("dselect_k").hparams
@@ -56,9 +59,16 @@ class TokenMoEConfig:
     ValueError naming the flags."""
 
     out: Path
-    gates: tuple[str, ...] = DEFAULT_ROUTERS
-    seeds: int = 3
-    first_seed: int = 0
+    gates: tuple[str, ...] = setting(
+        DEFAULT_ROUTERS,
+        f"routers (default: {' '.join(DEFAULT_ROUTERS)}; also "
+        f"{' '.join(n for n in ROUTERS if n not in DEFAULT_ROUTERS)})",
+        choices=list(ROUTERS),
+    )
+    seeds: int = setting(3, "seeds per router (paired across routers)", type=int_at_least(1))
+    first_seed: int = setting(
+        0, "seeds run: first-seed, first-seed + 1, ... (default 0)", type=int_at_least(0)
+    )
     telemetry: bool = False
     corpus_bytes: int = _flag(1_500_000, int_at_least(1))
     val_fraction: float = 0.1
@@ -157,9 +167,9 @@ def train_bytes_per_token(c: TokenMoEConfig) -> float:
     return char_lm.train_bytes_per_token(c.hparams())
 
 
-_SETTINGS = dataclasses.fields(TokenMoEConfig)[5:]  # after out, gates, seeds, first_seed, telemetry
-#: the default study (``dselectk reproduce token-moe``): the settings every record stores
-DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETTINGS}
+#: the default study (``dselectk reproduce token-moe``): the settings every record stores (the
+#: fields after out, gates, seeds, first_seed, telemetry)
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
 #: settings added after records existed: a record names them only when not at the default
 LATER = frozenset(
     {"router_lr_scale", "router_hidden", "smooth_step_leak", "capacity_factor", "router_start"}
@@ -169,28 +179,7 @@ LATER = frozenset(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
     add_run_arguments(p, out="results/token_moe", threads=1, jobs=0, cells="routers")
-    p.add_argument(
-        "--gates",
-        nargs="+",
-        default=list(DEFAULT_ROUTERS),
-        choices=list(ROUTERS),
-        help=f"routers (default: {' '.join(DEFAULT_ROUTERS)}; also "
-        f"{' '.join(n for n in ROUTERS if n not in DEFAULT_ROUTERS)})",
-    )
-    p.add_argument(
-        "--seeds", type=int_at_least(1), default=3, help="seeds per router (paired across routers)"
-    )
-    p.add_argument(
-        "--first-seed",
-        type=int_at_least(0),
-        default=0,
-        help="seeds run: first-seed, first-seed + 1, ... (default 0)",
-    )
-    for f in _SETTINGS:
-        if f.metadata:
-            kind, note = f.metadata["type"], f.metadata["note"]
-            flag = f"--{f.name.replace('_', '-')}"
-            p.add_argument(flag, type=kind, default=f.default, help=f"default {f.default}{note}")
+    add_config_arguments(p, TokenMoEConfig)
 
 
 def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
