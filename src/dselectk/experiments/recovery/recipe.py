@@ -13,6 +13,7 @@ from typing import Any
 
 from dselectk.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData
 from dselectk.experiments.args import (
+    add_config_arguments,
     check_fits,
     config_from_args,
     existing_file,
@@ -20,6 +21,7 @@ from dselectk.experiments.args import (
     int_at_least,
     positive_float,
     read_json_object,
+    setting,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.recovery.model import (
@@ -45,41 +47,12 @@ POS, NONNEG = int_at_least(1), int_at_least(0)
 #: examples of the training and of the validation set (RecoveryData's defaults)
 N_EXAMPLES = 10_000
 DEFAULT_GATES = ("dselect_k", "dselect_k_search", "topk")
-#: flag, type, default, metavar, help
-_FLAGS: list[tuple[str, Any, Any, str | None, str]] = [
-    ("--experts", int_at_least(2), NUM_EXPERTS, "N", "experts of the model (default 16)"),
-    ("--true-experts", POS, NUM_TRUE, "N", "generating experts (default 4; <= --experts)"),
-    ("--k", POS, None, "N", "experts a gate selects (default: --true-experts; <= --experts)"),
-    ("--reps", POS, None, None, "repetitions (quick 20, full 100)"),
-    ("--epochs", POS, None, None, "override the epochs"),
-    ("--seed", NONNEG, 0, None, "base seed (init, shuffling)"),
-    ("--data-seed", NONNEG, 0, None, "seed of the generated data"),
-    ("--tuned", existing_file, None, None, "tuning record to use (default: tuned_recovery.json)"),
-    ("--record-every", NONNEG, 10, None, "trajectory sampling (steps)"),
-]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce recovery``."""
     add_run_arguments(p, out="results/recovery", threads=1, jobs=0, cells="variants")
-    p.add_argument(
-        "--gates",
-        nargs="+",
-        default=list(DEFAULT_GATES),
-        choices=list(VARIANTS),
-        metavar="VARIANT",
-        help=f"variants, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_GATES)})",
-    )
-    for flag, kind, default, metavar, text in _FLAGS:
-        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
-    p.add_argument(
-        "--lrs",
-        type=positive_float,
-        nargs="+",
-        default=None,
-        help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
-    )
-    p.add_argument("--full", action="store_true", help="100 repetitions, 5 learning rates")
+    add_config_arguments(p, RecoveryConfig)
 
 
 @dataclass(frozen=True)
@@ -88,18 +61,42 @@ class RecoveryConfig:
     None: ``true_experts``). A shape out of range is a ValueError naming the flag."""
 
     out: Path
-    gates: tuple[str, ...] = DEFAULT_GATES
-    experts: int = NUM_EXPERTS
-    true_experts: int = NUM_TRUE
-    k: int | None = None
-    reps: int | None = None
-    lrs: tuple[float, ...] | None = None
-    epochs: int | None = None
-    seed: int = 0
-    data_seed: int = 0
-    full: bool = False
-    tuned: Path | None = None
-    record_every: int = 10
+    gates: tuple[str, ...] = setting(
+        DEFAULT_GATES,
+        f"variants, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_GATES)})",
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+    )
+    experts: int = setting(
+        NUM_EXPERTS,
+        f"experts of the model (default {NUM_EXPERTS})",
+        type=int_at_least(2),
+        metavar="N",
+    )
+    true_experts: int = setting(
+        NUM_TRUE, f"generating experts (default {NUM_TRUE}; <= --experts)", type=POS, metavar="N"
+    )
+    k: int | None = setting(
+        None,
+        "experts a gate selects (default: --true-experts; <= --experts)",
+        type=POS,
+        metavar="N",
+    )
+    reps: int | None = setting(None, "repetitions (quick 20, full 100)", type=POS)
+    epochs: int | None = setting(None, "override the epochs", type=POS)
+    seed: int = setting(0, "base seed (init, shuffling)", type=NONNEG)
+    data_seed: int = setting(0, "seed of the generated data", type=NONNEG)
+    tuned: Path | None = setting(  # noqa: RUF009 (a dataclasses.field)
+        None, "tuning record to use (default: tuned_recovery.json)", type=existing_file
+    )
+    record_every: int = setting(10, "trajectory sampling (steps)", type=NONNEG)
+    lrs: tuple[float, ...] | None = setting(
+        None,
+        "learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+        type=positive_float,
+        nargs="+",
+    )
+    full: bool = setting(False, "100 repetitions, 5 learning rates")
     telemetry: bool = False
 
     def __post_init__(self) -> None:
