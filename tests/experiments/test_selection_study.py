@@ -14,14 +14,13 @@ from dselectk.experiments.executors import LocalExecutor
 from dselectk.experiments.recovery import RecoveryData
 from dselectk.experiments.runner import run_recipe
 from dselectk.experiments.selection import ARMS, PROTOCOL
-from dselectk.experiments.selection.recipe import recipe
+from dselectk.experiments.selection.recipe import SelectionConfig, recipe
 from dselectk.experiments.selection.report import paired
 from dselectk.experiments.selection.study import (
     BUDGET_ARMS,
     SEED_RANGE,
     C1Sizes,
     HeldOutData,
-    SelectionConfig,
     budget_epochs,
     data_seed,
     hparams_of,

@@ -5,12 +5,12 @@ and a search-only arm (DSelect-k's gate frozen at init); learning rate tuned per
 on validation loss, the selected one read once on a test set; paired seeds; data seeds from a
 reserved range. The protocol is :data:`study.PROTOCOL`, printed at the top of every report.
 
-``study``: arms, protocol, data, one cell (recovery or Appendix C.1); ``recipe``: flags, dry
-run; ``report``.
+``study``: arms, protocol, data, one cell (recovery or Appendix C.1); ``recipe``: flags, run
+config, dry run; ``report``.
 """
 
-from dselectk.experiments.selection.recipe import add_arguments, run
+from dselectk.experiments.selection.recipe import SelectionConfig, add_arguments, run
 from dselectk.experiments.selection.report import write_report
-from dselectk.experiments.selection.study import ARMS, PROTOCOL, SelectionConfig
+from dselectk.experiments.selection.study import ARMS, PROTOCOL
 
 __all__ = ["ARMS", "PROTOCOL", "SelectionConfig", "add_arguments", "run", "write_report"]

@@ -1,12 +1,15 @@
-"""``dselectk reproduce selection``: flags, the dry run (plan and cost) and the recipe."""
+"""``dselectk reproduce selection``: flags, the run config, the dry run (plan and cost) and the
+recipe."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from dselectk.experiments.args import int_at_least, positive_float
+from dselectk.experiments.args import add_config_arguments, int_at_least, positive_float, setting
 from dselectk.experiments.recovery.model import BATCH_SIZE
 from dselectk.experiments.runner import Recipe, add_run_arguments, executor_from_args, run_recipe
 from dselectk.experiments.selection import study as S
@@ -35,39 +38,78 @@ def shape_arg(text: str) -> tuple[int, int]:
     return n, t
 
 
-#: flag, keyword arguments (besides --out and the shared run and executor flags)
-_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--arms", dict(nargs="+", default=list(S.ARMS), choices=list(S.ARMS), metavar="ARM",
-                    help=f"arms, of {', '.join(S.ARMS)} (default: all)")),
-    ("--shapes", dict(nargs="+", type=shape_arg, default=None, metavar="N/T",
-                      help="shapes EXPERTS/TRUE, k = TRUE <= EXPERTS/4 (quick: 16/2 16/4 32/3; "
-                      "--full: 16, 32, 64 experts × 2, 3, 4, 6 true)")),
-    ("--reps", dict(type=int_at_least(2), default=None,
-                    help=f"repetitions (quick {S.QUICK_REPS}, full {S.FULL_REPS})")),
-    ("--lrs", dict(type=positive_float, nargs="+", default=None,
-                   help="learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)")),
-    ("--epochs", dict(type=int_at_least(1), default=None,
-                      help="recovery: override the 50 epochs (equal-budget arms add theirs)")),
-    ("--tasks", dict(nargs="*", type=int, choices=(16, 32, 64, 128), default=None, metavar="T",
-                     help="Appendix C.1 cells at T tasks (quick: 32 64; --full: 32 64 128); "
-                     "'--tasks' alone: none")),
-    ("--full", dict(action="store_true", help="every shape, 100 repetitions, 5 lrs; C.1 at "
-                    "T = 32, 64, 128 on the paper's splits over its whole grid")),
-    ("--dry-run", dict(action="store_true", help="print the plan and its cost, run nothing")),
-]  # fmt: skip
+@dataclass(frozen=True)
+class SelectionConfig:
+    """What a ``reproduce selection`` command computes: recovery at ``shapes`` and Appendix C.1
+    at ``tasks`` (either may be empty; the flags' types check the shapes, tasks and arms)."""
+
+    out: Path
+    arms: tuple[str, ...] = setting(
+        tuple(S.ARMS),
+        f"arms, of {', '.join(S.ARMS)} (default: all)",
+        choices=list(S.ARMS),
+        metavar="ARM",
+    )
+    shapes: tuple[tuple[int, int], ...] = setting(
+        S.QUICK_SHAPES,
+        "shapes EXPERTS/TRUE, k = TRUE <= EXPERTS/4 (quick: 16/2 16/4 32/3; "
+        "--full: 16, 32, 64 experts × 2, 3, 4, 6 true)",
+        type=shape_arg,
+        default=None,
+        metavar="N/T",
+    )
+    reps: int = setting(
+        S.QUICK_REPS,
+        f"repetitions (quick {S.QUICK_REPS}, full {S.FULL_REPS})",
+        type=int_at_least(2),
+        default=None,
+    )
+    lrs: tuple[float, ...] = setting(
+        S.QUICK_LRS,
+        "learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+        type=positive_float,
+        default=None,
+    )
+    epochs: int | None = setting(
+        None,
+        "recovery: override the 50 epochs (equal-budget arms add theirs)",
+        type=int_at_least(1),
+    )
+    tasks: tuple[int, ...] = setting(
+        S.QUICK_TASKS,
+        "Appendix C.1 cells at T tasks (quick: 32 64; --full: 32 64 128); '--tasks' alone: none",
+        nargs="*",
+        type=int,
+        choices=(16, 32, 64, 128),
+        default=None,
+        metavar="T",
+    )
+    c1: S.C1Sizes = S.C1_QUICK
+
+    def __post_init__(self) -> None:
+        for n, t in self.shapes:
+            S.data_seed(n, t)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce selection``."""
     add_run_arguments(p, out="results/selection", threads=1, jobs=0, cells="(arm, shape) cells")
-    for flag, kw in _FLAGS:
-        p.add_argument(flag, **kw)
+    add_config_arguments(p, SelectionConfig)
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every shape, 100 repetitions, 5 lrs; C.1 at T = 32, 64, 128 on the paper's splits "
+        "over its whole grid",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan and its cost, run nothing"
+    )
 
 
-def config_of(args: argparse.Namespace) -> S.SelectionConfig:
+def config_of(args: argparse.Namespace) -> SelectionConfig:
     """The run config: the flags given, else the quick (or ``--full``) study's values."""
     full = bool(args.full)
-    return S.SelectionConfig(
+    return SelectionConfig(
         out=args.out,
         arms=tuple(args.arms),
         shapes=tuple(args.shapes or (S.FULL_SHAPES if full else S.QUICK_SHAPES)),
@@ -81,7 +123,7 @@ def config_of(args: argparse.Namespace) -> S.SelectionConfig:
     )
 
 
-def plan_text(config: S.SelectionConfig) -> str:
+def plan_text(config: SelectionConfig) -> str:
     """The plan (cells, runs) and its cost estimate."""
     epochs = config.epochs or 50
     per_epoch = math.ceil(S.N_TRAIN / BATCH_SIZE)
@@ -118,7 +160,7 @@ def plan_text(config: S.SelectionConfig) -> str:
     return "\n".join(lines)
 
 
-def _c1_cost(config: S.SelectionConfig, arm_name: str, tasks: int) -> tuple[int, float]:
+def _c1_cost(config: SelectionConfig, arm_name: str, tasks: int) -> tuple[int, float]:
     """Runs and estimated seconds of a C.1 cell: tuning members × their epochs, then the
     repetitions at the grid's mean epochs, each step costing E + F·members·T/32."""
     arm, sz = S.C1_ARMS[arm_name], config.c1
@@ -137,12 +179,12 @@ def _c1_cost(config: S.SelectionConfig, arm_name: str, tasks: int) -> tuple[int,
     return members * (1 if dependent else len(epochs)) + sz.reps, sec
 
 
-def _load_data(config: S.SelectionConfig) -> Any:
+def _load_data(config: SelectionConfig) -> Any:
     """The C.1 data when the command has C.1 cells (recovery cells make their own, cheaply)."""
     return S.load_c1(config.c1) if config.tasks else None
 
 
-def _data_key(config: S.SelectionConfig) -> Any:
+def _data_key(config: SelectionConfig) -> Any:
     return (config.c1, bool(config.tasks))
 
 
@@ -153,7 +195,7 @@ def _cost(cell: S.Cell) -> float:
     return S.max_probe_passes(S.ARMS[arm], a, b) + 1
 
 
-def recipe(config: S.SelectionConfig) -> Recipe:
+def recipe(config: SelectionConfig) -> Recipe:
     """One cell per (arm, shape), for the shared runner."""
     return Recipe(S.cells(config), S.run_cell, _load_data, _data_key, S.cell_name, cost=_cost,
                   write_report=write_report, print_table=print_table,

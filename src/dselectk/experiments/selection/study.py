@@ -16,9 +16,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 from importlib import resources
-from pathlib import Path
 from string import Template
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +36,9 @@ from dselectk.experiments.synthetic.spec import K as C1_K
 from dselectk.gates.base import Gate
 from dselectk.search import SwapSearch
 from dselectk.variants import SearchPlan, Variant, total_steps, variant_table
+
+if TYPE_CHECKING:
+    from dselectk.experiments.selection.recipe import SelectionConfig
 
 EXPERIMENT = "selection"
 #: data seeds of this study: 9000 + 10·experts + true (all inside the reserved range 9000-9999;
@@ -234,25 +236,6 @@ class HeldOutData:
         self.x_train, self.y_train = base.x_train, base.y_train
         self.x_val, self.y_val = x, self.labels(x)
         self.true_experts, self.seed, self.num_true = base.true_experts, base.seed, base.num_true
-
-
-@dataclass(frozen=True)
-class SelectionConfig:
-    """What a ``reproduce selection`` command computes: recovery at ``shapes`` and Appendix C.1
-    at ``tasks`` (either may be empty; the flags' types check the shapes, tasks and arms)."""
-
-    out: Path
-    arms: tuple[str, ...] = tuple(ARMS)
-    shapes: tuple[tuple[int, int], ...] = QUICK_SHAPES
-    reps: int = QUICK_REPS
-    lrs: tuple[float, ...] = QUICK_LRS
-    epochs: int | None = None
-    tasks: tuple[int, ...] = QUICK_TASKS
-    c1: C1Sizes = C1_QUICK
-
-    def __post_init__(self) -> None:
-        for n, t in self.shapes:
-            data_seed(n, t)
 
 
 #: a cell: (arm, "recovery", experts, true) or (arm, "c1", tasks, k)
