@@ -267,3 +267,36 @@ def test_run_sweep_slurm_writes_selections_and_plan(
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["runs"] == json.loads((local_out / "plan.json").read_text())["runs"]
     assert json.loads((tmp_path / "selected_hparams.json").read_text()) == sel
+
+
+def test_a_job_ending_as_a_rerun_starts_is_waited_on_and_reported_not_resubmitted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job that squeue lists as running when a command re-attaches is waited on, even if it
+    ends (here, fails) between squeue's answer and the look for its result file: its failure is
+    reported, as any failure seen while waiting, and not resubmitted unseen."""
+    cluster = FakeCluster()
+    with pytest.raises(E.SweepDetached):
+        _drive(cluster, _args(tmp_path, "--slurm-no-wait"))
+    _, call_args = cluster.queue["1_1"]
+
+    def fails(*_: Any) -> None:
+        raise ZeroDivisionError("cell1 failed")
+
+    cluster.queue["1_1"] = (fails, call_args)
+
+    def racing(ids: Iterable[str]) -> dict[str, str]:
+        asked = [j for j in ids if j in cluster.queue]
+        for jid in asked:  # every job ends right after squeue answered "RUNNING"
+            cluster.run(jid)
+        return {j: "RUNNING" for j in asked}
+
+    cluster.states = racing  # type: ignore[method-assign]
+    with pytest.raises(E.SweepFailed) as exc:
+        _drive(cluster, _args(tmp_path))
+    assert exc.value.code == 1
+    assert cluster.submitted == [["1_0", "1_1", "1_2"]]  # nothing resubmitted
+    err = capsys.readouterr().err
+    assert "1 of 3 cells failed" in err and "cell1: job 1_1" in err and "ZeroDivisionError" in err
+    book = _book(tmp_path)
+    assert "ZeroDivisionError" in book[1]["error"] and "result" in book[0] and "result" in book[2]

@@ -264,8 +264,15 @@ def run_slurm(
     latest = {e["cell"]: e for e in book if e.get("key") == key and e.get("cell") in cells}
     pending = {n: e for n, e in latest.items() if "result" not in e and "error" not in e}
     live = states(e["job_id"] for e in pending.values())
-    # the jobs still queued or running; the others' results or errors go into the book
-    waiting = {n: e for n in cells if (e := pending.get(n)) and not _settle(e, live, folder)}
+    # the jobs squeue calls queued or running wait (their results are read as they end, so a
+    # job that ends now is reported, not resubmitted); the others' results or errors go into
+    # the book
+    waiting = {
+        n: e
+        for n in cells
+        if (e := pending.get(n))
+        and (live.get(e["job_id"], "") in _ACTIVE or not _settle(e, live, folder))
+    }
     save_book()
 
     to_submit: list[str] = []
