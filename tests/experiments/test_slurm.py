@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -159,10 +160,17 @@ def test_scancel_and_failing_job_then_rerun(
         time.sleep(0.2)
     subprocess.run(["scancel", first[0]["job_id"]], check=True)  # killed before its record
     _wait_gone([first[0]["job_id"]])
-    Path(f"{barrier}.release").touch()  # the topk job goes on (and fails)
+    # The topk job goes on (and fails) only once the rerun below has re-attached to it: were it
+    # to end before the rerun's squeue, the rerun would find its error as a finished job's and
+    # resubmit it (the cell failed while no command watched), not report it.
+    release = threading.Timer(3.0, Path(f"{barrier}.release").touch)
+    release.start()
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main([*COMMON, "--out", str(out), *SLURM])
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main([*COMMON, "--out", str(out), *SLURM])
+    finally:
+        release.join()
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert "1 of 2 cells failed" in err and "topk: job" in err and "IsADirectoryError" in err
