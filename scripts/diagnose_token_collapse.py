@@ -47,6 +47,24 @@ def _codes(z: Tensor) -> Tensor:
     return ((z > 0).long() * 2 ** torch.arange(z.shape[-1])).sum(-1)
 
 
+def router_io(model: nn.Module, probe: Tensor) -> list[tuple[Tensor, Any]]:
+    """(input, output) of every MoE layer's router when ``model`` (in eval mode, no grad) reads
+    ``probe``; the model's training mode is restored."""
+    seen: list[tuple[Tensor, Any]] = []
+    layers = model.moe_layers  # type: ignore[attr-defined]
+    hooks = [m.router.register_forward_hook(lambda m, a, o: seen.append((a[0], o))) for m in layers]
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(probe)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    return seen
+
+
 class Diagnosis(Callback):
     """Watches each MoE layer's router on ``probe`` (W, L) bytes every ``every`` steps."""
 
@@ -59,17 +77,7 @@ class Diagnosis(Callback):
             return
         layers = model.moe_layers  # type: ignore[attr-defined]
         grads = [self._grad_ratio(m.router) for m in layers]
-        seen: list[Tensor] = []
-        hooks = [m.router.register_forward_hook(lambda m, a, o: seen.append(a[0])) for m in layers]
-        was = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                model(self.probe)
-        finally:
-            for h in hooks:
-                h.remove()
-            model.train(was)
+        seen = [x for x, _ in router_io(model, self.probe)]
         rec: dict[str, Any] = {"step": history.steps, "layers": []}
         for m, x, g in zip(layers, seen, grads, strict=True):
             rec["layers"].append({**self._measure(m.router, x), "grad_ratio": g})

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diagnose_token_collapse import router_io  # (scripts/ is on the path when run as a script)
 from torch import Tensor, nn
 
 from dselectk.data.text import load_corpus
@@ -43,22 +44,13 @@ class Plasticity(Callback):
     def on_step(self, model: nn.Module, batch: TaskData, out: Any, history: History) -> None:
         if history.steps % self.every and history.steps != 1:
             return
-        layers = model.moe_layers  # type: ignore[attr-defined]
-        seen: list[Tensor] = []
-        hooks = [
-            m.router.register_forward_hook(lambda m, a, o: seen.append(o.weights)) for m in layers
-        ]
-        was = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                model(self.probe)
-        finally:
-            for h in hooks:
-                h.remove()
-            model.train(was)
         self.steps.append(history.steps)
-        self.sets.append([w.topk(self.k, dim=-1).indices.sort(-1).values for w in seen])
+        self.sets.append(
+            [
+                o.weights.topk(self.k, dim=-1).indices.sort(-1).values
+                for _, o in router_io(model, self.probe)
+            ]
+        )
 
     def table(self) -> list[dict[str, Any]]:
         final = self.sets[-1]
