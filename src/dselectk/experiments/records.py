@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +298,17 @@ def format_mean_se(
     if se is None or not math.isfinite(float(se)):
         return f"{mean:.{digits}f} (n={m.get('n', 1)})" if show_n else f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {float(se) * scale:.{digits}f}"
+
+
+def diverged_rows(
+    summary: Mapping[str, Any], name: Callable[[Mapping[str, Any]], str]
+) -> list[str]:
+    """``NAME (d of n)`` of every summary row with diverged runs (``name`` names a row)."""
+    return [
+        f"{name(r)} ({r['diverged']} of {r.get('runs', '?')})"
+        for r in summary.get("rows", [])
+        if r.get("diverged")
+    ]
 
 
 def diverged(record: Mapping[str, Any], metrics: Sequence[str]) -> bool:

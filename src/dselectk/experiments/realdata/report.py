@@ -17,6 +17,7 @@ from dselectk.experiments.realdata.spec import FINITE, VARIANTS, Experiment, cel
 from dselectk.experiments.records import (
     RunStore,
     diverged,
+    diverged_rows,
     format_mean_se,
     read_object,
     summarize,
@@ -100,11 +101,7 @@ def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
     """``gate[/key=setting] (d of n)`` of every summary row with diverged runs."""
     key = (summary.get("group_by") or ["gate"])[0]
     setting_key = None if key == "gate" else key
-    return [
-        f"{cell_key(setting_key, r['gate'], r.get(key))} ({r['diverged']} of {r.get('runs', '?')})"
-        for r in summary.get("rows", [])
-        if r.get("diverged")
-    ]
+    return diverged_rows(summary, lambda r: cell_key(setting_key, r["gate"], r.get(key)))
 
 
 def template_notes(name: str, *, quick: bool, **values: Any) -> list[str]:

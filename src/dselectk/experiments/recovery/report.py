@@ -12,6 +12,7 @@ from dselectk.data.recovery import NUM_TRUE
 from dselectk.experiments.records import (
     RunStore,
     diverged,
+    diverged_rows,
     format_mean_se,
     read_object,
     summarize,
@@ -32,11 +33,7 @@ FINITE = ("val_loss",)
 
 def diverged_lrs(summary: Mapping[str, Any]) -> list[str]:
     """``gate lr=X (d of n)`` of every (gate, learning rate) with diverged runs."""
-    return [
-        f"{r['gate']} lr={r['lr']:g} ({r['diverged']} of {r['runs']})"
-        for r in summary.get("rows", [])
-        if r.get("diverged")
-    ]
+    return diverged_rows(summary, lambda r: f"{r['gate']} lr={r['lr']:g}")
 
 
 def diverged_line(summary: Mapping[str, Any]) -> str | None:

@@ -14,6 +14,7 @@ from dselectk.data.synthetic import TASKS_PER_GROUP
 from dselectk.experiments.metrics import expected_random_jaccard
 from dselectk.experiments.records import (
     RunStore,
+    diverged_rows,
     format_mean_se,
     read_object,
     summarize,
@@ -49,11 +50,7 @@ COLUMNS = [
 
 def diverged_cells(summary: Mapping[str, Any]) -> list[str]:
     """``gate/T (d of n)`` of every row with diverged runs (non-finite metrics)."""
-    return [
-        f"{r['gate']}/{r['num_tasks']} ({r['diverged']} of {r['runs']})"
-        for r in summary.get("rows", [])
-        if r.get("diverged")
-    ]
+    return diverged_rows(summary, lambda r: f"{r['gate']}/{r['num_tasks']}")
 
 
 def diverged_line(summary: Mapping[str, Any]) -> str | None:
