@@ -102,22 +102,12 @@ def test_from_settings_is_the_constructor_of_a_settings_mapping() -> None:
     assert [m.routing for m in a.moe_layers] == ["token", "token"]
     c = CharMoETransformer.from_settings(
         lambda n, k, in_features: make_gate("softmax", n, in_features=in_features),
-        {**hp, "router_hidden": 6},
+        hp,
         "expert",
     )
     assert [m.routing for m in c.moe_layers] == ["expert", "expert"]
-    assert [m.router.in_features for m in c.moe_layers] == [6, 6]
-    ids = {id(p) for m in c.moe_layers for p in m.router_parameters()}
-    assert {id(p) for p in c.router_parameters()} == ids and len(c.router_parameters()) == len(ids)
+    assert [m.router.in_features for m in c.moe_layers] == [16, 16]
+    routers = [p for m in c.moe_layers for p in m.router.parameters()]
+    assert [id(p) for p in c.router_parameters()] == [id(p) for p in routers]
     # activations per token: 4 bytes × (layers × (16 d + 3 k d_ff + 3 heads L) + 3 × 256)
     assert train_bytes_per_token(hp) == 4.0 * (2 * (16 * 16 + 3 * 2 * 16 + 3 * 2 * 8) + 768)
-
-
-def test_train_bytes_per_token_counts_the_router_hidden_layer() -> None:
-    from dselectk.models.char_lm import train_bytes_per_token
-
-    hp = dict(seq_len=8, d_model=16, heads=2, layers=2, d_ff=16, k=2)
-    # the hidden layer's input to GELU and its output, 4 bytes each, in every layer
-    extra = train_bytes_per_token({**hp, "router_hidden": 6}) - train_bytes_per_token(hp)
-    assert extra == 4.0 * 2 * (2 * 6)
-    assert train_bytes_per_token({**hp, "router_hidden": 0}) == train_bytes_per_token(hp)

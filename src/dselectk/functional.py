@@ -69,57 +69,32 @@ def _check_gamma(gamma: float | Tensor) -> None:
         raise ValueError(f"gamma must be a finite number > 0, got {g_f}")
 
 
-def _check_leak(leak: float) -> float:
-    """``leak`` as a float, or a ValueError naming ``leak`` unless it is a finite number >= 0."""
-    if isinstance(leak, bool) or not isinstance(leak, int | float):
-        raise ValueError(f"leak must be a finite number >= 0, got {leak!r}")
-    if not (math.isfinite(leak) and leak >= 0.0):
-        raise ValueError(f"leak must be a finite number >= 0, got {leak!r}")
-    return float(leak)
-
-
-def smooth_step(t: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0) -> Tensor:
+def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
     """Cubic smooth-step S(t; γ) of Section 3.1.3.
 
     S(t) = 0 for t <= -γ/2, 1 for t >= γ/2, and -2t³/γ³ + 3t/(2γ) + 1/2 in between. It is C¹ with
     S'(±γ/2) = 0, and returns exact 0/1 outside the fractional region, so the gradient there is
     exactly zero (the property that freezes a converged selector).
 
-    Leaky straight-through gradient (ours, not the paper's; issue 23): with ``leak=ε > 0`` the
-    values are exactly S(t) (binary stays binary), but the gradient with respect to ``t`` is
-    max(S'(t), ε·S'(0)), S'(0) = 1.5/γ: where S is flat a weak slope in the direction S grows
-    keeps a saturated bit learning (ε = 1 is the full straight-through). A monotone surrogate,
-    not the derivative of S; γ's gradient gets the matching term.
-
     Args:
         t: any shape.
         gamma: width γ > 0 of the fractional region: a float, a 0-d tensor (e.g. a buffer a
             schedule updates in place), or a tensor broadcastable to ``t`` (one γ per entry).
-        leak: ε >= 0 (default 0: the exact derivative).
 
     Returns:
         Tensor of the shape of ``t``.
     """
     _check_gamma(gamma)
-    return _smooth(t, gamma, _check_leak(leak) if leak != 0.0 else 0.0)
+    return _smooth(t, gamma)
 
 
-def _smooth(t: Tensor, gamma: float | Tensor, leak: float) -> Tensor:
-    """:func:`smooth_step` without its checks (``gamma`` and ``leak`` already validated, e.g. a
+def _smooth(t: Tensor, gamma: float | Tensor) -> Tensor:
+    """:func:`smooth_step` without its check (``gamma`` already validated, e.g. a
     gate's γ buffer, validated when written: no device sync per call)."""
     # With s = t/γ the cubic is s(1.5 - 2s²) + 0.5; clamping s to [-1/2, 1/2] makes both ends
     # exact in floating point (0.5 * 1.0 ± 0.5) and gives a zero gradient outside.
-    raw = t / gamma
-    s = raw.clamp(-0.5, 0.5)
-    out = s * (1.5 - 2.0 * s * s) + 0.5
-    if leak == 0.0:
-        return out
-    # The missing slope (in s) up to ε·1.5, added by a term whose value is exactly 0
-    # (raw - raw.detach() == 0): dS/dt = S'(t) + extra/γ = max(S'(t), ε·S'(0)).
-    with torch.no_grad():
-        slope = torch.where(raw.abs() < 0.5, 1.5 - 6.0 * s * s, torch.zeros_like(s))
-        extra = (1.5 * leak - slope).clamp_min(0.0)
-    return out + extra * (raw - raw.detach())
+    s = (t / gamma).clamp(-0.5, 0.5)
+    return s * (1.5 - 2.0 * s * s) + 0.5
 
 
 def code_table(num_experts: int, *, device: torch.device | None = None) -> Tensor:
@@ -305,9 +280,7 @@ def _kernel_for(entries: int, device: torch.device, triton_ok: bool = False) -> 
     return _DSelectFused
 
 
-def dselect_k_fused(
-    alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0, leak: float = 0.0
-) -> tuple[Tensor, Tensor]:
+def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
     """DSelect-k weights over all N = 2**M codes and the per-selector entropies, fused.
 
     Same numbers as ``dselect_k_weights(alpha, z, gamma)`` and
@@ -327,23 +300,17 @@ def dselect_k_fused(
         gamma: smooth-step width γ > 0: a float, a 0-d tensor (e.g. a buffer a
             schedule updates in place), or a tensor broadcastable to the
             leading shape ``...`` (one γ per gate, e.g. a bank of gates tuned together).
-        leak: ε >= 0 of :func:`smooth_step`'s leaky gradient for the weights (the entropies
-            keep the exact one: h'(p) is unbounded at p in {0, 1}); ε > 0 takes the composed
-            formulas (the kernels compute the exact derivative).
 
     Returns:
         ``(weights (..., N), entropies (..., K))``.
     """
     _check_gamma(gamma)
-    return _dselect_k_parts(alpha, z, gamma, leak)
+    return _dselect_k_parts(alpha, z, gamma)
 
 
-def _dselect_k_parts(
-    alpha: Tensor, z: Tensor, gamma: float | Tensor, leak: float
-) -> tuple[Tensor, Tensor]:
+def _dselect_k_parts(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tuple[Tensor, Tensor]:
     """:func:`dselect_k_fused` without the check of ``gamma`` (a gate's γ buffer is validated
     when written): a γ on a GPU is not read back to the host (a device sync) every call."""
-    leak = _check_leak(leak) if leak != 0.0 else 0.0  # a Python number: no sync
     if alpha.shape[-1] != z.shape[-2]:
         raise ValueError(
             f"alpha has {alpha.shape[-1]} selectors but z has {z.shape[-2]} (expected alpha "
@@ -355,7 +322,7 @@ def _dselect_k_parts(
     k, m = z.shape[-2:]
     entries = math.prod(lead) * k * 2**m
     kernel: _Kernel | None
-    if leak or (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
+    if (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
         # Tracing and exporting: the composed formulas at every size. A branch on the size
         # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
         # FUSED_MIN_ELEMENTS records a guard: an exported program refused batches above 256)
@@ -367,9 +334,8 @@ def _dselect_k_parts(
     if kernel is None:
         if isinstance(gamma, Tensor) and gamma.dim() > 0:
             gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
-        p = _smooth(z, gamma, 0.0)
-        pw = _smooth(z, gamma, leak) if leak else p  # the same values
-        w = _expand_bits(pw, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
+        p = _smooth(z, gamma)
+        w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
         return w, selector_entropy(p)
     if isinstance(gamma, Tensor):
         g = gamma if gamma.dtype == z.dtype and gamma.device == z.device else gamma.to(z)

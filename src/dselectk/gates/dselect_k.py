@@ -151,8 +151,6 @@ class DSelectK(Gate):
             expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
-        leak: (ours) ε >= 0 of the smooth-step's leaky straight-through gradient for the weights
-            (:func:`~dselectk.functional.smooth_step`; same values). Default 0 (exact).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
@@ -164,7 +162,6 @@ class DSelectK(Gate):
     entropy_reg = HyperParameter(positive=False)
     _diversity: Tensor
     diversity = HyperParameter(positive=False, optional=True)  # old checkpoints lack it
-    leak = 0.0  # (a class default: old pickled gates lack the attribute)
 
     def __init__(
         self,
@@ -178,7 +175,6 @@ class DSelectK(Gate):
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
         distinct: bool = False,
-        leak: float = 0.0,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -203,7 +199,7 @@ class DSelectK(Gate):
         self.init = init
         if not isinstance(distinct, bool):
             raise TypeError(f"distinct must be a bool, got {distinct!r}")
-        self.distinct, self.leak = distinct, DF._check_leak(leak)
+        self.distinct = distinct
         self._build_logits()
         self._init_parameters()
 
@@ -328,11 +324,11 @@ class DSelectK(Gate):
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
         # γ was validated when written: no device sync here (see DF._dselect_k_parts)
-        w, ent = DF._dselect_k_parts(alpha, z, self._gamma, self.leak)  # (*lead, N), (*lead, K)
+        w, ent = DF._dselect_k_parts(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
         weights = w[..., : self.num_experts]
         per_gate = self._entropy_reg * ent.sum(dim=-1)  # a per-gate λ (T,) broadcasts likewise
         if self.num_experts < 2**self.num_bits and self.xi > 0:
-            p = DF._smooth(z, self._per_gate(self._gamma, 2), 0.0)  # (*lead, K, M)
+            p = DF._smooth(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         aux = self._reduce_aux(per_gate)
         if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
@@ -430,10 +426,10 @@ class DSelectK(Gate):
         return GateOutput(w, aux)
 
     def _host_math(self) -> bool:
-        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes, a
-        ``leak`` or the unused-code penalty (n < 2**M with ξ > 0)."""
+        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes or
+        the unused-code penalty (n < 2**M with ξ > 0)."""
         unused = self.num_experts < 2**self.num_bits and self.xi > 0
-        return not (self.distinct or self.leak or unused)
+        return not (self.distinct or unused)
 
     def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
         """Whether the numba node takes this gate's problem (every size; the tensors' own checks
@@ -591,7 +587,6 @@ class DSelectK(Gate):
         if type(self).diversity.is_nonzero(self):
             extra = f", diversity={format_hyperparameter(self.diversity)}"
         extra += ", distinct=True" if self.distinct else ""
-        extra += f", leak={self.leak:g}" if self.leak else ""
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"

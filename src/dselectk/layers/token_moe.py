@@ -154,10 +154,6 @@ class SparseMoEFeedForward(nn.Module):
             expert picks its ``C = ceil(c · N · k / n)`` tokens; module docstring).
         activation: the experts' hidden activation ("gelu", "relu", ...).
         router_kwargs: extra arguments of the gate when ``router`` is a name (gamma, ...).
-        router_hidden: 0 (default: the router reads the token) or a width h: the router reads
-            ``GELU(Linear(d_model, h)(x))`` instead, a nonlinear selector input (the router is
-            then built, or must be, with ``in_features=h``; its parameters are
-            :meth:`router_parameters`).
     """
 
     last_stats: dict[str, Any] | None
@@ -178,7 +174,6 @@ class SparseMoEFeedForward(nn.Module):
         activation: str = "gelu",
         router_kwargs: dict[str, Any] | None = None,
         routing: str = "token",
-        router_hidden: int = 0,
     ) -> None:
         super().__init__()
         if routing not in ("token", "expert"):
@@ -198,48 +193,27 @@ class SparseMoEFeedForward(nn.Module):
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.balance_loss_weight = check_nonnegative("balance_loss_weight", balance_loss_weight)
         self.renormalize = bool(renormalize)
-        if router_hidden != 0:
-            check_positive_int("router_hidden", router_hidden)
-        self.router_hidden = int(router_hidden)
-        features = self.router_hidden or d_model  # what the router reads
         if isinstance(router, str):
             kw = dict(router_kwargs or {})
             if router in GATES and GATES[router].takes_k:
                 kw.setdefault("k", k)
-            router = make_gate(router, num_experts, in_features=features, **kw)
+            router = make_gate(router, num_experts, in_features=d_model, **kw)
         elif router_kwargs:
             raise ValueError("router_kwargs only apply when router is a gate name")
         if not isinstance(router, Gate):
             raise TypeError(f"router must be a Gate or a gate name, got {type(router).__name__}")
-        if router.static or router.in_features != features or router.num_gates is not None:
+        if router.static or router.in_features != d_model or router.num_gates is not None:
             raise ValueError(
-                f"router must be a per-example single gate with in_features={features}, "
+                f"router must be a per-example single gate with in_features={d_model}, "
                 f"got {router!r}"
             )
         if router.num_experts != num_experts:
             raise ValueError(f"router has {router.num_experts} experts, expected {num_experts}")
-        # the nonlinear selector input (router_hidden > 0), made before the router's weights
-        # are used: None by default, so default models keep their modules and state dicts
-        self.router_input: nn.Module | None = (
-            nn.Sequential(nn.Linear(d_model, self.router_hidden), nn.GELU())
-            if self.router_hidden
-            else None
-        )
         self.router = router
         self.experts = StackedMLP(
             num_experts, d_model, [d_ff, d_model], activation=activation, final_activation=False
         )
         self.last_stats = None
-
-    def router_features(self, x: Tensor) -> Tensor:
-        """What the router reads for the tokens ``x`` (N, d_model): ``x`` itself, or its hidden
-        layer's output with ``router_hidden``."""
-        return x if self.router_input is None else self.router_input(x)
-
-    def router_parameters(self) -> list[nn.Parameter]:
-        """The routing parameters: the router's and its hidden layer's (if any)."""
-        extra = [] if self.router_input is None else list(self.router_input.parameters())
-        return [*self.router.parameters(), *extra]
 
     def capacity(self, num_tokens: int) -> int | None:
         """Pairs each expert takes from a batch of ``num_tokens`` tokens (None: no limit; expert
@@ -268,7 +242,7 @@ class SparseMoEFeedForward(nn.Module):
 
     def route(self, x: Tensor) -> Routing:
         """Gate the (N, d_model) tokens and build the dispatch (sorted by expert)."""
-        out = self.router(self.router_features(x))
+        out = self.router(x)
         weights = out.weights  # (N, n)
         if self.routing == "expert":
             return self._expert_choice(weights, out.aux_loss)
@@ -328,7 +302,7 @@ class SparseMoEFeedForward(nn.Module):
     def dense_reference(self, x: Tensor) -> Tensor:
         """``Σ_i w_i E_i(x)`` with every expert evaluated on every token (tests, debugging)."""
         flat = x.reshape(-1, self.d_model)
-        w = self.router(self.router_features(flat)).weights  # (N, n)
+        w = self.router(flat).weights  # (N, n)
         every = self.experts(flat)  # (n, N, d)
         return torch.einsum("tn,ntd->td", w, every).reshape(x.shape)
 
@@ -338,5 +312,4 @@ class SparseMoEFeedForward(nn.Module):
             f"capacity_factor={self.capacity_factor}, "
             f"balance_loss_weight={self.balance_loss_weight:g}, renormalize={self.renormalize}"
             + (", routing='expert'" if self.routing == "expert" else "")
-            + (f", router_hidden={self.router_hidden}" if self.router_hidden else "")
         )

@@ -61,7 +61,6 @@ class MoEBlock(nn.Module):
         balance_loss_weight: float,
         renormalize: bool = False,
         routing: str = "token",
-        router_hidden: int = 0,
         capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
@@ -78,7 +77,6 @@ class MoEBlock(nn.Module):
             balance_loss_weight=balance_loss_weight,
             renormalize=renormalize,
             routing=routing,
-            router_hidden=router_hidden,
             capacity_factor=capacity_factor,
         )
 
@@ -111,9 +109,6 @@ class CharMoETransformer(nn.Module):
             (:class:`~dselectk.layers.SparseMoEFeedForward`).
         routing: "token" or "expert" (expert choice over the batch's tokens; see
             :class:`~dselectk.layers.SparseMoEFeedForward`).
-        router_hidden: 0 (default) or the width h of a GELU hidden layer in front of each
-            router (``router()`` must then return gates with ``in_features=h``; see
-            :class:`~dselectk.layers.SparseMoEFeedForward`).
         capacity_factor: None (default: no limit; expert choice: 1) or c > 0: each expert of
             a layer takes at most ``ceil(c · N · k / n)`` (token, expert) pairs of a batch of N
             tokens (:class:`~dselectk.layers.SparseMoEFeedForward`).
@@ -132,7 +127,6 @@ class CharMoETransformer(nn.Module):
         balance_loss_weight: float = 0.01,
         renormalize: bool = False,
         routing: str = "token",
-        router_hidden: int = 0,
         capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
@@ -153,7 +147,6 @@ class CharMoETransformer(nn.Module):
                 balance_loss_weight,
                 renormalize,
                 routing,
-                router_hidden,
                 capacity_factor,
             )
             for _ in range(layers)
@@ -166,15 +159,13 @@ class CharMoETransformer(nn.Module):
         cls, gate: Callable[..., Gate], settings: Mapping[str, Any], routing: str = "token"
     ) -> CharMoETransformer:
         """The model of ``settings``: the constructor's arguments by name (:data:`SHAPE`),
-        ``num_experts`` and an optional ``router_hidden`` and ``capacity_factor`` (other keys are
-        ignored); every MoE layer is routed by
-        ``gate(num_experts, k=k, in_features=router_hidden or d_model)``."""
-        hidden = int(settings.get("router_hidden", 0))
-        width = hidden or settings["d_model"]
+        ``num_experts`` and an optional ``capacity_factor`` (other keys are ignored); every MoE
+        layer is routed by ``gate(num_experts, k=k, in_features=d_model)``."""
+        width = settings["d_model"]
         router = partial(gate, settings["num_experts"], k=settings["k"], in_features=width)
         shape = {name: settings[name] for name in SHAPE}
         cap = settings.get("capacity_factor")
-        return cls(router, routing=routing, router_hidden=hidden, capacity_factor=cap, **shape)
+        return cls(router, routing=routing, capacity_factor=cap, **shape)
 
     @property
     def moe_layers(self) -> list[SparseMoEFeedForward]:
@@ -182,9 +173,8 @@ class CharMoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, SparseMoEFeedForward)]
 
     def router_parameters(self) -> list[nn.Parameter]:
-        """The routing parameters of every MoE layer
-        (:meth:`~dselectk.layers.SparseMoEFeedForward.router_parameters`), layer after layer."""
-        return [p for m in self.moe_layers for p in m.router_parameters()]
+        """The parameters of every MoE layer's router, layer after layer."""
+        return [p for m in self.moe_layers for p in m.router.parameters()]
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits (B, L, 256) of the next byte after each of the (B, L) bytes ``x``, and the
@@ -206,10 +196,9 @@ def train_bytes_per_token(settings: Mapping[str, Any]) -> float:
     """Memory a training step keeps per token (activations for the backward pass) of the model
     of ``settings`` (as :meth:`CharMoETransformer.from_settings` reads them), an upper
     estimate: measured 17.5 KB at the defaults (peak RSS growth of one step at batch 256 and
-    1024), estimated 23.5 KB. A ``router_hidden`` layer adds its input and output to a layer."""
+    1024), estimated 23.5 KB."""
     d, k, d_ff, heads = settings["d_model"], settings["k"], settings["d_ff"], settings["heads"]
     per_layer = 16 * d + 3 * k * d_ff + 3 * heads * settings["seq_len"]
-    per_layer += 2 * int(settings.get("router_hidden", 0))
     return 4.0 * (settings["layers"] * per_layer + 3 * 256)
 
 

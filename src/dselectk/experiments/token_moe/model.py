@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
 
 from dselectk.data.text import Corpus
 from dselectk.experiments.executors import progress_position
@@ -27,7 +25,6 @@ from dselectk.training import (
     TaskData,
     TrainConfig,
     TrainingDivergedError,
-    make_optimizer,
     train,
 )
 from dselectk.variants import Variant, variant_table
@@ -63,47 +60,9 @@ WARMUP_STEPS = 10
 
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
-    gate's hyperparameters found in ``hp``); a DSelect-k gate gets ``hp["smooth_step_leak"]``
-    as its ``leak`` when it is set."""
-    leak = float(hp.get("smooth_step_leak", 0.0))
-    extra: dict[str, Any] = {"leak": leak} if leak and variant.gate == "dselect_k" else {}
-    gate = partial(variant.build, hparams=hp, **extra)
+    gate's hyperparameters found in ``hp``)."""
+    gate = partial(variant.build, hparams=hp)
     return CharMoETransformer.from_settings(gate, hp, routing=variant.routing)
-
-
-def router_start_step(hp: Mapping[str, Any]) -> int:
-    """The optimizer steps the routers sit out: ``floor(router_start × steps)`` (0: none)."""
-    return math.floor(float(hp.get("router_start", 0.0)) * int(hp["steps"]))
-
-
-def make_optimizer_for(model: CharMoETransformer, hp: Mapping[str, Any]) -> Optimizer | None:
-    """Adam with the routers' parameters in a group of their own at ``lr × router_lr_scale``
-    (the last group) and the rest at ``lr``; None (the training loop's own Adam) when the
-    scale is 1 and the routers start with the rest."""
-    scale = float(hp.get("router_lr_scale", 1.0))
-    if scale == 1.0 and not router_start_step(hp):
-        return None
-    lr = float(hp["lr"])
-    routing = {id(p) for p in model.router_parameters()}
-    rest = [p for p in model.parameters() if id(p) not in routing]
-    routers = [p for p in model.parameters() if id(p) in routing]
-    return make_optimizer("adam", [{"params": rest}, {"params": routers, "lr": lr * scale}], lr)
-
-
-def router_schedulers(optimizer: Optimizer | None, hp: Mapping[str, Any]) -> list[LambdaLR]:
-    """The late router start: the routers' group of :func:`make_optimizer_for` at lr 0 for the
-    first :func:`router_start_step` steps, then at its own lr ([] without a late start).
-
-    Adam at lr 0 leaves the routers' parameters as initialised but still updates their
-    moments from the frozen steps' gradients, so the first live step is a bias-corrected Adam
-    step whose moments remember the early gradients (β₂ = 0.999: about a quarter of v still
-    comes from them after 300 steps) rather than a fresh Adam's first step."""
-    start = router_start_step(hp)
-    if not start:
-        return []
-    if optimizer is None or len(optimizer.param_groups) != 2:
-        raise ValueError("router_start: expected make_optimizer_for's two parameter groups")
-    return [LambdaLR(optimizer, [lambda s: 1.0, lambda s: float(s >= start)])]
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:
@@ -137,8 +96,6 @@ def train_run(
     scheds: list[Any] = [
         s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)
     ]
-    opt = make_optimizer_for(model, hp)
-    scheds += router_schedulers(opt, hp)  # --router-start: the routers' lr 0, then on
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(
@@ -162,7 +119,6 @@ def train_run(
             None,
             cfg,
             schedulers=scheds,
-            optimizer=opt,
             callbacks=callbacks,
             loss_fn=_lm_loss,
         )

@@ -20,7 +20,6 @@ from dselectk.experiments.args import (
     nonnegative_float,
     positive_float,
     setting,
-    unit_interval_open,
 )
 from dselectk.experiments.records import RunStore
 from dselectk.experiments.runner import (
@@ -93,20 +92,6 @@ class TokenMoEConfig:
         hparam_type(HParam("renormalize", bool, False)),
         " (true: a token's kept weights rescaled to sum to 1 when the top-k cut drops some)",
     )
-    router_lr_scale: float = _flag(
-        1.0, positive_float, " (the routers' learning rate: --lr × this; the rest keeps --lr)"
-    )
-    router_hidden: int = _flag(
-        0,
-        int_at_least(0),
-        " (0: the router reads the token; h: a GELU hidden layer d_model → h in front of it)",
-    )
-    smooth_step_leak: float = _flag(
-        0.0,
-        nonnegative_float,
-        " (DSelect-k routers only: ε of the smooth-step's leaky gradient, max(S', ε·S'(0)); "
-        "0: the exact gradient)",
-    )
     capacity_factor: float | None = _flag(
         None,
         positive_float,
@@ -114,20 +99,12 @@ class TokenMoEConfig:
         "(token, expert) pairs, first choices first, the rest dropped; expert choice: its "
         "capacity factor, 1 when unset)",
     )
-    router_start: float = _flag(
-        0.0,
-        unit_interval_open,
-        " (F in [0, 1): the routers' learning rate is 0 for the first floor(F·steps) steps, "
-        "then --lr × --router-lr-scale; the rest of the model trains from step 1)",
-    )
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
             raise ValueError(
                 f"--d-model {self.d_model}: must be a multiple of the {self.heads} attention heads"
             )
-        if not 0.0 <= self.router_start < 1.0:  # NaN too
-            raise ValueError(f"--router-start {self.router_start}: expected a number in [0, 1)")
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
         expert_routed = [g for g in self.gates if ROUTERS[g].routing == "expert"]
@@ -171,9 +148,7 @@ def train_bytes_per_token(c: TokenMoEConfig) -> float:
 #: fields after out, gates, seeds, first_seed, telemetry)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset(
-    {"router_lr_scale", "router_hidden", "smooth_step_leak", "capacity_factor", "router_start"}
-)
+LATER = frozenset({"capacity_factor"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
