@@ -11,11 +11,11 @@ import pytest
 
 from dselectk.experiments.records import (
     RunStore,
-    format_mean_se,
     mean_se,
     run_id,
     summarize,
 )
+from dselectk.experiments.templates import Column, format_mean_se, markdown_table, screen_table
 from dselectk.io import write_json
 
 
@@ -69,6 +69,31 @@ def test_mean_se_summarize_and_format() -> None:
     assert format_mean_se(rows[1]["metrics"]["mse"], 0, show_n=True) == "5 (n=1)"
     assert format_mean_se(None) == "–"
     assert format_mean_se({"mean": 0.25, "se": 0.01, "n": 2}, 0, scale=1e4) == "2500 ± 100"
+
+
+def test_one_column_list_renders_the_markdown_and_the_screen_table() -> None:
+    rows = [
+        {"label": "a gate", "metrics": {"mse": {"mean": 2.0, "se": 1.0, "n": 2}}},
+        {"label": "b", "metrics": {}},
+    ]
+    columns = [
+        Column("gate", value=lambda r: r["label"]),
+        Column("test MSE", "mse", 3, screen="MSE"),
+        Column("runs", value=lambda r: r["metrics"].get("mse", {}).get("n", 0), screen=None),
+    ]
+    assert markdown_table(columns, rows) == [
+        "| gate | test MSE | runs |",
+        "|---|---|---|",
+        "| a gate | 2.000 ± 1.000 | 2 |",
+        "| b | – | 0 |",
+    ]
+    assert markdown_table(columns, []) == ["| gate | test MSE | runs |", "|---|---|---|"]
+    assert screen_table(columns, rows) == [  # as wide as the widest cell; no "runs"
+        "gate              MSE",
+        "---------------------",
+        "a gate  2.000 ± 1.000",
+        "b                   –",
+    ]
 
 
 def test_environment_runs_git_once_per_process(

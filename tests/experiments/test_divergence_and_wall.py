@@ -14,6 +14,7 @@ from dselectk.cli import main
 from dselectk.experiments import movielens as ml
 from dselectk.experiments import records
 from dselectk.experiments.records import RunStore, summarize
+from dselectk.experiments.templates import wall_line
 
 SYNTH = ["reproduce", "synthetic", "--tasks", "16", "--gates", "topk", "--reps", "2"]
 SYNTH += ["--epochs", "2", "--n-train", "300", "--n-eval", "300", "--threads", "1"]
@@ -81,7 +82,7 @@ def test_wall_time_accumulates_over_a_resumed_plan(tmp_path: Path) -> None:
     assert first["seconds"] == 421.0 and len(first["commands"]) == 1
     resumed = records.wall_time(tmp_path, {"wall_time": first}, 2.0, "cmd")
     assert resumed["seconds"] == pytest.approx(423.0) and len(resumed["commands"]) == 2
-    assert "423 s, summed over the 2 commands" in records.wall_line({"wall_time": resumed})
+    assert "423 s, summed over the 2 commands" in wall_line({"wall_time": resumed})
     # a rebuild (no time of its own) keeps it; a Slurm re-attach adds ~0, never writes 0
     assert records.wall_time(tmp_path, {"wall_time": resumed}, None, None)["seconds"] == 423.0
     assert records.wall_time(tmp_path, {"wall_time": resumed}, 0.0, "cmd")["seconds"] == 423.0
@@ -97,9 +98,7 @@ def test_wall_time_accumulates_over_a_resumed_plan(tmp_path: Path) -> None:
     store.write_plan(["a", "c"], "cmd2")
     other = records.wall_time(tmp_path, {"wall_time": resumed}, 5.0, "cmd2", [{"run_id": "a"}])
     assert other["seconds"] == 5.0 and other["runs_untimed"] == 1
-    assert "1 of 2 runs were recorded by earlier commands" in records.wall_line(
-        {"wall_time": other}, 2
-    )
+    assert "1 of 2 runs were recorded by earlier commands" in wall_line({"wall_time": other}, 2)
 
 
 def test_synthetic_resume_keeps_the_first_commands_wall_time(tmp_path: Path) -> None:

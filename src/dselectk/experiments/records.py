@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -279,38 +279,6 @@ def mean_se(values: Sequence[float]) -> dict[str, float | int]:
     return {"mean": mean, "se": se, "n": n}
 
 
-def format_mean_se(
-    m: Mapping[str, Any] | None,
-    digits: int = 2,
-    *,
-    scale: float = 1.0,
-    missing: str = "–",
-    show_n: bool = False,
-) -> str:
-    """``mean ± se`` of a :func:`mean_se` dict (or None) for tables, both times ``scale``;
-    ``missing`` without a finite mean; ``(n=N)`` with ``show_n`` where there is no se."""
-    if not m or not m.get("n", 1) or m.get("mean") is None:
-        return missing
-    mean = float(m["mean"]) * scale
-    if not math.isfinite(mean):
-        return missing
-    se = m.get("se")
-    if se is None or not math.isfinite(float(se)):
-        return f"{mean:.{digits}f} (n={m.get('n', 1)})" if show_n else f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {float(se) * scale:.{digits}f}"
-
-
-def diverged_rows(
-    summary: Mapping[str, Any], name: Callable[[Mapping[str, Any]], str]
-) -> list[str]:
-    """``NAME (d of n)`` of every summary row with diverged runs (``name`` names a row)."""
-    return [
-        f"{name(r)} ({r['diverged']} of {r.get('runs', '?')})"
-        for r in summary.get("rows", [])
-        if r.get("diverged")
-    ]
-
-
 def diverged(record: Mapping[str, Any], metrics: Sequence[str]) -> bool:
     """Whether a run diverged: its record says so (``"diverged": true``), or one of the
     ``metrics`` is missing or not finite (NaN is saved as JSON null)."""
@@ -400,6 +368,38 @@ def wall_time(
     return {"seconds": total, "commands": commands, "plan": plan, "runs_untimed": untimed}
 
 
+def sweep_summary(
+    results_dir: str | Path,
+    experiment: str,
+    group_by: Sequence[str],
+    records: Sequence[Mapping[str, Any]],
+    others: int,
+    finite: Sequence[str],
+    wall_seconds: float | None,
+    command: str | None,
+    **given: Any,
+) -> dict[str, Any]:
+    """What every sweep's ``summary.json`` holds: its ``records`` (the final runs of the last
+    command, ``others`` of the folder's records left out) summarised into rows by ``group_by``
+    (:func:`summarize`), how many diverged, the wall time (:func:`wall_time`), and the values
+    of this ``command`` (and the others ``given``), each None one kept from the last summary."""
+    prev = read_object(Path(results_dir) / "summary.json")
+    rows = summarize(records, group_by, finite=finite)
+    wall = wall_time(results_dir, prev, wall_seconds, command, records)
+    given = {"command": command, **given}
+    return {
+        "experiment": experiment,
+        "group_by": list(group_by),
+        "rows": rows,
+        "records": len(records),
+        "diverged": sum(int(r.get("diverged", 0)) for r in rows),
+        "records_not_summarised": others,
+        "wall_seconds": wall["seconds"],
+        "wall_time": wall,
+        **{k: v if v is not None else prev.get(k) for k, v in given.items()},
+    }
+
+
 def read_object(path: str | Path) -> dict[str, Any]:
     """The JSON object in ``path``; {} when it is missing, unreadable or not an object. For the
     files a report only adds from (the previous ``summary.json``, ``selected_hparams.json``):
@@ -427,30 +427,3 @@ def partial_line(status: Mapping[str, Any]) -> str:
         f"{status['cells_done']} of {status['cells']} cells finished{more if missing else ''}; "
         "run the same command again to finish it"
     )
-
-
-def wall_line(summary: Mapping[str, Any], runs: int | None = None) -> str:
-    """One line for a report: what the recorded wall time covers (see :func:`wall_time`)."""
-    wt = summary.get("wall_time")
-    if not isinstance(wt, Mapping):
-        wall = summary.get("wall_seconds")
-        return f"Wall time: {wall:.0f} s (last command)" if wall else "Wall time: not recorded"
-    total, commands = wt.get("seconds"), wt.get("commands") or []
-    if total is None or not commands:
-        return "Wall time: not recorded"
-    if len(commands) == 1:
-        text = f"Wall time: {total:.0f} s (one command)"
-    else:
-        last = commands[-1].get("seconds") or 0.0
-        text = (
-            f"Wall time: {total:.0f} s, summed over the {len(commands)} commands that produced "
-            f"these runs (resumes included; the last one {last:.0f} s)"
-        )
-    untimed = int(wt.get("runs_untimed") or 0)
-    if untimed:
-        of = f" of {runs}" if runs is not None else ""
-        text += (
-            f"; {untimed}{of} runs were recorded by earlier commands with other settings, "
-            "whose time is not included"
-        )
-    return text

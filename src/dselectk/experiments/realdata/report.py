@@ -17,12 +17,10 @@ from dselectk.experiments.realdata.spec import FINITE, VARIANTS, Experiment, cel
 from dselectk.experiments.records import (
     RunStore,
     diverged,
-    diverged_rows,
-    format_mean_se,
     read_object,
     summarize,
 )
-from dselectk.experiments.templates import render
+from dselectk.experiments.templates import diverged_rows, format_mean_se, render
 from dselectk.io import write_json, write_text
 from dselectk.monitor import flops_ratio
 

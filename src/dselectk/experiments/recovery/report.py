@@ -12,21 +12,23 @@ from dselectk.data.recovery import NUM_TRUE
 from dselectk.experiments.records import (
     RunStore,
     diverged,
-    diverged_rows,
-    format_mean_se,
     read_object,
-    summarize,
-    wall_line,
-    wall_time,
+    sweep_summary,
 )
 from dselectk.experiments.recovery.model import EXPERIMENT, NUM_EXPERTS, VARIANTS, K
-from dselectk.experiments.templates import others_note, render
+from dselectk.experiments.templates import (
+    Column,
+    diverged_rows,
+    header,
+    markdown_table,
+    render,
+    screen_table,
+)
 from dselectk.io import write_json, write_text
 
 #: true experts recovered by the paper's tuned model, at the paper's shape
 PAPER = {"dselect_k": 4, "topk": 1}
 PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": K}
-_fmt = format_mean_se
 #: metrics a run must have finite, else it counts as diverged
 FINITE = ("val_loss",)
 
@@ -63,25 +65,40 @@ def _shape_text(shape: Mapping[str, int]) -> str:
     return f"{shape['experts']} experts, {shape['true']} true, k = {shape['k']}"
 
 
-def _selected_row(summary: Mapping[str, Any], r: Mapping[str, Any]) -> str:
-    m, paper = r["metrics"], PAPER.get(r["gate"]) if summary["shape"] == PAPER_SHAPE else None
-    return (
-        f"| {r['label']} | {r['lr']:g} | {_fmt(m.get('recovered'))} | "
-        f"{_fmt(m.get('all_recovered'))} | {r['recovered_histogram']} | "
-        f"{_fmt(m.get('val_accuracy'), 3)} | {_fmt(m.get('experts_selected'))} | "
-        f"{'–' if paper is None else f'{paper}/{NUM_TRUE}'} |"
-    )
+def _columns(summary: Mapping[str, Any], selected: bool) -> list[Column]:
+    """The columns of the table of the selected learning rates, or (not ``selected``) of all."""
+    n, paper = summary["shape"]["true"], PAPER if summary["shape"] == PAPER_SHAPE else {}
+    head = [
+        Column("gate", value=lambda r: r["label"]),
+        Column("lr", value=lambda r: f"{r['lr']:g}"),
+        Column(f"recovered of {n}", "recovered"),
+    ]
+    if not selected:
+        return [
+            *head,
+            Column(f"all {n}", "all_recovered"),
+            Column("val loss", "val_loss", 4),
+            Column("val accuracy", "val_accuracy", 3),
+            Column("n", value=lambda r: (r["metrics"].get("recovered") or {}).get("n", 0)),
+            Column("diverged", value=lambda r: r.get("diverged", 0)),
+        ]
+    return [
+        *head,
+        Column(f"all {n} recovered", "all_recovered", screen=f"all {n}"),
+        Column(f"histogram 0..{n}", value=lambda r: r["recovered_histogram"], screen="histogram"),
+        Column("val accuracy", "val_accuracy", 3, screen="val acc"),
+        Column("experts selected", "experts_selected", screen="selected"),
+        Column(
+            "paper", value=lambda r: f"{paper[r['gate']]}/{NUM_TRUE}" if r["gate"] in paper else "–"
+        ),
+    ]
 
 
 def print_table(summary: Mapping[str, Any]) -> None:
-    """Per variant, the selected learning rate and the recovery counts (the report's table)."""
-    n = summary["shape"]["true"]
+    """Per variant, the selected learning rate and the recovery counts (the report's table;
+    the runner names the diverged runs after it)."""
     print(f"shape: {_shape_text(summary['shape'])}")
-    print(f"| gate | lr | recovered of {n} | all {n} | histogram | val acc | selected | paper |")
-    for row in summary["selected"]:
-        print(_selected_row(summary, row))
-    if bad := diverged_lrs(summary):
-        print(f"diverged runs (non-finite validation loss): {', '.join(bad)}")
+    print(*screen_table(_columns(summary, True), summary["selected"]), sep="\n")
     if skipped := _skipped_text(summary):
         print(skipped)
 
@@ -96,9 +113,11 @@ def write_report(
     results_dir = Path(results_dir)
     planned, others = RunStore(results_dir).load_planned()
     records = [r for r in planned if r["config"].get("phase") == "final"]
-    prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
+    summary = sweep_summary(
+        results_dir, EXPERIMENT, ["gate", "lr"], records, others, FINITE, wall_seconds, command
+    )
     shape = records[0]["config"].get("shape", PAPER_SHAPE) if records else PAPER_SHAPE
-    rows = summarize(records, ["gate", "lr"], finite=FINITE)
+    rows = summary["rows"]
     by_key = {(row["gate"], row["lr"]): row for row in rows}
     for row in rows:
         row["label"] = VARIANTS[row["gate"]].label if row["gate"] in VARIANTS else row["gate"]
@@ -124,25 +143,15 @@ def write_report(
             selected.append(min(ok, key=lambda r: r["metrics"]["val_loss"]["mean"]))
         else:
             no_selection.append(g)
-    wall = wall_time(results_dir, prev, wall_seconds, command, records)
-    summary = {
-        "experiment": EXPERIMENT,
+    summary |= {
         "shape": shape,
         "hparams_source": _hparams_source(results_dir),
-        "group_by": ["gate", "lr"],
-        "rows": rows,
         "selected": selected,
         "selection": "per gate, the learning rate with the lowest mean validation loss, of "
         "those without diverged runs",
         "skipped_lrs": skipped,
         "no_selection": no_selection,
-        "diverged": sum(int(r.get("diverged", 0)) for r in rows),
         "paper": PAPER,
-        "records": len(records),
-        "records_not_summarised": others,
-        "wall_seconds": wall["seconds"],
-        "wall_time": wall,
-        "command": command or prev.get("command"),
     }
     write_json(results_dir / "summary.json", summary)
     plots = []
@@ -190,19 +199,9 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
             "- Qualitative claim (DSelect-k recovers more true experts than Top-k): "
             f"{'reproduces' if d > k else 'does not reproduce'} ({d:.2f} vs {k:.2f})."
         )
-    all_rows = [
-        f"| {r['label']} | {r['lr']:g} | {_fmt(m.get('recovered'))} | "
-        f"{_fmt(m.get('all_recovered'))} | {_fmt(m.get('val_loss'), 4)} | "
-        f"{_fmt(m.get('val_accuracy'), 3)} | {(m.get('recovered') or {}).get('n', 0)} | "
-        f"{r.get('diverged', 0)} |"
-        for r in summary["rows"]
-        for m in [r["metrics"]]
-    ]
     return render(
         "recovery",
-        command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=wall_line(summary, summary["records"]) + "  ",
-        records=summary["records"],
+        **header(summary),
         diverged=(
             f" **{summary['diverged']} of them diverged** (non-finite validation loss: "
             f'{", ".join(diverged_lrs(summary))}); counted in the "diverged" column, left '
@@ -211,15 +210,14 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
             else " None diverged."
         ),
         skipped=_skipped_text(summary),
-        others=others_note(summary.get("records_not_summarised", 0)),
         shape=_shape_text(shape),
         experts=shape["experts"],
         true=shape["true"],
         random=shape["experts"] - shape["true"],
         k=shape["k"],
         tuned_source=summary.get("hparams_source") or "the shipped `tuned_recovery.json`",
-        selected_rows="\n".join(_selected_row(summary, r) for r in summary["selected"]),
-        all_rows="\n".join(all_rows),
+        selected_table="\n".join(markdown_table(_columns(summary, True), summary["selected"])),
+        all_table="\n".join(markdown_table(_columns(summary, False), summary["rows"])),
         claims="\n".join(claims),
         plots="\n".join(f"- ![{p.stem}]({p.name})" for p in plots),
     )

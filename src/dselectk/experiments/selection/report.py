@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -12,7 +12,6 @@ from typing import Any
 
 from dselectk.experiments.records import (
     RunStore,
-    format_mean_se,
     mean_se,
     read_object,
     run_id,
@@ -26,12 +25,17 @@ from dselectk.experiments.selection.study import (
     PROTOCOL,
     SEARCH_ARMS,
 )
-from dselectk.experiments.templates import others_note
+from dselectk.experiments.templates import (
+    Column,
+    format_mean_se,
+    markdown_table,
+    others_note,
+    screen_table,
+)
 from dselectk.io import write_json, write_text
 
 #: the verdict's comparisons: (arm, against)
 VERDICT_PAIRS = (("dselect_k_search", "search_only"), ("dselect_k_search", "topk_search"))
-_fmt = format_mean_se
 
 
 def _key(shape: Mapping[str, int]) -> str:
@@ -132,21 +136,61 @@ def _pct(m: Mapping[str, Any] | None) -> str:
     return "–" if not m or not m.get("n") else f"{100 * m['mean']:.0f} %"
 
 
-def _rows(s: Mapping[str, Any]) -> list[str]:
-    return [
-        f"| {r['label']} | {r['lr']:g} | {_fmt(m['recovered'])} | {_pct(m['all_recovered'])} "
-        f"| {_pct(m.get('binary'))} | {m['probe_passes']['mean']:.0f} "
-        f"| {m['probe_share']['mean']:.2f} | {_fmt(m['test_loss'], 3)} | {m['recovered']['n']} |"
-        for r in s["rows"]
-        for m in [r["metrics"]]
-    ]
+def _percent(metric: str) -> Callable[[Mapping[str, Any]], str]:
+    """A row's summarised ``metric`` (a fraction) as a percentage."""
+    return lambda r: _pct(r["metrics"].get(metric))
 
 
-def _paired_rows(s: Mapping[str, Any]) -> list[str]:
-    return [
-        f"| {p['arm']} | {p['against']} | {_fmt(p)} | {p['win']}/{p['tie']}/{p['loss']} |"
-        for p in s["paired"]
-    ]
+def _selected(r: Mapping[str, Any]) -> str:
+    """The hyperparameters a C.1 row selected on validation."""
+    hp = r["hparams"]
+    return ", ".join(
+        f"{k} {hp[k]:g}"
+        for k in ("lr", "epochs", "gamma", "entropy_reg")
+        if k in hp and not (r["arm"] == "search_only" and k == "entropy_reg")
+    )
+
+
+_ARM = Column("arm", value=lambda r: r["label"])
+_PROBES = (
+    Column("probe passes", value=lambda r: f"{r['metrics']['probe_passes']['mean']:.0f}"),
+    Column(
+        "probe/train examples",
+        value=lambda r: f"{r['metrics']['probe_share']['mean']:.2f}",
+        screen="probe/train",
+    ),
+)
+#: a setting's arms (recovery; C.1), and their paired differences (recovery; C.1)
+RECOVERY_COLUMNS = (
+    _ARM,
+    Column("lr (val)", value=lambda r: f"{r['lr']:g}", screen="lr"),
+    Column("recovered", "recovered"),
+    Column("all recovered", value=_percent("all_recovered"), screen="all"),
+    Column("binary", value=_percent("binary")),
+    *_PROBES,
+    Column("test loss", "test_loss", 3),
+    Column("n", value=lambda r: r["metrics"]["recovered"]["n"]),
+)
+C1_COLUMNS = (
+    _ARM,
+    Column("selected on validation", value=_selected),
+    Column("test MSE", "test_mse", 4),
+    Column("related Jaccard", "related_jaccard"),
+    Column("unrelated Jaccard", "unrelated_jaccard"),
+    Column("experts per task", "experts_per_task"),
+    Column("tasks with k", value=_percent("frac_tasks_k_experts")),
+    Column("tasks binary", value=_percent("frac_tasks_binary")),
+    *_PROBES,
+    Column("n", value=lambda r: r["metrics"]["test_mse"]["n"]),
+)
+_PAIR = (Column("arm", value=lambda p: p["arm"]), Column("against", value=lambda p: p["against"]))
+_WIN_TIE_LOSS = Column("win/tie/loss", value=lambda p: f"{p['win']}/{p['tie']}/{p['loss']}")
+PAIRED_COLUMNS = (*_PAIR, Column("mean ± s.e.", value=format_mean_se), _WIN_TIE_LOSS)
+C1_PAIRED_COLUMNS = (
+    *_PAIR,
+    Column("test MSE difference ± s.e.", value=lambda p: f"{-p['mean']:+.4f} ± {p['se']:.4f}"),
+    _WIN_TIE_LOSS,
+)
 
 
 def _calls(pooled: Mapping[str, Any], what: str, sign: float, digits: int) -> list[tuple[str, str]]:
@@ -224,52 +268,18 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _c1_rows(s: Mapping[str, Any]) -> list[str]:
-    out = []
-    for r in s["rows"]:
-        m, hp = r["metrics"], r["hparams"]
-        sel = ", ".join(
-            f"{k} {hp[k]:g}"
-            for k in ("lr", "epochs", "gamma", "entropy_reg")
-            if k in hp and not (r["arm"] == "search_only" and k == "entropy_reg")
-        )
-        out.append(
-            f"| {r['label']} | {sel} | {_fmt(m['test_mse'], 4)} | {_fmt(m['related_jaccard'])} "
-            f"| {_fmt(m['unrelated_jaccard']) if 'unrelated_jaccard' in m else '–'} "
-            f"| {_fmt(m['experts_per_task'])} "
-            f"| {_pct(m['frac_tasks_k_experts'])} | {_pct(m.get('frac_tasks_binary'))} "
-            f"| {m['probe_passes']['mean']:.0f} | {m['probe_share']['mean']:.2f} "
-            f"| {m['test_mse']['n']} |"
-        )  # fmt: skip
-    return out
-
-
-def _c1_paired_rows(s: Mapping[str, Any]) -> list[str]:
-    return [
-        f"| {p['arm']} | {p['against']} | {-p['mean']:+.4f} ± {p['se']:.4f} "
-        f"| {p['win']}/{p['tie']}/{p['loss']} |"
-        for p in s["paired"]
-    ]
-
-
 def _c1_tables(summary: Mapping[str, Any]) -> list[str]:
     out = []
     for s in summary.get("c1", {}).values():
         out += [
             f"### Appendix C.1, T = {s['tasks']} tasks, {s['tasks'] // 4} experts, k = 4",
             "",
-            "| arm | selected on validation | test MSE | related Jaccard | unrelated Jaccard | "
-            "experts per task | tasks with k | tasks binary | probe passes | "
-            "probe/train examples | n |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-            *_c1_rows(s),
+            *markdown_table(C1_COLUMNS, s["rows"]),
             "",
             "Paired differences of test MSE (arm − against; negative: the arm is better; "
             f"win: lower MSE; best no-search arm on validation: {s['best_baseline']}):",
             "",
-            "| arm | against | test MSE difference ± s.e. | win/tie/loss |",
-            "|---|---|---|---|",
-            *_c1_paired_rows(s),
+            *markdown_table(C1_PAIRED_COLUMNS, s["paired"]),
             "",
         ]
     return out
@@ -282,17 +292,12 @@ def _markdown(summary: Mapping[str, Any]) -> str:
         tables += [
             f"### {sh['experts']} experts, {sh['true']} true, k = {sh['k']}",
             "",
-            "| arm | lr (val) | recovered | all recovered | binary | probe passes | "
-            "probe/train examples | test loss | n |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *_rows(s),
+            *markdown_table(RECOVERY_COLUMNS, s["rows"]),
             "",
             f"Paired differences of recovered experts (arm − against; best no-search arm: "
             f"{s['best_baseline']}):",
             "",
-            "| arm | against | mean ± s.e. | win/tie/loss |",
-            "|---|---|---|---|",
-            *_paired_rows(s),
+            *markdown_table(PAIRED_COLUMNS, s["paired"]),
             "",
             "Recovered at every learning rate of the grid (tuning runs; the selection reads no "
             "data, so this is no test-set peek): "
@@ -349,16 +354,13 @@ def write_report(
 
 
 def print_table(summary: Mapping[str, Any]) -> None:
-    """The per-shape tables and the verdict."""
+    """The per-setting tables and the verdict."""
     for key, s in summary["shapes"].items():
         print(f"\nshape {key} (k = true)")
-        print(
-            "| arm | lr | recovered | all | binary | probe passes | probe/train | test loss | n |"
-        )
-        print("\n".join(_rows(s)))
-        print("\n".join(_paired_rows(s)))
+        print(*screen_table(RECOVERY_COLUMNS, s["rows"]), sep="\n")
+        print(*screen_table(PAIRED_COLUMNS, s["paired"]), sep="\n")
     for s in summary.get("c1", {}).values():
         print(f"\nC.1 T = {s['tasks']}")
-        print("\n".join(_c1_rows(s)))
-        print("\n".join(_c1_paired_rows(s)))
+        print(*screen_table(C1_COLUMNS, s["rows"]), sep="\n")
+        print(*screen_table(C1_PAIRED_COLUMNS, s["paired"]), sep="\n")
     print("\n".join(_verdict(summary)))

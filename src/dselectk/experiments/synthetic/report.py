@@ -12,17 +12,16 @@ from typing import Any
 from dselectk import plots
 from dselectk.data.synthetic import TASKS_PER_GROUP
 from dselectk.experiments.metrics import expected_random_jaccard
-from dselectk.experiments.records import (
-    RunStore,
-    diverged_rows,
-    format_mean_se,
-    read_object,
-    summarize,
-    wall_line,
-    wall_time,
-)
+from dselectk.experiments.records import RunStore, read_object, sweep_summary
 from dselectk.experiments.synthetic.spec import EXPERIMENT, PAPER, VARIANTS, K, load_tuned
-from dselectk.experiments.templates import others_note, render
+from dselectk.experiments.templates import (
+    Column,
+    diverged_rows,
+    header,
+    markdown_table,
+    render,
+    screen_table,
+)
 from dselectk.io import write_json, write_text
 from dselectk.plots.core import finite
 
@@ -35,16 +34,19 @@ PANELS = [
 
 #: metrics a run must have finite, else it counts as diverged
 FINITE = ("test_mse",)
-_fmt = format_mean_se
-#: the report table's metrics (after gate and T) and their decimals
+#: the results table (gate × T); those with a ``screen`` heading are also printed
 COLUMNS = [
-    ("test_mse", 4),
-    ("test_mse_soft", 4),
-    ("related_jaccard", 3),
-    ("unrelated_jaccard", 3),
-    ("experts_per_task", 2),
-    ("frac_tasks_k_experts", 2),
-    ("frac_tasks_binary", 2),
+    Column("gate", value=lambda r: r["label"]),
+    Column("T", value=lambda r: r["num_tasks"]),
+    Column("test MSE", "test_mse", 4),
+    Column("soft-weight MSE", "test_mse_soft", 4, screen=None),
+    Column("Jaccard related", "related_jaccard", 3, screen="J related"),
+    Column("Jaccard unrelated", "unrelated_jaccard", 3, screen="J unrel."),
+    Column("experts/task", "experts_per_task", 2, screen="exp/task"),
+    Column("tasks with exactly k", "frac_tasks_k_experts", 2, screen=None),
+    Column("binary S(Z) (tasks)", "frac_tasks_binary", 2, screen=None),
+    Column("n", value=lambda r: r["metrics"].get("test_mse", {}).get("n", 0)),
+    Column("diverged", value=lambda r: r.get("diverged", 0)),
 ]
 
 
@@ -76,8 +78,11 @@ def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
     return t // 4, K
 
 
-def _summary_rows(final: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    rows = summarize(final, ["gate", "num_tasks"], finite=FINITE)
+def _describe(
+    rows: list[dict[str, Any]], final: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The summary ``rows`` of the ``final`` records with their hyperparameters, label and
+    shape, sorted in variant, then T order."""
     for row in rows:
         cell = (row["gate"], row["num_tasks"])
         cfgs = [c for c in (r["config"] for r in final) if (c["gate"], c["num_tasks"]) == cell]
@@ -99,25 +104,8 @@ def _verdict(t: int, ok: bool) -> str:
 
 
 def print_table(summary: Mapping[str, Any]) -> None:
-    """One-screen table of the summary (gate × T)."""
-    rows = summary["rows"]
-    head = (
-        f"{'gate':<32}{'T':>5}  {'test MSE':>16}  {'J related':>14}  {'J unrel.':>14}  "
-        f"{'exp/task':>8}  {'n':>4}  {'diverged':>8}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        m = r["metrics"]
-        print(
-            f"{r['label']:<32}{r['num_tasks']:>5}  {_fmt(m.get('test_mse'), 3):>16}  "
-            f"{_fmt(m.get('related_jaccard'), 2):>14}  {_fmt(m.get('unrelated_jaccard'), 2):>14}  "
-            f"{_fmt(m.get('experts_per_task'), 1).split(' ')[0]:>8}  "
-            f"{m.get('test_mse', {}).get('n', 0):>4}  {r.get('diverged', 0):>8}"
-        )
-    bad = diverged_cells(summary)
-    if bad:
-        print(f"diverged runs (non-finite test MSE, left out of the means): {', '.join(bad)}")
+    """One-screen table of the summary (gate × T; the runner names the diverged runs after it)."""
+    print(*screen_table(COLUMNS, summary["rows"]), sep="\n")
 
 
 def _comparison(rows: Sequence[Mapping[str, Any]], gate: str) -> list[str]:
@@ -172,27 +160,16 @@ def write_report(
     results_dir = Path(results_dir)
     records, others = RunStore(results_dir).load_planned()
     final = [r for r in records if r["config"].get("phase") == "final"]
-    rows = _summary_rows(final)
+    group = ["gate", "num_tasks"]
+    summary = sweep_summary(
+        results_dir, EXPERIMENT, group, final, others, FINITE, wall_seconds, command
+    )
+    rows = _describe(summary["rows"], final)
     tune_count = sum(1 for r in records if r["config"].get("phase") == "tune")
-    prev = read_object(results_dir / "summary.json")
-    wall = wall_time(results_dir, prev, wall_seconds, command, final)
-    cmd = command or prev.get("command")
     tasks = sorted({r["num_tasks"] for r in rows})
     random_ref = {t: expected_random_jaccard(*_shape(rows, t)) for t in tasks}
-    summary = {
-        "experiment": EXPERIMENT,
-        "group_by": ["gate", "num_tasks"],
-        "rows": rows,
-        "random_gate_expected_jaccard": {str(t): v for t, v in random_ref.items()},
-        "records": len(final),
-        "diverged": sum(int(r.get("diverged", 0)) for r in rows),
-        "tune_records": tune_count,
-        "records_not_summarised": others,
-        "wall_seconds": wall["seconds"],
-        "wall_time": wall,
-        "command": cmd,
-        "paper": PAPER,
-    }
+    summary["random_gate_expected_jaccard"] = {str(t): v for t, v in random_ref.items()}
+    summary |= {"tune_records": tune_count, "paper": PAPER}
     write_json(results_dir / "summary.json", summary)
 
     # plots (Figure C.1's three panels, and one heatmap per gate at the largest T)
@@ -269,12 +246,6 @@ def write_report(
 def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) -> str:
     rows = summary["rows"]
     findings = [str(f) for f in load_tuned().get("findings", [])]
-    result_rows = [
-        f"| {r['label']} | {r['num_tasks']} | "
-        + " | ".join(_fmt(r["metrics"].get(name), digits) for name, digits in COLUMNS)
-        + f" | {r['metrics'].get('test_mse', {}).get('n', 0)} | {r.get('diverged', 0)} |"
-        for r in rows
-    ]
     seen: dict[str, set[str]] = {}
     for r in rows:
         for hp in r.get("hparams", []):
@@ -300,9 +271,7 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
     div = int(summary.get("diverged") or 0)
     return render(
         "synthetic",
-        command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=wall_line(summary, summary["records"]) + "  ",
-        records=summary["records"],
+        **header(summary),
         diverged=(
             f" **{div} of them diverged** (non-finite test MSE: "
             f"{', '.join(diverged_cells(summary))}); they are counted in the table's "
@@ -316,9 +285,8 @@ def _markdown(summary: Mapping[str, Any], source: str, plots: Sequence[Path]) ->
         )
         or "none",
         tune_records=summary["tune_records"],
-        others=others_note(summary.get("records_not_summarised", 0)),
         source=source,
-        result_rows="\n".join(result_rows),
+        results="\n".join(markdown_table(COLUMNS, rows)),
         hparam_lines="\n".join(f"- {label}: {'; '.join(sorted(v))}" for label, v in seen.items()),
         random_jaccard=", ".join(
             f"T = {t}: {v:.3f}" for t, v in summary["random_gate_expected_jaccard"].items()

@@ -11,17 +11,14 @@ from typing import Any
 
 import torch
 
-from dselectk.experiments.records import (
-    RunStore,
-    diverged,
-    format_mean_se,
-    mean_se,
-    read_object,
-    summarize,
-    wall_line,
-    wall_time,
+from dselectk.experiments.records import RunStore, diverged, mean_se, sweep_summary
+from dselectk.experiments.templates import (
+    Column,
+    header,
+    markdown_table,
+    render,
+    screen_table,
 )
-from dselectk.experiments.templates import others_note, render
 from dselectk.experiments.token_moe.model import EXPERIMENT, ROUTERS
 from dselectk.io import write_json, write_text
 
@@ -32,25 +29,31 @@ def _label(router: str) -> str:
 
 #: metrics a run must have finite, else it counts as diverged
 FINITE = ("val_bpc",)
-#: the table's columns: metric (``val_bpc``: validation bits per byte), decimals, heading
-_COLUMNS = (
-    ("val_bpc", 4, "val bits/byte"),
-    ("dispatched_experts_per_token", 3, "experts/token"),
-    ("load_max_over_mean", 2, "max load/mean"),
-    ("binary_token_fraction", 3, "binary tokens"),
-    ("ms_per_step", 1, "ms/step"),
+#: the results table (router); those with a ``screen`` heading are also printed
+COLUMNS = (
+    Column("router", value=lambda r: r["label"]),
+    Column("val bits/byte", "val_bpc", 4),
+    Column("final train loss", "train_loss", 3, screen=None),
+    Column("max load / mean load (worst layer)", "load_max_over_mean", 2, screen="max load/mean"),
+    Column(
+        "distinct experts per token (dispatched)",
+        "dispatched_experts_per_token",
+        3,
+        screen="experts/token",
+    ),
+    Column("experts per token (nonzero weights)", "experts_per_token", 2, screen=None),
+    Column("load coefficient of variation (worst layer)", "load_cv", 2, screen=None),
+    Column("tokens with binary bits", "binary_token_fraction", 3, screen="binary tokens"),
+    Column("training tokens / s", "tokens_per_second", 0, screen="tokens/s"),
+    Column("seeds", value=lambda r: r["metrics"]["val_bpc"]["n"]),
+    Column("diverged", value=lambda r: r["diverged"]),
 )
 
 
 def print_table(summary: Mapping[str, Any]) -> None:
-    """One-screen table: per router, validation bits per byte and routing figures."""
-    print(f"{'router':<40}" + "".join(f"{h:>18}" for _, _, h in _COLUMNS) + f"{'n':>4}")
-    for row in summary["rows"]:
-        m = row["metrics"]
-        cells = "".join(f"{format_mean_se(m.get(k), d):>18}" for k, d, _ in _COLUMNS)
-        print(f"{row['label']:<40}{cells}{m['val_bpc']['n']:>4}")
-    if line := diverged_line(summary):
-        print(line)
+    """One-screen table: per router, validation bits per byte and routing figures (the runner
+    names the diverged runs after it)."""
+    print(*screen_table(COLUMNS, summary["rows"]), sep="\n")
 
 
 def write_report(
@@ -72,25 +75,21 @@ def write_report(
         m["tokens_per_second"] = hp["batch_size"] * hp["seq_len"] / m["seconds_per_step"]
         frac = torch.tensor(m["load"], dtype=torch.float64)  # (layer, expert) fractions
         m["load_cv"] = float((frac.std(-1, correction=0) / frac.mean(-1)).max())
-    prev = read_object(results_dir / "summary.json")  # {} when missing or garbled
-    rows = summarize(records, ["router"], finite=FINITE)
-    for row in rows:
+    given = {"jobs": jobs, "threads": threads}  # (None: the last summary's)
+    summary = sweep_summary(
+        results_dir, EXPERIMENT, ["router"], records, others, FINITE, wall_seconds, command, **given
+    )
+    for row in summary["rows"]:
         row["label"] = _label(row["router"])
         loads = [r["metrics"]["load"] for r in ok if r["config"]["router"] == row["router"]]
         row["load"] = (  # (layer, expert)
             torch.tensor(loads, dtype=torch.float64).mean(0).tolist() if loads else []
         )
     first = records[0] if records else {}
-    wall = wall_time(results_dir, prev, wall_seconds, command, records)
-    given = {"command": command, "jobs": jobs, "threads": threads}
-    summary = {
-        "experiment": EXPERIMENT,
-        "group_by": ["router"],
-        "rows": rows,
+    summary |= {
         "per_seed": sorted(
             (r["config"]["seed"], r["config"]["router"], r["metrics"]["val_bpc"]) for r in ok
         ),
-        "diverged": len(records) - len(ok),
         "diverged_runs": sorted(
             (r["config"]["seed"], r["config"]["router"], r["metrics"].get("diverged_at_step"))
             for r in records
@@ -99,11 +98,6 @@ def write_report(
         "hparams": first.get("config", {}).get("hparams"),
         "val_windows": sorted({r["metrics"].get("val_windows") or 0 for r in ok}),
         "corpus": first.get("config", {}).get("corpus"),
-        "records": len(records),
-        "records_not_summarised": others,
-        "wall_seconds": wall["seconds"],
-        "wall_time": wall,
-        **{k: v if v is not None else prev.get(k) for k, v in given.items()},
         "environment": first.get("environment"),
         "machine": {
             "cpu_count": first.get("metrics", {}).get("cpu_count"),
@@ -180,38 +174,30 @@ def _capacity(summary: Mapping[str, Any]) -> str:
 
 
 def _markdown(summary: Mapping[str, Any]) -> str:
-    rows, loads = [], []
-    columns = [("val_bpc", 4), ("train_loss", 3), ("load_max_over_mean", 2)]
-    columns += [("dispatched_experts_per_token", 3), ("experts_per_token", 2)]
-    columns += [("load_cv", 2), ("binary_token_fraction", 3), ("tokens_per_second", 0)]
-    for r in summary["rows"]:
-        m = r["metrics"]
-        cells = " | ".join(format_mean_se(m.get(k), d) for k, d in columns)
-        rows.append(f"| {r['label']} | {cells} | {m['val_bpc']['n']} | {r['diverged']} |")
-        for layer, fr in enumerate(r["load"]):
-            loads.append(f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |")
+    loads = [
+        f"| {r['label']} | {layer} | " + " ".join(f"{v:.3f}" for v in fr) + " |"
+        for r in summary["rows"]
+        for layer, fr in enumerate(r["load"])
+    ]
     seeds = [f"| {s} | {_label(g)} | {v:.4f} |" for s, g, v in summary["per_seed"]]
     env = summary.get("environment") or {}
     m0 = summary.get("machine") or {}
     return render(
         "token_moe",
-        command=summary.get("command") or "(rebuilt with dselectk report)",
-        wall_line=wall_line(summary, summary["records"]),
+        **header(summary),
         jobs=summary.get("jobs") or "?",
         threads=summary.get("threads") or "?",
         machine=(
             f"{m0.get('cpu_count', '?')} CPUs, load average at the runs' starts "
             f"{m0.get('load_average', '?')}, torch {env.get('torch', '?')}"
         ),
-        records=summary["records"],
         diverged=f" **{line}.**" if (line := diverged_line(summary)) else "",
-        others=others_note(summary.get("records_not_summarised", 0)),
         capacity=_capacity(summary),
         hparams=json.dumps(summary.get("hparams") or {}, sort_keys=True),
         val_windows=" or ".join(str(n) for n in summary.get("val_windows") or [] if n)
         or "(not recorded)",
         corpus=json.dumps(summary.get("corpus") or {}, sort_keys=True),
-        rows="\n".join(rows),
+        results="\n".join(markdown_table(COLUMNS, summary["rows"])),
         loads="\n".join(loads),
         seeds="\n".join(seeds),
         verdict=_verdict(summary["rows"], summary["per_seed"]),
