@@ -152,6 +152,7 @@ def _selected(r: Mapping[str, Any]) -> str:
 
 
 _ARM = Column("arm", value=lambda r: r["label"])
+_ARM_KEY = (Column("arm", value=lambda r: r["arm"]),)  # on the screen, as in the paired tables
 _PROBES = (
     Column("probe passes", value=lambda r: f"{r['metrics']['probe_passes']['mean']:.0f}"),
     Column(
@@ -173,13 +174,13 @@ RECOVERY_COLUMNS = (
 )
 C1_COLUMNS = (
     _ARM,
-    Column("selected on validation", value=_selected),
+    Column("selected on validation", value=_selected, screen="selected"),
     Column("test MSE", "test_mse", 4),
-    Column("related Jaccard", "related_jaccard"),
-    Column("unrelated Jaccard", "unrelated_jaccard"),
-    Column("experts per task", "experts_per_task"),
-    Column("tasks with k", value=_percent("frac_tasks_k_experts")),
-    Column("tasks binary", value=_percent("frac_tasks_binary")),
+    Column("related Jaccard", "related_jaccard", screen="J related"),
+    Column("unrelated Jaccard", "unrelated_jaccard", screen="J unrel."),
+    Column("experts per task", "experts_per_task", screen="exp/task"),
+    Column("tasks with k", value=_percent("frac_tasks_k_experts"), screen="with k"),
+    Column("tasks binary", value=_percent("frac_tasks_binary"), screen="binary"),
     *_PROBES,
     Column("n", value=lambda r: r["metrics"]["test_mse"]["n"]),
 )
@@ -357,10 +358,10 @@ def print_table(summary: Mapping[str, Any]) -> None:
     """The per-setting tables and the verdict."""
     for key, s in summary["shapes"].items():
         print(f"\nshape {key} (k = true)")
-        print(*screen_table(RECOVERY_COLUMNS, s["rows"]), sep="\n")
+        print(*screen_table(_ARM_KEY + RECOVERY_COLUMNS[1:], s["rows"]), sep="\n")
         print(*screen_table(PAIRED_COLUMNS, s["paired"]), sep="\n")
     for s in summary.get("c1", {}).values():
         print(f"\nC.1 T = {s['tasks']}")
-        print(*screen_table(C1_COLUMNS, s["rows"]), sep="\n")
+        print(*screen_table(_ARM_KEY + C1_COLUMNS[1:], s["rows"]), sep="\n")
         print(*screen_table(C1_PAIRED_COLUMNS, s["paired"]), sep="\n")
     print("\n".join(_verdict(summary)))
