@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 from typing import Any
 
+import _screen as screen
 import torch
 from torch import Tensor
 
 import dselectk.experiments.token_moe.model as tm
-from dselectk.data.text import load_corpus
-from dselectk.experiments.token_moe.recipe import DEFAULTS
 from dselectk.gates import TopKGate
 from dselectk.layers.token_moe import SparseMoEFeedForward, TokenMoEOutput, balance_loss
 from dselectk.training import Callback
@@ -71,40 +68,23 @@ def main() -> None:
     p.add_argument("--router", default="dselect_k_distinct", choices=list(tm.ROUTERS))
     p.add_argument("--dense", type=float, required=True, help="fraction of the steps dense")
     p.add_argument("--gamma-start", type=float, default=None, help="DSelect-k: γ at step 0")
-    p.add_argument("--seeds", type=int, nargs="+", required=True)
-    p.add_argument("--balance", type=float, default=DEFAULTS["balance_loss_weight"])
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    screen.add_arguments(p)
     a = p.parse_args()
-    reserved = [s for s in a.seeds if s < 100 or s >= 1000]
-    if reserved:
-        p.error(f"--seeds {reserved}: reserved for reported runs; screen on 100-999 only")
     if not 0.0 <= a.dense < 1.0:
         p.error(f"--dense {a.dense}: expected a fraction in [0, 1)")
-    torch.set_num_threads(1)
-    hp = {**DEFAULTS, "heads": 4, "balance_loss_weight": a.balance, "steps": a.steps}
     variant = tm.ROUTERS[a.router]
     if a.gamma_start is not None:
         if variant.gate != "dselect_k":
             p.error("--gamma-start: DSelect-k routers only")
         ramp = Ramp("gamma", start=a.gamma_start, span=a.dense, shape="geometric")
         variant = dataclasses.replace(variant, schedules=(ramp,))
-    corpus = load_corpus(hp["corpus_bytes"], hp["val_fraction"])
+    hp, corpus = screen.settings(p, a)
     SparseMoEFeedForward.forward = _dense_forward  # type: ignore[method-assign]
     for seed in a.seeds:
         STATE.update(step=0, dense_steps=int(a.dense * a.steps))
-        load = os.getloadavg()[0]
-        m = tm.train_run(
-            variant, hp, corpus, seed, progress=False, desc="", callbacks=[_StepCount()]
-        )
-        print(json.dumps({
-            "router": a.router, "dense": a.dense, "gamma_start": a.gamma_start, "seed": seed,
-            "balance": a.balance, "steps": a.steps, "val_bpc": m["val_bpc"],
-            "experts_per_token": m.get("dispatched_experts_per_token"),
-            "binary_tokens": m.get("binary_token_fraction"),
-            "nonzero_per_token": m.get("experts_per_token"),
-            "load_max_over_mean": m.get("load_max_over_mean"), "load_average": load,
-            "train_seconds": m.get("train_seconds"),
-        }), flush=True)  # fmt: skip
+        fields = {"router": a.router, "dense": a.dense, "gamma_start": a.gamma_start,
+                  "seed": seed, "balance": a.balance, "steps": a.steps}  # fmt: skip
+        screen.run(fields, variant, hp, corpus, seed, [_StepCount()], extra=("train_seconds",))
 
 
 if __name__ == "__main__":

@@ -18,15 +18,12 @@ One JSON line per (κ, seed) on stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any
 
+import _screen as screen
 from torch import Tensor
 
 import dselectk.experiments.token_moe.model as tm
-from dselectk.data.text import load_corpus
-from dselectk.experiments.token_moe.recipe import DEFAULTS
 from dselectk.gates import DSelectK, GateOutput
 
 
@@ -44,19 +41,10 @@ class MarginDSelectK(DSelectK):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kappa", type=float, nargs="+", required=True)
-    p.add_argument("--seeds", type=int, nargs="+", required=True)
-    p.add_argument("--balance", type=float, default=DEFAULTS["balance_loss_weight"])
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--router", default="dselect_k_distinct", choices=list(tm.ROUTERS))
+    screen.add_arguments(p)
     a = p.parse_args()
-    reserved = [s for s in a.seeds if s < 100 or s >= 1000]
-    if reserved:
-        p.error(f"--seeds {reserved}: reserved for reported runs; screen on 100-999 only")
-    import torch
-
-    torch.set_num_threads(1)
-    hp = {**DEFAULTS, "heads": 4, "balance_loss_weight": a.balance, "steps": a.steps}
-    corpus = load_corpus(hp["corpus_bytes"], hp["val_fraction"])
+    hp, corpus = screen.settings(p, a)
     build = tm.build_model
     for kappa in a.kappa:
 
@@ -70,16 +58,9 @@ def main() -> None:
 
         tm.build_model = swapped
         for seed in a.seeds:
-            load = os.getloadavg()[0]
-            m = tm.train_run(tm.ROUTERS[a.router], hp, corpus, seed, progress=False, desc="")
-            print(json.dumps({
-                "router": a.router, "kappa": kappa, "seed": seed, "balance": a.balance,
-                "steps": a.steps, "val_bpc": m["val_bpc"],
-                "experts_per_token": m.get("dispatched_experts_per_token"),
-                "binary_tokens": m.get("binary_token_fraction"),
-                "nonzero_per_token": m.get("experts_per_token"),
-                "load_max_over_mean": m.get("load_max_over_mean"), "load_average": load,
-            }), flush=True)  # fmt: skip
+            fields = {"router": a.router, "kappa": kappa, "seed": seed, "balance": a.balance,
+                      "steps": a.steps}  # fmt: skip
+            screen.run(fields, tm.ROUTERS[a.router], hp, corpus, seed)
 
 
 if __name__ == "__main__":

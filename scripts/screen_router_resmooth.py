@@ -13,15 +13,12 @@ One JSON line per (router, seed) on stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any
 
+import _screen as screen
 import torch
 
-from dselectk.data.text import load_corpus
-from dselectk.experiments.token_moe.model import ROUTERS, train_run
-from dselectk.experiments.token_moe.recipe import DEFAULTS
+from dselectk.experiments.token_moe.model import ROUTERS
 from dselectk.training import Callback, History, TaskData
 
 
@@ -44,30 +41,15 @@ def main() -> None:
     p.add_argument("--factor", type=float, required=True)
     p.add_argument("--at", type=float, nargs="+", required=True, help="fractions of the run")
     p.add_argument("--routers", nargs="+", choices=list(ROUTERS), required=True)
-    p.add_argument("--seeds", type=int, nargs="+", required=True)
-    p.add_argument("--balance", type=float, default=DEFAULTS["balance_loss_weight"])
+    screen.add_arguments(p, steps=False)
     a = p.parse_args()
-    reserved = [s for s in a.seeds if s < 100 or s >= 1000]
-    if reserved:
-        p.error(f"--seeds {reserved}: reserved for reported runs; screen on 100-999 only")
-    torch.set_num_threads(1)
-    hp = {**DEFAULTS, "heads": 4, "balance_loss_weight": a.balance}
+    hp, corpus = screen.settings(p, a)
     marks = {round(f * int(hp["steps"])) for f in a.at}
-    corpus = load_corpus(hp["corpus_bytes"], hp["val_fraction"])
     for router in a.routers:
         for seed in a.seeds:
-            load = os.getloadavg()[0]
-            m = train_run(
-                ROUTERS[router], hp, corpus, seed, progress=False, desc="",
-                callbacks=[Resmooth(a.factor, marks)],
-            )  # fmt: skip
-            print(json.dumps({
-                "router": router, "seed": seed, "factor": a.factor, "at": a.at,
-                "balance": a.balance, "val_bpc": m["val_bpc"],
-                "experts_per_token": m.get("dispatched_experts_per_token"),
-                "binary_tokens": m.get("binary_token_fraction"),
-                "load_max_over_mean": m.get("load_max_over_mean"), "load_average": load,
-            }), flush=True)  # fmt: skip
+            fields = {"router": router, "seed": seed, "factor": a.factor, "at": a.at,
+                      "balance": a.balance}  # fmt: skip
+            screen.run(fields, ROUTERS[router], hp, corpus, seed, [Resmooth(a.factor, marks)])
 
 
 if __name__ == "__main__":
