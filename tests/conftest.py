@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -27,3 +30,30 @@ def always_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)
     monkeypatch.setattr(DF, "CUDA_SMALL_MAX_ELEMENTS", 0)
+
+
+@pytest.fixture
+def numpy_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pin DSelect-k's NumPy host kernel, which the gate takes when numba is not installed (with
+    numba every size runs on its kernel; ``tests/test_numba_kernel.py`` checks that one)."""
+    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
+
+
+@pytest.fixture
+def thread_spy(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], list[int]]:
+    """``spy(module)`` wraps the host node's ``module._linear`` and ``module._linear_grads``
+    and returns the list that records torch's intra-op thread count at each of their calls."""
+
+    def spy(module: ModuleType) -> list[int]:
+        seen: list[int] = []
+        for name in ("_linear", "_linear_grads"):
+            orig = getattr(module, name)
+
+            def wrapped(*a: Any, _orig: Any = orig) -> Any:
+                seen.append(torch.get_num_threads())
+                return _orig(*a)
+
+            monkeypatch.setattr(module, name, wrapped)
+        return seen
+
+    return spy

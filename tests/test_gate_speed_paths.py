@@ -25,12 +25,8 @@ from dselectk.gates import DSelectK
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _numpy_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the NumPy host kernel and its size limits, which the gate takes
-    when numba is not installed; with numba (every size on its kernel) they pin the NumPy one
-    (``tests/test_numba_kernel.py`` checks the numba kernel)."""
-    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
+#: these tests are about the NumPy host kernel and its size limits (conftest's numpy_kernel)
+pytestmark = pytest.mark.usefixtures("numpy_kernel")
 
 
 def _aten_only(monkeypatch: pytest.MonkeyPatch) -> None:

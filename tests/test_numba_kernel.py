@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -251,23 +253,11 @@ def test_numba_gate_only_weights_only_loss_and_expanded_grads(
 
 
 def test_numba_gate_layer_runs_on_one_thread(
-    numba_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+    numba_kernel: list[int], thread_spy: Callable[[ModuleType], list[int]]
 ) -> None:
     """The numba node's layer (and its backward) on one intra-op thread at every size (the
     kernel itself runs on the calling thread), the count restored after."""
-    seen: list[int] = []
-    orig_linear, orig_grads = _numba_nodes._linear, _numba_nodes._linear_grads
-
-    def linear(*a: Any) -> Any:
-        seen.append(torch.get_num_threads())
-        return orig_linear(*a)
-
-    def grads(*a: Any) -> Any:
-        seen.append(torch.get_num_threads())
-        return orig_grads(*a)
-
-    monkeypatch.setattr(_numba_nodes, "_linear", linear)
-    monkeypatch.setattr(_numba_nodes, "_linear_grads", grads)
+    seen = thread_spy(_numba_nodes)
     gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
     before = torch.get_num_threads()
     for b in (3, DF.HOST_GATE_MAX_ELEMENTS // 32 + 1):

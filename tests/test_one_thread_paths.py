@@ -12,6 +12,8 @@ gate takes, and torch.compile (the node is taken in eager mode only). No timings
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,12 +30,8 @@ from dselectk.runtime import _OneThread
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _numpy_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the NumPy host kernel and its size limits, which the gate takes
-    when numba is not installed; with numba (every size on its kernel) they pin the NumPy one
-    (``tests/test_numba_kernel.py`` checks the numba kernel)."""
-    monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
+#: these tests are about the NumPy host kernel and its size limits (conftest's numpy_kernel)
+pytestmark = pytest.mark.usefixtures("numpy_kernel")
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, cls: Any) -> list[int]:
@@ -219,21 +217,9 @@ def test_gate_split_path_only_weights_or_only_loss_and_bank() -> None:
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_host_node_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_node_runs_on_one_thread(thread_spy: Callable[[ModuleType], list[int]]) -> None:
     """The host node's layer (and its backward) on one thread, the count restored after."""
-    seen: list[int] = []
-    orig_linear, orig_grads = _kernels._linear, _kernels._linear_grads
-
-    def linear(*a: Any) -> Any:
-        seen.append(torch.get_num_threads())
-        return orig_linear(*a)
-
-    def grads(*a: Any) -> Any:
-        seen.append(torch.get_num_threads())
-        return orig_grads(*a)
-
-    monkeypatch.setattr(_kernels, "_linear", linear)
-    monkeypatch.setattr(_kernels, "_linear_grads", grads)
+    seen = thread_spy(_kernels)
     gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
     before = torch.get_num_threads()
     out = gate(torch.randn(3, 4))
