@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dselectk.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData, expert_outputs
+from dselectk.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
 from dselectk.experiments.executors import progress_position
 from dselectk.experiments.metrics import recovered_experts
 from dselectk.gates.base import Gate
@@ -23,8 +23,8 @@ from dselectk.training import TaskData, TrainConfig, train
 from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
 
 EXPERIMENT = "recovery"
-#: the paper's shape: the defaults of --experts, --true-experts and --k
-NUM_EXPERTS, K = 16, NUM_TRUE
+#: the paper's experts (the default of --experts; --true-experts and --k default to NUM_TRUE)
+NUM_EXPERTS = 16
 BATCH_SIZE = 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
 #: hyperparameters under the tuned file's (a variant takes those its gate declares)

@@ -51,7 +51,7 @@ DEFAULT_GATES = ("dselect_k", "dselect_k_search", "topk")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce recovery``."""
-    add_run_arguments(p, out="results/recovery", threads=1, jobs=0, cells="variants")
+    add_run_arguments(p, out="results/recovery", cells="variants")
     add_config_arguments(p, RecoveryConfig)
 
 
