@@ -14,7 +14,7 @@ from dselectk.cli import main
 from dselectk.data.text import load_corpus
 from dselectk.experiments import token_moe as TM
 from dselectk.experiments.report import experiment_name, rebuild
-from dselectk.experiments.token_moe.recipe import train_bytes_per_token
+from dselectk.models.char_lm import train_bytes_per_token
 
 
 def test_corpus_is_deterministic() -> None:
@@ -168,7 +168,7 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_with_an_estimate(
     assert "--batch-size 100000000 × --seq-len 16 (training activations): about" in err
     assert "GiB" in err and not out.exists()
     cfg = TM.TokenMoEConfig(out)  # the default study fits: about 47 MB of activations a step
-    assert cfg.batch_size * cfg.seq_len * train_bytes_per_token(cfg) < 2**27
+    assert cfg.batch_size * cfg.seq_len * train_bytes_per_token(cfg.hparams()) < 2**27
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])

@@ -124,7 +124,7 @@ class TokenMoEConfig:
                 f"{self.seq_len} in both parts; at least {least}"
             )
         check_fits(
-            self.batch_size * self.seq_len * train_bytes_per_token(self),
+            self.batch_size * self.seq_len * char_lm.train_bytes_per_token(self.hparams()),
             f"--batch-size {self.batch_size} × --seq-len {self.seq_len} (training activations)",
         )
 
@@ -139,11 +139,6 @@ class TokenMoEConfig:
         return {n: v for n, v in sorted(hp.items()) if n not in LATER or v != DEFAULTS[n]}
 
 
-def train_bytes_per_token(c: TokenMoEConfig) -> float:
-    """:func:`~dselectk.models.char_lm.train_bytes_per_token` of the model ``c`` trains."""
-    return char_lm.train_bytes_per_token(c.hparams())
-
-
 #: the default study (``dselectk reproduce token-moe``): the settings every record stores (the
 #: fields after out, gates, seeds, first_seed, telemetry)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
@@ -153,7 +148,7 @@ LATER = frozenset({"capacity_factor"})
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce token-moe``."""
-    add_run_arguments(p, out="results/token_moe", threads=1, jobs=0, cells="routers")
+    add_run_arguments(p, out="results/token_moe", cells="routers")
     add_config_arguments(p, TokenMoEConfig)
 
 
