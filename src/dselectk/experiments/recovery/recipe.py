@@ -204,7 +204,7 @@ def run_cell(
     telemetry = Path(config.out) / "telemetry" / gate if config.telemetry else None
     metrics, trajs = train_reps(
         variant,
-        {**hp, "lr": float(jobs[todo[0]][0])},
+        hp,  # (the learning rates are lrs)
         data,
         [jobs[i][2] for i in todo],
         shuffle_seed=config.seed,
