@@ -70,8 +70,9 @@ GRID = rd.per_gate(
         "shared_bottom": _OPT,
     }
 )
-#: (train, val, test) images of the quick default and of ``--full``
+#: (train, val, test) images of the quick default and of ``--full`` (the config's fields SIZES)
 QUICK_SIZES, FULL_SIZES = (12_800, 1000, 2000), (100_000, 20_000, 20_000)
+SIZES = ("n_train", "n_val", "n_test")
 #: bytes per composed image while the splits are built: the uint8 36x36 image, its float32
 #: copy and the flattened float32 rows the models read
 BYTES_PER_IMAGE = 36 * 36 * (1 + 4 + 4)
@@ -142,7 +143,7 @@ def load_data(args: MultiMNISTConfig) -> rd.Splits:
     def pack(s: Any) -> TaskData:
         return TaskData(s.X.reshape(len(s), -1).contiguous(), [s.y1, s.y2])
 
-    n = {"n_train": args.n_train, "n_val": args.n_val, "n_test": args.n_test}
+    n = {k: getattr(args, k) for k in SIZES}
     meta = {"kind": kind, **n, "data_fingerprint": d.fingerprint}
     config = {"kind": kind, **n, "seed": args.seed, "fingerprint": d.fingerprint}
     return rd.Splits(pack(d.train), pack(d.val), pack(d.test), meta, config)
@@ -150,7 +151,7 @@ def load_data(args: MultiMNISTConfig) -> rd.Splits:
 
 def notes(args: MultiMNISTConfig, data: rd.Splits) -> dict[str, Any]:
     """The values of the report's "Setup and choices" (``templates/multi_mnist.md``)."""
-    sizes = {k: f"{getattr(args, k):,}" for k in ("n_train", "n_val", "n_test")}
+    sizes = {k: f"{getattr(args, k):,}" for k in SIZES}
     return {"title": KINDS[args.experiment_name][1], **sizes}
 
 
@@ -169,7 +170,7 @@ def experiment(name: str) -> rd.Experiment:
         build_model=build_model,
         expert_flops=expert_flops,
         load_data=load_data,
-        data_fields=("data_dir", "experiment_name", "seed", "n_train", "n_val", "n_test"),
+        data_fields=("data_dir", "experiment_name", "seed", *SIZES),
         template="multi_mnist",
         notes=notes,
         title=title,
@@ -189,18 +190,9 @@ def run(args: argparse.Namespace) -> int:
     out = args.out
     if out == Path("results/multi-mnist") and name != "multi-mnist":
         out = Path(f"results/{name}")
-    sizes = FULL_SIZES if args.full else QUICK_SIZES
-    given = (args.n_train, args.n_val, args.n_test)
-    n_train, n_val, n_test = (g or d for g, d in zip(given, sizes))
-    config = rd.config_of(
-        MultiMNISTConfig,
-        args,
-        out=out,
-        experiment_name=name,
-        n_train=n_train,
-        n_val=n_val,
-        n_test=n_test,
-    )
+    defaults = FULL_SIZES if args.full else QUICK_SIZES
+    n: dict[str, Any] = {k: getattr(args, k) or d for k, d in zip(SIZES, defaults)}
+    config = rd.config_of(MultiMNISTConfig, args, out=out, experiment_name=name, **n)
     check_memory(config)  # before loading: image counts that cannot fit are refused at once
     executor = executor_from_args(args, threads=args.threads)
     return rd.run_experiment(experiment(name), config, executor)

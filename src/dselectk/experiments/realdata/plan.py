@@ -37,10 +37,8 @@ def repetitions(exp: Experiment, args: Any) -> int:
 def _epochs(exp: Experiment, args: Any, gate: str) -> tuple[float, int]:
     """(mean epochs of a tuning run, epochs of a final run) of ``gate``; under ``--full`` the
     final epochs are not known before tuning: the grid's mean is used."""
-    if args.epochs is not None:
-        return float(args.epochs), int(args.epochs)
-    if not args.full:
-        e = int(exp.quick_hparams[gate]["epochs"])
+    if args.epochs is not None or not args.full:
+        e = int(args.epochs or exp.quick_hparams[gate]["epochs"])
         return float(e), e
     mean = statistics.fmean(float(v) for v in exp.grid[gate]["epochs"])
     return mean, round(mean)
@@ -59,7 +57,6 @@ def probe(
 
     out: dict[str, dict[str, float]] = {}
     n_eval = min(PROBE_EVAL, len(data.val), len(data.test))
-    sub = head((steps + 1) * exp.batch_size, n_eval)
     for i, gate in enumerate(gates):
         hp = {**exp.quick_hparams[gate], "epochs": 1}
         if i == 0:  # warm-up (first-call costs of torch and the data path), not timed
@@ -117,13 +114,10 @@ def estimate(
     for c in cells:  # largest first onto the least-loaded worker, as the runner's pool does
         loads[loads.index(min(loads))] += c
     return {
-        "settings": list(settings),
         "gates": gates,
         "runs": sum(len(settings) * (g["tune_runs"] + g["final_runs"]) for g in gates.values()),
         "cpu_seconds": sum(cells),
         "wall_seconds": max(loads) / max(1, threads),
-        "jobs": jobs,
-        "threads": threads,
         "steps_per_epoch": per_epoch,
     }
 

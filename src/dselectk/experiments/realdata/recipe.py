@@ -142,12 +142,8 @@ def with_gamma(exp: Experiment, gamma: float | None) -> Experiment:
 
 
 def with_training_defaults(exp: Experiment, config: Any) -> Experiment:
-    """``exp`` with the config's ``init`` and ``optimizer_defaults`` (kept when absent)."""
-    return dataclasses.replace(
-        exp,
-        init=getattr(config, "init", None) or exp.init,
-        optimizer_defaults=getattr(config, "optimizer_defaults", None) or exp.optimizer_defaults,
-    )
+    """``exp`` with the config's ``init`` and ``optimizer_defaults``."""
+    return dataclasses.replace(exp, init=config.init, optimizer_defaults=config.optimizer_defaults)
 
 
 def _printed(summary: Any) -> None:

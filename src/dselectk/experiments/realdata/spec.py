@@ -44,7 +44,7 @@ class GateChoice:
             if rest:
                 raise ValueError(f"{where or self.name}: the shared bottom takes no {sorted(rest)}")
             return
-        self.variant.check_hparams(rest, where or f"hyperparameters of {self.name!r}")
+        self.variant.check_hparams(rest, where)
 
     def build(
         self, num_experts: int, hparams: Mapping[str, Any], num_gates: int, in_features: int

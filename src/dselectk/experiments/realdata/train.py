@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dselectk._train_checks import TrainingDivergedError
 from dselectk.experiments.executors import progress_position
@@ -24,7 +22,7 @@ from dselectk.layers.init import init_module_
 from dselectk.monitor import GateMonitor, gate_metrics
 from dselectk.optim import make_reference_optimizer
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import Callback, TrainConfig, evaluate, train
+from dselectk.training import Callback, TrainConfig, evaluate, seed_everything, train
 from dselectk.variants import total_steps
 
 
@@ -62,8 +60,7 @@ def train_one(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train one model and measure it: (scalar metrics, bulky extras such as gate weights and
     trajectories). ``telemetry_dir``: log routing telemetry there about 60 times per run."""
-    torch.manual_seed(seed)
-    random.seed(seed)
+    seed_everything(seed)
     model = init_module_(exp.build_model(gate, hparams, data.meta), exp.init)
     weights = exp.task_weights(setting) if exp.task_weights else [1.0] * len(exp.losses)
     epochs = int(hparams["epochs"])
