@@ -178,8 +178,7 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
     )
     write_json(out / "run_info.json", info)
     if exp.reference is not None:
-        ref = exp.reference
-        rd_report.cached_reference(out, data.config, lambda: ref(config, data))
+        rd_report.cached_reference(out, data.config, functools.partial(exp.reference, config, data))
     if executor.jobs > 1:
         _DATA.clear()  # the workers load their own copies
     return True
