@@ -234,11 +234,8 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
     all_records, others = RunStore(results_dir).load_planned()
     info = read_object(results_dir / "run_info.json")
     selected = read_object(results_dir / "selected_hparams.json")
-    finals = [
-        r
-        for r in all_records
-        if r["config"].get("phase") == "final" and r["config"].get("experiment") == spec.name
-    ]
+    mine = [r for r in all_records if r["config"].get("experiment") == spec.name]
+    finals = [r for r in mine if r["config"].get("phase") == "final"]
     records = current_records(
         finals, spec.setting_key, info.get("data"), selected, info.get("training")
     )
