@@ -154,10 +154,7 @@ def run_cell(
     """Select the cell's hyperparameters (the grid search under ``--full``, else the tuning
     record) and train its missing final repetitions, one record each; returns the selection."""
     gate, t = cell
-    v, shape = args.variant(gate), args.shape(t)
-    store = RunStore(args.out)
-    reps = args.repetitions
-    batch_reps = args.batch_reps or min(reps, 100)
+    v, shape, store = args.variant(gate), args.shape(t), RunStore(args.out)
     data_cfg = {"seed": args.data_seed, "n_train": args.n_train, "n_eval": args.n_eval}
     if args.full:
         choice = tune(
@@ -178,15 +175,16 @@ def run_cell(
         tuned = load_tuned(args.tuned)
         hp = resolve_hparams(v, t, tuned, args.overrides())
         selection = {"hparams": hp, "source": tuned.get("source", "tuned")}
-    jobs = [(r, init_seed(args.seed, gate, t, r)) for r in range(reps)]
+    jobs = [(r, init_seed(args.seed, gate, t, r)) for r in range(args.repetitions)]
 
     def config(r: int, s: int) -> dict[str, Any]:
         return record_config(v, t, hp, r, s, args.seed, data_cfg, "final", shape)
 
     todo = [jobs[i] for i in missing(store, [config(r, s) for r, s in jobs])]
-    for chunk_start in range(0, len(todo), batch_reps):
-        chunk = todo[chunk_start : chunk_start + batch_reps]
-        name = f"{gate}-T{t}-reps{chunk[0][0]}-{chunk[-1][0]}"
+    batch_reps = args.batch_reps or min(args.repetitions, 100)
+    for chunk in (todo[i : i + batch_reps] for i in range(0, len(todo), batch_reps)):
+        reps = f"{chunk[0][0]}-{chunk[-1][0]}"
+        telemetry = Path(args.out) / "telemetry" / f"{gate}-T{t}-reps{reps}"
         tc = time.perf_counter()
         res = train_reps(
             v,
@@ -196,9 +194,9 @@ def run_cell(
             data,
             shuffle_seed=args.seed,
             progress=progress,
-            desc=f"{gate} T={t} reps {chunk[0][0]}-{chunk[-1][0]}",
+            desc=f"{gate} T={t} reps {reps}",
             return_model=True,
-            telemetry_dir=Path(args.out) / "telemetry" / name if args.telemetry else None,
+            telemetry_dir=telemetry if args.telemetry else None,
             num_experts=shape["num_experts"],
             k=shape["k"],
         )

@@ -108,10 +108,9 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
     or a results folder's ``selected_hparams.json`` (``{"gate/T": {"hparams": ...}}``), so the
     final phase can be rerun with the selections of an earlier grid search. Every entry is
     checked against its variant's declared hyperparameters (ValueError naming the file)."""
-    where, digest = "tuned_synthetic.json", None
     if path is None:
-        text = resources.files("dselectk.experiments").joinpath(where).read_text()
-        rec = dict(json.loads(text))
+        where, digest = "tuned_synthetic.json", None
+        rec = dict(json.loads(resources.files("dselectk.experiments").joinpath(where).read_text()))
     else:
         rec, digest = read_json_object(path, "--tuned")
         where = f"--tuned {path}"
@@ -134,13 +133,14 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
         raise ValueError(
             f"{where}: 'hparams' must map gate -> T (or \"default\") -> {{hyperparameter: value}}"
         )
-    if digest is not None:  # the report credits the file by its content, not only its name
-        rec = {**rec, "source": f"{rec.get('source', 'tuning record')} (--tuned {path}, "
-               f"sha256 {digest})", "sha256": digest}  # fmt: skip
     for gate, per_t in table.items():
         for t, hp in per_t.items():
             variant_of(gate).check_hparams(hp, f"{where}: {gate}/{t}")
-    return rec
+    if digest is None:
+        return rec
+    # the report credits the file by its content, not only its name
+    source = f"{rec.get('source', 'tuning record')} (--tuned {path}, sha256 {digest})"
+    return {**rec, "source": source, "sha256": digest}
 
 
 def tuned_entry(tuned: Mapping[str, Any], v: Variant, num_tasks: int) -> dict[str, Any] | None:
