@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from importlib import resources
 from pathlib import Path
-from string import Template
 from typing import Any
 
 from dselectk.experiments.records import (
@@ -24,6 +22,7 @@ from dselectk.experiments.selection.study import (
     EXPERIMENT,
     PROTOCOL,
     SEARCH_ARMS,
+    template,
 )
 from dselectk.experiments.templates import (
     Column,
@@ -269,28 +268,13 @@ def _verdict(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _c1_tables(summary: Mapping[str, Any]) -> list[str]:
+def _tables(summary: Mapping[str, Any]) -> list[str]:
+    """Per setting (recovery shapes, then C.1 task counts): the arms' table and their paired
+    differences."""
     out = []
-    for s in summary.get("c1", {}).values():
-        out += [
-            f"### Appendix C.1, T = {s['tasks']} tasks, {s['tasks'] // 4} experts, k = 4",
-            "",
-            *markdown_table(C1_COLUMNS, s["rows"]),
-            "",
-            "Paired differences of test MSE (arm − against; negative: the arm is better; "
-            f"win: lower MSE; best no-search arm on validation: {s['best_baseline']}):",
-            "",
-            *markdown_table(C1_PAIRED_COLUMNS, s["paired"]),
-            "",
-        ]
-    return out
-
-
-def _markdown(summary: Mapping[str, Any]) -> str:
-    tables = []
     for s in summary["shapes"].values():
         sh = s["shape"]
-        tables += [
+        out += [
             f"### {sh['experts']} experts, {sh['true']} true, k = {sh['k']}",
             "",
             *markdown_table(RECOVERY_COLUMNS, s["rows"]),
@@ -308,14 +292,27 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             ),
             "",
         ]
-    tables += _c1_tables(summary)
+    for s in summary.get("c1", {}).values():
+        out += [
+            f"### Appendix C.1, T = {s['tasks']} tasks, {s['tasks'] // 4} experts, k = 4",
+            "",
+            *markdown_table(C1_COLUMNS, s["rows"]),
+            "",
+            "Paired differences of test MSE (arm − against; negative: the arm is better; "
+            f"win: lower MSE; best no-search arm on validation: {s['best_baseline']}):",
+            "",
+            *markdown_table(C1_PAIRED_COLUMNS, s["paired"]),
+            "",
+        ]
+    return out
+
+
+def _markdown(summary: Mapping[str, Any]) -> str:
     wall = summary.get("wall_seconds")
-    text = resources.files("dselectk.experiments.templates").joinpath("selection.md")
-    tail = text.read_text(encoding="utf-8").split("<!-- results -->")[1]
     return (
         PROTOCOL
         + "\n"
-        + Template(tail).substitute(
+        + template(1).substitute(
             command=summary.get("command") or "(rebuilt with dselectk report)",
             wall_line=f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded",
             tune=summary["tune"],
@@ -324,7 +321,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             c1_tune=summary.get("c1_tune", 0),
             same=summary["retrain_same_selection"],
             others=others_note(summary.get("records_not_summarised", 0)),
-            tables="\n".join(tables),
+            tables="\n".join(_tables(summary)),
             verdict="\n".join(_verdict(summary)),
         )
     )

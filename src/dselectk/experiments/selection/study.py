@@ -11,8 +11,6 @@ same data (one data seed from the reserved range)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -183,12 +181,17 @@ def _sizes_text(z: C1Sizes) -> str:
     )
 
 
-def _protocol() -> str:
-    """The protocol: the head of ``templates/selection.md`` (above ``<!-- results -->``),
-    filled with this module's constants; printed before any run and atop every report."""
+def template(part: int) -> Template:
+    """Part 0 (the protocol) or 1 (the results) of ``templates/selection.md``, split at
+    ``<!-- results -->``."""
     text = resources.files("dselectk.experiments.templates").joinpath("selection.md")
-    head = text.read_text(encoding="utf-8").split("<!-- results -->")[0]
-    return Template(head).substitute(
+    return Template(text.read_text(encoding="utf-8").split("<!-- results -->")[part])
+
+
+def _protocol() -> str:
+    """The protocol: the head of the template filled with this module's constants; printed
+    before any run and atop every report."""
+    return template(0).substitute(
         arms=", ".join(f"`{a}`" for a in ARMS), not_run=NOT_RUN,
         c1_seed=C1_DATA_SEED, quick_tasks=list(QUICK_TASKS), full_tasks=list(FULL_TASKS),
         budget=", ".join(f"{n}/{t}: {budget_epochs(50, n, t)}" for n, t in FULL_SHAPES),
@@ -307,7 +310,7 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
     shape = {"num_experts": tasks // 4, "k": C1_K}
     per_config = EPOCHS_AXIS if arm.schedules or arm.search is not None else 1
     points = None if sizes.points is None else sizes.points * per_config
-    no_test = dataclasses.replace(data, x_test=data.x_val, y_test=data.y_val)
+    no_test = replace(data, x_test=data.x_val, y_test=data.y_val)
     selected = c1_train.tune(
         arm, tasks, no_test, store, trials=sizes.trials, max_points=points, seed=STUDY_SEED,
         data_cfg=_c1_data_cfg(sizes), progress=progress, shape=shape,
@@ -326,8 +329,8 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
         )  # fmt: skip
         for m, i in zip(metrics, todo, strict=True):
             store.save(cfgs[i], m)
-    return {**selected, "hparams": json.loads(json.dumps(hp)), "rule": "lowest mean validation "
-            "MSE over the trials (binary configurations first, Appendix D)"}  # fmt: skip
+    rule = "lowest mean validation MSE over the trials (binary configurations first, Appendix D)"
+    return {**selected, "rule": rule}
 
 
 def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> dict:
