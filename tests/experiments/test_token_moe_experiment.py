@@ -106,7 +106,8 @@ _TINY = ["reproduce", "token-moe", "--seeds", "1", "--steps", "15", "--batch-siz
     ("flag", "value"),
     [("--val-windows", "0"), ("--layers", "0"), ("--seeds", "0"), ("--steps", "10"),
      ("--steps", "5"), ("--num-experts", "1"), ("--lr", "0"), ("--gamma", "0"),
-     ("--entropy-reg", "-1"), ("--seq-len", "0"), ("--batch-size", "nan")],
+     ("--entropy-reg", "-1"), ("--seq-len", "0"), ("--batch-size", "nan"),
+     ("--entropy-reg-end", "-1"), ("--entropy-warmup", "1"), ("--entropy-warmup", "-0.1")],
 )  # fmt: skip
 def test_bad_numeric_flags_stop_before_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
@@ -123,7 +124,8 @@ def test_bad_numeric_flags_stop_before_work(
     [(["--d-model", "18"], "--d-model 18: must be a multiple of the 4 attention heads"),
      (["--corpus-bytes", "150"], "--corpus-bytes 150: too small"),
      (["--corpus-bytes", "649", "--seq-len", "64"], "at least 650"),
-     (["--k", "5"], "--k 5: at most --num-experts (4)")],
+     (["--k", "5"], "--k 5: at most --num-experts (4)"),
+     (["--entropy-warmup", "0.5"], "--entropy-warmup 0.5: needs --entropy-reg-end")],
 )  # fmt: skip
 def test_inconsistent_flags_stop_before_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
@@ -218,3 +220,39 @@ def test_a_routers_ramps_move_its_hyperparameter_in_every_layer() -> None:
     first = [s[0] for s in seen]
     assert first[0] < 8.0 and all(a > b for a, b in itertools.pairwise(first[:10]))
     assert first[9:] == [2.0] * 11  # the run's own γ from half the steps on
+
+
+def test_lambda_ramp_soft_then_binary_applies_to_dselect_k_routers_only(tmp_path: Path) -> None:
+    """--entropy-reg-end with --entropy-warmup: λ stays 0 for the warm-up fraction of the steps,
+    then ramps linearly from --entropy-reg to --entropy-reg-end by the last step, in every
+    DSelect-k router's layers; Top-k (no λ) and the default command are unchanged."""
+    from dselectk.experiments.token_moe.model import train_run
+    from dselectk.training import Callback
+
+    plain = TM.TokenMoEConfig(tmp_path)
+    assert all(plain.variant(r) == TM.ROUTERS[r] for r in TM.ROUTERS)  # no ramp by default
+    assert not {"entropy_reg_end", "entropy_warmup"} & set(plain.record_hparams())  # identity kept
+    cfg = TM.TokenMoEConfig(
+        tmp_path, entropy_reg=0.0, entropy_reg_end=0.1, entropy_warmup=0.5, steps=20,
+        d_model=16, d_ff=16, num_experts=4, seq_len=16, batch_size=8, val_windows=16,
+    )  # fmt: skip
+    assert cfg.variant("topk") == TM.ROUTERS["topk"]
+    ramped = cfg.variant("dselect_k_distinct")
+    assert ramped.options == TM.ROUTERS["dselect_k_distinct"].options
+    assert ramped.identity()["schedules"] == [
+        {"param": "entropy_reg", "end": 0.1, "delay": 0.5, "shape": "linear", "before": 0.0}
+    ]
+    assert cfg.record_hparams()["entropy_reg_end"] == 0.1
+    seen: list[list[float]] = []
+
+    class Watch(Callback):
+        def on_step(self, model, batch, out, history):  # type: ignore[no-untyped-def]
+            seen.append([float(m.router.entropy_reg) for m in model.moe_layers])
+
+    hp = dict(cfg.hparams(), heads=2)
+    m = train_run(ramped, hp, load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()])
+    assert math.isfinite(m["val_bpc"]) and len(seen) == 20
+    assert all(len(set(s)) == 1 for s in seen)  # every layer's router on the same schedule
+    lam = [s[0] for s in seen]
+    assert lam[:10] == [0.0] * 10 and all(a < b for a, b in itertools.pairwise(lam[10:]))
+    assert lam[-1] == pytest.approx(0.1)

@@ -59,6 +59,7 @@ def _float_type(domain: str, ok: Callable[[float], bool]) -> Callable[[str], flo
 positive_float = _float_type("a finite number > 0", lambda v: v > 0)
 nonnegative_float = _float_type("a finite number >= 0", lambda v: v >= 0)
 probability = _float_type("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+fraction = _float_type("a fraction in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
 def check_out_dir(path: str | Path) -> Path:

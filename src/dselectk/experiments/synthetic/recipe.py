@@ -21,6 +21,7 @@ from dselectk.experiments.args import (
     check_fits,
     config_from_args,
     existing_file,
+    fraction,
     int_at_least,
     nonnegative_float,
     positive_float,
@@ -67,14 +68,6 @@ def task_count(text: str) -> int:
     return t
 
 
-def warmup_fraction(text: str) -> float:
-    """An argparse type: a fraction of the run in [0, 1)."""
-    value = nonnegative_float(text)
-    if value >= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Command-line flags of ``dselectk reproduce synthetic``."""
     add_run_arguments(p, out="results/synthetic", threads=0, jobs=0, cells="(gate, T) cells")
@@ -106,7 +99,7 @@ class SyntheticConfig:
     entropy_warmup: float = setting(
         0.0,
         "with --entropy-reg-end: the fraction of the run with λ = 0 before the ramp",
-        type=warmup_fraction,
+        type=fraction,
     )
     temperature: float | None = setting(
         None,

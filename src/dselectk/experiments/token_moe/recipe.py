@@ -15,6 +15,7 @@ from dselectk.experiments.args import (
     add_config_arguments,
     check_fits,
     config_from_args,
+    fraction,
     hparam_type,
     int_at_least,
     nonnegative_float,
@@ -39,6 +40,7 @@ from dselectk.experiments.token_moe.model import (
 from dselectk.experiments.token_moe.report import diverged_line, print_table, write_report
 from dselectk.gates.registry import HParam, gate_spec
 from dselectk.models import char_lm
+from dselectk.variants import Ramp, Variant
 
 
 def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
@@ -84,6 +86,14 @@ class TokenMoEConfig:
     balance_loss_weight: float = _flag(0.01, nonnegative_float)
     gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), " (DSelect-k's γ)")
     entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)")
+    entropy_reg_end: float | None = _flag(
+        None,
+        hparam_type(_DK["entropy_reg"]),
+        " (no ramp; x: λ ramps linearly to x by the last step, DSelect-k routers)",
+    )
+    entropy_warmup: float = _flag(
+        0.0, fraction, " (with --entropy-reg-end: the fraction of the steps at λ = 0 first)"
+    )
     val_windows: int = _flag(
         2048, int_at_least(1), "; at most (fewer if the validation part is short)"
     )
@@ -112,6 +122,11 @@ class TokenMoEConfig:
             raise ValueError(
                 f"--renormalize true: applies to token routing only, not to --gates {expert_routed}"
             )
+        if self.entropy_warmup and self.entropy_reg_end is None:
+            raise ValueError(
+                f"--entropy-warmup {self.entropy_warmup}: needs --entropy-reg-end (the ramp it "
+                "delays)"
+            )
         need = self.seq_len + 2  # a train window of seq_len + 1 bytes, a validation window
 
         def fits(n: int) -> bool:
@@ -131,6 +146,16 @@ class TokenMoEConfig:
     def hparams(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DEFAULTS}
 
+    def variant(self, router: str) -> Variant:
+        """The router's variant, with the λ ramp of --entropy-reg-end for the routers whose
+        gate takes λ (λ = 0 for the --entropy-warmup fraction of the steps, then a linear
+        ramp from --entropy-reg to --entropy-reg-end)."""
+        v = ROUTERS[router]
+        if self.entropy_reg_end is None or "entropy_reg" not in gate_spec(v.gate).hparams:
+            return v
+        ramp = Ramp("entropy_reg", end=self.entropy_reg_end, delay=self.entropy_warmup, before=0.0)
+        return dataclasses.replace(v, schedules=(*v.schedules, ramp))
+
     def record_hparams(self) -> dict[str, Any]:
         """The study settings as the records store them (their identity): every setting, but
         those of :data:`LATER` only where they differ from the default, so records written
@@ -143,7 +168,7 @@ class TokenMoEConfig:
 #: fields after out, gates, seeds, first_seed, telemetry)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"capacity_factor"})
+LATER = frozenset({"capacity_factor", "entropy_reg_end", "entropy_warmup"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,8 +183,9 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
     hp, ident = config.hparams(), config.record_hparams()
     data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
     data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
+    variant = config.variant(router)
     cfgs = [
-        {"experiment": EXPERIMENT, "router": router, "variant": ROUTERS[router].identity(),
+        {"experiment": EXPERIMENT, "router": router, "variant": variant.identity(),
          "seed": s, "hparams": ident, "corpus": data}
         for s in range(config.first_seed, config.first_seed + config.seeds)
     ]  # fmt: skip
@@ -168,7 +194,7 @@ def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool
         seed = config.first_seed + i
         tel = Path(config.out) / "telemetry" / f"{router}-seed{seed}" if config.telemetry else None
         metrics = train_run(
-            ROUTERS[router], hp, corpus, seed, progress=progress, desc=f"{router} seed {seed}",
+            variant, hp, corpus, seed, progress=progress, desc=f"{router} seed {seed}",
             telemetry_dir=tel,
         )  # fmt: skip
         extra = {"diverged": True} if "diverged_at_step" in metrics else {}
