@@ -186,3 +186,36 @@ def test_nan_token_gives_nan_not_zeros_and_zero_tokens_work(router: str) -> None
     res = moe(empty)
     assert res.output.shape == (0, 16)
     res.output.sum().backward()  # zero tokens: no crash, forward or backward
+
+
+def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
+    """The README's recipe for an exactly sparse per-token router: distinct codes, λ held at 0
+    for half the steps and then ramped to 0.1 by an AttributeScheduler, renormalised top-k
+    cut. λ follows the ramp, and a token's nonzero weights are at most k, on k distinct
+    experts, once its bits are binary."""
+    from dselectk.schedules import AttributeScheduler
+    from dselectk.variants import Ramp
+
+    torch.manual_seed(0)
+    steps = 40
+    layer = SparseMoEFeedForward(
+        8, 16, 8, router="dselect_k", k=2, renormalize=True,
+        router_kwargs={"distinct": True, "entropy_reg": 0.0},
+    )  # fmt: skip
+    ramp = Ramp("entropy_reg", end=0.1, delay=0.5, before=0.0).schedule(0.0, steps)
+    sched = AttributeScheduler([layer.router], "entropy_reg", ramp)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.05)
+    x, lam = torch.randn(64, 8), []
+    for _ in range(steps):
+        lam.append(float(layer.router.entropy_reg))
+        out = layer(x)
+        ((out.output - x.flip(0)) ** 2).mean().add(out.aux_loss).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert lam[:21] == [0.0] * 21 and lam[-1] == pytest.approx(0.1 * 19 / 20)
+    assert float(layer.router.entropy_reg) == pytest.approx(0.1)
+    w = layer.router(x).weights.detach()  # (tokens, n)
+    binary = layer.router.binary_entries(x).all(-1)  # (tokens,)
+    assert binary.any()  # λ = 0.1 at the end binarizes some tokens within 40 steps
+    assert ((w[binary] > 0).sum(-1) == 2).all()  # distinct codes: exactly 2 experts each
