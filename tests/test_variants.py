@@ -209,3 +209,19 @@ def test_check_hparams_keeps_good_trainer_settings() -> None:
     hp = {"lr": 0.01, "epochs": 10, "gamma": 1.0}
     assert Variant("d", "dselect_k", "d").check_hparams(hp, "t") == hp
     assert Variant("d", "dselect_k", "d").check_hparams({"epochs": 10.0}, "t") == {"epochs": 10.0}
+
+
+def test_with_ramps_adds_only_the_ramps_a_variant_takes() -> None:
+    """A command line's ramps go to the variants that take them: by default the hyperparameters
+    the gate can schedule, or those named in ``params``; a variant given none is itself."""
+    lam = Ramp("entropy_reg", end=0.1, delay=0.5, before=0.0)
+    temp = Ramp("temperature", end=0.01)
+    own = Ramp("gamma", end_factor=0.5)
+    dk = Variant("dk", "dselect_k", "DSelect-k", schedules=(own,))
+    assert dk.with_ramps([lam, temp]).schedules == (own, lam)  # temperature: not DSelect-k's
+    assert dk.with_ramps([lam], params=["gamma"]) is dk
+    topk = Variant("topk", "topk", "Top-k")
+    assert topk.with_ramps([lam]) is topk
+    abl = Variant("abl", "ablation_annealing", "annealing")
+    assert abl.with_ramps([lam, temp]).schedules == (lam, temp)
+    assert abl.with_ramps([lam, temp], params=["temperature"]).schedules == (temp,)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -239,6 +239,14 @@ class Variant:
     def tuned_name(self) -> str:
         """The name tuned hyperparameters are looked up under."""
         return self.tuned_as or self.name
+
+    def with_ramps(self, ramps: Iterable[Ramp], params: Iterable[str] | None = None) -> Variant:
+        """This variant with ``ramps`` added after its own, keeping only the ramps of the
+        hyperparameters in ``params`` (default: those its gate can schedule); itself when none
+        is kept (a command line's ramps apply to the variants that take them)."""
+        allowed = set(self.spec.schedulable() if params is None else params)
+        own = tuple(r for r in ramps if r.param in allowed)
+        return replace(self, schedules=(*self.schedules, *own)) if own else self
 
     def gate_hparams(self, hparams: Mapping[str, Any]) -> dict[str, Any]:
         """The entries of ``hparams`` the gate declares (None values left out: the default)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -99,8 +98,7 @@ def paper_grid(variant: Variant) -> dict[str, list[float]]:
 
 def with_ramps(variant: Variant, ramps: Sequence[Ramp]) -> Variant:
     """``variant`` with the command line's ramps of the hyperparameters it takes."""
-    own = [r for r in ramps if r.param in paper_grid(variant)]
-    return dataclasses.replace(variant, schedules=(*variant.schedules, *own)) if own else variant
+    return variant.with_ramps(ramps, paper_grid(variant))
 
 
 def load_tuned(path: str | Path | None = None) -> dict[str, Any]:

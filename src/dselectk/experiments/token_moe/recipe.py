@@ -150,11 +150,10 @@ class TokenMoEConfig:
         """The router's variant, with the λ ramp of --entropy-reg-end for the routers whose
         gate takes λ (λ = 0 for the --entropy-warmup fraction of the steps, then a linear
         ramp from --entropy-reg to --entropy-reg-end)."""
-        v = ROUTERS[router]
-        if self.entropy_reg_end is None or "entropy_reg" not in gate_spec(v.gate).hparams:
-            return v
+        if self.entropy_reg_end is None:
+            return ROUTERS[router]
         ramp = Ramp("entropy_reg", end=self.entropy_reg_end, delay=self.entropy_warmup, before=0.0)
-        return dataclasses.replace(v, schedules=(*v.schedules, ramp))
+        return ROUTERS[router].with_ramps([ramp])
 
     def record_hparams(self) -> dict[str, Any]:
         """The study settings as the records store them (their identity): every setting, but
