@@ -10,6 +10,9 @@ set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
+# The CPU references use the NumPy host kernel: numba (in the device image) would compile its
+# kernel in every test process, 20 s per dtype and direction, which cut an earlier run short.
+export DSELECTK_KERNEL=${DSELECTK_KERNEL:-numpy}
 PY=${PYTHON:-python3}
 {
     date -u
@@ -17,7 +20,7 @@ PY=${PYTHON:-python3}
     "$PY" -c 'import sys, torch, numpy; print(sys.version.split()[0], torch.__version__, numpy.__version__, torch.cuda.get_device_name())'
     echo "cpus: $(nproc)  load: $(cut -d' ' -f1-3 /proc/loadavg)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout "${TESTS_S:-200}" "$PY" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_device.py \
+timeout "${TESTS_S:-200}" "$PY" -m pytest -p no:cacheprovider -q -rs --durations=12 -m gpu tests/test_device.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 timeout "${BENCH_S:-240}" "$PY" -m benchmarks --device cuda --only small_batch gate moe train_step \
     --history "$OUT/history.jsonl" --out /tmp/gpu_check_json 2>&1 | tee "$OUT/bench.log"
