@@ -201,3 +201,149 @@ def test_export_equals_eager(tmp_path: Path, binary: bool, onnx: bool) -> None:
         x = torch.randn(b, 6)
         with torch.no_grad():
             torch.testing.assert_close(run(x), model(x).output, atol=1e-5, rtol=1e-5)
+
+
+# -- distinct_binary: only binary selectors take part -------------------------------------------
+
+
+def _binary_only_reference(z: Tensor, n: int, gamma: float) -> Tensor:
+    """The binary-only rule per selector: a selector with a soft bit (|z| < γ/2) is kept and
+    holds nothing; a binary one keeps its code if no earlier binary selector holds it and it
+    is < n, else takes the free code with the least Σ|z| over the bits that differ."""
+    k, m = z.shape
+    out = z.clone()
+    taken: set[int] = set()
+    for i in range(k):
+        if not bool((2 * z[i].abs() >= gamma).all()):
+            continue
+        own = [int(b) for b in (z[i] > 0)]
+        best, best_cost = -1, float("inf")
+        for c in range(2**m):
+            if c >= n or c in taken:
+                continue
+            cost = sum(float(z[i, j].abs()) for j in range(m) if ((c >> j) & 1) != own[j])
+            if cost < best_cost:
+                best, best_cost = c, cost
+        taken.add(best)
+        for j in range(m):
+            if ((best >> j) & 1) != own[j]:
+                out[i, j] = -z[i, j]
+    return out
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_binary_only_codes_match_the_rule(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n * 17 + k)
+    m, gamma = DF.num_bits(n), 1.0
+    z = torch.randn(96, k, m, generator=gen, dtype=torch.float64)
+    z[:32, 1:] = z[:32, :1]  # collisions
+    z[::3] = z[::3].sign() * (z[::3].abs() + 0.5)  # every third gate: all selectors binary
+    out = DF.distinct_codes(z, n, torch.tensor(gamma, dtype=torch.float64))
+    assert torch.equal(out.abs(), z.abs())
+    for b in range(z.shape[0]):
+        torch.testing.assert_close(out[b], _binary_only_reference(z[b], n, gamma), rtol=0, atol=0)
+    binary = (2 * z.abs() >= gamma).all(-1)  # (B, K)
+    assert torch.equal(out[~binary], z[~binary])  # soft selectors are never moved
+    full = binary.all(-1)  # gates whose selectors are all binary: the plain rule
+    assert full.sum() >= 32
+    assert torch.equal(out[full], DF.distinct_codes(z[full], n))
+    codes = _codes(out)
+    for row, bin_row in zip(codes.tolist(), binary.tolist()):
+        held = [c for c, b in zip(row, bin_row) if b]
+        assert len(set(held)) == len(held) and all(c < n for c in held)
+
+
+def test_binary_only_reads_a_per_gate_gamma() -> None:
+    z = torch.tensor([[[0.6, 0.6], [0.6, 0.6]], [[0.6, 0.6], [0.6, 0.6]]])  # (T, K, M), collide
+    gamma = torch.tensor([1.0, 2.0]).view(2, 1, 1)  # gate 0 binary (|z| >= 1/2), gate 1 soft
+    out = DF.distinct_codes(z, 4, gamma)
+    assert _codes(out[0]).unique().numel() == 2
+    assert torch.equal(out[1], z[1])
+
+
+def _gate_pair(scale: float, **kw: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    gates = []
+    for binary_only in (True, False):
+        torch.manual_seed(3)
+        g = make_gate("dselect_k", 8, k=2, in_features=6, distinct_binary=binary_only, **kw)
+        with torch.no_grad():
+            g.proj.weight[2:].normal_(0, scale)
+        gates.append(g)
+    return gates[0], gates[1]
+
+
+def test_binary_only_gate_is_the_paper_gate_unless_binary_selectors_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DSELECTK_KERNEL", "aten")  # the paper gate on the same kernel: exact
+    g, paper = _gate_pair(2.0)
+    x = torch.randn(2048, 6)
+    _, z = paper.split_logits(paper.compute_logits(x))
+    binary = (2 * z.abs() >= 1.0).all(-1)  # (B, K) at γ = 1
+    hit = binary.all(-1) & (_codes(z)[:, 0] == _codes(z)[:, 1])
+    assert hit.sum() > 20 and (~hit).sum() > 1000
+    torch.testing.assert_close(g(x).weights[~hit], paper(x).weights[~hit], rtol=0, atol=0)
+    w = g(x).weights[hit]
+    assert ((w > 0).sum(-1) == 2).all()  # two experts where the paper gate has one
+    assert ((paper(x).weights[hit] > 0).sum(-1) == 1).all()
+
+
+def test_binary_only_gate_selects_k_distinct_experts_once_binary() -> None:
+    g, _ = _gate_pair(50.0)
+    x = torch.randn(1024, 6)
+    x = x[g.binary_entries(x).all(-1)]
+    assert len(x) > 512
+    assert ((g(x).weights > 0).sum(-1) == 2).all()
+
+
+def test_binary_only_gradcheck() -> None:
+    # n = 8: no unused codes (a selector parked on one makes the Appendix B.2 penalty ξ/eps,
+    # ~4.5e15 in float64, and finite differences of the sum lose every other term's change)
+    torch.manual_seed(5)
+    g = make_gate("dselect_k", 8, k=3, in_features=4, distinct_binary=True, entropy_reg=0.1)
+    g = g.double()
+    with torch.no_grad():  # some selectors binary (and colliding), some soft, none at a kink
+        g.proj.weight.normal_(0, 1.0)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    _, z = g.split_logits(g.compute_logits(x))
+    keep = ((2 * z.abs() - 1.0).abs() > 0.05).all(-1).all(-1)  # off the saturation kinks
+    x = x[keep].requires_grad_(True)
+    assert len(x) >= 3
+    assert torch.autograd.gradcheck(lambda x: g(x).weights, (x,))
+    assert torch.autograd.gradcheck(lambda x: g(x).aux_loss, (x,))
+
+
+def test_binary_only_is_declared_and_exclusive() -> None:
+    with pytest.raises(ValueError, match="distinct_binary"):
+        make_gate("dselect_k", 8, k=2, distinct_binary="yes")
+    with pytest.raises(ValueError, match="choose one"):
+        make_gate("dselect_k", 8, k=2, distinct=True, distinct_binary=True)
+    assert "distinct_binary=True" in repr(make_gate("dselect_k", 8, k=2, distinct_binary=True))
+
+
+@pytest.mark.parametrize("onnx", [False, True])
+def test_binary_only_export_equals_eager(tmp_path: Path, onnx: bool) -> None:
+    torch.manual_seed(0)
+    g = make_gate("dselect_k", 8, k=3, in_features=6, distinct_binary=True)
+    with torch.no_grad():
+        g.proj.weight.mul_(300.0)  # a mix of binary and soft selectors
+    model = MoE(StackedMLP(8, 6, [5]), g, conditional=True).eval()
+    if onnx:
+        pytest.importorskip("onnxruntime")
+        import onnxruntime as ort
+
+        path = to_onnx(model, torch.randn(16, 6), tmp_path / "m.onnx", exporter="torchscript")
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+        def run(x: Tensor) -> Tensor:
+            return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+    else:
+        runner = export_program(model, torch.randn(16, 6)).module()
+
+        def run(x: Tensor) -> Tensor:
+            return runner(x)[0]
+
+    for b in (16, 7, 1):
+        x = torch.randn(b, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(run(x), model(x).output, atol=1e-5, rtol=1e-5)
