@@ -36,7 +36,7 @@ def test_checks_name_the_argument_and_the_range() -> None:
         spec.hparams["gamma"].check(-1.0, "--gamma")
     with pytest.raises(ValueError, match=r"init: expected one of 'paper', 'spread'"):
         spec.check({"init": "distinct"})
-    with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['distinct', 'distinct_binary', 'diversity'"):
+    with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['distinct', 'diversity'"):
         spec.check({"lr": 0.1})
     with pytest.raises(ValueError, match="entropy_reg"):
         make_gate("dselect_k", 8, k=2, entropy_reg=float("nan"))
@@ -167,7 +167,6 @@ def test_hyperparameter_flags_come_from_the_declarations(
     names = add_hparam_arguments(p, ["dselect_k", "ablation_annealing"])
     assert names == [
         "distinct",
-        "distinct_binary",
         "diversity",
         "entropy_reg",
         "gamma",

@@ -432,7 +432,7 @@ def code_collisions(codes: Tensor, num_experts: int) -> Tensor:
     return (same & valid & upper).sum((-1, -2)).float().mean(0)
 
 
-def distinct_codes(z: Tensor, num_experts: int, gamma: Tensor | None = None) -> Tensor:
+def distinct_codes(z: Tensor, num_experts: int) -> Tensor:
     """Z with the fewest, least confident bits negated so that the K selectors of every gate
     have distinct codes that are experts (ours, not the paper's; ``DSelectK(distinct=True)``).
 
@@ -450,17 +450,9 @@ def distinct_codes(z: Tensor, num_experts: int, gamma: Tensor | None = None) -> 
     either way: no jump. The law does jump where the choice of negated bits changes (equal
     costs) or where an earlier selector moves onto a later one's code, as Top-k jumps at ties.
 
-    With ``gamma`` (``DSelectK(distinct_binary=True)``), only binary selectors take part: those
-    whose every bit is saturated, |z_im| >= γ/2. A binary selector moves when an earlier binary
-    selector holds its code or it is no expert; a selector with a soft bit neither moves nor
-    holds a code, and is the paper's. The bits a binary selector negates stay saturated, so it
-    stays binary, on a free expert. A gate whose selectors are soft is left exactly as it is;
-    the law jumps when a selector's last soft bit saturates on a taken code.
-
     Args:
         z: (..., K, M) encoding variables (any leading shape: static, bank, per example).
         num_experts: n, with K <= n <= 2**M.
-        gamma: None, or γ broadcastable to (..., K, M): move binary selectors only.
 
     Returns:
         (..., K, M), ``z`` times a ±1 mask (no gradient through the mask).
@@ -479,18 +471,11 @@ def distinct_codes(z: Tensor, num_experts: int, gamma: Tensor | None = None) -> 
         cost = (a * own).sum(-1, keepdim=True) + (a - 2 * a * own) @ table.t()  # (..., K, C)
         taken = torch.zeros((*cost.shape[:-2], codes), dtype=torch.bool, device=z.device)
         taken[..., num_experts:] = True
-        # binary-only: selector i moves and holds a code only where it is binary
-        binary = None if gamma is None else (2 * a >= gamma).all(-1)  # (..., K)
         flips = []
         for i in range(k):
             best = cost[..., i, :].masked_fill(taken, math.inf).argmin(-1)  # (...,)
-            claim = best.unsqueeze(-1) == torch.arange(codes, device=z.device)
-            flip = own[..., i, :] != table[best]  # (..., M)
-            if binary is not None:
-                claim = claim & binary[..., i, None]
-                flip = flip & binary[..., i, None]
-            taken = taken | claim
-            flips.append(flip)
+            taken = taken | (best.unsqueeze(-1) == torch.arange(codes, device=z.device))
+            flips.append(own[..., i, :] != table[best])  # (..., M)
         sign = 1 - 2 * torch.stack(flips, -2).to(z.dtype)
     return z * sign
 

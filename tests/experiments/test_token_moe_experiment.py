@@ -79,7 +79,7 @@ def test_telemetry_flag_logs_routing_per_run(tmp_path: Path) -> None:
 
 def test_routers_are_variants() -> None:
     assert list(TM.ROUTERS) == ["dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity",
-                                "dselect_k_distinct_binary", "expert_choice"]  # fmt: skip
+                                "expert_choice"]  # fmt: skip
     assert TM.DEFAULT_ROUTERS == ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
     hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0)
     dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].router

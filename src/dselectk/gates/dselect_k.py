@@ -151,17 +151,11 @@ class DSelectK(Gate):
             expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
-        distinct_binary: (ours) as ``distinct``, for binary selectors only (every |z| >= γ/2):
-            one whose code an earlier binary selector holds, or that is no expert, moves; soft
-            selectors are the paper's (:func:`~dselectk.functional.distinct_codes` with γ).
-            For a soft gate (λ = 0) whose selectors sometimes end binary on one code. Default
-            False; not together with ``distinct``.
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
     """
 
     searchable = True
     binarizes = True
-    distinct_binary = False  # gates pickled before the option existed read it as off
     _gamma: Tensor
     gamma = HyperParameter(positive=True)
     _entropy_reg: Tensor
@@ -181,7 +175,6 @@ class DSelectK(Gate):
         diversity: float | Sequence[float] | Tensor = 0.0,
         init: str = "paper",
         distinct: bool = False,
-        distinct_binary: bool = False,
         num_gates: int | None = None,
         bias: bool = True,
         check_finite: bool = False,
@@ -207,11 +200,6 @@ class DSelectK(Gate):
         if not isinstance(distinct, bool):
             raise TypeError(f"distinct must be a bool, got {distinct!r}")
         self.distinct = distinct
-        if not isinstance(distinct_binary, bool):
-            raise TypeError(f"distinct_binary must be a bool, got {distinct_binary!r}")
-        if distinct and distinct_binary:
-            raise ValueError("distinct and distinct_binary: choose one")
-        self.distinct_binary = distinct_binary
         self._build_logits()
         self._init_parameters()
 
@@ -320,10 +308,7 @@ class DSelectK(Gate):
     # -- math -----------------------------------------------------------------------------
     def _codes_z(self, z: Tensor) -> Tensor:
         """Z as the gate uses it: with ``distinct``, each selector moved off the codes of the
-        earlier ones (:func:`~dselectk.functional.distinct_codes`); with ``distinct_binary``,
-        the binary selectors only."""
-        if self.distinct_binary:
-            return DF.distinct_codes(z, self.num_experts, self._per_gate(self._gamma, 2))
+        earlier ones (:func:`~dselectk.functional.distinct_codes`)."""
         return DF.distinct_codes(z, self.num_experts) if self.distinct else z
 
     def gate(self, logits: Tensor) -> GateOutput:
@@ -441,10 +426,10 @@ class DSelectK(Gate):
         return GateOutput(w, aux)
 
     def _host_math(self) -> bool:
-        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes (or
-        ``distinct_binary``) or the unused-code penalty (n < 2**M with ξ > 0)."""
+        """Whether the host nodes compute this gate's math: not so with ``distinct`` codes or
+        the unused-code penalty (n < 2**M with ξ > 0)."""
         unused = self.num_experts < 2**self.num_bits and self.xi > 0
-        return not (self.distinct or self.distinct_binary or unused)
+        return not (self.distinct or unused)
 
     def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
         """Whether the numba node takes this gate's problem (every size; the tensors' own checks
@@ -602,7 +587,6 @@ class DSelectK(Gate):
         if type(self).diversity.is_nonzero(self):
             extra = f", diversity={format_hyperparameter(self.diversity)}"
         extra += ", distinct=True" if self.distinct else ""
-        extra += ", distinct_binary=True" if self.distinct_binary else ""
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"

@@ -240,12 +240,6 @@ register_gate(
             False,
             doc="selectors moved to distinct expert codes by their least confident bits (ours)",
         ),
-        HParam(
-            "distinct_binary",
-            bool,
-            False,
-            doc="as distinct, for binary selectors only; soft ones are the paper's (ours)",
-        ),
     ],
     summary="DSelect-k (§3): k binary-encoded selectors, cubic smooth-step",
 )

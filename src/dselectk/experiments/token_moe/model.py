@@ -45,12 +45,6 @@ ROUTERS = variant_table(
         {"diversity": 0.1},
     ),
     Variant(
-        "dselect_k_distinct_binary",
-        "dselect_k",
-        "DSelect-k, distinct codes for binary selectors (ours)",
-        {"distinct_binary": True},
-    ),
-    Variant(
         "expert_choice",
         "softmax",
         "Expert choice (Zhou et al. 2022; softmax router, capacity k·N/n)",
@@ -58,9 +52,8 @@ ROUTERS = variant_table(
     ),
 )
 #: the routers a command runs without ``--gates`` (expert choice sees the whole batch, future
-#: tokens included: a competitor to run on purpose, not a default; distinct codes for binary
-#: selectors is issue 23's screen, run with ``--gates``)
-DEFAULT_ROUTERS = ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
+#: tokens included: a competitor to run on purpose, not a default)
+DEFAULT_ROUTERS = tuple(name for name, v in ROUTERS.items() if v.routing == "token")
 #: optimizer steps the step timer leaves out (warm-up)
 WARMUP_STEPS = 10
 
