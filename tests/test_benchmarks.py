@@ -72,8 +72,14 @@ def test_memory_child_runs_as_module() -> None:
 
 @pytest.mark.slow
 def test_quick_suite_single_item(tmp_path: Path) -> None:
+    """The suite as a subprocess, its history in tmp_path: the repository's history (which the
+    README's tables are made from) is left as it was."""
+    committed = REPO_ROOT / "benchmarks" / "results" / "history.jsonl"
+    before = committed.read_bytes() if committed.exists() else None
+    history = tmp_path / "history.jsonl"
+    argv = ["--quick", "--only", "memory", "--out", str(tmp_path), "--history", str(history)]
     res = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "memory", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", *argv],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -83,6 +89,8 @@ def test_quick_suite_single_item(tmp_path: Path) -> None:
     assert "== memory:" in res.stdout
     (path,) = tmp_path.glob("bench-cpu-quick-*.json")
     assert "memory" in json.loads(path.read_text())["items"]
+    assert len(history.read_text().splitlines()) == 1
+    assert (committed.read_bytes() if committed.exists() else None) == before
 
 
 def test_small_batch_item_writes_history_and_readme_tables(
