@@ -107,7 +107,8 @@ _TINY = ["reproduce", "token-moe", "--seeds", "1", "--steps", "15", "--batch-siz
     [("--val-windows", "0"), ("--layers", "0"), ("--seeds", "0"), ("--steps", "10"),
      ("--steps", "5"), ("--num-experts", "1"), ("--lr", "0"), ("--gamma", "0"),
      ("--entropy-reg", "-1"), ("--seq-len", "0"), ("--batch-size", "nan"),
-     ("--entropy-reg-end", "-1"), ("--entropy-warmup", "1"), ("--entropy-warmup", "-0.1")],
+     ("--entropy-reg-end", "-1"), ("--entropy-warmup", "1"), ("--entropy-warmup", "-0.1"),
+     ("--router-k", "0"), ("--router-k", "2.5")],
 )  # fmt: skip
 def test_bad_numeric_flags_stop_before_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
@@ -125,7 +126,9 @@ def test_bad_numeric_flags_stop_before_work(
      (["--corpus-bytes", "150"], "--corpus-bytes 150: too small"),
      (["--corpus-bytes", "649", "--seq-len", "64"], "at least 650"),
      (["--k", "5"], "--k 5: at most --num-experts (4)"),
-     (["--entropy-warmup", "0.5"], "--entropy-warmup 0.5: needs --entropy-reg-end")],
+     (["--entropy-warmup", "0.5"], "--entropy-warmup 0.5: needs --entropy-reg-end"),
+     (["--router-k", "1"], "--router-k 1: from --k (2) to --num-experts (4)"),
+     (["--router-k", "5"], "--router-k 5: from --k (2) to --num-experts (4)")],
 )  # fmt: skip
 def test_inconsistent_flags_stop_before_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
@@ -256,3 +259,26 @@ def test_lambda_ramp_soft_then_binary_applies_to_dselect_k_routers_only(tmp_path
     lam = [s[0] for s in seen]
     assert lam[:10] == [0.0] * 10 and all(a < b for a, b in itertools.pairwise(lam[10:]))
     assert lam[-1] == pytest.approx(0.1)
+
+
+def test_router_k_gives_dselect_k_routers_more_selectors_than_dispatched_experts(
+    tmp_path: Path,
+) -> None:
+    """--router-k 3: every DSelect-k router (distinct codes too) has 3 selectors, the layer
+    still dispatches k = 2 experts a token; Top-k and the default command are unchanged."""
+    from dselectk.experiments.token_moe.model import build_model, train_run
+
+    assert "router_k" not in TM.TokenMoEConfig(tmp_path).record_hparams()  # identity kept
+    small = dict(d_model=16, d_ff=16, num_experts=4, seq_len=16, batch_size=8, val_windows=16)
+    cfg = TM.TokenMoEConfig(tmp_path, router_k=3, steps=12, **small)
+    assert cfg.record_hparams()["router_k"] == 3
+    hp = dict(cfg.hparams(), heads=2)
+    for name in ("dselect_k", "dselect_k_distinct"):
+        model = build_model(cfg.variant(name), hp)
+        assert all(m.router.k == 3 and m.k == 2 for m in model.moe_layers)
+    topk = build_model(cfg.variant("topk"), hp)
+    assert all(m.router.k == 2 and m.k == 2 for m in topk.moe_layers)
+    plain = build_model(cfg.variant("dselect_k"), dict(hp, router_k=None))
+    assert all(m.router.k == 2 for m in plain.moe_layers)
+    m = train_run(cfg.variant("dselect_k"), hp, load_corpus(40_000), 0, progress=False, desc="t")
+    assert math.isfinite(m["val_bpc"]) and m["dispatched_experts_per_token"] <= 2.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from dselectk.data.text import Corpus
 from dselectk.experiments.executors import progress_position
+from dselectk.gates.base import Gate
 from dselectk.models.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
 from dselectk.monitor import StepTimer
 from dselectk.telemetry import RoutingTelemetry
@@ -60,9 +61,17 @@ WARMUP_STEPS = 10
 
 def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     """The study's transformer, every MoE layer routed by a gate of ``variant`` (with the
-    gate's hyperparameters found in ``hp``)."""
-    gate = partial(variant.build, hparams=hp)
+    gate's hyperparameters found in ``hp``). ``hp["router_k"]`` (when set): a DSelect-k
+    router's number of selectors; the layer still dispatches ``hp["k"]`` experts a token."""
+    gate: Callable[..., Gate] = partial(variant.build, hparams=hp)
+    if hp.get("router_k") is not None and variant.gate == "dselect_k":
+        gate = partial(_selectors, variant, hp)
     return CharMoETransformer.from_settings(gate, hp, routing=variant.routing)
+
+
+def _selectors(variant: Variant, hp: Mapping[str, Any], num_experts: int, **structure: Any) -> Gate:
+    """``variant``'s gate with ``hp["router_k"]`` selectors (in place of the layer's k)."""
+    return variant.build(num_experts, hparams=hp, **{**structure, "k": int(hp["router_k"])})
 
 
 def _lm_loss(model: Any, batch: TaskData) -> tuple[Tensor, None]:

@@ -94,6 +94,12 @@ class TokenMoEConfig:
     entropy_warmup: float = _flag(
         0.0, fraction, " (with --entropy-reg-end: the fraction of the steps at λ = 0 first)"
     )
+    router_k: int | None = _flag(
+        None,
+        int_at_least(1),
+        " (--k; r: DSelect-k routers get r selectors, the layer still sends a token to its "
+        "--k largest weights)",
+    )
     val_windows: int = _flag(
         2048, int_at_least(1), "; at most (fewer if the validation part is short)"
     )
@@ -117,6 +123,11 @@ class TokenMoEConfig:
             )
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
+        if self.router_k is not None and not self.k <= self.router_k <= self.num_experts:
+            raise ValueError(
+                f"--router-k {self.router_k}: from --k ({self.k}) to --num-experts "
+                f"({self.num_experts})"
+            )
         expert_routed = [g for g in self.gates if ROUTERS[g].routing == "expert"]
         if self.renormalize and expert_routed:
             raise ValueError(
@@ -167,7 +178,7 @@ class TokenMoEConfig:
 #: fields after out, gates, seeds, first_seed, telemetry)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
 #: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"capacity_factor", "entropy_reg_end", "entropy_warmup"})
+LATER = frozenset({"capacity_factor", "entropy_reg_end", "entropy_warmup", "router_k"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
