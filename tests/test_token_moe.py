@@ -219,3 +219,34 @@ def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
     binary = layer.router.binary_entries(x).all(-1)  # (tokens,)
     assert binary.any()  # λ = 0.1 at the end binarizes some tokens within 40 steps
     assert ((w[binary] > 0).sum(-1) == 2).all()  # distinct codes: exactly 2 experts each
+
+
+def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
+    """The README's per-token recipe that met issue 23's bar (docs/per_token.md §4q): a
+    DSelect-k router with three selectors (router_kwargs k = 3, λ = 0) under the layer's
+    renormalised top-2 cut. Every token goes to exactly 2 experts, the two its mixture weights
+    most, with those weights rescaled to sum to 1 (the block equals that masked mixture of all
+    experts); where all three selectors end binary on one code, the token gets that one expert."""
+    torch.manual_seed(0)
+    layer = SparseMoEFeedForward(
+        8, 16, 8, router="dselect_k", k=2, renormalize=True,
+        router_kwargs={"k": 3, "entropy_reg": 0.0},
+    )  # fmt: skip
+    assert layer.router.k == 3 and layer.k == 2
+    x = torch.randn(200, 8)
+    out = layer(x)
+    assert layer.last_stats is not None and int(layer.last_stats["load"].sum()) == 2 * 200
+    w = layer.router(x).weights.detach()
+    assert ((w > 0).sum(-1) > 2).all()  # soft at initialisation: the cut picks the two
+    top = w.topk(2, dim=-1)  # the mixture's two largest weights, rescaled to sum to 1
+    kept = torch.zeros_like(w).scatter(-1, top.indices, top.values)
+    kept = kept / kept.sum(-1, keepdim=True)
+    every = layer.experts(x)  # (n, tokens, d): each expert on each token
+    ref = torch.einsum("tn,ntd->td", kept, every)
+    torch.testing.assert_close(out.output, ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # all three selectors binary on one code for every token
+        layer.router.proj.weight.zero_()
+        layer.router.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0] + [5.0, -5.0, 5.0] * 3))
+    layer(x)
+    assert layer.last_stats is not None and int(layer.last_stats["load"].sum()) == 200
+    assert int(layer.last_stats["load"][0b101]) == 200
