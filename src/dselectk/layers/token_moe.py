@@ -21,8 +21,8 @@ LM): DSelect-k with λ = 0 (its default ``entropy_reg``) and ``renormalize=True`
 bits per byte on 9 reserved seeds, its bits mostly soft (the top-k cut picks the experts); the
 paper's λ > 0 drives the bits binary and was worse there. With k selectors some tokens end with
 both on one code and get one expert; one selector more than ``k`` (``router_kwargs={"k": 3}``
-with ``k=2``, §4q) kept 1.98 distinct experts a token, +0.006 ± 0.012 bits per byte behind Top-k
-on 9 reserved seeds. For a router that ends exactly sparse,
+with ``k=2``, §4q) kept 1.98 distinct experts a token, +0.0006 ± 0.0070 bits per byte from
+Top-k over 27 reserved seeds. For a router that ends exactly sparse,
 train soft and binarize late (§4o): ``DSelectK(distinct=True)`` with λ = 0 for the first half of
 the steps, then ramped to 0.1 (e.g. ``dselectk.variants.Ramp("entropy_reg", end=0.1,
 delay=0.5, before=0.0)``); on 9 fresh seeds it left 83 % of the tokens binary with 2 distinct
