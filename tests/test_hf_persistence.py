@@ -392,3 +392,33 @@ def test_other_router_contracts_refused() -> None:
 
     with pytest.raises(ValueError, match="DeepSeek-V3 style"):
         hf.replace_routers(Block())
+
+
+def test_three_selector_router_dispatches_top_k_and_round_trips(tmp_path: Path) -> None:
+    """The per-token recipe of docs/per_token.md §4q in a transformers model: a DSelect-k
+    router with one selector more than the model's top_k (k=3, λ = 0, renormalised). Every
+    token still reaches top_k = 2 experts, and the choice is saved and loaded back."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(_config("mixtral"))
+    routers = hf.replace_routers(model, "dselect_k", k=3, entropy_reg=0.0, renormalize=True)
+    assert all(r.gate_module.k == 3 for r in routers)
+    seen: list[torch.Tensor] = []
+    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    handle = block.gate.register_forward_hook(lambda mod, args, out: seen.append(out))
+    with torch.no_grad():
+        model(input_ids=_ids())
+    handle.remove()
+    _, weights, experts = seen[0]  # (tokens, top_k) weights and expert indices
+    assert weights.shape[-1] == TOP_K == experts.shape[-1]
+    assert (weights > 0).all()  # soft at initialisation: both experts carry weight
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[0]))  # renormalised
+    _train(model, steps=1)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved[hf.CONFIG_KEY]["gate_kwargs"] == {"entropy_reg": 0.0, "k": 3}
+    assert saved[hf.CONFIG_KEY]["renormalize"] is True
+    loaded = hf.from_pretrained(transformers.MixtralForCausalLM, tmp_path)
+    assert all(r.gate_module.k == 3 for r in _routers(loaded))
+    with torch.no_grad():
+        want, got = model(input_ids=_ids()).logits, loaded(input_ids=_ids()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
