@@ -10,25 +10,14 @@ the worst case's inputs are saved to F (a torch file) for study on a CPU.
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
+import sys
+from pathlib import Path
 
 import torch
 
-from dselectk import _triton
-from dselectk._kernels import _DSelectSmall
-
-
-def _aten(z, alpha, gamma, go, ge):
-    ref = _DSelectSmall._forward(z, alpha, gamma)
-    ctx = SimpleNamespace(saved_tensors=(gamma, *ref[2:]))
-    g_z, g_a, _ = _DSelectSmall._backward(ctx, go, ge)
-    return ref[0], ref[1], g_z, g_a
-
-
-def _triton_all(z, alpha, gamma, go, ge):
-    out, ent = _triton.forward(z, alpha, gamma)
-    g_z, g_a = _triton.backward(z, alpha, gamma, go, ge)
-    return out, ent, g_z, g_a
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _triton_check import small_kernel as _aten
+from _triton_check import triton_kernels as _triton_all
 
 
 def main() -> None:

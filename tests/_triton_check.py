@@ -1,4 +1,5 @@
-"""Shared check of tests/test_triton.py (interpreter) and tests/test_device.py (GPU)."""
+"""Shared check of tests/test_triton.py (interpreter) and tests/test_device.py (GPU); its two
+kernel wrappers also serve scripts/triton_accuracy.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dselectk import _triton
 from dselectk._kernels import _DSelectSmall
 
 
-def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge: Tensor | None):
+def small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge: Tensor | None):
     """(q̃, entropies, ∂z, ∂α) of the ATen small kernel."""
     ref = _DSelectSmall._forward(z, alpha, gamma)
     ctx = SimpleNamespace(saved_tensors=(gamma, *ref[2:]))
@@ -19,7 +20,8 @@ def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge
     return ref[0], ref[1], g_z, g_a
 
 
-def _triton_kernels(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge: Tensor | None):
+def triton_kernels(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge: Tensor | None):
+    """(q̃, entropies, ∂z, ∂α) of the Triton kernels."""
     out, ent = _triton.forward(z, alpha, gamma)
     return out, ent, *_triton.backward(z, alpha, gamma, go, ge)
 
@@ -50,14 +52,14 @@ def assert_triton_matches_small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) 
     g_ent = torch.randn(z.shape[:2], generator=gen, device=z.device, dtype=z.dtype)
     for go, ge in ((g_out, g_ent), (g_out, None), (None, g_ent)):
         args = (z, alpha, gamma, go, ge)
-        got, ref = _triton_kernels(*args), _small_kernel(*args)
+        got, ref = triton_kernels(*args), small_kernel(*args)
         assert (got[3] is None) == (ref[3] is None)
         if z.dtype == torch.float64:
             for a, b in zip(got, ref):
                 if a is not None:
                     torch.testing.assert_close(a, b)
             continue
-        truth = _small_kernel(*(t.double() if t is not None else None for t in args))
+        truth = small_kernel(*(t.double() if t is not None else None for t in args))
         for name, a, b, t in zip(("q", "entropy", "dz", "dalpha"), got, ref, truth):
             if a is not None:
                 _assert_as_accurate(a, b, t, name)
