@@ -8,10 +8,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install test test-all lint demo reproduce bench clean
 
-$(VENV)/.installed: pyproject.toml
+# The library (with every extra the tests exercise) and the research part (research/), editable.
+$(VENV)/.installed: pyproject.toml research/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,experiments,cluster,export,transformers,tensorboard,fast]"
+	$(PY) -m pip install -q -e ".[dev,export,transformers,tensorboard,fast]" -e "research[cluster]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,8 +24,8 @@ test-all: install
 	$(PY) -m pytest -m ""
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks research
+	$(VENV)/bin/ruff format --check src tests benchmarks research
 	$(VENV)/bin/mypy
 
 demo: install

@@ -16,9 +16,9 @@ import time
 import torch
 from torch import nn
 
-from dselectk.experiments.movielens import build_model
 from dselectk.export import freeze
 from dselectk.runtime import tune_allocator
+from dselectk_research.movielens import build_model
 
 ML1M = {"num_users": 6040, "num_items": 3706, "side": (7, 2, 21, 18)}
 

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from benchmarks.synthetic_reference import reference_loss, train_step
-from dselectk.experiments import synthetic as S
 from dselectk.models import MoEBank
 from dselectk.runtime import tune_allocator
+from dselectk_research import synthetic as S
 
 STEPS_PER_EPOCH = math.ceil(100_000 / S.BATCH_SIZE)  # the paper's 100k training rows
 

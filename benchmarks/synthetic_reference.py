@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dselectk.data.synthetic import SyntheticData
-from dselectk.experiments.synthetic.train import train_reps
 from dselectk.models import MoEBank
 from dselectk.variants import Variant
+from dselectk_research.data.synthetic import SyntheticData
+from dselectk_research.synthetic.train import train_reps
 
 LossFn = Callable[[MoEBank, Tensor, Tensor], Tensor]
 

@@ -1,7 +1,7 @@
 """Training tokens per second of the token-moe study's routers, side by side (issue 23).
 
 One training step (forward, backward, Adam) of the study's char-LM
-(:func:`dselectk.experiments.token_moe.model.build_model`, default settings) with each router,
+(:func:`dselectk_research.token_moe.model.build_model`, default settings) with each router,
 timed interleaved in one process by :func:`benchmarks.timing.compare` (round robin, medians), on
 random byte windows. Ratios to Top-k are what to read; the load average is printed.
 
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.timing import compare
-from dselectk.experiments.token_moe.model import ROUTERS, build_model
-from dselectk.experiments.token_moe.recipe import DEFAULTS
+from dselectk_research.token_moe.model import ROUTERS, build_model
+from dselectk_research.token_moe.recipe import DEFAULTS
 
 
 def step_fn(router: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:

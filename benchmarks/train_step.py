@@ -4,7 +4,7 @@ Full optimizer steps (forward + backward + Adam step, ``foreach=True`` for both 
 training mode, one fixed synthetic batch of the right shapes and dtypes: no data files) of
 
 - ``movielens``: the model ``dselectk reproduce movielens`` trains
-  (:func:`dselectk.experiments.movielens.build_model` at its quick defaults: ML-1M vocabularies
+  (:func:`dselectk_research.movielens.build_model` at its quick defaults: ML-1M vocabularies
   with side features, 8 ReLU dense-256 experts with dropout 0.5, a bank of 2 static DSelect-k
   gates (k = 2), towers 256 → 1, batch 128; loss α·BCE + (1 − α)·masked MSE + aux, α = 0.5) and
   the same model with per-example DSelect-k gates. (The experiment itself trains with Adagrad;
@@ -42,14 +42,14 @@ from torch import Tensor, nn
 
 from benchmarks.common import Report, row
 from benchmarks.timing import compare
-from dselectk.data.synthetic import FEATURES, UNITS
-from dselectk.experiments import movielens
-from dselectk.experiments.synthetic.spec import BATCH_SIZE as C1_BATCH
-from dselectk.experiments.synthetic.spec import K as C1_K
-from dselectk.experiments.synthetic.spec import load_tuned, resolve_hparams
-from dselectk.experiments.synthetic.train import build_model
 from dselectk.layers.embedding import EMBED_DIMS
 from dselectk.models import MoEBank
+from dselectk_research import movielens
+from dselectk_research.data.synthetic import FEATURES, UNITS
+from dselectk_research.synthetic.spec import BATCH_SIZE as C1_BATCH
+from dselectk_research.synthetic.spec import K as C1_K
+from dselectk_research.synthetic.spec import load_tuned, resolve_hparams
+from dselectk_research.synthetic.train import build_model
 
 __all__ = ["ML_META", "PlainC1MoE", "PlainMovieLensMMoE", "run"]
 

@@ -15,12 +15,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_KEY = ("experiment", "phase", "gate", "router", "num_tasks", "lr", "rep", "seed")
+DEFAULT_KEY = (
+    "experiment", "phase", "gate", "router", "arm", "shape", "num_tasks", "lr", "rep", "seed",
+)  # fmt: skip
+#: metrics that measure the machine, not the run
+TIMING = (
+    "train_seconds", "seconds_per_step", "examples_per_second", "load_average_at_start",
+    "cpu_count", "threads",
+)  # fmt: skip
 
 
 def _key(cfg: dict[str, Any], fields: tuple[str, ...]) -> tuple[Any, ...]:
     hp = cfg.get("hparams", {})
-    return tuple(cfg.get(f, hp.get(f)) for f in fields)
+    values = (cfg.get(f, hp.get(f)) for f in fields)
+    return tuple(json.dumps(v, sort_keys=True) if isinstance(v, dict | list) else v for v in values)
 
 
 def load(folder: Path, fields: tuple[str, ...]) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -40,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("--key", nargs="+", default=list(DEFAULT_KEY), help="config fields of a run")
-    p.add_argument("--ignore", nargs="*", default=["train_seconds"], help="metrics not compared")
+    p.add_argument(
+        "--ignore", nargs="*", default=list(TIMING), help="metrics not compared (timings)"
+    )
     args = p.parse_args(argv)
     fields = tuple(args.key)
     old, new = load(args.old, fields), load(args.new, fields)

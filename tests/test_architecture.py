@@ -8,10 +8,10 @@ Imports go one way, down this stack (a group may import itself and the groups it
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
     api          dselectk/__init__.py   (the public facade: re-exports base..models)
     training     optim, schedules, training
-    data         dselectk.data          (loaders; no models, training or experiments)
-    plots        dselectk.plots         (a leaf: draws arrays/records, imports only base)
+    data         dselectk_research.data          (loaders; no models, training or experiments)
+    plots        dselectk_research.plots         (a leaf: draws arrays/records, imports only base)
     integrations dselectk.integrations  (adapters to other libraries: gates and layers only)
-    experiments  dselectk.experiments   (anything except cli)
+    experiments  dselectk_research   (anything except cli)
     cli          dselectk.cli           (anything)
 
 The direction rules check every import anywhere in a module (module level, inside functions,
@@ -19,7 +19,7 @@ under ``if TYPE_CHECKING:``) plus ``importlib.import_module`` calls whose target
 from the source. The cycle check uses module-level imports only (excluding ``if TYPE_CHECKING:``
 blocks, which never run), plus ``importlib.import_module`` calls anywhere: a dynamic import is
 the usual way to hide a cycle. An f-string target with a literal package prefix
-(``f"dselectk.experiments.{name}"``) counts as an import of every module under that prefix.
+(``f"dselectk_research.{name}"``) counts as an import of every module under that prefix.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PKG = SRC / "dselectk"
-MAX_LINES = 600
+RESEARCH_SRC = ROOT / "research" / "src"
+RESEARCH_PKG = RESEARCH_SRC / "dselectk_research"
 
 #: group -> the groups it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
@@ -42,25 +44,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset({"base", "gates", "layers"}),
     "api": frozenset({"base", "gates", "layers", "models"}),
     "training": frozenset({"base", "gates", "layers", "models", "api"}),
-    "data": frozenset({"base", "gates", "layers"}),
-    "plots": frozenset({"base"}),
     "integrations": frozenset({"base", "gates", "layers"}),
-    "experiments": frozenset(
-        {"base", "gates", "layers", "models", "api", "training", "data", "plots", "integrations"}
-    ),
-    "cli": frozenset(
-        {
-            "base",
-            "gates",
-            "layers",
-            "models",
-            "api",
-            "training",
-            "data",
-            "plots",
-            "integrations",
-            "experiments",
-        }
+    "cli": frozenset({"base", "gates", "layers", "models", "api", "training", "integrations"}),
+    "research": frozenset(
+        {"base", "gates", "layers", "models", "api", "training", "integrations", "cli"}
     ),
 }
 
@@ -86,19 +73,13 @@ GROUP_OF_TOP: dict[str, str] = {
     "training": "training",
     "export": "training",
     "telemetry": "training",
-    "monitor": "training",
     "search": "training",
     "variants": "training",
-    "data": "data",
-    "plots": "plots",
     "integrations": "integrations",
-    "experiments": "experiments",
     "cli": "cli",
+    "demo": "cli",
+    "_argtypes": "base",
 }
-
-#: Files allowed over MAX_LINES, with the reason.
-KNOWN_LONG_FILES: dict[str, str] = {}
-
 
 # --------------------------------------------------------------------------------------------
 # reading the source
@@ -106,15 +87,19 @@ KNOWN_LONG_FILES: dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+    root = RESEARCH_SRC if path.is_relative_to(RESEARCH_SRC) else SRC
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
-PACKAGES = {_module_name(p) for p in PKG.rglob("__init__.py")}
+_FILES = sorted(PKG.rglob("*.py")) + sorted(RESEARCH_PKG.rglob("*.py"))
+MODULES: dict[str, Path] = {_module_name(p): p for p in _FILES}
+PACKAGES = {_module_name(p) for p in _FILES if p.name == "__init__.py"}
 
 
 def _group(module: str) -> str:
+    if module.split(".")[0] == "dselectk_research":
+        return "research"
     parts = module.split(".")
     if len(parts) == 1:
         return "api"
@@ -275,9 +260,21 @@ def _graph(skip_dynamic: set[str]) -> dict[str, set[str]]:
 
 
 def test_the_tree_has_the_layers() -> None:
-    for group in ("gates", "layers", "models", "data", "plots", "experiments"):
+    for group in ("gates", "layers", "models", "integrations"):
         assert f"dselectk.{group}" in PACKAGES
+    assert "dselectk_research" in PACKAGES
     assert {_group(m) for m in MODULES} <= set(ALLOWED)
+
+
+def test_the_library_never_imports_the_research_part() -> None:
+    for module, path in MODULES.items():
+        if _group(module) == "research":
+            continue
+        wrong = sorted(t for t in IMPORTS[module][0] if _group(t) == "research")
+        assert not wrong, f"the library module {module} imports the research part: {wrong}"
+        assert "dselectk_research" not in path.read_text(encoding="utf-8"), (
+            f"{path} names dselectk_research (the library must not depend on the research part)"
+        )
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -299,26 +296,3 @@ def test_no_import_cycles() -> None:
 def test_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
-
-
-def _line_count(path: Path) -> int:
-    return len(path.read_text(encoding="utf-8").splitlines())
-
-
-@pytest.mark.parametrize(
-    "relpath",
-    [
-        pytest.param(
-            rel,
-            marks=(
-                [pytest.mark.xfail(reason=KNOWN_LONG_FILES[rel], strict=False)]
-                if rel in KNOWN_LONG_FILES
-                else []
-            ),
-        )
-        for rel in sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py"))
-    ],
-)
-def test_source_files_are_short(relpath: str) -> None:
-    lines = _line_count(PKG / relpath)
-    assert lines <= MAX_LINES, f"src/dselectk/{relpath} has {lines} lines (max {MAX_LINES})"

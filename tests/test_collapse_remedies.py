@@ -1,4 +1,4 @@
-"""DSelect-k collapse remedies (issue 14, docs/collapse.md) after issue 21.
+"""DSelect-k collapse remedies (issue 14, research/notes/collapse.md) after issue 21.
 
 The remedies the evidence retired (exclusive selectors, the α floor, ``init="distinct"`` and its
 ``init_margin``) are gone from the gate, with their second math path; they live at the git tag

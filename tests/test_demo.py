@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
+from dselectk import demo
 from dselectk.cli import main
-from dselectk.experiments import demo
-from dselectk.experiments.demo import make_data, sharing
+from dselectk.demo import make_data, sharing
 
 
 def test_sharing_counts_identical_and_overlapping_pairs() -> None:

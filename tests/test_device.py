@@ -182,27 +182,6 @@ def test_c1_bank_loss_on_cuda_matches_cpu(fused: bool) -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_char_lm_step_on_cuda_matches_cpu() -> None:
-    from functools import partial
-
-    from dselectk.models.char_lm import CharMoETransformer
-
-    torch.manual_seed(8)
-    model = CharMoETransformer(
-        partial(dk.DSelectK, 8, k=2, in_features=32, distinct=True),
-        seq_len=16,
-        d_model=32,
-        heads=2,
-        layers=2,
-        d_ff=48,
-    )
-    cpu, gpu = _pair(model)
-    ids = torch.randint(0, 256, (4, 17))
-    _assert_same_step(cpu, gpu, lambda mod, dev: mod.loss(ids[:, :-1].to(dev), ids[:, 1:].to(dev)))
-
-
-@pytest.mark.gpu
-@cuda
 def test_mixtral_with_our_router_on_cuda_matches_cpu() -> None:
     transformers = pytest.importorskip("transformers")
     from dselectk.integrations.hf import replace_routers

@@ -395,7 +395,7 @@ def test_other_router_contracts_refused() -> None:
 
 
 def test_three_selector_router_dispatches_top_k_and_round_trips(tmp_path: Path) -> None:
-    """The per-token recipe of docs/per_token.md §4q in a transformers model: a DSelect-k
+    """The per-token recipe of research/notes/per_token.md §4q in a transformers model: a DSelect-k
     router with one selector more than the model's top_k (k=3, λ = 0, renormalised). Every
     token still reaches top_k = 2 experts, and the choice is saved and loaded back."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The core install (torch + numpy) imports without the `experiments` extra; the public API."""
+"""The core install (torch + numpy) imports without matplotlib and tqdm; the public API."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ CORE_MODULES = [
     "dselectk.training",
     "dselectk.io",
     "dselectk.progress",
-    "dselectk.plots",
 ]
 
 
@@ -37,21 +36,6 @@ def test_core_imports_without_matplotlib_and_tqdm() -> None:
     out = _python(BLOCK + "import " + ", ".join(CORE_MODULES) + "; print('ok')")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
-
-
-def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
-    code = BLOCK + (
-        "from dselectk.plots import plot_metric_vs\n"
-        "try:\n"
-        f"    plot_metric_vs({{'a': ([1, 2], [1, 2], None)}}, {str(tmp_path / 'x.png')!r},\n"
-        "                   xlabel='T', ylabel='mse')\n"
-        "except ImportError as e:\n"
-        "    print(e)\n"
-    )
-    out = _python(code)
-    assert out.returncode == 0, out.stderr
-    assert "pip install 'dselectk[experiments]'" in out.stdout
-    assert not (tmp_path / "x.png").exists()
 
 
 def test_all_names_are_importable() -> None:

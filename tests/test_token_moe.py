@@ -222,7 +222,7 @@ def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
 
 
 def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
-    """The README's per-token recipe that met issue 23's bar (docs/per_token.md §4q): a
+    """The README's per-token recipe that met issue 23's bar (research/notes/per_token.md §4q): a
     DSelect-k router with three selectors (router_kwargs k = 3, λ = 0) under the layer's
     renormalised top-2 cut. Every token goes to exactly 2 experts, the two its mixture weights
     most, with those weights rescaled to sum to 1 (the block equals that masked mixture of all

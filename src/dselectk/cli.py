@@ -1,30 +1,45 @@
-"""Command line: ``dselectk demo | reproduce EXPERIMENT | report DIR | bench [ARGS]``.
+"""Command line: ``dselectk demo | bench [ARGS]``, plus the commands of installed add-ons.
 
-The CLI parses arguments and calls experiment modules; it holds no logic of its own. Each
-experiment module exposes ``add_arguments(parser)`` and ``run(args) -> int``; the table of
-experiments is :data:`dselectk.experiments.report.EXPERIMENTS` (imports go cli → report only).
+The CLI parses arguments and calls modules; it holds no logic of its own. ``dselectk demo``
+trains the library's demo (:mod:`dselectk.demo`). Other packages add commands through the entry
+point group ``dselectk.commands``: each entry point names a function ``register(subparsers)``
+that adds its sub-parser and sets the default ``handler`` (a function ``args -> int``). The
+research part of the repository (``pip install -e research``) adds ``dselectk reproduce`` and
+``dselectk report`` this way; without it those two commands say how to install it.
 ``dselectk bench`` runs ``python -m benchmarks`` in a subprocess from the source checkout.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from dselectk.experiments import report
-from dselectk.experiments.report import EXPERIMENTS
+from dselectk import demo
 from dselectk.runtime import tune_allocator
 
-__all__ = ["EXPERIMENTS", "main", "source_root"]
+__all__ = ["COMMAND_GROUP", "main", "source_root"]
+
+#: the entry point group through which other packages add subcommands
+COMMAND_GROUP = "dselectk.commands"
+
+#: commands the research part provides, and the line that says how to get them
+_RESEARCH_COMMANDS = {
+    "reproduce": "reproduce an experiment of the paper (needs the research part)",
+    "report": "rebuild report and plots of a results folder (needs the research part)",
+}
+_RESEARCH_HINT = (
+    "`dselectk {command}` comes with the research part of the repository: from a clone, "
+    "run `pip install -e research` (or `make reproduce`)"
+)
 
 
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def _missing(command: str) -> int:
+    print(f"dselectk: error: {_RESEARCH_HINT.format(command=command)}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,21 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser(
-        "demo", help="train a small multi-gate MoE with DSelect-k on generated data"
-    )
-    importlib.import_module("dselectk.experiments.demo").add_arguments(demo)
+    d = sub.add_parser("demo", help="train a small multi-gate MoE with DSelect-k on generated data")
+    demo.add_arguments(d)
+    d.set_defaults(handler=demo.run)
 
-    rep = sub.add_parser("reproduce", help="reproduce an experiment of the paper")
-    rep_sub = rep.add_subparsers(dest="experiment", required=True)
-    for name, module in EXPERIMENTS.items():
-        if _available(module):
-            p = rep_sub.add_parser(name, help=f"reproduce the {name} experiment")
-            importlib.import_module(module).add_arguments(p)
-            p.set_defaults(experiment_module=module, experiment_name=name)
-
-    rebuild = sub.add_parser("report", help="rebuild report and plots of a results folder")
-    report.add_arguments(rebuild)
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
+    for command, text in _RESEARCH_COMMANDS.items():
+        if command not in sub.choices:
+            missing = sub.add_parser(command, help=text, add_help=False)
+            missing.add_argument("rest", nargs=argparse.REMAINDER)
+            missing.set_defaults(handler=lambda args, c=command: _missing(c))
 
     bench = sub.add_parser("bench", help="run the benchmark suite (same as python -m benchmarks)")
     bench.epilog = "Other arguments go to the suite; see `dselectk bench --help-suite`."
@@ -132,15 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    if args.command == "demo":
-        return int(importlib.import_module("dselectk.experiments.demo").run(args))
-    if args.command == "reproduce":
-        return int(importlib.import_module(args.experiment_module).run(args))
-    if args.command == "report":
-        return int(report.run(args))
     if args.command == "bench":
         return _bench(args.help_suite, extra)
-    return 2
+    return int(args.handler(args))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Progress bars without a hard dependency on ``tqdm``.
 
 ``from dselectk.progress import tqdm`` is a drop-in for ``from tqdm.auto import tqdm``: when the
-``tqdm`` package is installed (``pip install 'dselectk[experiments]'``) it *is* ``tqdm.auto.tqdm``;
+``tqdm`` package is installed (``pip install tqdm``, or the ``progress`` extra) it *is*
+``tqdm.auto.tqdm``;
 otherwise it is :class:`SilentTqdm`, which accepts the same arguments, shows nothing and supports
 what the package uses (iteration, ``update``, ``close``, ``set_postfix``, ``set_postfix_str``,
 ``set_description``, ``refresh``, ``n``, ``total``, context-manager use, and the class methods
@@ -131,7 +132,7 @@ class SilentTqdm:
 
 try:
     from tqdm.auto import tqdm
-except ImportError:  # tqdm is in the `experiments` extra
+except ImportError:  # tqdm is optional (the `progress` extra)
     HAVE_TQDM = False
     tqdm = SilentTqdm
 else:

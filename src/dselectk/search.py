@@ -2,7 +2,8 @@
 
 Once DSelect-k's S(Z) is binary its gradient is exactly zero, so a selector that binarized on
 the wrong expert (or on the same expert as another selector, the "collapse" of
-``docs/collapse.md``) can never move again by gradient descent. Top-k has the same blind spot
+``research/notes/collapse.md``) can never move again by gradient descent. Top-k has the same blind
+spot
 for experts outside its top k (they receive no gradient). The COMET paper (Ibrahim et al.,
 KDD 2023) makes this point and answers it with a learned permutation of the experts; this
 module answers it with the plain combinatorial move instead: **swap** one selected expert for

@@ -121,7 +121,8 @@ class DSelectK(Gate):
     optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
     distinct random expert, to keep selectors from collapsing onto the same expert; the
     diversity penalty above (off by default). (The other collapse remedies of
-    ``docs/collapse.md``, exclusive selectors, an α floor and a "distinct" init, were retired
+    ``research/notes/collapse.md``, exclusive selectors, an α floor and a "distinct" init, were
+    retired
     by issue 21; they live at the git tag ``pre-remedy-deletion``.)
 
     Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma``, ``entropy_reg`` and

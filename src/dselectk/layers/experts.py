@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import check_positive_int
 
-__all__ = ["ExpertList", "StackedMLP"]
+__all__ = ["ExpertList", "StackedMLP", "make_towers"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
@@ -186,3 +186,12 @@ class ExpertList(nn.Module):
         """(E', B, ...) outputs of all experts, or of ``members`` only."""
         idx = range(self.num_members) if members is None else members.tolist()
         return torch.stack([self.members[i](x) for i in idx])
+
+
+def make_towers(num_tasks: int, in_features: int, sizes: Sequence[int]) -> StackedMLP:
+    """T task towers (ReLU dense layers, last layer linear), one batched module.
+
+    For regression targets of any sign (the last layer has no activation); e.g. a
+    multi-class head ``sizes=(50, 50, 10)`` with the softmax folded into the cross-entropy.
+    """
+    return StackedMLP(num_tasks, in_features, list(sizes), final_activation=False)

@@ -1,7 +1,7 @@
 """Expert mixer: gate weights × expert outputs, running only the experts some gate uses.
 
 :class:`ExpertMixer` wraps an expert bank (:class:`~dselectk.layers.StackedMLP`,
-:class:`~dselectk.layers.ExpertList`, :class:`~dselectk.layers.BatchedCNNExperts`) and turns
+:class:`~dselectk.layers.ExpertList`, the research CNN bank) and turns
 (T, E) static or (B, T, E) per-example gate weights into (T, B, D) mixtures Σ_i f_i(x) w_i.
 Experts whose weight is exactly zero in every gate are skipped (conditional computation); at
 inference, per-example weights route each example only to its experts

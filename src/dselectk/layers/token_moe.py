@@ -16,7 +16,8 @@ For gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits 
 the block computes the gate's mixture exactly. For gates whose weights can have more nonzeros
 (DSelect-k while S(Wx) is not binary, softmax), the weight outside the ``k`` largest is dropped
 (or, with ``renormalize=True``, the kept weights are rescaled to sum to 1), so the compute stays
-at ``k`` experts per token. Measured per token (``docs/per_token.md`` §4m, a character-level
+at ``k`` experts per token. Measured per token (``research/notes/per_token.md`` §4m, a
+character-level
 LM): DSelect-k with λ = 0 (its default ``entropy_reg``) and ``renormalize=True`` matched Top-k's
 bits per byte on 9 reserved seeds, its bits mostly soft (the top-k cut picks the experts); the
 paper's λ > 0 drives the bits binary and was worse there. With k selectors some tokens end with

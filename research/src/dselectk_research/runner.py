@@ -1,0 +1,247 @@
+"""The one runner of every experiment: a recipe's cells (:class:`Recipe`), resumed from their
+records (a cell skips the runs whose records exist, :func:`missing`, so a killed sweep continues
+where it stopped), run by an executor (:mod:`dselectk_research.executors`). Every function of
+a recipe receives its **run config**: a frozen dataclass of the settings that decide what is
+computed (never the argparse ``Namespace``)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dselectk.io import write_json
+from dselectk.runtime import warm_kernels
+from dselectk_research.args import check_out_dir, int_at_least, out_dir
+from dselectk_research.executors import Executor, LocalExecutor
+from dselectk_research.records import RunStore, load_records, record_experiment
+from dselectk_research.slurm import SlurmExecutor, add_executor_arguments, slurm_options
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An experiment, as the runner and the executors need it. The functions must be
+    module-level (they go to spawned workers and Slurm jobs); ``config`` is the run config.
+
+    Attributes:
+        cells: the cells, in report order.
+        run_cell: ``(config, cell, data, progress) -> selection``: trains the cell's missing
+            runs (one record each); the selection is its entry of ``selected_hparams.json``.
+        load_data: ``config -> data``, once per process (again when ``data_key`` changes).
+        data_key: ``config -> key`` identifying the data.
+        cell_name: ``cell -> name``, the cell's key in ``selected_hparams.json``.
+        cost: ``cell -> number``: a pool starts the costliest cells first (None: cell order).
+        write_report: ``(out, wall_seconds=, command=)`` (with ``report_jobs`` also ``jobs=``,
+            ``threads=``): rebuilds the report from the records.
+        print_table: prints the one-screen table of ``summary.json``.
+        prepare: ``(out, executor) -> bool``, before the sweep (check data, print a plan);
+            False stops there with exit code 0 (a dry run).
+        diverged: ``summary -> message | None`` naming diverged runs: then the exit code is 1.
+        planned_runs: ``(config, cell) -> int``, the final runs of a cell (for partial reports).
+        experiment: the name its records carry: a folder holding another experiment's records
+            is refused before any work (its report would be overwritten).
+    """
+
+    cells: Sequence[Hashable]
+    run_cell: Callable[[Any, Any, Any, bool], dict[str, Any]]
+    load_data: Callable[[Any], Any]
+    data_key: Callable[[Any], Hashable]
+    cell_name: Callable[[Any], str]
+    cost: Callable[[Any], float] | None = None
+    write_report: Callable[..., None] | None = None
+    print_table: Callable[[Mapping[str, Any]], None] | None = None
+    report_jobs: bool = False
+    prepare: Callable[[Path, Executor], bool] | None = None
+    diverged: Callable[[Mapping[str, Any]], str | None] | None = None
+    planned_runs: Callable[[Any, Any], int] | None = None
+    experiment: str = ""
+
+
+def add_run_arguments(
+    p: argparse.ArgumentParser, *, out: str, threads: int = 1, jobs: int = 0, cells: str = "cells"
+) -> None:
+    """The flags every recipe shares, with its defaults: ``--out``, ``--threads`` (0 is
+    allowed only when it is the default: a recipe of tiny models refuses it), ``--jobs``,
+    ``--no-progress``, ``--telemetry`` and the executor's; ``cells`` names a cell in the help."""
+    p.add_argument("--out", type=out_dir, default=Path(out), help=f"results folder ({out})")
+    p.add_argument(
+        "--threads",
+        type=int_at_least(0 if threads == 0 else 1),
+        default=threads,
+        help=f"torch threads per process (default {threads or '0: all cores'})",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int_at_least(0),
+        default=jobs,
+        help=f"worker processes, each running whole {cells} (default {jobs}; 0: one per "
+        "--threads cores, at most one per cell); the records are the same as in one process",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="log routing telemetry of every run to OUT/telemetry/ (TensorBoard if installed, "
+        "else JSON lines): binary selections, experts per input, load, selector collisions",
+    )
+    add_executor_arguments(p)
+
+
+def executor_from_args(args: argparse.Namespace, *, threads: int = 0) -> Executor:
+    """The executor the flags choose (``--executor``, ``--jobs``, ``--no-progress``, the
+    ``--slurm-*`` flags); ``threads`` is the recipe's torch threads per process."""
+    progress = not getattr(args, "no_progress", False)
+    if (opts := slurm_options(args)) is not None:
+        return SlurmExecutor(opts, progress)
+    return LocalExecutor(int(getattr(args, "jobs", 1)), int(threads), progress)
+
+
+def check_config(config: Any) -> None:
+    """A run config must be a frozen dataclass with an ``out`` field (TypeError otherwise)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"a run config must be a dataclass instance, got {type(config).__name__}")
+    params = getattr(type(config), "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        raise TypeError(f"{type(config).__name__} must be a frozen dataclass")
+    if not hasattr(config, "out"):
+        raise TypeError(f"{type(config).__name__} has no 'out' field (the results folder)")
+
+
+# -- grid search --------------------------------------------------------------------------------
+def grid_points(axes: Mapping[str, Sequence[Any]], *, sort_keys: bool = False) -> list[dict]:
+    """Every point of a grid: the product of its axes (in ``axes`` order, or sorted keys)."""
+    keys = sorted(axes) if sort_keys else list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(axes[k] for k in keys))]
+
+
+def sample_points(points: Sequence[dict], limit: int | None, seed: str) -> list[dict]:
+    """Random grid search: ``limit`` points drawn without replacement by a RNG seeded with
+    ``seed`` (all points when ``limit`` is None or not smaller than their number)."""
+    if limit is None or limit >= len(points):
+        return list(points)
+    return random.Random(seed).sample(list(points), limit)
+
+
+def missing(store: RunStore, configs: Iterable[Mapping[str, Any]]) -> list[int]:
+    """Indices of the configs whose records are not in ``store`` yet."""
+    return [i for i, c in enumerate(configs) if not store.done(c)]
+
+
+# -- running ------------------------------------------------------------------------------------
+def run_sweep(
+    recipe: Recipe, config: Any, out: str | Path, executor: Executor, *, command: str = ""
+) -> dict[str, Any]:
+    """Run (or resume) every cell into ``out``; return the selections by cell name, in cell
+    order (``selected_hparams.json``, rewritten as cells finish). Then ``plan.json`` lists the
+    runs of this ``command`` (records its cells looked up or wrote): reports summarise them
+    only (:meth:`RunStore.load_planned`). A Slurm executor may raise ``SweepDetached``."""
+    check_config(config)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "selected_hparams.json"
+    names = [recipe.cell_name(c) for c in recipe.cells]
+    selected: dict[str, Any] = {}
+    runs: set[str] = set()
+
+    def save() -> None:
+        write_json(path, {n: selected[n] for n in names if n in selected})
+
+    store = RunStore(out)
+
+    def on_cell(name: str, selection: dict[str, Any], cell_runs: Iterable[str]) -> None:
+        cell_runs = set(cell_runs)
+        selected[name] = selection
+        runs.update(cell_runs)
+        save()
+        store.sweep_cell_done(name, cell_runs)
+
+    count = recipe.planned_runs
+    planned = None if count is None else sum(int(count(config, c)) for c in recipe.cells)
+    store.begin_sweep(command, names, planned)  # until end_sweep, reports say "partial"
+    executor.run(recipe, config, out, on_cell)
+    save()
+    store.write_plan(runs, command)
+    store.end_sweep()
+    return {n: selected[n] for n in names}
+
+
+LOCK_FILE = ".dselectk.lock"
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock for one command: a second command into the same folder stops at
+    once with a ValueError, instead of two writers sharing one ``plan.json``, report and
+    summary. The lock is the kernel's (``flock``): released when the process ends, however."""
+    fd = os.open(Path(out) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise ValueError(
+                f"--out {out}: another dselectk command is running there (pid {other}); wait "
+                "for it to finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _check_same_experiment(out: Path, experiment: str) -> None:
+    """ValueError when ``out`` holds records of an experiment other than ``experiment``."""
+    # an unreadable record is the sweep's business (it names it), not this check's
+    records = load_records(out / "runs", strict=False) if experiment else []
+    if names := {record_experiment(r["config"]) for r in records} - {None, experiment}:
+        raise ValueError(
+            f"--out {out}: the folder holds records of another experiment "
+            f"({', '.join(sorted(map(str, names)))}), whose report this run would overwrite; "
+            "choose another --out"
+        )
+
+
+def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
+    """The ``run`` of a recipe: check the results folder up front, size the executor to the
+    cells, run (or resume) the sweep, rebuild the report and print its table; the exit code."""
+    check_config(config)
+    if recipe.write_report is None or recipe.print_table is None:
+        raise TypeError("run_recipe needs a recipe with write_report and print_table")
+    out = check_out_dir(config.out)
+    executor = executor.sized(len(recipe.cells))
+    with folder_lock(out):
+        _check_same_experiment(out, recipe.experiment)
+        if recipe.prepare is not None and not recipe.prepare(out, executor):
+            return 0
+        command = " ".join(["dselectk", *sys.argv[1:]])
+        t0 = time.perf_counter()
+        # the numba kernel compiled (or loaded) once, not by every worker at once; float32 only:
+        # the recipes train in float32 (float64 would add ~20 s to a first, uncached run)
+        warm_kernels((np.float32,))
+        run_sweep(recipe, config, out, executor, command=command)
+        wall = time.perf_counter() - t0
+        jobs = {"jobs": executor.jobs, "threads": executor.threads}
+        recipe.write_report(
+            out, wall_seconds=wall, command=command, **(jobs if recipe.report_jobs else {})
+        )
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    recipe.print_table(summary)
+    print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")
+    if recipe.diverged is not None and (message := recipe.diverged(summary)):
+        print(f"dselectk: {message}", file=sys.stderr)
+        return 1
+    return 0

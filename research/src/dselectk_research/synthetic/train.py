@@ -1,0 +1,322 @@
+"""The C.1 model and its training: R members (repetitions, or the configurations of the grid
+search) as one :class:`~dselectk.models.MoEBank`, trained by the library's loop, and the paper's
+grid search (Appendix D) over such members."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.layers import StackedMLP
+from dselectk.models import MoEBank
+from dselectk.optim import RowwiseAdam
+from dselectk.progress import tqdm
+from dselectk.telemetry import RoutingTelemetry
+from dselectk.training import Callback, History, TaskData, TrainConfig, train
+from dselectk.variants import Variant, stack_members
+from dselectk_research.data.synthetic import FEATURES, UNITS, SyntheticData
+from dselectk_research.executors import progress_position
+from dselectk_research.metrics import distinct_experts, pairwise_jaccard
+from dselectk_research.records import RunStore, run_id
+from dselectk_research.runner import grid_points, sample_points
+from dselectk_research.synthetic.spec import (
+    BATCH_SIZE,
+    K,
+    init_seed,
+    paper_grid,
+    record_config,
+    resolve_hparams,
+    variant_of,
+)
+
+
+def build_model(
+    gate: str | Variant,
+    num_tasks: int,
+    hparams: Mapping[str, Any],
+    init_seeds: Sequence[int],
+    member_hparams: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    num_experts: int | None = None,
+    k: int = K,
+) -> MoEBank:
+    """R multi-gate MoEs of Appendix C.1 as one bank: E experts of the generator's form
+    (``num_experts``, default T/4) and one static gate per task choosing ``k``. Member r's
+    parameters are those a single model built under ``torch.manual_seed(init_seeds[r])`` gets;
+    its hyperparameters are ``hparams`` updated by ``member_hparams[r]`` (when given)."""
+    v = variant_of(gate)
+    if num_experts is None and num_tasks % 4:
+        raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
+    reps, e = len(init_seeds), num_tasks // 4 if num_experts is None else num_experts
+    keys = paper_grid(v)  # the hyperparameters the study gives this variant
+    members = [{**hparams, **m} for m in member_hparams or [{}] * reps]
+    experts, gates = [], []
+    for s, hp_i in zip(init_seeds, members, strict=True):
+        torch.manual_seed(int(s))
+        experts.append(StackedMLP(e, FEATURES, [UNITS]))
+        own = {n: x for n, x in hp_i.items() if n in keys}
+        gates.append(v.build(e, hparams=own, k=k, num_gates=num_tasks))
+    bank_hp: dict[str, Any] = {n: x for n, x in hparams.items() if n in keys}
+    if member_hparams is not None:  # per-gate values: member r's, over its T gates
+        used = [n for n in keys if any(m.get(n) is not None for m in members)]
+        bank_hp = {n: _values(members, n).repeat_interleave(num_tasks) for n in used}
+    bank_experts = StackedMLP(reps * e, FEATURES, [UNITS])
+    bank_gates = v.build(e, hparams=bank_hp, k=k, num_gates=reps * num_tasks)
+    return MoEBank(stack_members(bank_experts, experts), stack_members(bank_gates, gates), reps)
+
+
+def _values(members: Sequence[Mapping[str, Any]], key: str) -> Tensor:
+    return torch.tensor([float(m.get(key) or 0.0) for m in members], dtype=torch.float64)
+
+
+@torch.no_grad()
+def evaluate_model(model: MoEBank, data: SyntheticData, k: int = K) -> list[dict[str, float]]:
+    """Metrics of each member: MSEs, Jaccard indices, experts per task, binarization."""
+    t = model.num_tasks
+    w = model.inference_weights()
+    yt = data.y_test[:, :t]
+    sel = w > 0
+    rel, unrel = pairwise_jaccard(sel, data.groups[:t])
+    nsel = distinct_experts(sel).double()  # (R, T)
+    cols = {
+        "val_mse": model.mse(data.x_val, data.y_val[:, :t], w),
+        "test_mse": model.mse(data.x_test, yt, w),
+        "related_jaccard": rel,
+        "unrelated_jaccard": unrel,
+        "experts_per_task": nsel.mean(1),
+        "experts_per_task_min": nsel.amin(1),
+        "experts_per_task_max": nsel.amax(1),
+        "frac_tasks_k_experts": (nsel == k).double().mean(1),
+    }
+    if model.gates.posthoc_inference:  # the ablations: their own soft weights, too
+        cols["test_mse_soft"] = model.mse(data.x_test, yt, model.expert_weights())
+    if model.gates.binarizes:  # DSelect-k: which bits of S(Z) are exactly 0 or 1
+        is_bin = model.gates.binary_entries().view(model.members, t, -1)
+        task_binary = is_bin.flatten(2).float().mean(-1) == 1  # (R, T)
+        cols["frac_binary_entries"] = is_bin.flatten(1).float().mean(-1)
+        cols["frac_tasks_binary"] = task_binary.double().mean(-1)
+        cols["all_binary"] = task_binary.all(-1).double()
+    return [{name: float(c[r]) for name, c in cols.items()} for r in range(model.members)]
+
+
+class _Checkpoints(Callback):
+    """Evaluates every member after the checkpoint epochs."""
+
+    def __init__(self, epochs: Sequence[int], data: SyntheticData, k: int) -> None:
+        self.epochs, self.data, self.k = set(epochs), data, k
+        self.results: dict[int, list[dict[str, float]]] = {}
+
+    def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
+        if epoch in self.epochs:
+            assert isinstance(model, MoEBank)
+            model.eval()
+            self.results[epoch] = evaluate_model(model, self.data, self.k)
+            model.train()
+
+
+def _fused_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
+    assert isinstance(model, MoEBank)
+    return model.loss(batch.x, batch.ys[0], fused=True), None
+
+
+def train_reps(
+    gate: str | Variant,
+    num_tasks: int,
+    hparams: Mapping[str, Any],
+    init_seeds: Sequence[int],
+    data: SyntheticData,
+    *,
+    shuffle_seed: int,
+    checkpoints: Sequence[int] | None = None,
+    progress: bool = False,
+    desc: str = "",
+    return_model: bool = False,
+    member_hparams: Sequence[Mapping[str, Any]] | None = None,
+    telemetry_dir: Path | None = None,
+    num_experts: int | None = None,
+    k: int = K,
+) -> dict[int, list[dict[str, float]]] | tuple[dict[int, list[dict[str, float]]], MoEBank]:
+    """Train R repetitions together (the same mini-batches, nothing shared: R independent Adam
+    runs, one :class:`~dselectk.optim.RowwiseAdam` when their learning rates differ) and return
+    each one's metrics after each of the ``checkpoints`` epochs (default: the last only).
+
+    ``member_hparams``: one mapping per seed overriding ``hparams`` (lr, epochs, the gate's)
+    for that member, so that different configurations train as one model (:func:`tune`); the
+    run lasts the largest ``epochs`` and a member's annealing spans its own epochs.
+    ``telemetry_dir``: log routing telemetry there once per epoch (gate ``gates/task<r*T + t>``
+    is repetition r's task t).
+    """
+    v = variant_of(gate)
+    for m in member_hparams or []:
+        v.check_hparams(m, "member_hparams")
+    members = [{**hparams, **m} for m in member_hparams or [{}]]
+    epochs = max(int(m["epochs"]) for m in members)
+    cps = sorted(set(checkpoints or [epochs]))
+    if cps[-1] > epochs or cps[0] < 1:
+        raise ValueError(f"checkpoints must lie in [1, {epochs}], got {cps}")
+    model = build_model(
+        v, num_tasks, hparams, init_seeds, member_hparams, num_experts=num_experts, k=k
+    )
+    steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
+    steps = epochs * steps_per_epoch
+    opt: torch.optim.Optimizer
+    if member_hparams is None:
+        opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
+    else:
+        opt = RowwiseAdam(model.parameters(), lr=_values(members, "lr"))
+    evaluator = _Checkpoints(cps, data, k)
+    callbacks: list[Any] = [evaluator]
+    if telemetry_dir is not None:
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
+    y = data.y_train[:, :num_tasks]
+    if v.search is not None:  # each (repetition, task) gate scored by the task's probe MSE
+        callbacks.append(v.search.bank_callback(model, data.x_train, y, steps, shuffle_seed))
+    config = TrainConfig.for_members(
+        lr=float(hparams["lr"]),
+        batch_size=BATCH_SIZE,
+        epochs=epochs,
+        shuffle_seed=shuffle_seed,
+        progress=progress,
+        desc=desc,
+        position=progress_position(),
+    )
+    train(
+        model,
+        TaskData(data.x_train, [y]),
+        None,
+        config,
+        schedulers=(
+            v.schedulers(model.gates, hparams, max(1, steps))
+            if member_hparams is None
+            else v.member_schedulers(model.gates, members, num_tasks, steps_per_epoch)
+        ),
+        optimizer=opt,
+        callbacks=callbacks,
+        loss_fn=_fused_loss,
+    )
+    if return_model:
+        return evaluator.results, model
+    return evaluator.results
+
+
+Member = tuple[dict[str, Any], int, list[int]]  # (grid point, trial, epochs evaluated)
+
+
+def tune(
+    gate: str | Variant,
+    num_tasks: int,
+    data: SyntheticData,
+    store: RunStore,
+    *,
+    grid: Mapping[str, Sequence[float]] | None = None,
+    trials: int = 5,
+    max_points: int | None = None,
+    seed: int = 0,
+    data_cfg: Mapping[str, Any],
+    progress: bool = True,
+    max_members: int = 200,
+    shape: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """Grid search of Appendix D for one variant and T; returns the selected hyperparameters.
+
+    Every point of ``grid`` (default :func:`paper_grid`) is trained from ``trials``
+    initialisations, all (point, trial) pairs as the members of batched models of up to
+    ``max_members``. Without schedules or search, one run of max(epochs) is evaluated at each
+    epoch count of the grid; otherwise epochs is one more axis. ``max_points`` samples that many
+    points; runs already in ``store`` are not trained again. Selection (Appendix D): lowest mean
+    validation MSE, among the configurations whose S(Z) is binary in every trial for gates that
+    binarize (if none is, the best non-binary one, ``"binary": False``).
+    """
+    v = variant_of(gate)
+    axes = dict(paper_grid(v) if grid is None else grid)
+    epochs_axis = [int(e) for e in axes.pop("epochs")]
+    points = grid_points(axes)
+    for p in points:
+        v.check_hparams(p, "grid")
+    epoch_dependent = bool(v.schedules) or v.search is not None
+    if epoch_dependent:
+        points = [{**p, "epochs": e} for p in points for e in epochs_axis]
+    points = sample_points(points, max_points, f"{seed}-{v.name}-{num_tasks}")
+    seeds = [init_seed(seed, v.name, num_tasks, 10_000 + i) for i in range(trials)]
+    base = resolve_hparams(v, num_tasks, {}, {})
+    shape = dict(shape or {"num_experts": num_tasks // 4, "k": K})
+
+    def config(p: Mapping[str, Any], e: int, i: int) -> dict[str, Any]:
+        hp = {**base, **p, "epochs": e}
+        return record_config(v, num_tasks, hp, i, seeds[i], seed, data_cfg, "tune", shape)
+
+    # ramps and the search plan are fractions of the batch's steps: the members of such a
+    # variant are batched by epoch count (the others share batches freely)
+    by_epochs: dict[int, list[Member]] = {}  # the (point, trial) pairs not trained yet
+    planned: set[str] = set()  # this search's runs: records of other settings are not scored
+    for p in points:
+        eps = [int(p["epochs"])] if epoch_dependent else epochs_axis
+        for i in range(trials):
+            cfgs = [config(p, e, i) for e in eps]
+            planned.update(run_id(c) for c in cfgs)
+            if not all(store.done(c) for c in cfgs):
+                by_epochs.setdefault(max(eps) if epoch_dependent else 0, []).append((p, i, eps))
+    chunks = [
+        group[i : i + max_members]
+        for group in by_epochs.values()
+        for i in range(0, len(group), max_members)
+    ]
+    in_worker = progress_position() is not None  # one bar line per worker: epochs only
+    label = f"tune {v.name} T={num_tasks}"
+    bar = tqdm(chunks, disable=not progress or in_worker, desc=label, unit="batch")
+    for chunk in bar:
+        bar.set_postfix(configs=len(chunk))
+        cps = sorted({e for _, _, eps in chunk for e in eps})
+        res = train_reps(
+            v,
+            num_tasks,
+            {**base, "epochs": max(cps)},
+            [seeds[i] for _, i, _ in chunk],
+            data,
+            shuffle_seed=seed,
+            checkpoints=cps,
+            member_hparams=[{**p, "epochs": max(eps)} for p, _, eps in chunk],
+            progress=progress,
+            desc=f"{label}: {len(chunk)} configs",
+            num_experts=shape["num_experts"],
+            k=shape["k"],
+        )
+        assert isinstance(res, dict)
+        for j, (p, i, eps) in enumerate(chunk):
+            for e in eps:
+                store.save(config(p, e, i), res[e][j])
+    trials_of: dict[str, list[dict[str, Any]]] = {}  # configuration -> its trials' metrics
+    for rec in store.load():
+        if rec.get("run_id") in planned:
+            key = json.dumps(rec["config"]["hparams"], sort_keys=True)
+            trials_of.setdefault(key, []).append(rec["metrics"])
+
+    def val(m: Mapping[str, Any]) -> float:  # a diverged trial (NaN, saved as null): inf
+        x = m.get("val_mse")
+        return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else math.inf
+
+    scores = [  # (mean validation MSE, binary in every trial (gates that binarize), hparams)
+        (
+            sum(map(val, ms)) / len(ms),
+            all(bool(m.get("all_binary", 1.0)) for m in ms),
+            json.loads(key),
+        )
+        for key, ms in trials_of.items()
+    ]
+    ranked = sorted(scores, key=lambda s: s[0])
+    finite = [s for s in ranked if math.isfinite(s[0])] or ranked
+    best = ([s for s in finite if s[1]] or finite)[0]
+    return {
+        "hparams": best[2],
+        "val_mse": best[0],
+        "binary": best[1],
+        "configs_tried": len(scores),
+        "configs_binary": sum(1 for s in scores if s[1]),
+        "configs_diverged": sum(1 for s in scores if not math.isfinite(s[0])),
+    }
