@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dselectk._argtypes import int_at_least
+from dselectk._argtypes import int_at_least as int_at_least  # re-exported for the recipes
 from dselectk.gates.registry import HParam, gate_spec
 
 T = TypeVar("T")
