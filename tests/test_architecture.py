@@ -7,7 +7,8 @@ Imports go one way, down this stack (a group may import itself and the groups it
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
     api          dselectk/__init__.py   (the public facade: re-exports base..models)
-    training     optim, schedules, training
+    training     optim, schedules, training (the package: loop, config, tasks, guards,
+                 checkpoint, callbacks, state), export, telemetry, search, variants
     data         dselectk_research.data          (loaders; no models, training or experiments)
     plots        dselectk_research.plots         (a leaf: draws arrays/records, imports only base)
     integrations dselectk.integrations  (adapters to other libraries: gates and layers only)
@@ -16,10 +17,11 @@ Imports go one way, down this stack (a group may import itself and the groups it
 
 The direction rules check every import anywhere in a module (module level, inside functions,
 under ``if TYPE_CHECKING:``) plus ``importlib.import_module`` calls whose target is readable
-from the source. The cycle check uses module-level imports only (excluding ``if TYPE_CHECKING:``
-blocks, which never run), plus ``importlib.import_module`` calls anywhere: a dynamic import is
-the usual way to hide a cycle. An f-string target with a literal package prefix
-(``f"dselectk_research.{name}"``) counts as an import of every module under that prefix.
+from the source. The cycle check uses every import that runs: module level and inside functions
+(a function-level import is the usual way to hide a cycle), plus ``importlib.import_module``
+calls anywhere; only ``if TYPE_CHECKING:`` blocks, which never run, are left out. An f-string
+target with a literal package prefix (``f"dselectk_research.{name}"``) counts as an import of
+every module under that prefix.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ GROUP_OF_TOP: dict[str, str] = {
     "models": "models",
     "optim": "training",
     "schedules": "training",
-    "tasks": "training",
-    "_train_checks": "training",
     "training": "training",
     "export": "training",
     "telemetry": "training",
@@ -164,21 +164,22 @@ def _dynamic_targets(call: ast.Call) -> Iterator[str]:
 
 
 def _imports(module: str) -> tuple[set[str], set[str], set[str]]:
-    """dselectk modules imported (anywhere; at import time, statically; via importlib)."""
+    """dselectk modules imported (anywhere; when run: module level or in functions, not under
+    ``if TYPE_CHECKING:``; via importlib)."""
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"), str(MODULES[module]))
     everything: set[str] = set()
-    import_time: set[str] = set()
+    runtime: set[str] = set()
     dynamic: set[str] = set()
 
-    def visit(node: ast.AST, top_level: bool, type_checking: bool) -> None:
+    def visit(node: ast.AST, type_checking: bool) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for target in _static_targets(node, module):
                 resolved = _resolve(target)
                 if resolved is None:
                     continue
                 everything.add(resolved)
-                if top_level and not type_checking:
-                    import_time.add(resolved)
+                if not type_checking:
+                    runtime.add(resolved)
         elif isinstance(node, ast.Call):
             for target in _dynamic_targets(node):
                 resolved = _resolve(target)
@@ -187,18 +188,17 @@ def _imports(module: str) -> tuple[set[str], set[str], set[str]]:
                     dynamic.add(resolved)
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.body:
-                visit(child, top_level, True)
+                visit(child, True)
             for child in node.orelse:
-                visit(child, top_level, type_checking)
+                visit(child, type_checking)
             return
-        nested = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            visit(child, top_level and not nested, type_checking)
+            visit(child, type_checking)
 
-    visit(tree, True, False)
-    for found in (everything, import_time, dynamic):
+    visit(tree, False)
+    for found in (everything, runtime, dynamic):
         found.discard(module)
-    return everything, import_time, dynamic
+    return everything, runtime, dynamic
 
 
 IMPORTS = {m: _imports(m) for m in MODULES}
@@ -250,7 +250,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _graph(skip_dynamic: set[str]) -> dict[str, set[str]]:
-    """Import-time graph; the importlib imports of the ``skip_dynamic`` modules left out."""
+    """The graph of imports that run (module level and in functions); the importlib imports of
+    the ``skip_dynamic`` modules left out."""
     return {m: IMPORTS[m][1] | (set() if m in skip_dynamic else IMPORTS[m][2]) for m in MODULES}
 
 
@@ -296,3 +297,22 @@ def test_no_import_cycles() -> None:
 def test_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_cycle_check_counts_imports_inside_functions() -> None:
+    graph = _graph(set())
+    found = 0
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                for target in _static_targets(node, module):
+                    resolved = _resolve(target)
+                    if resolved is not None and resolved != module:
+                        assert resolved in graph[module], (module, resolved)
+                        found += 1
+    assert found, "no function-level import in the tree: this test would check nothing"

@@ -139,8 +139,7 @@ def test_sparse_moe_layer_on_cuda_matches_cpu(
 @cuda
 def test_training_loop_on_cuda_matches_cpu() -> None:
     """Two epochs of the one training loop, a per-example DSelect-k MMoE, data on the device."""
-    from dselectk.tasks import TaskData
-    from dselectk.training import TrainConfig, train
+    from dselectk.training import TaskData, TrainConfig, train
 
     losses = []
     for device in ("cpu", "cuda"):

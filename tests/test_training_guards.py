@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dselectk._train_checks import data_digest
 from dselectk.gates import DSelectK, SoftmaxSelectorGate
 from dselectk.layers import StackedMLP
 from dselectk.models import MultiGateMoE
@@ -19,6 +18,7 @@ from dselectk.training import (
     TaskData,
     TrainConfig,
     TrainingDivergedError,
+    data_digest,
     train,
 )
 
@@ -90,7 +90,9 @@ def test_skip_mode_skips_counts_and_warns_once() -> None:
     model, data = make_problem()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hist = train(model, data, "mse", cfg(optimizer="sgd", lr=1e8, epochs=5, nonfinite="skip"))
+        # divergence_factor=None: only non-finite steps diverge (the exploded ones: below)
+        settings = cfg(optimizer="sgd", lr=1e8, epochs=5, nonfinite="skip", divergence_factor=None)
+        hist = train(model, data, "mse", settings)
     assert hist.nonfinite_steps > 0
     assert hist.steps + hist.nonfinite_steps == 5 * 4
     assert finite(model)

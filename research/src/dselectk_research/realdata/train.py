@@ -13,10 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from dselectk._train_checks import TrainingDivergedError
 from dselectk.optim import make_reference_optimizer
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import Callback, TrainConfig, evaluate, seed_everything, train
+from dselectk.training import (
+    Callback,
+    TrainConfig,
+    TrainingDivergedError,
+    evaluate,
+    seed_everything,
+    train,
+)
 from dselectk.variants import total_steps
 from dselectk_research.executors import progress_position
 from dselectk_research.keras_init import init_module_

@@ -1,0 +1,296 @@
+"""Checkpoints of :func:`~dselectk.training.train`: the state a checkpoint holds (a
+:class:`~dselectk.training.state.RunState` and the epoch), the configuration it carries (what
+changes a run's trajectory, :func:`run_config`) and the checks on resuming it: a checkpoint
+written with another configuration is a :class:`CheckpointMismatchError` listing the differing
+fields (unless ``TrainConfig(resume="force")``), one that cannot be read or holds NaN/inf
+weights or optimizer state a :class:`CheckpointError` naming the file."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.hyperparameter import hyperparameters
+from dselectk.training.state import RunState
+
+if TYPE_CHECKING:
+    from dselectk.training.config import TrainConfig
+    from dselectk.training.tasks import TaskData
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "data_digest"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: unreadable, not a training checkpoint, or holding
+    NaN/inf weights or optimizer state (the run it saved had diverged)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint was written with another training configuration than the one resuming it
+    (or cannot be read at all)."""
+
+
+def _plain(v: Any) -> Any:
+    """A picklable, comparable form of a configuration value (tensors as lists)."""
+    if isinstance(v, Tensor):
+        return v.detach().cpu().tolist()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+_OPT_HPARAMS = (
+    "lr",
+    "betas",
+    "eps",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "weight_decay",
+    "lr_decay",
+    "initial_accumulator_value",
+    "amsgrad",
+    "maximize",
+)
+
+
+def _qualname(f: Any) -> str | None:
+    if f is None:
+        return None
+    if isinstance(f, str):
+        return f
+    return str(getattr(f, "__qualname__", None) or type(f).__qualname__)
+
+
+def run_config(
+    cfg: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    losses: Any,
+    loss_fn: Any,
+    schedulers: Sequence[Any],
+    n: int,
+    world: int,
+    data: dict[str, str | None] | None = None,
+) -> dict[str, Any]:
+    """Everything that changes the trajectory of a run (saved with its checkpoints); ``data``:
+    the content digests of the training and validation data (:func:`data_digest`)."""
+    hp = {k: _plain(v) for k, v in opt.defaults.items() if k in _OPT_HPARAMS}
+    if "lr" not in hp and hasattr(opt, "lr"):  # e.g. RowwiseAdam's per-member rates
+        hp["lr"] = _plain(opt.lr)
+    if losses is None or isinstance(losses, str) or callable(losses):
+        loss_names: Any = _qualname(losses)
+    else:
+        loss_names = [_qualname(item) for item in losses]
+    return {
+        "optimizer": type(opt).__qualname__,
+        **{f"optimizer.{k}": v for k, v in sorted(hp.items())},
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "shuffle_seed": cfg.shuffle_seed,
+        "task_weights": _plain(cfg.task_weights),
+        "early_stopping_patience": cfg.early_stopping_patience,
+        "losses": loss_names,
+        "loss_fn": _qualname(loss_fn),
+        "schedulers": [type(s).__qualname__ for s in schedulers],
+        "examples": n,
+        "world_size": world,
+        "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "hyperparameters": _gate_hyperparameters(model),
+        "epochs": cfg.epochs,
+        **({"data": data} if data is not None else {}),
+    }
+
+
+def data_digest(data: TaskData | None) -> str | None:
+    """A digest of a dataset's content (inputs and every target: shapes, dtypes and bytes), so
+    that a checkpoint is never resumed on other data of the same size."""
+    if data is None:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for t in (data.x, *data.ys):
+        t = t.detach()
+        h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        if t.numel():
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _gate_hyperparameters(model: nn.Module) -> dict[str, Any]:
+    """Every gate hyperparameter (γ, λ, τ, μ: buffers that shape training) at the start of the
+    run, by ``module.name``: a checkpoint's buffers would silently replace them on resume."""
+    out: dict[str, Any] = {}
+    for prefix, module in model.named_modules():
+        for name in hyperparameters(module):
+            try:
+                value = getattr(module, name)
+            except AttributeError:  # declared but never set (an optional one)
+                continue
+            out[f"{prefix}.{name}" if prefix else name] = _round7(_plain(value))
+    return out
+
+
+def _round7(v: Any) -> Any:
+    """Float32 buffers to the 7 digits they hold (0.01, not 0.009999999776482582)."""
+    if isinstance(v, list):
+        return [_round7(x) for x in v]
+    return float(f"{v:.7g}") if isinstance(v, float) else v
+
+
+#: keys older checkpoints carry that no longer change a run (``record_every``: the recorder
+#: shorthand of TrainConfig, now a callback)
+_RETIRED_KEYS = ("record_every",)
+
+
+#: keys newer than some checkpoints: a checkpoint without them cannot be checked on them
+_ADDED_KEYS = ("hyperparameters", "data")
+
+
+def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    diffs = []
+    for key in [*now, *(k for k in saved if k not in now and k not in _RETIRED_KEYS)]:
+        if key in _ADDED_KEYS and key not in saved:
+            continue
+        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if key == "hyperparameters" and isinstance(a, dict) and isinstance(b, dict):
+            for name in sorted(set(a) | set(b)):
+                va, vb = a.get(name, "<absent>"), b.get(name, "<absent>")
+                if va != vb:
+                    diffs.append(f"{name}: {va!r} in the checkpoint, {vb!r} now")
+            continue
+        if key == "epochs":
+            if isinstance(a, int) and isinstance(b, int) and b < a:
+                diffs.append(
+                    f"epochs: {a} in the checkpoint, {b} now (only more epochs continue it)"
+                )
+        elif key == "parameters" and a != b:
+            both = isinstance(a, dict) and isinstance(b, dict)
+            names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if both else []
+            shown = ", ".join(
+                f"{k} {a.get(k, 'absent')} -> {b.get(k, 'absent')}" for k in names[:3]
+            )
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            diffs.append(f"parameters: {shown}{more}")
+        elif key == "data" and a != b:
+            a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+            names = [n for n in ("train_data", "val_data") if a.get(n) != b.get(n)]
+            diffs.append(f"data: {' and '.join(names)} differ in content from the checkpoint's run")
+        elif a != b:
+            diffs.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
+    return diffs
+
+
+def check_resumable(
+    path: str | Path, saved: dict[str, Any] | None, now: dict[str, Any], resume: str
+) -> None:
+    """Refuse a checkpoint written with another configuration (with ``resume="force"``: warn)."""
+    if saved is None:
+        diffs = ["the checkpoint carries no configuration (written by an older dselectk)"]
+    else:
+        diffs = _config_diff(saved, now)
+    if not diffs:
+        return
+    listing = "; ".join(diffs)
+    if resume != "force":
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by a run with another configuration: {listing}. "
+            f"Delete it to start over, or pass TrainConfig(resume='force') to resume it anyway"
+        )
+    warnings.warn(
+        f"resuming checkpoint {path} despite another configuration (resume='force'): {listing}",
+        RuntimeWarning,
+        stacklevel=5,  # the caller of train: train -> _Run.resume -> load -> here
+    )
+
+
+def save_state(state: RunState, epoch: int) -> dict[str, Any]:
+    """The full training state of a run after 1-based ``epoch``: what a checkpoint holds."""
+    return {
+        "epoch": epoch,
+        "config": state.config,
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "schedulers": [s.state_dict() for s in state.schedulers],
+        "generator": state.generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "history": state.history,
+        "best": state.best,
+        "bad_epochs": state.bad_epochs,
+        "best_state": state.best_state,
+    }
+
+
+def load(path: str | Path, state: RunState, resume: str, allow_nonfinite: bool) -> int:
+    """Resume ``state`` from the checkpoint at ``path`` after checking it (readable, a training
+    checkpoint, the same configuration as ``state.config``, finite unless ``allow_nonfinite``);
+    the number of epochs it had finished."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated, garbled or not a torch file
+        raise CheckpointMismatchError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it to start over"
+        ) from e
+    if not isinstance(saved, dict) or "epoch" not in saved or "model" not in saved:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} is not a training checkpoint of dselectk.train "
+            "(no epoch or model state); delete it or pass another path"
+        )
+    check_resumable(path, saved.get("config"), state.config, resume)
+    if not allow_nonfinite:
+        check_finite(path, saved)
+    restore(state, saved)
+    return int(saved["epoch"])
+
+
+def _tensors(tree: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """The tensors in a nested state (dicts, lists), with their paths."""
+    if isinstance(tree, Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, f"{prefix}[{i}]")
+
+
+def check_finite(path: str | Path, saved: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model weights, best weights or optimizer state hold NaN/inf."""
+    parts = (
+        ("the model's", saved.get("model")),
+        ("the best weights'", saved.get("best_state")),
+        ("the optimizer state's", (saved.get("optimizer") or {}).get("state")),
+    )
+    for what, tree in parts:
+        bad = [
+            name
+            for name, t in _tensors(tree, "")
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+        ]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {path}: {what} entries {', '.join(bad[:3])}{more} hold NaN/inf (the "
+                f"run that wrote it had diverged); resuming it would train on nothing. Delete it "
+                f"to start over (with a lower learning rate)"
+            )
+
+
+def restore(state: RunState, saved: dict[str, Any]) -> None:
+    """Put a checkpoint's training state (see :func:`save_state`) back into ``state``."""
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    for s, st in zip(state.schedulers, saved["schedulers"]):
+        s.load_state_dict(st)
+    state.generator.set_state(saved["generator"])
+    torch.set_rng_state(saved["torch_rng"])
+    state.history, state.best = saved["history"], saved["best"]
+    state.bad_epochs, state.best_state = saved["bad_epochs"], saved["best_state"]

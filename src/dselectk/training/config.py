@@ -1,0 +1,185 @@
+"""The settings of :func:`~dselectk.training.train`: :class:`TrainConfig` (checked when it is
+built), the optimizer it names (:func:`make_optimizer`) and the seeding
+(:func:`seed_everything`)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.training.guards import DIVERGENCE_FACTOR
+
+if TYPE_CHECKING:
+    from dselectk.training.tasks import TaskData
+
+__all__ = ["BatchLossFn", "TrainConfig", "make_optimizer", "seed_everything"]
+
+#: ``loss_fn(model, batch) -> (total loss, model output or None)``: replaces the summed task losses
+BatchLossFn = Callable[[nn.Module, "TaskData"], tuple[Tensor, Any]]
+
+
+@dataclass
+class TrainConfig:
+    """Settings of :func:`~dselectk.training.train`.
+
+    Attributes:
+        optimizer: "adam", "adagrad" or "sgd".
+        lr: learning rate.
+        batch_size: examples per step.
+        epochs: passes over the training data.
+        task_weights: w_t of the summed loss; default all 1.
+        seed: seeds Python, NumPy and torch (and the shuffling) when not None.
+        shuffle_seed: seed of the mini-batch order (default: ``seed``, else 0). Set it with
+            ``seed=None`` to shuffle reproducibly without touching the global RNGs (a
+            vectorized model initialised by its own seeds).
+        early_stopping_patience: stop after this many epochs without a lower validation loss
+            and restore the best weights (None: no early stopping).
+        progress: show a progress bar.
+        progress_unit: "step" (one tick per optimizer step) or "epoch".
+        desc: label of the progress bar.
+        position: line of the progress bar (worker processes each take their own line).
+        weight_decay: optimizer weight decay.
+        checkpoint: file to save the full training state to after every epoch (atomically,
+            with :func:`dselectk.io.save_torch`). If it exists when training starts, training
+            resumes from it, with the model, optimizer, schedulers, shuffling and RNG states
+            restored, so an interrupted run continues as if it had never stopped. The checkpoint
+            carries the run's configuration: the optimizer (class and hyperparameters: lr,
+            weight decay, betas, ...), ``batch_size``, ``seed``, ``shuffle_seed``,
+            ``task_weights``, ``early_stopping_patience``, the losses (names,
+            or the callables' qualified names) and ``loss_fn``, the schedulers' classes, the
+            number of examples, the world size and the model's parameter names and shapes (not
+            ``progress``, ``desc``, ``position``, ``nonfinite``, ``resume``,
+            ``divergence_factor`` or the path).
+            Resuming with any of these different raises :class:`CheckpointMismatchError`
+            listing them. ``epochs`` may be *increased*: training continues from the
+            checkpoint up to the new count (a run that stopped early stays stopped); fewer
+            epochs than the checkpoint's run is a mismatch.
+            A checkpoint whose model, best weights or optimizer state hold NaN/inf is refused
+            with a :class:`~dselectk.training.CheckpointError` naming the file (unless
+            ``nonfinite="warn"``, whose runs train on through diverged members).
+        nonfinite: what a non-finite loss or gradient does. "raise" (default): stop with a
+            :class:`TrainingDivergedError` naming the step, the epoch, the task and the cause;
+            the model keeps the parameters of the last good step, unless the non-finite
+            gradients of an earlier step already reached them. "skip": skip the step (no
+            optimizer step, no scheduler step, no callbacks; the gradients are checked before
+            every optimizer step, a fused max-norm and one more host sync per step), warn once
+            and count it in :attr:`History.nonfinite_steps`; parameters that became non-finite
+            anyway (an overflowing update) still raise at the end of the epoch. "warn": train on
+            as before (warn once, count the steps), for models whose loss sums independent
+            members (a vectorized grid search) where one diverged member must not stop the
+            others; check the members' results yourself.
+        resume: "strict" (default): a checkpoint written with another configuration is an
+            error; "force": resume it anyway (with a warning listing the differences).
+        divergence_factor: a finite loss above ``divergence_factor * max(|L0|, 1)``, L0 the
+            run's first loss, counts as diverged like a non-finite one (see
+            :func:`~dselectk.training.loss_diverged`): it raises, is skipped or is counted in
+            :attr:`History.exploded_steps` as ``nonfinite`` says. Default
+            :data:`~dselectk.training.DIVERGENCE_FACTOR` (1e6); None: only non-finite losses
+            diverge.
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    batch_size: int = 256
+    epochs: int = 10
+    task_weights: Sequence[float] | None = None
+    seed: int | None = 0
+    shuffle_seed: int | None = None
+    early_stopping_patience: int | None = None
+    progress: bool = True
+    progress_unit: str = "step"
+    desc: str = ""
+    position: int | None = None
+    weight_decay: float = 0.0
+    checkpoint: str | Path | None = None
+    nonfinite: str = "raise"
+    resume: str = "strict"
+    divergence_factor: float | None = DIVERGENCE_FACTOR
+
+    @classmethod
+    def for_members(
+        cls,
+        *,
+        lr: float,
+        batch_size: int,
+        epochs: int,
+        shuffle_seed: int,
+        progress: bool = False,
+        desc: str = "",
+        position: int | None = None,
+    ) -> TrainConfig:
+        """Settings for a vectorized model whose independent members (repetitions, grid
+        points) train as one: no global seeding (each member was initialised by its own seed),
+        one shared shuffle, one progress tick per epoch, and a member that diverges ends with
+        NaN metrics while the others train on (``nonfinite="warn"``)."""
+        return cls(
+            lr=lr,
+            batch_size=batch_size,
+            epochs=epochs,
+            seed=None,
+            shuffle_seed=int(shuffle_seed),
+            progress=progress,
+            progress_unit="epoch",
+            nonfinite="warn",
+            desc=desc,
+            position=position,
+        )
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "adagrad", "sgd"):
+            raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.progress_unit not in ("step", "epoch"):
+            raise ValueError(f"progress_unit must be step or epoch, got {self.progress_unit!r}")
+        check_positive_int("batch_size", self.batch_size)
+        check_positive_int("epochs", self.epochs, 0)
+        if self.early_stopping_patience is not None:
+            check_positive_int("early_stopping_patience", self.early_stopping_patience)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if self.nonfinite not in ("raise", "skip", "warn"):
+            raise ValueError(f"nonfinite must be raise, skip or warn, got {self.nonfinite!r}")
+        if self.resume not in ("strict", "force"):
+            raise ValueError(f"resume must be strict or force, got {self.resume!r}")
+        if self.task_weights is not None:
+            for w in self.task_weights:
+                check_nonnegative("task_weights[i]", w)
+        if self.divergence_factor is not None and not (
+            isinstance(self.divergence_factor, (int, float))
+            and not isinstance(self.divergence_factor, bool)
+            and math.isfinite(self.divergence_factor)
+            and self.divergence_factor > 1
+        ):
+            raise ValueError(
+                f"divergence_factor must be a finite number > 1 or None, got "
+                f"{self.divergence_factor!r}"
+            )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds code that uses the global NumPy RNG
+    torch.manual_seed(seed)
+
+
+def make_optimizer(
+    name: str, params: Any, lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """Adam, Adagrad or SGD (``foreach`` implementations, fused where torch offers it)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
