@@ -216,3 +216,36 @@ def test_resuming_a_nonfinite_checkpoint_is_refused(tmp_path: Path, part: str) -
     assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
     # a run that trains on through diverged members (nonfinite="warn") resumes it
     train(model, data, "mse", cfg(checkpoint=path, epochs=3, nonfinite="warn"))
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_threads_auto_trains_small_steps_on_one_thread_and_restores() -> None:
+    from dselectk.training.config import PARALLEL_MIN_WORK, train_threads
+
+    seen: list[int] = []
+    model, data = make_problem()
+    before = torch.get_num_threads()
+    hist = train(
+        model, data, "mse", cfg(), callbacks=[lambda m, h: seen.append(torch.get_num_threads())]
+    )
+    assert set(seen) == {1} and torch.get_num_threads() == before and hist.steps == 8
+    params = sum(p.numel() for p in model.parameters())
+    assert train_threads(cfg(), model) == 1  # 32 x params is small
+    big = cfg(batch_size=PARALLEL_MIN_WORK // params + 1)
+    assert train_threads(big, model) is None  # torch's own count
+    assert train_threads(cfg(threads=3), model) == 3
+    assert train_threads(cfg(threads=None), model) is None
+    seen.clear()
+    train(
+        model,
+        data,
+        "mse",
+        cfg(threads=None),
+        callbacks=[lambda m, h: seen.append(torch.get_num_threads())],
+    )
+    assert set(seen) == {before}
+    for bad in (0, -1, 1.5, "many"):
+        with pytest.raises((ValueError, TypeError), match="threads"):
+            cfg(threads=bad)

@@ -21,7 +21,22 @@ from dselectk.training.guards import DIVERGENCE_FACTOR
 if TYPE_CHECKING:
     from dselectk.training.tasks import TaskData
 
-__all__ = ["BatchLossFn", "TrainConfig", "make_optimizer", "seed_everything"]
+__all__ = [
+    "PARALLEL_MIN_WORK",
+    "BatchLossFn",
+    "TrainConfig",
+    "make_optimizer",
+    "seed_everything",
+    "train_threads",
+]
+
+#: ``TrainConfig(threads="auto")`` trains on one intra-op thread below this much work per step
+#: (``batch_size`` x trainable parameters, about the multiply-adds of a forward pass). Measured
+#: with ``scripts/measure_train_threads.py`` (a 2-task MMoE of 8 experts, 2-core CPU beside
+#: busy processes, load 12-14), ms per step on 2 threads / on 1: 25x at work 8e4, 26x at 1.1e6,
+#: 15x at 8.7e6, 8.2x at 6.8e7, 2.8x at 5.4e8, 1.3x at 2.2e9. Idle, two threads gain at most
+#: ~1.1-1.6x, and only on large steps; so below 2**28 (2.7e8) one thread.
+PARALLEL_MIN_WORK = 2**28
 
 #: ``loss_fn(model, batch) -> (total loss, model output or None)``: replaces the summed task losses
 BatchLossFn = Callable[[nn.Module, "TaskData"], tuple[Tensor, Any]]
@@ -85,6 +100,12 @@ class TrainConfig:
             :attr:`History.exploded_steps` as ``nonfinite`` says. Default
             :data:`~dselectk.training.DIVERGENCE_FACTOR` (1e6); None: only non-finite losses
             diverge.
+        threads: torch's intra-op threads while training (restored afterwards). "auto"
+            (default): one thread when a step's work, ``batch_size`` times the trainable
+            parameters, is below :data:`~dselectk.training.config.PARALLEL_MIN_WORK`, else
+            torch's current count: small steps gain nothing from a parallel region and, beside
+            other busy processes, lose 4-40x waiting at its barrier for a descheduled thread.
+            An int n >= 1: n threads; None: leave torch's setting alone.
     """
 
     optimizer: str = "adam"
@@ -104,6 +125,7 @@ class TrainConfig:
     nonfinite: str = "raise"
     resume: str = "strict"
     divergence_factor: float | None = DIVERGENCE_FACTOR
+    threads: int | str | None = "auto"
 
     @classmethod
     def for_members(
@@ -153,6 +175,8 @@ class TrainConfig:
         if self.task_weights is not None:
             for w in self.task_weights:
                 check_nonnegative("task_weights[i]", w)
+        if self.threads is not None and self.threads != "auto":
+            check_positive_int("threads", self.threads)
         if self.divergence_factor is not None and not (
             isinstance(self.divergence_factor, (int, float))
             and not isinstance(self.divergence_factor, bool)
@@ -183,3 +207,14 @@ def make_optimizer(
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, foreach=True)
     raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
+
+
+def train_threads(cfg: TrainConfig, model: nn.Module) -> int | None:
+    """The intra-op thread count :func:`~dselectk.training.train` sets for ``cfg.threads``
+    (None: torch's setting stays)."""
+    if cfg.threads is None:
+        return None
+    if cfg.threads != "auto":
+        return int(cfg.threads)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return 1 if cfg.batch_size * params < PARALLEL_MIN_WORK else None

@@ -20,7 +20,13 @@ from dselectk.io import save_torch
 from dselectk.progress import tqdm
 from dselectk.training import checkpoint
 from dselectk.training.callbacks import Callback, step_hooks
-from dselectk.training.config import BatchLossFn, TrainConfig, make_optimizer, seed_everything
+from dselectk.training.config import (
+    BatchLossFn,
+    TrainConfig,
+    make_optimizer,
+    seed_everything,
+    train_threads,
+)
 from dselectk.training.guards import (
     TrainingDivergedError,
     all_finite,
@@ -122,12 +128,17 @@ def train(
     run = _Run(model, train_data, losses, cfg, val_data, schedulers, optimizer, callbacks, loss_fn)
     start_epoch = run.resume()
     model.train()
+    threads, before = train_threads(cfg, model), torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
     try:
         for epoch in range(start_epoch, cfg.epochs):
             if not run.epoch(epoch):
                 break
     finally:
         run.end()
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
     return run.restore_best()
 
 
