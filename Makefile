@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU wheel; GPU users install their own torch first (the package requires torch>=2.1).
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-all lint demo reproduce bench clean
+.PHONY: install test test-all lint demo reproduce bench docs dist clean
 
 # The library (with every extra the tests exercise) and the research part (research/), editable.
 $(VENV)/.installed: pyproject.toml research/pyproject.toml
@@ -37,5 +37,18 @@ reproduce: install
 bench: install
 	$(PY) -m benchmarks --quick
 
+# The documentation site (site/), built with strict warnings: a broken link or reference fails.
+$(VENV)/.docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict
+
+# The library's wheel and sdist (dist/); the research part is not in them.
+dist: install
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
