@@ -94,9 +94,7 @@ def on_files(files: Files, config: Any) -> Files:
         base = ROOT / item
         for f in [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()):
             rel = f.relative_to(ROOT).as_posix()
-            files.append(
-                File(rel, str(ROOT), config["site_dir"], config["use_directory_urls"])
-            )
+            files.append(File(rel, str(ROOT), config["site_dir"], config["use_directory_urls"]))
     return files
 
 
