@@ -53,7 +53,8 @@ def public_modules() -> list[str]:
 
 
 def _page(title: str, target: str) -> str:
-    return f"# {title}\n\n::: {target}\n"
+    # the object's own heading (level 1) is the page's title
+    return f"::: {target}\n"
 
 
 def api_pages() -> dict[str, str]:
@@ -129,3 +130,16 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if not src.startswith("research/"):
         return markdown
     return _LINK.sub(lambda m: _research_link(src, m), markdown)
+
+
+# Sphinx roles in docstrings (":class:`~dselectk.x.Name`") shown as code: the short name with "~"
+_ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj):<code>(~?)([^<]+)</code>")
+
+
+def _role(m: re.Match[str]) -> str:
+    name = m.group(2).split(".")[-1] if m.group(1) else m.group(2)
+    return f"<code>{name}</code>"
+
+
+def on_post_page(output: str, page: Any, config: Any) -> str:
+    return _ROLE.sub(_role, output)
