@@ -9,6 +9,7 @@ notes and committed results are served under ``research/`` so that pages can lin
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,11 @@ def _research_link(page_src: str, match: re.Match[str]) -> str:
     if "://" in target or target.startswith(("#", "mailto:")):
         return match.group(0)
     path, _, anchor = target.partition("#")
-    resolved = (ROOT / page_src).parent / path
+    resolved = ((ROOT / page_src).parent / path).resolve()
+    docs = ROOT / "docs"
+    if resolved.is_file() and resolved.is_relative_to(docs):  # a page of this site
+        rel = os.path.relpath(resolved.relative_to(docs), Path(page_src).parent)
+        return f"{bang}[{text}]({Path(rel).as_posix()}{f'#{anchor}' if anchor else ''})"
     if resolved.is_dir():
         for name in ("report.md", "README.md"):
             if (resolved / name).is_file():
