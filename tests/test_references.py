@@ -102,3 +102,12 @@ def test_no_paths_outside_the_repository() -> None:
 def test_user_facing_text_does_not_speak_of_our_process() -> None:
     pattern = re.compile(r"\b[Ss]essions? \d|\b[Ii]ssues? \d|\b[Ii]ssue-\d|§")
     assert _hits(pattern, USER_FACING) == []
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link of the README (read on the repository's page) names a file here."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) >= 10
+    missing = [t for t in links if "://" not in t and not (ROOT / t.split("#")[0]).exists()]
+    assert missing == []
