@@ -30,8 +30,8 @@ test-all: install
 	$(PY) -m pytest -m ""
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks research
-	$(VENV)/bin/ruff format --check src tests benchmarks research
+	$(VENV)/bin/ruff check src tests benchmarks research examples docs/hooks.py
+	$(VENV)/bin/ruff format --check src tests benchmarks research examples docs/hooks.py
 	$(VENV)/bin/mypy
 
 demo: $(VENV)/.core
