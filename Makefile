@@ -1,17 +1,23 @@
 # Set-up and everyday commands. `make demo` / `make reproduce` and `make test` work on a fresh machine:
-# they create .venv, install the pinned CPU build of torch and the package, then run.
+# they create .venv, install the pinned CPU build of torch and what they need, then run.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel; GPU users install their own torch first (the package requires torch>=2.1).
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-all lint demo reproduce bench clean
+.PHONY: install test test-all lint demo reproduce bench docs dist clean
 
-# The library (with every extra the tests exercise) and the research part (research/), editable.
-$(VENV)/.installed: pyproject.toml research/pyproject.toml
+# What the studies need: torch, the library with its compiled kernel (`fast`: the studies'
+# numbers were measured with it) and the research part (research/), editable.
+$(VENV)/.core: pyproject.toml research/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[fast]" -e research
+	touch $@
+
+# The tests: every extra they exercise (Triton, ONNX, transformers, TensorBoard, Slurm) on top.
+$(VENV)/.installed: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[dev,export,transformers,tensorboard,fast]" -e "research[cluster]"
 	touch $@
 
@@ -24,18 +30,31 @@ test-all: install
 	$(PY) -m pytest -m ""
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks research
-	$(VENV)/bin/ruff format --check src tests benchmarks research
+	$(VENV)/bin/ruff check src tests benchmarks research examples docs/hooks.py
+	$(VENV)/bin/ruff format --check src tests benchmarks research examples docs/hooks.py
 	$(VENV)/bin/mypy
 
-demo: install
+demo: $(VENV)/.core
 	$(VENV)/bin/dselectk demo
 
-reproduce: install
+reproduce: $(VENV)/.core
 	$(VENV)/bin/dselectk reproduce synthetic
 
 bench: install
 	$(PY) -m benchmarks --quick
 
+# The documentation site (site/), built with strict warnings: a broken link or reference fails.
+$(VENV)/.docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict
+
+# The library's wheel and sdist (dist/); the research part is not in them.
+dist: install
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,8 @@
 """DSelect-k collapse remedies (issue 14, research/notes/collapse.md) after issue 21.
 
 The remedies the evidence retired (exclusive selectors, the α floor, ``init="distinct"`` and its
-``init_margin``) are gone from the gate, with their second math path; they live at the git tag
-``pre-remedy-deletion``. What stays: the paper's init, ``init="spread"`` and the diversity
+``init_margin``) are gone from the gate, with their second math path; they live at the commit
+``a78ed56``. What stays: the paper's init, ``init="spread"`` and the diversity
 penalty μ (tested with the gate in test_gates*.py).
 """
 

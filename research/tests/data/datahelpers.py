@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-# ../shared/data relative to the repository root.
+# The real data, read when a folder shared/data sits beside the repository (as on CI).
 REAL_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 _IDX_CODES = {

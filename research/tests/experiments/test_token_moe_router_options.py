@@ -1,7 +1,7 @@
 """Token-MoE router options: a capacity limit (``capacity_factor``), off by default, and a
 default command's records keep their identity. The issue 23 screens' research flags
 (``--router-lr-scale``, ``--router-hidden``, ``--smooth-step-leak``, ``--router-start``) were
-removed after the screens (git tag ``pre-token-remedy-deletion``): the CLI refuses them."""
+removed after the screens (commit ``539b307``): the CLI refuses them."""
 
 from __future__ import annotations
 

@@ -122,8 +122,7 @@ class DSelectK(Gate):
     distinct random expert, to keep selectors from collapsing onto the same expert; the
     diversity penalty above (off by default). (The other collapse remedies of
     ``research/notes/collapse.md``, exclusive selectors, an α floor and a "distinct" init, were
-    retired
-    by issue 21; they live at the git tag ``pre-remedy-deletion``.)
+    retired; they live at commit ``a78ed56``.)
 
     Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma``, ``entropy_reg`` and
     ``diversity`` may each be one number (all gates) or T numbers (a sequence or a (T,) tensor,

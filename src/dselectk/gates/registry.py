@@ -241,7 +241,7 @@ register_gate(
             doc="selectors moved to distinct expert codes by their least confident bits (ours)",
         ),
     ],
-    summary="DSelect-k (§3): k binary-encoded selectors, cubic smooth-step",
+    summary="DSelect-k (Sec. 3): k binary-encoded selectors, cubic smooth-step",
 )
 register_gate(
     "topk",
@@ -251,9 +251,9 @@ register_gate(
         HParam("balance_weight", float, 0.0, low=0.0, doc="load-balancing loss weight"),
         HParam("init_std", float, 0.01, low=0.0, doc="std of the initial static logits"),
     ],
-    summary="Top-k (§2): softmax over the k largest logits",
+    summary="Top-k (Sec. 2): softmax over the k largest logits",
 )
-register_gate("softmax", SoftmaxGate, takes_k=False, summary="dense softmax gate (§2)")
+register_gate("softmax", SoftmaxGate, takes_k=False, summary="dense softmax gate (Sec. 2)")
 register_gate(
     "gumbel_softmax",
     GumbelSoftmaxGate,

@@ -16,15 +16,15 @@ For gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits 
 the block computes the gate's mixture exactly. For gates whose weights can have more nonzeros
 (DSelect-k while S(Wx) is not binary, softmax), the weight outside the ``k`` largest is dropped
 (or, with ``renormalize=True``, the kept weights are rescaled to sum to 1), so the compute stays
-at ``k`` experts per token. Measured per token (``research/notes/per_token.md`` §4m, a
+at ``k`` experts per token. Measured per token (``research/notes/per_token.md``, a
 character-level
 LM): DSelect-k with λ = 0 (its default ``entropy_reg``) and ``renormalize=True`` matched Top-k's
 bits per byte on 9 reserved seeds, its bits mostly soft (the top-k cut picks the experts); the
 paper's λ > 0 drives the bits binary and was worse there. With k selectors some tokens end with
 both on one code and get one expert; one selector more than ``k`` (``router_kwargs={"k": 3}``
-with ``k=2``, §4q) kept 1.98 distinct experts a token, +0.0006 ± 0.0070 bits per byte from
+with ``k=2``) kept 1.98 distinct experts a token, +0.0006 ± 0.0070 bits per byte from
 Top-k over 27 reserved seeds. For a router that ends exactly sparse,
-train soft and binarize late (§4o): ``DSelectK(distinct=True)`` with λ = 0 for the first half of
+train soft and binarize late: ``DSelectK(distinct=True)`` with λ = 0 for the first half of
 the steps, then ramped to 0.1 (e.g. ``dselectk.variants.Ramp("entropy_reg", end=0.1,
 delay=0.5, before=0.0)``); on 9 fresh seeds it left 83 % of the tokens binary with 2 distinct
 experts each, 0.006 ± 0.006 bits per byte behind Top-k.

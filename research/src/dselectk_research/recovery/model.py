@@ -32,7 +32,7 @@ BASE_HPARAMS: dict[str, Any] = {"epochs": 50, "gamma": 10.0, "entropy_reg": 0.1}
 _PAPER = {"init": "paper"}
 # The variants kept after the collapse study (research/notes/collapse.md; the retired remedies are
 # at the
-# git tag pre-remedy-deletion). The swap search (dselectk.search; ours) scores each move by
+# commit a78ed56). The swap search (dselectk.search; ours) scores each move by
 # every repetition's loss on a probe of the training set after refitting the head (refit).
 VARIANTS = variant_table(
     Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", _PAPER),
