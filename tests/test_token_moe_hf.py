@@ -142,7 +142,7 @@ def test_hosted_weights_by_hand() -> None:
 
 
 def test_from_hf_block_refuses_what_it_cannot_host() -> None:
-    with pytest.raises(TypeError, match="gate.weight"):
+    with pytest.raises(TypeError, match=r"gate\.weight"):
         SparseMoEFeedForward.from_hf_block(nn.Linear(3, 3))
     block = _mixtral()
     with pytest.raises(ValueError, match="router is taken from the block"):
