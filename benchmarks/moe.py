@@ -10,6 +10,12 @@ balance loss) against
   ``intermediate_size = 2 d_ff / 3`` so that its three matrices cost the two of ours), when
   ``transformers`` is importable.
 
+- ``swiglu``: not a baseline but ours hosting the ``hf`` block's own router and SwiGLU experts
+  (``SparseMoEFeedForward.from_hf_block``: the same weights, the same outputs): its row
+  ``swiglu vs hf`` is the like-for-like speed-up over the Hugging Face block;
+- ``experts``: our experts' grouped matmuls alone (``forward_grouped`` on N·k rows split as the
+  router split them, fwd + bwd, no routing, gather or combine): the floor of a per-expert
+  implementation; dense / experts is what the split into per-expert matmuls costs by itself;
 - ``dense``: not an MoE but the floor under any exact one: the experts' GEMMs in one piece, a
   single GELU FFN of the same sizes over all N·k routed rows, forward + backward. Its row's
   ratio (dense / ours) is the share of that floor our layer reaches; hf / dense is the most any
@@ -76,6 +82,15 @@ def _hf_block(d_model: int, d_ff: int, n: int, k: int) -> nn.Module | None:
     return block
 
 
+def _experts_only(layer: SparseMoEFeedForward, counts: list[int]) -> Any:
+    """The layer's experts on rows already grouped as ``counts`` (no routing)."""
+
+    def run(rows: Tensor) -> Tensor:
+        return layer.experts.forward_grouped(rows, counts)
+
+    return run
+
+
 def _step(fn: Any, x: Tensor, g: Tensor) -> Any:
     def run() -> None:
         out = fn(x)
@@ -89,7 +104,9 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     d_model, d_ff, n, k = 256, 512, 8, 2
     reps = 5 if args.quick else 15
     rows = []
-    for tokens in (256, 2048) if args.quick else (256, 2048, 8192):
+    for tokens in (256, 2048, 8192):
+        if args.quick:
+            reps = 5 if tokens < 8192 else 3
         torch.manual_seed(0)
         ours = SparseMoEFeedForward(d_model, d_ff, n, "topk", k, balance_loss_weight=0.0).to(dev)
         assert isinstance(ours.router, TopKGate)
@@ -103,16 +120,25 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
             "grouped": _step(grouped, x, g),
             "dense": _step(dense.to(dev), xk, torch.randn_like(xk)),
         }
+        counts = ours.route(x.detach().reshape(-1, d_model)).counts
+        fns["experts"] = _step(_experts_only(ours, counts), xk, torch.randn_like(xk))
         hf = _hf_block(d_model, d_ff, n, k)
         if hf is not None:
-            fns["hf"] = _step(hf.to(dev), x, g)
+            hf = hf.to(dev)
+            fns["hf"] = _step(hf, x, g)
+            swiglu = SparseMoEFeedForward.from_hf_block(hf, balance_loss_weight=0.0)
+            fns["swiglu"] = _step(swiglu, x, g)
         t = compare(fns, dev, reps=reps, warmup=2)
         cfg = {"tokens": tokens, "d_model": d_model, "d_ff": d_ff, "n": n, "k": k}
-        tok_s = tokens / (t["ours"]["median_ms"] / 1e3)
-        for base in ("grouped", "hf", "dense"):
+        pairs = [("ours", b) for b in ("grouped", "hf", "experts", "dense")]
+        pairs += [("swiglu", "hf")] if "hf" in t else []
+        for mine, base in pairs:
             if base in t:
-                r = row(f"N={tokens}: vs {base}", t, "ours", base, **cfg)
-                r["ours_tokens_per_s"] = tok_s
+                label = (
+                    f"N={tokens}: vs {base}" if mine == "ours" else f"N={tokens}: {mine} vs {base}"
+                )
+                r = row(label, t, mine, base, **cfg)
+                r["ours_tokens_per_s"] = tokens / (t[mine]["median_ms"] / 1e3)
                 r["base_tokens_per_s"] = tokens / (t[base]["median_ms"] / 1e3)
                 if "hf" in t:
                     r["hf_over_dense"] = t["hf"]["median_ms"] / t["dense"]["median_ms"]
@@ -127,6 +153,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         "SparseMoEFeedForward fwd+bwd (top-k router, k=2) vs a grouped loop and HF Mixtral",
         rows,
         "target: >= 1.5x the Hugging Face block (ratio = base/ours); hf: SwiGLU, FLOP-matched; "
+        "swiglu vs hf: ours hosting the hf block's weights; experts: our per-expert GEMMs alone; "
         "dense: the experts' GEMMs in one piece (ratio = the share of that floor reached; the "
         f"most any exact MoE could gain over hf here, hf / dense: {ceilings or 'n/a'})",
     )

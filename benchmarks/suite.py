@@ -46,8 +46,8 @@ import torch
 
 from benchmarks.common import REPO_ROOT, Report
 from benchmarks.timing import machine_facts
+from dselectk._argtypes import int_at_least
 from dselectk.runtime import tune_allocator
-from dselectk_research.args import int_at_least
 from dselectk_research.args import out_dir as out_folder
 
 REGISTRY: dict[str, str] = {

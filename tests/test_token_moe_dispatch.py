@@ -1,4 +1,5 @@
-"""The token MoE block's grouped expert pass (autograd form) equals ``forward_grouped``."""
+"""The token MoE block's grouped expert pass (autograd form) equals the experts evaluated one
+member at a time on their rows, outputs and gradients."""
 
 from __future__ import annotations
 
@@ -6,9 +7,24 @@ import pytest
 import torch
 
 from dselectk.layers.experts import StackedMLP
-from dselectk.layers.token_moe import SparseMoEFeedForward, _grouped_mlp
+from dselectk.layers.token_moe import SparseMoEFeedForward
 
 F64 = torch.float64
+
+
+def _grouped_mlp(mlp: StackedMLP, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The fast path under test (what the block calls)."""
+    return mlp.forward_grouped(x, counts)
+
+
+def _member_by_member(mlp: StackedMLP, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The oracle: member e's own forward on its block of rows, blocks concatenated."""
+    parts, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            parts.append(mlp(x[start : start + c], torch.tensor([e]))[0])
+        start += c
+    return torch.cat(parts) if parts else x.new_zeros(0, mlp.out_features)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 2, 4], [0, 0, 5, 0], [0, 0, 0, 0]])
@@ -18,17 +34,18 @@ def test_grouped_mlp_matches_forward_grouped(counts: list[int], final_activation
     mlp = StackedMLP(4, 6, [5, 3], final_activation=final_activation).to(F64)
     x = torch.randn(sum(counts), 6, dtype=F64, requires_grad=True)
     got = _grouped_mlp(mlp, x, counts)
-    if not sum(counts):  # (forward_grouped's autograd form raises on no rows at all)
-        with torch.no_grad():
-            torch.testing.assert_close(got, mlp.forward_grouped(x, counts))
+    if not sum(counts):  # no rows at all: an empty output, zero gradients
+        torch.testing.assert_close(got, _member_by_member(mlp, x, counts))
+        got.sum().backward()
+        assert all(not p.grad.any() for p in mlp.parameters())
         return
-    ref = mlp.forward_grouped(x, counts)
+    ref = _member_by_member(mlp, x, counts)
     torch.testing.assert_close(got, ref)
     g = torch.randn_like(ref)
     params = [x, *mlp.parameters()]
     for a, b in zip(
         torch.autograd.grad(got, params, g, allow_unused=True),
-        torch.autograd.grad(mlp.forward_grouped(x, counts), params, g, allow_unused=True),
+        torch.autograd.grad(_member_by_member(mlp, x, counts), params, g, allow_unused=True),
     ):
         if a is None or b is None:
             assert (a is None or not a.any()) and (b is None or not b.any())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,14 +13,109 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import check_positive_int
 
-__all__ = ["ExpertList", "StackedMLP", "make_towers"]
+__all__ = ["ExpertList", "GatedMLP", "StackedMLP", "grouped_linear", "make_towers"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
+    "silu": F.silu,
     "tanh": torch.tanh,
     "identity": lambda t: t,
 }
+
+
+def _check_counts(x: Tensor, weight: Tensor, counts: Sequence[int]) -> tuple[int, ...]:
+    if len(counts) != weight.shape[0]:
+        raise ValueError(f"counts must have {weight.shape[0]} entries, got {len(counts)}")
+    cs = tuple(int(c) for c in counts)
+    if any(c < 0 for c in cs):
+        raise ValueError(f"counts must be >= 0, got {list(cs)}")
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] != sum(cs):
+        raise ValueError(
+            f"x must be (sum(counts)={sum(cs)}, {weight.shape[1]}), got {tuple(x.shape)}"
+        )
+    return cs
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ weight[e] (+ bias[e])`` for consecutive row blocks.
+
+    Forward and backward write every member's matmul straight into one preallocated buffer
+    (``out=`` of a row block, or of ``grad_weight[e]``): no per-member temporaries, no
+    concatenation, and one backward node for the whole layer. Written with autograd's own
+    ``split``/``cat``/``unbind`` the same matmuls cost up to a third more on the CPU (their
+    backward nodes allocate and add zero tensors of the whole weight or of all rows).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, counts: tuple[int, ...]
+    ) -> Tensor:
+        out = x.new_empty(x.shape[0], weight.shape[2])
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                blk = slice(start, start + c)
+                if bias is None:
+                    torch.mm(x[blk], weight[e], out=out[blk])
+                else:
+                    torch.addmm(bias[e], x[blk], weight[e], out=out[blk])
+                start += c
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        grad = grad.contiguous()
+        gx = torch.empty_like(x) if need_x else None
+        gw = torch.empty_like(weight) if need_w else None
+        gb = weight.new_empty(weight.shape[0], weight.shape[2]) if need_b else None
+        start = 0
+        for e, c in enumerate(ctx.counts):
+            if not c:  # a member without rows gets a zero gradient
+                if gw is not None:
+                    gw[e].zero_()
+                if gb is not None:
+                    gb[e].zero_()
+                continue
+            blk = slice(start, start + c)
+            g = grad[blk]
+            if gx is not None:
+                torch.mm(g, weight[e].t(), out=gx[blk])
+            if gw is not None:
+                torch.mm(x[blk].t(), g, out=gw[e])
+            if gb is not None:
+                torch.sum(g, 0, out=gb[e])
+            start += c
+        return gx, gw, gb, None
+
+
+def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Sequence[int]) -> Tensor:
+    """One linear layer per member on consecutive row blocks: a grouped matmul.
+
+    Args:
+        x: (N, a) rows grouped by member: the first ``counts[0]`` rows go through member 0, the
+            next ``counts[1]`` through member 1, and so on.
+        weight: (E, a, b) one (a, b) matrix per member (``x @ weight[e]``).
+        bias: (E, b) or None.
+        counts: E nonnegative row counts summing to N (0 skips a member).
+
+    Returns:
+        (N, b). Differentiable in ``x``, ``weight`` and ``bias``; members without rows get zero
+        gradients. One matmul per used member forward, at most two (and a column sum) backward,
+        each written into its block of one buffer.
+    """
+    cs = _check_counts(x, weight, counts)
+    if bias is not None and bias.shape != (weight.shape[0], weight.shape[2]):
+        raise ValueError(
+            f"bias must be ({weight.shape[0]}, {weight.shape[2]}), got {tuple(bias.shape)}"
+        )
+    return _GroupedLinear.apply(x, weight, bias, cs)
 
 
 class StackedMLP(nn.Module):
@@ -32,7 +128,7 @@ class StackedMLP(nn.Module):
         num_members: E, the number of MLPs.
         in_features: input size.
         layer_sizes: output size of each layer (e.g. ``[256]`` for the paper's MovieLens expert).
-        activation: "relu", "gelu", "tanh" or "identity".
+        activation: "relu", "gelu", "silu", "tanh" or "identity".
         dropout: dropout rate after each activated layer.
         final_activation: apply the activation (and dropout) after the last layer too.
     """
@@ -119,7 +215,8 @@ class StackedMLP(nn.Module):
             (N, out): row i is member(i)'s output on x[i]. Without autograd, each member's
             matmul writes straight into its block of one preallocated buffer and the
             activation runs in place on the whole buffer: E matmuls and one pass per layer,
-            no per-member temporaries. With autograd, the blocks are concatenated instead.
+            no per-member temporaries. With autograd, each layer is one
+            :func:`grouped_linear` (the same buffers, one backward node).
         """
         if len(counts) != self.num_members:
             raise ValueError(f"counts must have {self.num_members} entries, got {len(counts)}")
@@ -135,13 +232,7 @@ class StackedMLP(nn.Module):
         h = x
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
             if tracked:
-                parts, start = [], 0
-                for member, c in enumerate(counts):
-                    if c:
-                        parts.append(torch.addmm(b[member], h[start : start + c], w[member]))
-                    start += c
-                # no rows at all: an empty block that still belongs to the graph
-                h = torch.cat(parts) if parts else h @ w[0] + b[0]
+                h = grouped_linear(h, w, b, counts)
             else:
                 out = h.new_empty(h.shape[0], w.shape[2])
                 start = 0
@@ -165,6 +256,123 @@ class StackedMLP(nn.Module):
         return (
             f"num_members={self.num_members}, in_features={self.in_features}, "
             f"layer_sizes={sizes}, activation={self.activation!r}, dropout={self.dropout}"
+        )
+
+
+class GatedMLP(nn.Module):
+    """E gated feed-forward experts with stacked weights: ``down(act(x W_g) ⊙ (x W_u))``.
+
+    With ``activation="silu"`` this is SwiGLU (Shazeer, 2020), the expert of Mixtral, Qwen-MoE,
+    OLMoE and most recent MoE language models; no biases, as there. The gate and up projections
+    are stored as one matrix per member, ``gate_up`` (E, in, 2·hidden) whose first ``hidden``
+    columns are the gate's, and ``down`` (E, hidden, out): two matmuls per member and layer
+    pass, like a two-layer MLP. :meth:`load_fused` copies the weights of a Hugging Face block's
+    experts (``gate_up_proj`` (E, 2·hidden, in), ``down_proj`` (E, out, hidden)).
+
+    Args:
+        num_members: E, the number of experts.
+        in_features: input size.
+        hidden_features: hidden size of each expert (Hugging Face's ``intermediate_size``).
+        out_features: output size (default: ``in_features``).
+        activation: the gate's activation ("silu": SwiGLU, "gelu": GeGLU, "relu", ...).
+    """
+
+    def __init__(
+        self,
+        num_members: int,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        *,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.num_members = check_positive_int("num_members", num_members)
+        self.in_features = check_positive_int("in_features", in_features)
+        self.hidden_features = check_positive_int("hidden_features", hidden_features)
+        self.out_features = check_positive_int(
+            "out_features", in_features if out_features is None else out_features
+        )
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
+        self.activation = activation
+        e, h = self.num_members, self.hidden_features
+        self.gate_up = nn.Parameter(torch.empty(e, self.in_features, 2 * h))
+        self.down = nn.Parameter(torch.empty(e, h, self.out_features))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's default initialisation of each matrix: U(±1/sqrt(fan_in))."""
+        for w in (self.gate_up, self.down):
+            bound = 1.0 / math.sqrt(w.shape[1])
+            w.uniform_(-bound, bound)
+
+    @torch.no_grad()
+    def load_fused(self, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+        """Copy Hugging Face's fused expert weights (``MixtralExperts`` and alike).
+
+        Args:
+            gate_up_proj: (E, 2·hidden, in): rows ``[:hidden]`` the gate projection, rows
+                ``[hidden:]`` the up projection, each as ``nn.Linear.weight`` (out, in).
+            down_proj: (E, out, hidden).
+        """
+        e, h = self.num_members, self.hidden_features
+        want_gu = (e, 2 * h, self.in_features)
+        want_d = (e, self.out_features, h)
+        if tuple(gate_up_proj.shape) != want_gu:
+            raise ValueError(f"gate_up_proj must be {want_gu}, got {tuple(gate_up_proj.shape)}")
+        if tuple(down_proj.shape) != want_d:
+            raise ValueError(f"down_proj must be {want_d}, got {tuple(down_proj.shape)}")
+        self.gate_up.copy_(gate_up_proj.transpose(1, 2))
+        self.down.copy_(down_proj.transpose(1, 2))
+
+    def _glu(self, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return _ACTIVATIONS[self.activation](gate) * up
+
+    def forward(self, x: Tensor, members: Tensor | None = None) -> Tensor:
+        """Evaluate the experts on every row.
+
+        Args:
+            x: (B, in) shared by all members, or (E', B, in) one input per member.
+            members: optional (E',) indices: evaluate only these members.
+
+        Returns:
+            (E', B, out) with E' = E or len(members).
+        """
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x must have {self.in_features} features in its last dim, got {tuple(x.shape)}"
+            )
+        gu, down = self.gate_up, self.down
+        if members is not None:
+            gu, down = gu[members], down[members]
+        h = torch.bmm(x.expand(gu.shape[0], *x.shape[-2:]), gu)
+        return torch.bmm(self._glu(h), down)
+
+    def forward_grouped(self, x: Tensor, counts: Sequence[int]) -> Tensor:
+        """Evaluate each member on its own block of rows (see
+        :meth:`StackedMLP.forward_grouped`): two :func:`grouped_linear` calls.
+
+        Args:
+            x: (N, in) rows grouped by member (``counts[e]`` consecutive rows for member e).
+            counts: rows per member (E entries, summing to N).
+
+        Returns:
+            (N, out).
+        """
+        return grouped_linear(
+            self._glu(grouped_linear(x, self.gate_up, None, counts)), self.down, None, counts
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_members={self.num_members}, in_features={self.in_features}, "
+            f"hidden_features={self.hidden_features}, out_features={self.out_features}, "
+            f"activation={self.activation!r}"
         )
 
 

@@ -3,13 +3,18 @@
 :class:`SparseMoEFeedForward` replaces a transformer's feed-forward layer: each token ``x_t``
 (any leading dims, e.g. ``(B, S, d_model)``) is routed by a per-example gate (any registered
 gate, DSelect-k included) to at most ``k`` experts, each a two-layer MLP
-``d_model -> d_ff -> d_model``, and the output is ``Σ_i w_ti E_i(x_t)`` over the experts the token
-was dispatched to.
+``d_model -> d_ff -> d_model`` (or, with ``gated=True``, a gated unit
+``down(act(x W_g) ⊙ x W_u)``: SwiGLU with ``activation="silu"``, the experts of Mixtral, Qwen-MoE
+and OLMoE, whose weights :meth:`SparseMoEFeedForward.from_hf_block` loads), and the output is
+``Σ_i w_ti E_i(x_t)`` over the experts the token was dispatched to.
 
 Dispatch (the sparse path; no expert is ever evaluated on a token not routed to it): the
-(token, expert) pairs are sorted by expert, each used expert runs one matmul per layer on its
-block of rows (:meth:`~dselectk.layers.StackedMLP.forward_grouped`), and the weighted results are
-scatter-added back to their tokens.
+(token, expert) pairs are sorted by expert, the tokens are gathered once in that order, each
+layer is one grouped matmul (:func:`~dselectk.layers.experts.grouped_linear`: one matmul per
+used expert on its block of rows, forward and backward written into shared buffers), and the
+weighted results are scatter-added back to their tokens. :meth:`SparseMoEFeedForward.reference`
+computes the same output the slow way (every expert on every token, masked), differentiably:
+the tests' oracle.
 
 Which experts a token goes to: those with a nonzero weight, at most ``k`` of them (the largest).
 For gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits S(Wx) are binary)
@@ -63,12 +68,11 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate, check_nonnegative, check_positive_int
 from dselectk.gates.registry import GATES, make_gate
-from dselectk.layers.experts import _ACTIVATIONS, StackedMLP
+from dselectk.layers.experts import GatedMLP, StackedMLP
 
 __all__ = ["Routing", "SparseMoEFeedForward", "TokenMoEOutput", "balance_loss"]
 
@@ -103,32 +107,37 @@ class Routing(NamedTuple):
     """Pairs dropped by the capacity limit."""
 
 
-def _grouped_mlp(experts: StackedMLP, x: Tensor, counts: list[int]) -> Tensor:
-    """``experts.forward_grouped(x, counts)`` for autograd: the same matmuls, cheaper backward.
+def _hf_activation(fn: Any) -> str:
+    """Our name of a transformers activation module (``ACT2FN[...]``)."""
+    name = type(fn).__name__.lower()
+    for ours, theirs in (("silu", "silu"), ("silu", "swish"), ("relu", "relu"), ("tanh", "tanh")):
+        if name.startswith(theirs):
+            return ours
+    if name in ("geluactivation", "gelu") and getattr(fn, "approximate", "none") == "none":
+        return "gelu"
+    raise ValueError(f"block: the experts' activation {type(fn).__name__} is not supported")
 
-    Slicing member e's weight (``w[e]``) and rows (``h[a:b]``) once per member gives each
-    slice its own backward node, which allocates a zero tensor of the whole stacked weight
-    (resp. of all rows) and adds it up, E times per layer: 35 % of the block's forward + backward
-    (measured, 2048 tokens, 8 experts, 1 thread). ``unbind`` and ``split`` have one backward
-    node each (a ``stack`` resp. a ``cat``).
-    """
-    tracked = torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in experts.parameters())
-    )
-    if not tracked:  # the no-grad path writes into one buffer: already cheap
-        return experts.forward_grouped(x, counts)
-    act = _ACTIVATIONS[experts.activation]
-    last = len(experts.weights) - 1
-    used = [e for e, c in enumerate(counts) if c]
-    h = x
-    for i, (w, b) in enumerate(zip(experts.weights, experts.biases)):
-        ws, bs, hs = w.unbind(0), b.unbind(0), h.split(counts)
-        h = torch.cat([torch.addmm(bs[e], hs[e], ws[e]) for e in used]) if used else h @ w[0]
-        if i < last or experts.final_activation:
-            h = act(h)
-            if experts.dropout > 0:
-                h = F.dropout(h, experts.dropout, experts.training)
-    return h
+
+class _Combine(torch.autograd.Function):
+    """``out[t] = Σ_{pairs p of token t} w_p · y_p`` for (P, d) expert outputs ``y``: the
+    weighting and the scatter-add in one node. Backward gathers the output gradient once and
+    reuses that buffer for the gradient of ``y`` (scaled in place)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, y: Tensor, weight: Tensor, token: Tensor, num_tokens: int
+    ) -> Tensor:
+        ctx.save_for_backward(y, weight, token)
+        out = y.new_zeros(num_tokens, y.shape[1])
+        return out.index_add_(0, token, y * weight.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        y, weight, token = ctx.saved_tensors
+        g = grad.index_select(0, token)  # (P, d)
+        g_weight = (g * y).sum(1) if ctx.needs_input_grad[1] else None
+        g_y = g.mul_(weight.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return g_y, g_weight, None, None
 
 
 def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
@@ -163,7 +172,12 @@ class SparseMoEFeedForward(nn.Module):
             some (token routing only).
         routing: "token" (each token picks its k experts) or "expert" (expert choice: each
             expert picks its ``C = ceil(c · N · k / n)`` tokens; module docstring).
-        activation: the experts' hidden activation ("gelu", "relu", ...).
+        activation: the experts' hidden activation ("gelu", "relu", "silu", ...); with
+            ``gated=True`` the activation of the gate projection.
+        gated: gated experts (:class:`~dselectk.layers.GatedMLP`, no biases):
+            ``down(act(x W_g) ⊙ x W_u)`` with hidden size ``d_ff``; SwiGLU with
+            ``activation="silu"``. False (default): two-layer MLPs with biases
+            (:class:`~dselectk.layers.StackedMLP`).
         router_kwargs: extra arguments of the gate when ``router`` is a name (gamma, ...).
     """
 
@@ -185,6 +199,7 @@ class SparseMoEFeedForward(nn.Module):
         activation: str = "gelu",
         router_kwargs: dict[str, Any] | None = None,
         routing: str = "token",
+        gated: bool = False,
     ) -> None:
         super().__init__()
         if routing not in ("token", "expert"):
@@ -221,10 +236,82 @@ class SparseMoEFeedForward(nn.Module):
         if router.num_experts != num_experts:
             raise ValueError(f"router has {router.num_experts} experts, expected {num_experts}")
         self.router = router
-        self.experts = StackedMLP(
-            num_experts, d_model, [d_ff, d_model], activation=activation, final_activation=False
-        )
+        self.gated = bool(gated)
+        self.experts: StackedMLP | GatedMLP
+        if self.gated:
+            self.experts = GatedMLP(num_experts, d_model, d_ff, activation=activation)
+        else:
+            self.experts = StackedMLP(
+                num_experts, d_model, [d_ff, d_model], activation=activation, final_activation=False
+            )
         self.last_stats = None
+
+    @classmethod
+    def from_hf_block(cls, block: nn.Module, **kwargs: Any) -> SparseMoEFeedForward:
+        """A gated block holding the experts and router of a Hugging Face sparse MoE block.
+
+        For blocks built like transformers' ``MixtralSparseMoeBlock`` (``OlmoeSparseMoeBlock``,
+        ``Qwen2MoeSparseMoeBlock``, ...): ``block.gate`` a top-k router with a
+        ``(num_experts, hidden)`` ``weight`` and ``top_k``, and ``block.experts`` with fused
+        ``gate_up_proj`` (E, 2·intermediate, hidden) and ``down_proj`` (E, hidden,
+        intermediate) and ``act_fn``. The router becomes a bias-free ``"topk"`` gate (softmax
+        over the k largest logits: Mixtral, and Qwen-MoE / OLMoE with ``norm_topk_prob``) or,
+        when the router does not renormalise its top k (``norm_topk_prob=False``), a bias-free
+        ``"softmax"`` gate cut to its k largest weights, which is exactly that routing. The
+        result computes the block's output up to rounding (and the order of ties). Not
+        hosted: a shared expert (Qwen-MoE's ``shared_expert`` and its gate; add it yourself)
+        and router jitter noise in training.
+
+        Args:
+            block: the Hugging Face block (transformers is not imported here).
+            **kwargs: other arguments of the constructor (``balance_loss_weight``,
+                ``capacity_factor``, ...).
+        """
+        gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        weight = getattr(gate, "weight", None)
+        gate_up = getattr(experts, "gate_up_proj", None)
+        down = getattr(experts, "down_proj", None)
+        top_k = getattr(gate, "top_k", None)
+        if not (
+            isinstance(weight, Tensor)
+            and weight.dim() == 2
+            and isinstance(gate_up, Tensor)
+            and gate_up.dim() == 3
+            and isinstance(down, Tensor)
+            and down.dim() == 3
+            and isinstance(top_k, int)
+        ):
+            raise TypeError(
+                "block must have gate.weight (E, hidden), gate.top_k, experts.gate_up_proj "
+                f"(E, 2*intermediate, hidden) and experts.down_proj, got {type(block).__name__}"
+            )
+        if getattr(gate, "bias", None) is not None:
+            raise ValueError("block: routers with a bias are not hosted (gate.bias is set)")
+        act = _hf_activation(getattr(experts, "act_fn", None))
+        n, d_model = weight.shape
+        d_ff = gate_up.shape[1] // 2
+        renorm = bool(getattr(gate, "norm_topk_prob", True))
+        for key in ("router", "k", "gated", "activation", "router_kwargs", "renormalize"):
+            if key in kwargs:
+                raise ValueError(f"{key} is taken from the block; do not pass it")
+        layer = cls(
+            d_model,
+            d_ff,
+            n,
+            "topk" if renorm else "softmax",
+            top_k,
+            gated=True,
+            activation=act,
+            router_kwargs={"bias": False},
+            **kwargs,
+        ).to(dtype=gate_up.dtype, device=gate_up.device)
+        with torch.no_grad():
+            proj = layer.router.proj
+            assert proj is not None
+            proj.weight.copy_(weight)
+        assert isinstance(layer.experts, GatedMLP)
+        layer.experts.load_fused(gate_up.detach(), down.detach())
+        return layer
 
     def capacity(self, num_tokens: int) -> int | None:
         """Pairs each expert takes from a batch of ``num_tokens`` tokens (None: no limit; expert
@@ -291,13 +378,17 @@ class SparseMoEFeedForward(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.d_model)
         r = self.route(flat)
-        y = _grouped_mlp(self.experts, flat[r.token], r.counts)  # (P, d): one matmul/expert
-        y = y * r.pair_weight.unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(flat).index_add(0, r.token, y)
+        # (P, d): one gather, one grouped matmul per layer
+        y = self.experts.forward_grouped(flat.index_select(0, r.token), r.counts)
+        out = _Combine.apply(y, r.pair_weight.to(y.dtype), r.token, flat.shape[0])
         # A token whose router weights are not finite (a NaN input) is routed to no expert;
-        # its output must say so (NaN), not read as a valid zero. One masked add, no sync.
+        # its output must say so (NaN), not read as a valid zero. On the CPU a check (no
+        # pass over the output when every token is fine); elsewhere one masked add, no sync.
         bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
-        out = out + torch.where(bad, torch.nan, 0.0).to(out.dtype)
+        if out.device.type != "cpu":
+            out = out + torch.where(bad, torch.nan, 0.0).to(out.dtype)
+        elif bool(bad.any()):
+            out = out.masked_fill(bad, torch.nan)
         aux = r.gate_aux
         if self.balance_loss_weight > 0:
             aux = aux + self.balance_loss_weight * balance_loss(r.weights, r.routed)
@@ -317,10 +408,26 @@ class SparseMoEFeedForward(nn.Module):
         every = self.experts(flat)  # (n, N, d)
         return torch.einsum("tn,ntd->td", w, every).reshape(x.shape)
 
+    def reference(self, x: Tensor) -> Tensor:
+        """The output of :meth:`forward` computed densely: every expert on every token, each
+        token's outputs mixed with its dispatched pair weights (0 for experts it does not go
+        to). Differentiable (the same routing, so the same gradients up to rounding); costs
+        ``num_experts / k`` times the sparse path's expert FLOPs. For tests and debugging."""
+        flat = x.reshape(-1, self.d_model)
+        r = self.route(flat)
+        mix = flat.new_zeros(flat.shape[0], self.num_experts)
+        mix = mix.index_put((r.token, r.expert), r.pair_weight.to(mix.dtype), accumulate=True)
+        every = self.experts(flat)  # (n, N, d)
+        out = torch.einsum("tn,ntd->td", mix, every)
+        bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
+        out = out + torch.where(bad, torch.nan, 0.0).to(out.dtype)
+        return out.reshape(x.shape)
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
             f"capacity_factor={self.capacity_factor}, "
             f"balance_loss_weight={self.balance_loss_weight:g}, renormalize={self.renormalize}"
             + (", routing='expert'" if self.routing == "expert" else "")
+            + (", gated=True" if self.gated else "")
         )
