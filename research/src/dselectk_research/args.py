@@ -18,6 +18,25 @@ from typing import Any, TypeVar
 from dselectk._argtypes import int_at_least as int_at_least  # re-exported for the recipes
 from dselectk.gates.registry import HParam, gate_spec
 
+__all__ = [
+    "add_config_arguments",
+    "add_hparam_arguments",
+    "check_fits",
+    "check_out_dir",
+    "config_from_args",
+    "existing_file",
+    "file_digest",
+    "fraction",
+    "hparam_type",
+    "int_at_least",
+    "nonnegative_float",
+    "out_dir",
+    "positive_float",
+    "probability",
+    "read_json_object",
+    "setting",
+]
+
 T = TypeVar("T")
 
 

@@ -279,28 +279,46 @@ def mean_se(values: Sequence[float]) -> dict[str, float | int]:
     return {"mean": mean, "se": se, "n": n}
 
 
-def diverged(record: Mapping[str, Any], metrics: Sequence[str]) -> bool:
-    """Whether a run diverged: its record says so (``"diverged": true``), or one of the
-    ``metrics`` is missing or not finite (NaN is saved as JSON null)."""
+#: How far above the loss of a trivial predictor (predicting 0, or the uniform distribution) a
+#: run's loss may finish before it counts as exploded: each study's :data:`FINITE`-style bounds
+#: (``{metric: bound}``) are this factor times its trivial loss, stated beside them. A run
+#: beyond its bound learned nothing a mean or a paired comparison could use (``--lr 1e6``
+#: finishes at a test MSE of 1e13 without a single NaN).
+EXPLOSION_FACTOR = 100.0
+
+#: Metrics a run must have: a sequence of names (finite values) or ``{name: bound}`` (finite
+#: and at most ``bound``; ``math.inf``: finite only).
+Bounds = Sequence[str] | Mapping[str, float]
+
+
+def diverged(record: Mapping[str, Any], metrics: Bounds) -> bool:
+    """Whether a run diverged: its record says so (``"diverged": true``), one of the
+    ``metrics`` is missing or not finite (NaN is saved as JSON null), or it exploded: it lies
+    above its bound (``metrics`` as ``{name: bound}``, see :data:`EXPLOSION_FACTOR`)."""
     if record.get("diverged"):
         return True
     values = record.get("metrics", {})
-    return any(
-        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-        for v in map(values.get, metrics)
-    )
+    limits = metrics if isinstance(metrics, Mapping) else dict.fromkeys(metrics, math.inf)
+    for name, bound in limits.items():
+        v = values.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return True
+        if v > bound:
+            return True
+    return False
 
 
 def summarize(
     records: Iterable[Mapping[str, Any]],
     group_by: Sequence[str],
     *,
-    finite: Sequence[str] | None = None,
+    finite: Bounds | None = None,
 ) -> list[dict[str, Any]]:
     """One row per distinct value of the config keys ``group_by``, with mean/se/n of each
-    numeric metric (over its finite values). With ``finite`` (metric names a run must have
-    finite), each row also counts its ``runs`` and how many ``diverged`` (:func:`diverged`), so
-    a run lost to NaN stays visible; the means are then over the runs that did not diverge."""
+    numeric metric (over its finite values). With ``finite`` (the metrics a run must have finite,
+    or ``{name: bound}``: finite and at most the bound), each row also counts its ``runs`` and
+    how many ``diverged`` (:func:`diverged`), so a run lost to NaN or an explosion stays
+    visible; the means are then over the runs that did not diverge."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
         key = tuple(json.dumps(r["config"].get(k)) for k in group_by)
@@ -374,7 +392,7 @@ def sweep_summary(
     group_by: Sequence[str],
     records: Sequence[Mapping[str, Any]],
     others: int,
-    finite: Sequence[str],
+    finite: Bounds,
     wall_seconds: float | None,
     command: str | None,
     **given: Any,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dselectk.io import write_json, write_text
 from dselectk_research.records import RunStore, partial_line, read_object, record_experiment
@@ -103,4 +105,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"rebuilt the {name} report: {directory / 'report.md'}")
     if (status := RunStore(directory).sweep_status()) is not None:
         print(f"dselectk: {partial_line(status)}", file=sys.stderr)
+    if line := diverged_line(read_object(directory / "summary.json")):
+        print(f"dselectk: {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def diverged_line(summary: Mapping[str, Any]) -> str | None:
+    """One line when the summarised final runs include diverged ones (non-finite or exploded
+    losses, :func:`~dselectk_research.records.diverged`): the exit status of ``dselectk report``
+    is then 1, as the sweep's was; else None (tuning runs that diverged are part of a grid)."""
+    if not (runs := int(summary.get("diverged") or 0)):
+        return None
+    return (
+        f"{runs} run(s) of this folder diverged (non-finite or exploded loss); report.md names "
+        "them, counts them and leaves them out of its means"
+    )

@@ -209,9 +209,9 @@ def _diverged(summary: Mapping[str, Any]) -> str | None:
     if not bad:
         return None
     return (
-        f"runs diverged (non-finite test or validation loss) in {', '.join(bad)}; the report "
-        "counts them beside their gate and leaves them out of the means; lower --lr or check "
-        "the settings"
+        "runs diverged (non-finite or exploded test or validation loss) in "
+        f"{', '.join(bad)}; the report counts them beside their gate and leaves them out of "
+        "the means; lower --lr or check the settings"
     )
 
 

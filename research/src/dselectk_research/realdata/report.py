@@ -288,7 +288,8 @@ def _diverged_sentence(summary: Mapping[str, Any]) -> str:
     text = " None diverged."
     if n:
         text = (
-            f" **{n} of them diverged** (non-finite losses: {', '.join(diverged_cells(summary))});"
+            f" **{n} of them diverged** (non-finite or exploded losses: "
+            f"{', '.join(diverged_cells(summary))});"
             " the tables name them beside their gate and leave them out of the means."
         )
     if tune:

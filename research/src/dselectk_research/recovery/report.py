@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from dselectk.io import write_json, write_text
 from dselectk_research.data.recovery import NUM_TRUE
 from dselectk_research.records import (
+    EXPLOSION_FACTOR,
     RunStore,
     diverged,
     read_object,
@@ -28,8 +30,10 @@ from dselectk_research.templates import (
 #: true experts recovered by the paper's tuned model, at the paper's shape
 PAPER = {"dselect_k": 4, "topk": 1}
 PAPER_SHAPE = {"experts": NUM_EXPERTS, "true": NUM_TRUE, "k": NUM_TRUE}
-#: metrics a run must have finite, else it counts as diverged
-FINITE = ("val_loss",)
+#: metrics a run must have finite and at most their bound, else it counts as diverged: a
+#: validation loss (binary cross-entropy) over :data:`~dselectk_research.records.EXPLOSION_FACTOR`
+#: times ln 2, the loss of predicting 1/2
+FINITE = {"val_loss": EXPLOSION_FACTOR * math.log(2.0)}
 
 
 def diverged_lrs(summary: Mapping[str, Any]) -> list[str]:
@@ -43,7 +47,7 @@ def diverged_line(summary: Mapping[str, Any]) -> str | None:
     if not bad:
         return None
     return (
-        f"runs diverged (non-finite validation loss) at {', '.join(bad)}; the report "
+        f"runs diverged (non-finite or exploded validation loss) at {', '.join(bad)}; the report "
         "counts them and the selection skips those learning rates; lower --lrs"
     )
 
@@ -200,7 +204,7 @@ def _markdown(summary: Mapping[str, Any], plots: list[Path]) -> str:
         "recovery",
         **header(summary),
         diverged=(
-            f" **{summary['diverged']} of them diverged** (non-finite validation loss: "
+            f" **{summary['diverged']} of them diverged** (non-finite or exploded validation loss: "
             f'{", ".join(diverged_lrs(summary))}); counted in the "diverged" column, left '
             "out of the means."
             if summary.get("diverged")

@@ -13,7 +13,7 @@ from dselectk_research.args import add_config_arguments, int_at_least, positive_
 from dselectk_research.recovery.model import BATCH_SIZE
 from dselectk_research.runner import Recipe, add_run_arguments, executor_from_args, run_recipe
 from dselectk_research.selection import study as S
-from dselectk_research.selection.report import print_table, write_report
+from dselectk_research.selection.report import diverged_line, print_table, write_report
 from dselectk_research.synthetic.spec import paper_grid
 
 #: the dry run's cost model, seconds on one core of the development machine under load ~6 on
@@ -199,7 +199,7 @@ def recipe(config: SelectionConfig) -> Recipe:
     """One cell per (arm, shape), for the shared runner."""
     return Recipe(S.cells(config), S.run_cell, _load_data, _data_key, S.cell_name, cost=_cost,
                   write_report=write_report, print_table=print_table,
-                  experiment=S.EXPERIMENT)  # fmt: skip
+                  diverged=diverged_line, experiment=S.EXPERIMENT)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,11 +11,13 @@ from typing import Any
 from dselectk.io import write_json, write_text
 from dselectk_research.records import (
     RunStore,
+    diverged,
     mean_se,
     read_object,
     run_id,
     summarize,
 )
+from dselectk_research.recovery.report import FINITE as RECOVERY_FINITE
 from dselectk_research.selection.study import (
     ARMS,
     BASELINES,
@@ -25,6 +27,7 @@ from dselectk_research.selection.study import (
     SEARCH_ARMS,
     template,
 )
+from dselectk_research.synthetic.report import FINITE as C1_FINITE
 from dselectk_research.templates import (
     Column,
     format_mean_se,
@@ -33,6 +36,11 @@ from dselectk_research.templates import (
     screen_table,
 )
 
+#: the metrics a run must have finite and within their bounds (recovery's and C.1's, see
+#: :data:`~dselectk_research.records.EXPLOSION_FACTOR`), else it diverged: it is counted in its
+#: arm's row and left out of the means and of every paired comparison
+TEST_FINITE = {"test_loss": RECOVERY_FINITE["val_loss"]}
+TUNE_FINITE = RECOVERY_FINITE
 #: the verdict's comparisons: (arm, against)
 VERDICT_PAIRS = (("dselect_k_search", "search_only"), ("dselect_k_search", "topk_search"))
 
@@ -96,29 +104,34 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     tests = [r for r in records if r["config"].get("phase") == "test"]
     tune = [r for r in records if r["config"].get("phase") == "tune"]
     shapes: dict[str, Any] = {}
-    for row in summarize(tests, ["shape", "arm", "lr"]):
+    for row in summarize(tests, ["shape", "arm", "lr"], finite=TEST_FINITE):
         s = shapes.setdefault(_key(row["shape"]), {"shape": row["shape"], "rows": []})
         row["label"] = ARMS[row["arm"]].label if row["arm"] in ARMS else row["arm"]
         row["search"] = bool(row["arm"] in ARMS and ARMS[row["arm"]].search)
         s["rows"].append(row)
     val: dict[str, dict[tuple[str, float], float]] = {}
-    for row in summarize(tune, ["shape", "arm", "lr"]):  # recovered at every lr (robustness)
+    # recovered at every lr (robustness)
+    for row in summarize(tune, ["shape", "arm", "lr"], finite=TUNE_FINITE):
         key = _key(row["shape"])
         by_lr = shapes[key].setdefault("by_lr", {}).setdefault(row["arm"], {})
         by_lr[f"{row['lr']:g}"] = row["metrics"]["recovered"]["mean"]
-        val.setdefault(key, {})[(row["arm"], row["lr"])] = row["metrics"]["val_loss"]["mean"]
+        loss = row["metrics"]["val_loss"]["mean"]
+        val.setdefault(key, {})[(row["arm"], row["lr"])] = loss if math.isfinite(loss) else math.inf
+    diverged_tests = [r for r in tests if diverged(r, TEST_FINITE)]
+    diverged_c1 = [r for r in c1 if diverged(r, C1_FINITE)]
+    ok_tests = [r for r in tests if r not in diverged_tests]  # never paired, never averaged
     for key, s in shapes.items():  # the best no-search arm: lowest validation loss at its lr
-        mine = [r for r in tests if _key(r["config"]["shape"]) == key]
+        mine = [r for r in ok_tests if _key(r["config"]["shape"]) == key]
         v = val.get(key, {})
         _compare(s, mine, "recovered", 1.0, lambda r, v=v: v.get((r["arm"], r["lr"]), math.inf))
     c1_tasks: dict[str, Any] = {}
-    for row in summarize(c1, ["num_tasks", "arm", "hparams"]):
+    for row in summarize(c1, ["num_tasks", "arm", "hparams"], finite=C1_FINITE):
         s = c1_tasks.setdefault(str(row["num_tasks"]), {"tasks": row["num_tasks"], "rows": []})
         row["label"] = C1_ARMS[row["arm"]].label if row["arm"] in C1_ARMS else row["arm"]
         s["rows"].append(row)
     for s in c1_tasks.values():  # test MSE negated: a positive difference is a win
-        mine = [r for r in c1 if r["config"]["num_tasks"] == s["tasks"]]
-        _compare(s, mine, "test_mse", -1.0, lambda r: r["metrics"]["val_mse"]["mean"])
+        mine = [r for r in c1 if r["config"]["num_tasks"] == s["tasks"] and r not in diverged_c1]
+        _compare(s, mine, "test_mse", -1.0, _finite_or_inf("val_mse"))
     tuned = {r["run_id"]: r["metrics"]["recovered"] for r in tune}
     same = sum(
         tuned.get(run_id({**c, "phase": "tune", "data": {**c["data"], "n_test": 0}}))
@@ -128,7 +141,40 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     )
     return {"shapes": shapes, "pooled": _pooled(shapes), "tests": len(tests), "tune": len(tune),
             "retrain_same_selection": same, "c1": c1_tasks, "c1_pooled": _pooled(c1_tasks),
-            "c1_tests": len(c1)}  # fmt: skip
+            "c1_tests": len(c1), "diverged": len(diverged_tests) + len(diverged_c1),
+            "diverged_runs": sorted(_run_name(r) for r in diverged_tests + diverged_c1),
+            "tune_diverged": sum(diverged(r, TUNE_FINITE) for r in tune)}  # fmt: skip
+
+
+def _finite_or_inf(metric: str) -> Callable[[Mapping[str, Any]], float]:
+    """A row's mean ``metric``, infinite where no run of it kept a finite value."""
+
+    def value(row: Mapping[str, Any]) -> float:
+        m = row["metrics"].get(metric) or {}
+        mean = m.get("mean", math.nan)
+        return mean if m.get("n") and math.isfinite(mean) else math.inf
+
+    return value
+
+
+def _run_name(record: Mapping[str, Any]) -> str:
+    """``arm setting rep r`` of a run, for the lines naming diverged runs."""
+    c = record["config"]
+    where = f"T={c['num_tasks']}" if "num_tasks" in c else _key(c["shape"])
+    lr = c.get("lr", (c.get("hparams") or {}).get("lr", "?"))
+    return f"{c['arm']} {where} lr={lr} rep {c['rep']}"
+
+
+def diverged_line(summary: Mapping[str, Any]) -> str | None:
+    """The one line naming the test runs that diverged (the command's exit status), or None."""
+    runs = summary.get("diverged_runs") or []
+    if not runs:
+        return None
+    named = ", ".join(runs[:8]) + (", ..." if len(runs) > 8 else "")
+    return (
+        f"{len(runs)} test run(s) diverged (non-finite or exploded loss): {named}; counted in "
+        "the report's rows, left out of its means and paired comparisons; lower --lrs"
+    )
 
 
 def _pct(m: Mapping[str, Any] | None) -> str:
@@ -170,6 +216,7 @@ RECOVERY_COLUMNS = (
     *_PROBES,
     Column("test loss", "test_loss", 3),
     Column("n", value=lambda r: r["metrics"]["recovered"]["n"]),
+    Column("diverged", value=lambda r: r.get("diverged", 0)),
 )
 C1_COLUMNS = (
     _ARM,
@@ -182,6 +229,7 @@ C1_COLUMNS = (
     Column("tasks binary", value=_percent("frac_tasks_binary"), screen="binary"),
     *_PROBES,
     Column("n", value=lambda r: r["metrics"]["test_mse"]["n"]),
+    Column("diverged", value=lambda r: r.get("diverged", 0)),
 )
 _PAIR = (Column("arm", value=lambda p: p["arm"]), Column("against", value=lambda p: p["against"]))
 _WIN_TIE_LOSS = Column("win/tie/loss", value=lambda p: f"{p['win']}/{p['tie']}/{p['loss']}")
@@ -307,6 +355,19 @@ def _tables(summary: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _diverged_text(summary: Mapping[str, Any]) -> list[str]:
+    """The report's lines on diverged runs (test and tuning), or none."""
+    out = []
+    if line := diverged_line(summary):
+        out.append(f"**{line[0].upper()}{line[1:]}.**")
+    if tune := summary.get("tune_diverged"):
+        out.append(
+            f"{tune} tuning run(s) diverged: their learning rates' mean validation loss is "
+            "over the runs that did not."
+        )
+    return [*out, ""] if out else []
+
+
 def _markdown(summary: Mapping[str, Any]) -> str:
     wall = summary.get("wall_seconds")
     return (
@@ -321,7 +382,7 @@ def _markdown(summary: Mapping[str, Any]) -> str:
             c1_tune=summary.get("c1_tune", 0),
             same=summary["retrain_same_selection"],
             others=others_note(summary.get("records_not_summarised", 0)),
-            tables="\n".join(_tables(summary)),
+            tables="\n".join([*_diverged_text(summary), *_tables(summary)]),
             verdict="\n".join(_verdict(summary)),
         )
     )

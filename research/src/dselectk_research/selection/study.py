@@ -24,11 +24,12 @@ from dselectk.search import SwapSearch
 from dselectk.variants import SearchPlan, Variant, total_steps, variant_table
 from dselectk_research.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
 from dselectk_research.data.synthetic import SyntheticData, generate_data
-from dselectk_research.records import RunStore, read_record, run_id
+from dselectk_research.records import RunStore, diverged, read_record, run_id
 from dselectk_research.recovery import VARIANTS, train_reps
 from dselectk_research.recovery.model import BATCH_SIZE
 from dselectk_research.recovery.recipe import init_seed as recovery_init_seed
 from dselectk_research.recovery.recipe import tuned_hparams
+from dselectk_research.recovery.report import FINITE as RECOVERY_FINITE
 from dselectk_research.runner import missing
 from dselectk_research.synthetic import train as c1_train
 from dselectk_research.synthetic.spec import BATCH_SIZE as C1_BATCH
@@ -369,7 +370,9 @@ def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> 
     loss: dict[float, list[float]] = {}
     for c in cfgs:
         rec = read_record(store.path(run_id(c)))
-        loss.setdefault(c["lr"], []).append(rec["metrics"]["val_loss"])
+        # a diverged run (non-finite or exploded, recovery's bound) makes its rate's mean inf
+        bad = diverged(rec, RECOVERY_FINITE)
+        loss.setdefault(c["lr"], []).append(math.inf if bad else rec["metrics"]["val_loss"])
     mean = {v: sum(ls) / len(ls) for v, ls in loss.items()}
     lr = min(loss, key=lambda v: (mean[v] if math.isfinite(mean[v]) else math.inf, v))
     tests = [_record(name, shape, hp, lr, r, "test") for r in range(config.reps)]

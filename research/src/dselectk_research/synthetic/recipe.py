@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import operator
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dselectk_research.args import (
     setting,
 )
 from dselectk_research.data.synthetic import SyntheticData, generate_data
-from dselectk_research.records import RunStore
+from dselectk_research.records import RunStore, diverged
 from dselectk_research.runner import (
     Recipe,
     add_run_arguments,
@@ -36,7 +35,7 @@ from dselectk_research.runner import (
     missing,
     run_recipe,
 )
-from dselectk_research.synthetic.report import diverged_line, print_table, write_report
+from dselectk_research.synthetic.report import FINITE, diverged_line, print_table, write_report
 from dselectk_research.synthetic.spec import (
     DEFAULT_GATES,
     EXPERIMENT,
@@ -198,8 +197,7 @@ def run_cell(
         final, w = res[0][int(hp["epochs"])], res[1].inference_weights()
         for i, (r, s) in enumerate(chunk):
             extra: dict[str, Any] = {"train_seconds": elapsed / len(chunk)}
-            mse = final[i].get("test_mse")
-            if mse is None or not math.isfinite(float(mse)):
+            if diverged({"metrics": final[i]}, FINITE):  # non-finite or exploded
                 extra["diverged"] = True  # counted in the report, never averaged
             if r == 0:
                 extra["weights"] = [[round(float(x), 4) for x in row] for row in w[i]]

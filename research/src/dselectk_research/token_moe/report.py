@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from dselectk.io import write_json, write_text
-from dselectk_research.records import RunStore, diverged, mean_se, sweep_summary
+from dselectk_research.records import (
+    EXPLOSION_FACTOR,
+    RunStore,
+    diverged,
+    mean_se,
+    sweep_summary,
+)
 from dselectk_research.templates import (
     Column,
     header,
@@ -27,8 +33,10 @@ def _label(router: str) -> str:
     return ROUTERS[router].label if router in ROUTERS else router
 
 
-#: metrics a run must have finite, else it counts as diverged
-FINITE = ("val_bpc",)
+#: metrics a run must have finite and at most their bound, else it counts as diverged: a
+#: validation loss over :data:`~dselectk_research.records.EXPLOSION_FACTOR` times the 8 bits per
+#: byte of the uniform prediction
+FINITE = {"val_bpc": EXPLOSION_FACTOR * 8.0}
 #: the results table (router); those with a ``screen`` heading are also printed
 COLUMNS = (
     Column("router", value=lambda r: r["label"]),
@@ -118,8 +126,8 @@ def diverged_line(summary: Mapping[str, Any]) -> str | None:
         return None
     named = ", ".join(f"{_label(g)} seed {s} (step {step})" for s, g, step in runs)
     return (
-        f"{len(runs)} run(s) diverged (non-finite loss or gradients): {named}; counted in the "
-        "report, left out of its means; lower --lr"
+        f"{len(runs)} run(s) diverged (non-finite or exploded loss or gradients): {named}; "
+        "counted in the report, left out of its means; lower --lr"
     )
 
 
