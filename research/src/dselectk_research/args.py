@@ -34,6 +34,7 @@ __all__ = [
     "positive_float",
     "probability",
     "read_json_object",
+    "seed_value",
     "setting",
 ]
 
@@ -67,6 +68,28 @@ probability = _float_type("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 fraction = _float_type("a fraction in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
+#: the largest seed a flag takes: the seeds a study derives from it (init, shuffling, data) are
+#: taken modulo 2**31, so a larger one would silently run the same as a smaller one
+SEED_MAX = 2**31 - 1
+
+
+def seed_value(text: str) -> int:
+    """An argparse type: a seed, an integer in [0, :data:`SEED_MAX`] (``1e20`` or ``2**32``
+    stop here with one line, instead of aliasing or overflowing in torch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer seed in [0, {SEED_MAX}], got {text!r}"
+        ) from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer seed in [0, {SEED_MAX}] (larger seeds would alias smaller "
+            f"ones), got {text}"
+        )
+    return value
+
+
 def check_out_dir(path: str | Path) -> Path:
     """Create the results folder if needed and check that it can be written, up front (a
     ValueError when ``path`` is a file, or cannot be created or written)."""
@@ -87,22 +110,43 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T
     given = {**vars(args), **values}
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     kw = {f.name: given[f.name] for f in fields if f.name in given}
+    for f in fields:  # a flag of a mode that is off would be credited, never applied
+        need = f.metadata.get("requires")
+        default = f.metadata["flag"][1]["default"] if "flag" in f.metadata else f.default
+        if need and f.name in kw and kw[f.name] != default and not kw.get(need):
+            flag, switch = (f"--{n.replace('_', '-')}" for n in (f.name, need))
+            raise ValueError(
+                f"{flag} {kw[f.name]}: applies only with {switch} (without it the flag has no "
+                f"effect); drop it or add {switch}"
+            )
     # lists become tuples without repeats: the config is hashable, ``--gates topk topk`` one cell
     return cls(**{k: tuple(dict.fromkeys(v)) if isinstance(v, list) else v for k, v in kw.items()})
 
 
-def setting(default: Any, /, help: str | None = None, alias: str | None = None, **kw: Any) -> Any:
+def setting(
+    default: Any,
+    /,
+    help: str | None = None,
+    alias: str | None = None,
+    requires: str | None = None,
+    **kw: Any,
+) -> Any:
     """A run-config field that is also the flag ``--NAME`` (and ``alias``) of
     :func:`add_config_arguments`, with argparse's ``kw`` (``type``, ``choices``...): a tuple
     takes one or more values, False makes a switch; the flag's default is the field's unless
     ``kw`` has another (None: the recipe resolves an absent flag), and ``kw`` may set another
-    ``nargs`` or ``action``."""
+    ``nargs`` or ``action``. ``requires``: the switch (a boolean field) without which the flag
+    has no effect: :func:`config_from_args` refuses the flag with another value than its
+    default when that switch is off."""
     kw = {"help": help, "default": default, **kw}
     if isinstance(default, tuple):
         kw.setdefault("nargs", "+")
     if default is False:
         kw.setdefault("action", "store_true")
-    return dataclasses.field(default=default, metadata={"flag": (alias, kw)})
+    meta: dict[str, Any] = {"flag": (alias, kw)}
+    if requires is not None:
+        meta["requires"] = requires
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def add_config_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:

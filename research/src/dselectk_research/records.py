@@ -151,10 +151,18 @@ class RunStore:
         return mine, len(records) - len(mine)
 
     # -- the state of a sweep ----------------------------------------------------------------
-    def begin_sweep(self, command: str, cells: Sequence[str], planned_runs: int | None) -> None:
+    def begin_sweep(
+        self,
+        command: str,
+        cells: Sequence[str],
+        planned_runs: int | None,
+        output_settings: Mapping[str, Any] | None = None,
+    ) -> None:
         """Record that a sweep of ``cells`` starts (``planned_runs``: its final runs, when the
-        recipe can count them up front)."""
+        recipe can count them up front; ``output_settings``: what its runs write beside their
+        records, e.g. telemetry)."""
         state = {
+            "output_settings": dict(output_settings or {}),
             "command": command,
             "cells": list(cells),
             "planned_runs": planned_runs,

@@ -15,6 +15,7 @@ from typing import Any
 
 from dselectk.io import write_json, write_text
 from dselectk_research.records import RunStore, partial_line, read_object, record_experiment
+from dselectk_research.runner import note_earlier_reports, report_pair
 
 #: experiment name (``dselectk reproduce NAME``, ``config["experiment"]``) → its module
 EXPERIMENTS: dict[str, str] = {
@@ -65,8 +66,10 @@ def rebuild(results_dir: Path) -> str:
             f"{results_dir}: records of an unknown experiment {name!r}; expected one of "
             f"{', '.join(EXPERIMENTS)}"
         )
-    importlib.import_module(experiment_module(name)).write_report(results_dir)
-    mark_partial(results_dir)
+    with report_pair(results_dir):  # summary and report stay in step, whatever fails
+        importlib.import_module(experiment_module(name)).write_report(results_dir)
+        note_earlier_reports(results_dir)
+        mark_partial(results_dir)
     return name
 
 

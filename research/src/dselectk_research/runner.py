@@ -14,6 +14,8 @@ import itertools
 import json
 import os
 import random
+import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -23,11 +25,19 @@ from typing import Any
 
 import numpy as np
 
-from dselectk.io import write_json
+from dselectk.io import write_json, write_text
 from dselectk.runtime import warm_kernels
 from dselectk_research.args import check_out_dir, int_at_least, out_dir
 from dselectk_research.executors import Executor, LocalExecutor
-from dselectk_research.records import RunStore, load_records, record_experiment
+from dselectk_research.records import (
+    PLAN_FILE,
+    SWEEP_FILE,
+    RunStore,
+    load_records,
+    read_object,
+    read_record,
+    record_experiment,
+)
 from dselectk_research.slurm import SlurmExecutor, add_executor_arguments, slurm_options
 
 
@@ -170,7 +180,8 @@ def run_sweep(
 
     count = recipe.planned_runs
     planned = None if count is None else sum(int(count(config, c)) for c in recipe.cells)
-    store.begin_sweep(command, names, planned)  # until end_sweep, reports say "partial"
+    # until end_sweep, reports say "partial"
+    store.begin_sweep(command, names, planned, output_settings=_output_settings(config))
     executor.run(recipe, config, out, on_cell)
     save()
     store.write_plan(runs, command)
@@ -203,6 +214,172 @@ def folder_lock(out: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+#: the files of a results folder that a report rewrites (kept in step by :func:`report_pair`)
+REPORT_FILES = ("summary.json", "report.md")
+#: run-config fields that change what a run writes beside its record (not its result, so not
+#: its run id): a finished run is never rerun for them
+OUTPUT_SETTINGS = ("telemetry", "record_every")
+#: where a report of an earlier command with other runs is kept (``previous/<n>/``)
+PREVIOUS_DIR = "previous"
+_RECORD_NAME = re.compile(r"[0-9a-f]{16}\.json")
+
+
+def check_results_folder(out: Path) -> None:
+    """Refuse, before anything is written or trained, a results folder this package did not
+    make (ValueError, one line): an existing folder with files but no ``runs/`` (``--out .``:
+    its ``report.md``/``summary.json`` would be replaced), the ``runs/`` folder of a results
+    folder (``--out A/runs``), or a ``runs/`` holding what is not a run record."""
+    out = Path(out)
+    parent = out.resolve().parent if out.exists() else out.absolute().parent
+    if out.name == "runs" and any((parent / f).is_file() for f in (*REPORT_FILES, SWEEP_FILE)):
+        raise ValueError(
+            f"--out {out}: the runs/ folder of the results folder {parent}; pass --out {parent} "
+            "to continue it, or another folder"
+        )
+    if not out.is_dir():
+        return
+    runs = out / "runs"
+    mine = {LOCK_FILE}
+    if not runs.is_dir():
+        theirs = sorted(p.name for p in out.iterdir() if p.name not in mine)
+        if theirs:
+            shown = ", ".join(theirs[:4]) + (", ..." if len(theirs) > 4 else "")
+            raise ValueError(
+                f"--out {out}: the folder exists and is not a results folder (no runs/; it "
+                f"holds {shown}), whose files a report would replace; choose a new or empty "
+                "folder"
+            )
+        return
+    for p in sorted(runs.iterdir()):
+        if p.name.startswith(".") and p.name.endswith(".tmp"):  # an interrupted record write
+            continue
+        if not (p.is_file() and _RECORD_NAME.fullmatch(p.name)):
+            raise ValueError(
+                f"--out {out}: {p} is not a run record (runs/ holds only <run id>.json files "
+                "this package writes); this folder is not a results folder: choose another --out"
+            )
+        read_record(p)  # a ValueError naming the file
+
+
+def _check_output_settings(out: Path, config: Any, command: str) -> None:
+    """Refuse settings that would be credited but not applied: ``--telemetry`` or
+    ``--record-every`` set (to another value than the default) on a rerun, with another
+    command, into a folder whose finished runs were made without them: those runs are reused
+    as they are, not retrained."""
+    names = [n for n in OUTPUT_SETTINGS if hasattr(config, n)]
+    if not names or not load_records(out / "runs", strict=False):
+        return
+    state = read_object(out / SWEEP_FILE)
+    if state.get("command") == command:  # a resume: its runs so far were made the same way
+        return
+    before = state.get("output_settings") or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    changed = [
+        n
+        for n in names
+        if getattr(config, n) != defaults[n] and getattr(config, n) != before.get(n, defaults[n])
+    ]
+    if changed:
+        flags = ", ".join(f"--{n.replace('_', '-')} {getattr(config, n)}" for n in changed)
+        made = ", ".join(f"{n}={before.get(n, defaults[n])}" for n in changed)
+        raise ValueError(
+            f"{flags}: applies only to runs this command trains, and --out {out} already holds "
+            f"finished runs that a rerun reuses as they are (made with {made}); choose a fresh "
+            "--out to have it applied"
+        )
+
+
+def _output_settings(config: Any) -> dict[str, Any]:
+    return {n: getattr(config, n) for n in OUTPUT_SETTINGS if hasattr(config, n)}
+
+
+@contextlib.contextmanager
+def report_pair(out: Path) -> Iterator[None]:
+    """Rewrite a folder's ``summary.json`` and ``report.md`` together: when the block fails
+    (a full disk, an error in a report), both are put back as they were, so they never
+    disagree. The old files are kept by hard links (no space needed); each new one is
+    written atomically (:func:`dselectk.io.write_json`)."""
+    out = Path(out)
+    kept: list[tuple[Path, Path | None]] = []
+    for name in REPORT_FILES:
+        path, backup = out / name, out / f".{name}.previous"
+        backup.unlink(missing_ok=True)
+        if path.is_file():
+            try:
+                os.link(path, backup)
+            except OSError:
+                shutil.copy2(path, backup)
+            kept.append((path, backup))
+        else:
+            kept.append((path, None))
+    try:
+        yield
+    except BaseException:
+        for path, backup in kept:
+            if backup is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.replace(backup, path)
+        raise
+    for _, backup in kept:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
+
+
+def keep_previous_report(out: Path, earlier_plan: Mapping[str, Any]) -> Path | None:
+    """Before a command with other runs than the folder's last one replaces its report, move
+    that report (``summary.json``, ``report.md``, ``plan.json``) to ``previous/<n>/``: no
+    earlier command's report is lost. Returns the folder it went to, or None."""
+    out = Path(out)
+    try:
+        plan = json.loads((out / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(plan, dict) or plan.get("runs") == earlier_plan.get("runs"):
+        return None
+    if not earlier_plan or not any((out / f).is_file() for f in REPORT_FILES):
+        return None
+    n = 1
+    while (dest := out / PREVIOUS_DIR / str(n)).exists():
+        n += 1
+    dest.mkdir(parents=True)
+    for name in REPORT_FILES:
+        if (out / name).is_file():
+            shutil.copy2(out / name, dest / name)
+    write_json(dest / PLAN_FILE, earlier_plan)
+    return dest
+
+
+def note_earlier_reports(out: Path) -> list[str]:
+    """List, at the end of ``report.md`` and in ``summary.json`` (``"earlier_commands"``), the
+    commands whose reports :func:`keep_previous_report` kept in ``previous/<n>/``; returns them."""
+    out = Path(out)
+    earlier = []
+    folders = (out / PREVIOUS_DIR).glob("*/")
+    for d in sorted(folders, key=lambda p: int(p.name) if p.name.isdigit() else 0):
+        command = read_object(d / PLAN_FILE).get("command") or "(command not recorded)"
+        earlier.append({"command": command, "report": f"{PREVIOUS_DIR}/{d.name}/report.md"})
+    if not earlier:
+        return []
+    summary_path, report_path = out / "summary.json", out / "report.md"
+    if summary := read_object(summary_path):
+        summary["earlier_commands"] = earlier
+        write_json(summary_path, summary)
+    if report_path.is_file():
+        lines = [
+            "",
+            "## Earlier commands in this folder",
+            "",
+            "Their reports (other runs) are kept as they were:",
+            "",
+            *(f"- `{e['command']}`: {e['report']}" for e in earlier),
+            "",
+        ]
+        text = report_path.read_text(encoding="utf-8").rstrip("\n") + "\n"
+        write_text(report_path, text + "\n".join(lines))
+    return [e["command"] for e in earlier]
+
+
 def _check_same_experiment(out: Path, experiment: str) -> None:
     """ValueError when ``out`` holds records of an experiment other than ``experiment``."""
     # an unreadable record is the sweep's business (it names it), not this check's
@@ -221,13 +398,18 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
     check_config(config)
     if recipe.write_report is None or recipe.print_table is None:
         raise TypeError("run_recipe needs a recipe with write_report and print_table")
+    check_results_folder(Path(config.out))  # before anything is created there
     out = check_out_dir(config.out)
     executor = executor.sized(len(recipe.cells))
+    command = " ".join(["dselectk", *sys.argv[1:]])
     with folder_lock(out):
+        check_results_folder(out)  # (again: under the lock)
         _check_same_experiment(out, recipe.experiment)
+        _check_output_settings(out, config, command)
+        (out / "runs").mkdir(exist_ok=True)  # the folder is a results folder from here on
         if recipe.prepare is not None and not recipe.prepare(out, executor):
             return 0
-        command = " ".join(["dselectk", *sys.argv[1:]])
+        earlier_plan = read_object(out / PLAN_FILE)
         t0 = time.perf_counter()
         # the numba kernel compiled (or loaded) once, not by every worker at once; float32 only:
         # the recipes train in float32 (float64 would add ~20 s to a first, uncached run)
@@ -235,9 +417,13 @@ def run_recipe(recipe: Recipe, config: Any, executor: Executor) -> int:
         run_sweep(recipe, config, out, executor, command=command)
         wall = time.perf_counter() - t0
         jobs = {"jobs": executor.jobs, "threads": executor.threads}
-        recipe.write_report(
-            out, wall_seconds=wall, command=command, **(jobs if recipe.report_jobs else {})
-        )
+        if kept := keep_previous_report(out, earlier_plan):
+            print(f"the report of the folder's earlier command (other runs) is kept in {kept}")
+        with report_pair(out):
+            recipe.write_report(
+                out, wall_seconds=wall, command=command, **(jobs if recipe.report_jobs else {})
+            )
+            note_earlier_reports(out)
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     recipe.print_table(summary)
     print(f"\nwall time {wall:.0f}s; report: {out / 'report.md'}")

@@ -131,8 +131,19 @@ def add_executor_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
-    """The Slurm options of ``--executor slurm``; None for the local executor."""
+    """The Slurm options of ``--executor slurm``; None for the local executor, where a
+    ``--slurm-*`` flag would have no effect: then a ValueError naming it."""
     if getattr(args, "executor", "local") != "slurm":
+        given = [
+            f"--slurm-{flag}"
+            for flag, default in _slurm_defaults().items()
+            if getattr(args, "slurm_" + flag.replace("-", "_"), default) != default
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: Slurm flags apply only with --executor slurm (this command "
+                "runs locally, where they would have no effect); drop them or add --executor slurm"
+            )
         return None
     ints = {
         name: int(getattr(args, "slurm_" + flag.replace("-", "_"), getattr(SlurmOptions, name)))
@@ -144,6 +155,12 @@ def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
         wait=not getattr(args, "slurm_no_wait", False),
         **ints,
     )
+
+
+def _slurm_defaults() -> dict[str, Any]:
+    """The ``--slurm-*`` flags (without the prefix) and their defaults."""
+    ints = {flag: getattr(SlurmOptions, name) for name, flag, _, _ in _INT_FLAGS}
+    return {"partition": None, **ints, "opt": [], "no-wait": False}
 
 
 def sweep_key(config: Any) -> str:

@@ -36,7 +36,9 @@ def test_synthetic_diverged_runs_are_counted_and_exit_1(
     assert "diverged" in captured.out  # the printed table has the column
     # the records say so, and a rebuild from them alone keeps the count
     assert all(r.get("diverged") for r in RunStore(out).load())
-    assert main(["report", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 1  # the rebuild says so too, in one line
+    assert "2 run(s) of this folder diverged" in capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["rows"][0]["diverged"] == 2
 
 
@@ -57,7 +59,7 @@ def test_recovery_diverged_lr_is_recorded_skipped_and_reruns(
         rec = json.loads(p.read_text())
         rec.pop("diverged", None)
         p.write_text(json.dumps(rec))
-    assert main(["report", str(out)]) == 0
+    assert main(["report", str(out)]) == 1  # rebuilt (no crash); exit 1 as the sweep's
     assert main(argv) == 1
     assert json.loads((out / "summary.json").read_text())["diverged"] == 1
 

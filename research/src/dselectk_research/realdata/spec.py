@@ -15,7 +15,7 @@ from dselectk.gates import Gate
 from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
-from dselectk_research.args import int_at_least, positive_float, setting
+from dselectk_research.args import int_at_least, positive_float, seed_value, setting
 from dselectk_research.keras_init import INITS
 from dselectk_research.records import EXPLOSION_FACTOR
 
@@ -158,7 +158,7 @@ class RealDataConfig:
         "--reps",
         type=POS,
     )
-    seed: int = setting(0, "seed of the data and of the runs", type=int_at_least(0))
+    seed: int = setting(0, "seed of the data and of the runs", type=seed_value)
     gates: tuple[str, ...] = setting(  # an absent --gates: resolved by ``config_of``
         tuple(VARIANTS),
         "gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
@@ -174,8 +174,8 @@ class RealDataConfig:
         "--full grid axis); part of every such run's hyperparameters",
         type=positive_float,
     )
-    grid_points: int = setting(20, "--full: grid points per cell", type=POS)
-    trials: int = setting(5, "--full: trials per grid point", type=POS)
+    grid_points: int = setting(20, "--full: grid points per cell", requires="full", type=POS)
+    trials: int = setting(5, "--full: trials per grid point", requires="full", type=POS)
     telemetry: bool = False
     init: str = setting("keras", "initialisation (keras: TF2's)", choices=list(INITS))
     optimizer_defaults: str = setting(

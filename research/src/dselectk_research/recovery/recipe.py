@@ -21,6 +21,7 @@ from dselectk_research.args import (
     int_at_least,
     positive_float,
     read_json_object,
+    seed_value,
     setting,
 )
 from dselectk_research.data.recovery import FEATURES, NUM_TRUE, UNITS, RecoveryData
@@ -84,8 +85,8 @@ class RecoveryConfig:
     )
     reps: int | None = setting(None, "repetitions (quick 20, full 100)", type=POS)
     epochs: int | None = setting(None, "override the epochs", type=POS)
-    seed: int = setting(0, "base seed (init, shuffling)", type=NONNEG)
-    data_seed: int = setting(0, "seed of the generated data", type=NONNEG)
+    seed: int = setting(0, "base seed (init, shuffling)", type=seed_value)
+    data_seed: int = setting(0, "seed of the generated data", type=seed_value)
     tuned: Path | None = setting(  # noqa: RUF009 (a dataclasses.field)
         None, "tuning record to use (default: tuned_recovery.json)", type=existing_file
     )

@@ -24,6 +24,7 @@ from dselectk_research.args import (
     int_at_least,
     nonnegative_float,
     positive_float,
+    seed_value,
     setting,
 )
 from dselectk_research.data.synthetic import SyntheticData, generate_data
@@ -84,8 +85,8 @@ class SyntheticConfig:
     k: int = setting(K, f"experts each task selects ({K})", type=POS)
     reps: int | None = setting(None, "repetitions (quick 5, full 100)", type=POS)
     batch_reps: int | None = setting(None, "repetitions trained together", type=POS)
-    seed: int = setting(0, "base seed (init, shuffling)", type=NONNEG)
-    data_seed: int = setting(0, "seed of the generated data", type=NONNEG)
+    seed: int = setting(0, "base seed (init, shuffling)", type=seed_value)
+    data_seed: int = setting(0, "seed of the generated data", type=seed_value)
     full: bool = setting(False, "paper protocol: grid search + 100 reps")
     epochs: int | None = setting(None, "override the epochs of every gate", type=POS)
     lr: float | None = setting(None, "override the learning rate", type=positive_float)
@@ -113,8 +114,8 @@ class SyntheticConfig:
         'tuning record to use (every --gates x --tasks cell needs an entry: its T or "default")',
         type=existing_file,
     )
-    trials: int = setting(5, "--full: trials per grid point", type=POS)
-    max_points: int | None = setting(None, "--full: grid points sampled", type=POS)
+    trials: int = setting(5, "--full: trials per grid point", requires="full", type=POS)
+    max_points: int | None = setting(None, "--full: grid points sampled", requires="full", type=POS)
     telemetry: bool = False
 
     def overrides(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from dselectk.gates.registry import HParam, gate_spec
 from dselectk.variants import Ramp, Variant
 from dselectk_research import char_lm
 from dselectk_research.args import (
+    SEED_MAX,
     add_config_arguments,
     check_fits,
     config_from_args,
@@ -22,6 +23,7 @@ from dselectk_research.args import (
     int_at_least,
     nonnegative_float,
     positive_float,
+    seed_value,
     setting,
 )
 from dselectk_research.data.text import Corpus, load_corpus
@@ -68,7 +70,7 @@ class TokenMoEConfig:
     )
     seeds: int = setting(3, "seeds per router (paired across routers)", type=int_at_least(1))
     first_seed: int = setting(
-        0, "seeds run: first-seed, first-seed + 1, ... (default 0)", type=int_at_least(0)
+        0, "seeds run: first-seed, first-seed + 1, ... (default 0)", type=seed_value
     )
     telemetry: bool = False
     corpus_bytes: int = _flag(1_500_000, int_at_least(1))
@@ -246,4 +248,9 @@ def recipe(config: TokenMoEConfig) -> Recipe:
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) every router × seed, then write the report."""
     cfg = config_from_args(TokenMoEConfig, args)
+    if cfg.first_seed + cfg.seeds - 1 > SEED_MAX:
+        raise ValueError(
+            f"--first-seed {cfg.first_seed} --seeds {cfg.seeds}: the last seed would exceed "
+            f"{SEED_MAX} (larger seeds alias smaller ones); lower them"
+        )
     return run_recipe(recipe(cfg), cfg, executor_from_args(args, threads=args.threads))
