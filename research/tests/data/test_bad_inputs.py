@@ -48,8 +48,7 @@ UDATA_SHA = "06416e597f82b7342361e41163890c81036900f418ad91315590814211dca490"
 
 @pytest.fixture(autouse=True)
 def _fresh_memory_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with empty in-memory digest and warning caches."""
-    monkeypatch.setattr(_integrity, "_MEMO", {})
+    """Each test starts with empty warning caches."""
     monkeypatch.setattr(_integrity, "_WARNED", set())
     monkeypatch.setattr(_integrity, "_ENV_WARNED", [])
 
@@ -312,59 +311,52 @@ def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
 
 @pytest.mark.data
-def test_verification_is_cached(
+def test_every_load_hashes_the_content(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_hashing: list[Path]
 ) -> None:
     root = copy_real(tmp_path, ML100K)
     a = load_movielens(root, download=False)
-    assert sorted(p.name for p in count_hashing) == ["u.data", "u.item", "u.user"]
-    assert (root / _integrity.CACHE_NAME).is_file()
-    # A new process (empty in-memory cache) reads the digests from the cache file.
-    monkeypatch.setattr(_integrity, "_MEMO", {})
-    b = load_movielens(root, download=False)
-    assert len(count_hashing) == 3 and a.fingerprint == b.fingerprint
-    # A changed file (new mtime) is hashed again, and a damaged one is refused.
+    first = sorted(p.name for p in count_hashing)
+    assert sorted(set(first)) == ["u.data", "u.item", "u.user"]
+    assert not (root / ".dselectk-verified.json").exists()  # no cache keyed by timestamps
+    b = load_movielens(root, download=False)  # hashed again: the content is the identity
+    assert sorted(p.name for p in count_hashing[len(first) :]) == first
+    assert a.fingerprint == b.fingerprint
+    # an edit of the same size, its timestamp put back, is refused all the same
     udata = root / _UDATA
-    os.utime(udata, ns=(udata.stat().st_atime_ns, udata.stat().st_mtime_ns + 10**9))
-    load_movielens(root, download=False)
-    assert [p.name for p in count_hashing[3:]] == ["u.data"]
-    truncate_lines(udata, 100)
+    st = udata.stat()
+    data = bytearray(udata.read_bytes())
+    data[10] = ord("7") if data[10] != ord("7") else ord("8")
+    udata.write_bytes(bytes(data))
+    os.utime(udata, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert udata.stat().st_size == st.st_size and udata.stat().st_mtime_ns == st.st_mtime_ns
     with pytest.raises(ChecksumError, match=r"u\.data"):
         load_movielens(root, download=False)
 
 
 @pytest.mark.data
-def test_read_only_data_dir_still_works(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_hashing: list[Path]
-) -> None:
+def test_read_only_data_dir_still_works(tmp_path: Path, count_hashing: list[Path]) -> None:
     root = copy_real(tmp_path / "ro", ML100K)
     dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
     for d in dirs:
         d.chmod(0o555)
     try:
         a = load_movielens(root, download=False)
-        assert not (root / _integrity.CACHE_NAME).exists()
-        load_movielens(root, download=False)  # in-memory cache
-        assert len(count_hashing) == 3
-        monkeypatch.setattr(_integrity, "_MEMO", {})
-        b = load_movielens(root, download=False)  # no cache file: hashed again, still fine
-        assert a.fingerprint == b.fingerprint
+        b = load_movielens(root, download=False)
+        assert a.fingerprint == b.fingerprint and count_hashing
+
+        assert sorted(p.name for p in root.iterdir()) == ["movielens"]  # nothing written
     finally:
         for d in dirs:
             d.chmod(0o755)
 
 
-def test_unwritable_cache_never_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args: object, **kwargs: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(_integrity, "write_json", fail)
+def test_fingerprint_writes_nothing(tmp_path: Path) -> None:
     write_mnist_dir(tmp_path, "mnist", *_tiny_mnist())
     path = tmp_path / "mnist" / "t10k-labels-idx1-ubyte.gz"
-    assert len(fingerprint([path], tmp_path)) == 16
-    (tmp_path / _integrity.CACHE_NAME).write_text("{not json")  # a corrupt cache is ignored
-    monkeypatch.setattr(_integrity, "_MEMO", {})
-    assert fingerprint([path], tmp_path) == fingerprint([path])
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert len(fingerprint([path])) == 16
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_verification_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -525,7 +517,7 @@ def test_failed_fetch_leaves_no_empty_directories(
     assert _dirs(existing) == ["other"]  # folders that were there stay
 
 
-def test_downloaded_file_is_not_hashed_again(
+def test_downloaded_file_is_verified_once_then_read_on_each_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_hashing: list[Path]
 ) -> None:
     payload = b"abc" * 100
@@ -535,6 +527,7 @@ def test_downloaded_file_is_not_hashed_again(
     sha = hashlib.sha256(payload).hexdigest()
     monkeypatch.setitem(_files._REMOTES, name, _files._Remote(src.as_uri(), sha256=sha))
     path = fetch(name, tmp_path / "c")
+    assert count_hashing == []  # verified while downloading
     assert fetch(name, tmp_path / "c") == path
-    assert count_hashing == []
+    assert count_hashing == [path]  # a later use reads its content again
     assert fingerprint([path]) == fingerprint([src.rename(tmp_path / path.name)])

@@ -13,10 +13,9 @@ Files are looked up in a data directory (``data_dir`` argument > ``$DSELECTK_DAT
 
 Local files are verified too: every file the registry knows (:func:`verified_files`: the
 upstream files and the partial ML-1M forms of ``shared/data``) is checked against its known size
-and SHA-256 on first use, so a truncated ``u.data`` or Fashion-MNIST files under ``mnist/`` raise
-:class:`ChecksumError` instead of loading. The result is cached by (path, size, mtime) in
-``<data_dir>/.dselectk-verified.json`` (in memory only when the folder is read-only), so later
-uses cost nothing. Files the registry does not know are used with one warning. Pass
+and SHA-256 on every use (its content is read, nothing is trusted from its size or timestamp),
+so a truncated ``u.data`` or Fashion-MNIST files under ``mnist/`` raise :class:`ChecksumError`
+instead of loading. Files the registry does not know are used with one warning. Pass
 ``verify=False`` to a loader (or set ``DSELECTK_VERIFY=0``) to use your own copies as they are.
 
 :func:`fingerprint` gives a short stable hash of data files (names and contents); the loaders

@@ -19,8 +19,9 @@ missing file.
 Local files are verified too: :func:`fetch` checks every file the registry knows (the
 downloadable files of :func:`known_files` and the local-only files of ``shared/data``, e.g. the
 partial ML-1M forms, all with the checksums of ``shared/data/PROVENANCE.md``) against its size
-and checksum on first use, with the digests cached by size and mtime (see
-:mod:`dselectk_research.data._integrity`). Files it does not know are used with one warning.
+and checksum on every use (its content read and hashed, never trusted from its size and
+timestamp, see :mod:`dselectk_research.data._integrity`). Files it does not know are used
+with one warning.
 
 A cached GroupLens archive that is corrupt, or whose member fails its checksum, is removed and
 downloaded again (when downloading is allowed); errors about it name it.
@@ -468,9 +469,9 @@ def fetch(
     """Return the local path of a verified dataset file, downloading it if needed and allowed.
 
     A local file the registry knows (:func:`verified_files`) is checked against its known size
-    and checksum on first use; the result is cached by (path, size, mtime), in memory and in
-    ``<data_dir>/.dselectk-verified.json``, so later uses cost a ``stat``. A local file the
-    registry does not know is returned with a warning (once per file and process).
+    and checksum on every use (one read of its content; nothing is trusted from its size or
+    timestamp). A local file the registry does not know is returned with a warning (once per
+    file and process).
 
     Args:
         name: File name relative to the data directory, e.g.
@@ -506,7 +507,7 @@ def fetch(
     check = _integrity.verify_enabled(verify)
     if path.is_file():
         if check:
-            _integrity.check_file(name, path, root, _expected(name), _known())
+            _integrity.check_file(name, path, _expected(name), _known())
         return path
     remote = _REMOTES.get(name)
     if remote is None:
@@ -530,10 +531,4 @@ def fetch(
     except BaseException:
         _remove_dirs(created)
         raise
-    found: dict[str, str] = {}
-    if remote.sha256 is not None:
-        found["sha256"] = remote.sha256
-    if remote.git_blob_sha1 is not None:
-        found["git_blob_sha1"] = remote.git_blob_sha1
-    _integrity.remember(path, found)  # just verified: no need to hash it again
     return path

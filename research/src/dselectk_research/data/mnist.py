@@ -146,7 +146,7 @@ def load_mnist(
 
     Files are looked up as ``<data_dir>/<kind>/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``
     (downloaded there if missing and ``download`` is true) and verified against the known
-    checksums on first use, so e.g. Fashion-MNIST files under ``mnist/`` are refused. Their
+    checksums on every use, so e.g. Fashion-MNIST files under ``mnist/`` are refused. Their
     fingerprint is ``dselectk_research.data.fingerprint([...the two paths...])``.
 
     Args:
@@ -323,7 +323,7 @@ def _read_cache(
     ]
     with np.load(cache_path) as z:
         stored = str(z["fingerprint"]) if "fingerprint" in z.files else ""
-        if len(present) == len(sources) and stored != fingerprint(present, root):
+        if len(present) == len(sources) and stored != fingerprint(present):
             return None  # built from other source files: rebuild
         return MultiMNISTData(
             train=_to_split(z["x_train"], z["y1_train"], z["y2_train"]),
@@ -418,7 +418,7 @@ def load_multi_mnist(
 
     train_imgs, train_lbls = load_mnist(data_dir, kind, "train", download, verify)
     test_imgs, test_lbls = load_mnist(data_dir, kind, "test", download, verify)
-    data_fingerprint = fingerprint([root / name for name in _source_names(kind)], root)
+    data_fingerprint = fingerprint([root / name for name in _source_names(kind)])
 
     ss_partition, ss_train, ss_val, ss_test = np.random.SeedSequence(seed).spawn(4)
     perm = np.random.default_rng(ss_partition).permutation(train_imgs.shape[0])

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dselectk_research.data._files import resolve_data_dir
 from dselectk_research.data._integrity import fingerprint
 from dselectk_research.data.movielens.negatives import sample_negatives
 from dselectk_research.data.movielens.schema import _GENDERS, AGE_BUCKETS, IntArray
@@ -177,8 +176,8 @@ def load_movielens(
             naming
             the form and its number of users. For ML-100K only ``"auto"``/``"u.data"``.
         download: Whether missing files may be downloaded.
-        verify: Whether local files are checked against their known checksums (first use
-            only; cached by size and mtime). None: yes, unless ``$DSELECTK_VERIFY`` is ``0``.
+        verify: Whether local files are checked against their known checksums (their
+            content, read on every load). None: yes, unless ``$DSELECTK_VERIFY`` is ``0``.
             Pass False to use your own copies of the files as they are.
 
     Returns:
@@ -205,7 +204,7 @@ def load_movielens(
     src, path, ratings, users, items, files = _load_sources(
         variant, ratings_source, data_dir, download, verify
     )
-    data_fingerprint = fingerprint(files, resolve_data_dir(data_dir))
+    data_fingerprint = fingerprint(files)
 
     user_ids, pos_u = np.unique(ratings.user, return_inverse=True)
     pos_u = pos_u.astype(np.int64)
