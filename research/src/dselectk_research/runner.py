@@ -297,18 +297,15 @@ def _output_settings(config: Any) -> dict[str, Any]:
 def report_pair(out: Path) -> Iterator[None]:
     """Rewrite a folder's ``summary.json`` and ``report.md`` together: when the block fails
     (a full disk, an error in a report), both are put back as they were, so they never
-    disagree. The old files are kept by hard links (no space needed); each new one is
-    written atomically (:func:`dselectk.io.write_json`)."""
+    disagree. The old files are copied first (a copy that fails stops the block before it
+    replaces anything)."""
     out = Path(out)
     kept: list[tuple[Path, Path | None]] = []
     for name in REPORT_FILES:
         path, backup = out / name, out / f".{name}.previous"
         backup.unlink(missing_ok=True)
         if path.is_file():
-            try:
-                os.link(path, backup)
-            except OSError:
-                shutil.copy2(path, backup)
+            shutil.copy2(path, backup)  # (a full disk stops here, before anything is replaced)
             kept.append((path, backup))
         else:
             kept.append((path, None))
