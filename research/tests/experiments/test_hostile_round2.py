@@ -63,8 +63,9 @@ def test_movielens_diverged_runs_are_recorded_counted_and_exit_1(
     assert report.count("Static Top-k (**2 of 2 runs diverged**)") == 2
     recs = RunStore(out).load()
     assert len(recs) == 2 and all(r["diverged"] and r["diverged_error"] for r in recs)
-    # the rebuild from the records alone keeps the counts; a rerun trains nothing and exits 1
-    assert main(["report", str(out)]) == 0
+    # the rebuild from the records alone keeps the counts (and exits 1 as the sweep did); a
+    # rerun trains nothing and exits 1
+    assert main(["report", str(out)]) == 1
     assert _summary(out)["diverged"] == 2
     assert main(argv) == 1
     assert len(RunStore(out).load()) == 2

@@ -295,8 +295,8 @@ def test_full_protocol_smoke(tmp_path: Path) -> None:
 
     # the final phase again, from the selections alone (--tuned selected_hparams.json)
     again = tmp_path / "again"
-    i = argv.index("--full")
-    argv2 = [*argv[:i], *argv[i + 1 :], "--tuned", str(out / "selected_hparams.json")]
+    i = argv.index("--full")  # with the flags only --full uses (refused without it)
+    argv2 = [*argv[:i], *argv[i + 5 :], "--tuned", str(out / "selected_hparams.json")]
     argv2[argv2.index("--out") + 1] = str(again)
     assert main(argv2) == 0
 
