@@ -65,6 +65,11 @@ def _static_environment() -> tuple[tuple[str, Any], ...]:
     )
 
 
+#: The layout of a run record, stamped in every record as ``"schema"``: 2 adds the stamp and
+#: counts exploded runs as diverged (:func:`diverged`). Records without it were written by
+#: earlier versions of this package; the results folders that hold them name the commit.
+SCHEMA_VERSION = 2
+
 #: which runs the last command of a results folder consists of
 PLAN_FILE = "plan.json"
 #: the state of the last sweep started in a results folder: its cells, the cells and runs
@@ -127,7 +132,12 @@ class RunStore:
         env = dict(_static_environment())
         env["threads"] = torch.get_num_threads()  # (pool workers set it)
         env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-        record = {"run_id": rid, "config": dict(config), "metrics": dict(metrics)}
+        record = {
+            "schema": SCHEMA_VERSION,
+            "run_id": rid,
+            "config": dict(config),
+            "metrics": dict(metrics),
+        }
         path = _io.write_json(self.path(rid), {**record, "environment": env, **extra})
         pause_point("record-saved")  # test-only; see dselectk._testing
         return path
@@ -363,11 +373,8 @@ def wall_time(
     previous summary's value."""
     results_dir = Path(results_dir)
     prev = previous.get("wall_time")
-    if not isinstance(prev, Mapping):  # an older summary: only the last command's time
-        old = previous.get("wall_seconds")
-        timed = isinstance(old, (int, float))
-        legacy = [{"command": previous.get("command"), "seconds": old}] if timed else []
-        prev = {"seconds": old, "commands": legacy, "plan": None, "runs_untimed": 0}
+    if not isinstance(prev, Mapping):  # no previous summary (or not one of this package's)
+        prev = {"seconds": None, "commands": [], "plan": None, "runs_untimed": 0}
     if wall_seconds is None:
         return dict(prev)
     try:  # the digest of plan.json's run ids (which runs the last command consists of)
@@ -375,9 +382,7 @@ def wall_time(
         plan = hashlib.sha256(json.dumps(sorted(runs)).encode()).hexdigest()[:16]
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         plan = None
-    same = (plan is not None and prev.get("plan") == plan) or (
-        prev.get("plan") is None and command is not None and previous.get("command") == command
-    )
+    same = plan is not None and prev.get("plan") == plan
     this = {"command": command, "seconds": float(wall_seconds)}
     if same and prev.get("commands"):
         commands = [*prev["commands"], this]

@@ -88,9 +88,10 @@ def test_wall_time_accumulates_over_a_resumed_plan(tmp_path: Path) -> None:
     # a rebuild (no time of its own) keeps it; a Slurm re-attach adds ~0, never writes 0
     assert records.wall_time(tmp_path, {"wall_time": resumed}, None, None)["seconds"] == 423.0
     assert records.wall_time(tmp_path, {"wall_time": resumed}, 0.0, "cmd")["seconds"] == 423.0
-    # an older summary (wall_seconds only) of the same command continues too
+    # a summary of an earlier version (wall_seconds only, no plan digest) is not continued:
+    # this command's time starts a new total
     old = records.wall_time(tmp_path, {"wall_seconds": 421.0, "command": "cmd"}, 2.0, "cmd")
-    assert old["seconds"] == pytest.approx(423.0)
+    assert old["seconds"] == pytest.approx(2.0) and len(old["commands"]) == 1
     # another plan starts a new total and says how many runs earlier commands recorded
     (tmp_path / "runs").mkdir()
     rec = tmp_path / "runs" / "a.json"

@@ -256,3 +256,13 @@ def _exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:
         return int(e.code or 0)
+
+
+def test_every_record_carries_the_schema_version(tmp_path: Path) -> None:
+    from dselectk_research.records import SCHEMA_VERSION
+
+    store = RunStore(tmp_path)
+    path = store.save({"experiment": "x", "rep": 0}, {"loss": 1.0})
+    rec = json.loads(path.read_text())
+    assert rec["schema"] == SCHEMA_VERSION == 2
+    assert rec["run_id"] == run_id({"experiment": "x", "rep": 0})  # the stamp is not identity
