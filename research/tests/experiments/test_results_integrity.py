@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 
 from dselectk.cli import main
-from dselectk_research.records import EXPLOSION_FACTOR, diverged, run_id, summarize
+from dselectk_research.records import (
+    EXPLOSION_FACTOR,
+    SCHEMA_VERSION,
+    RunStore,
+    diverged,
+    run_id,
+    summarize,
+)
 from dselectk_research.runner import report_pair
 from dselectk_research.selection import report as selection_report
 from dselectk_research.synthetic.report import FINITE as SYNTHETIC_FINITE
@@ -259,8 +266,6 @@ def _exit_code(argv: list[str]) -> int:
 
 
 def test_every_record_carries_the_schema_version(tmp_path: Path) -> None:
-    from dselectk_research.records import SCHEMA_VERSION
-
     store = RunStore(tmp_path)
     path = store.save({"experiment": "x", "rep": 0}, {"loss": 1.0})
     rec = json.loads(path.read_text())
