@@ -193,7 +193,7 @@ def test_diverged_runs_are_recorded_counted_and_exit_1(
     assert summary["diverged"] == 2 and all(r["diverged"] == 1 for r in summary["rows"])
     report = (out / "report.md").read_text()
     assert "**2 run(s) diverged" in report and "no comparison" in report
-    assert main(["report", str(out)]) == 0  # rebuilt from the records alone
+    assert main(["report", str(out)]) == 1  # rebuilt from the records alone; exit 1 as the sweep
     assert json.loads((out / "summary.json").read_text())["diverged"] == 2
 
 
