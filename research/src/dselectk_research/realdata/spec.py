@@ -16,6 +16,7 @@ from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 from dselectk_research.args import int_at_least, positive_float, setting
+from dselectk_research.catalog import CATALOG
 from dselectk_research.keras_init import INITS
 
 #: hyperparameters of a run that shape the model, not the gate's declared ones (``k`` is the
@@ -59,22 +60,23 @@ class GateChoice:
         return self.variant.build(num_experts, hparams=hparams, **structure)
 
 
-def _choice(name: str, gate: str | None, label: str, per_example: bool = False) -> GateChoice:
-    variant = None if gate is None else Variant(name, gate, label)
-    return GateChoice(name, label, variant, per_example)
+def _choice(name: str, per_example: bool = False) -> GateChoice:
+    variant = CATALOG[name]
+    return GateChoice(name, variant.label, variant, per_example)
 
 
-#: the gates of Tables 1, 2, C.2 and C.3, in report order
+#: the gates of Tables 1, 2, C.2 and C.3, in report order (the gates' variants are rows of
+#: :mod:`dselectk_research.catalog`; the shared bottom is a model of its own)
 VARIANTS: dict[str, GateChoice] = {
     c.name: c
     for c in (
-        _choice("dselect_k_static", "dselect_k", "Static DSelect-k"),
-        _choice("topk_static", "topk", "Static Top-k"),
-        _choice("gumbel_softmax", "gumbel_softmax", "Static Gumbel Softmax"),
-        _choice("dselect_k_per_example", "dselect_k", "Per-example DSelect-k", True),
-        _choice("topk_per_example", "topk", "Per-example Top-k", True),
-        _choice("softmax", "softmax", "Softmax MoE"),
-        _choice("shared_bottom", None, "Shared Bottom"),
+        _choice("dselect_k_static"),
+        _choice("topk_static"),
+        _choice("gumbel_softmax"),
+        _choice("dselect_k_per_example", per_example=True),
+        _choice("topk_per_example", per_example=True),
+        _choice("softmax"),
+        GateChoice("shared_bottom", "Shared Bottom"),
     )
 }
 
