@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from dselectk.gates.base import Gate
 from dselectk.search import SwapSearch
 from dselectk.variants import SearchPlan, Variant, total_steps
+from dselectk_research.best import RULE, best_configuration
 from dselectk_research.catalog import select
 from dselectk_research.data.recovery import RecoveryData
 from dselectk_research.data.synthetic import SyntheticData, generate_data
@@ -286,7 +287,7 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
         )  # fmt: skip
         for m, i in zip(metrics, todo, strict=True):
             store.save(cfgs[i], m)
-    rule = "lowest mean validation MSE over the trials (binary configurations first, Appendix D)"
+    rule = f"{RULE} (the validation MSE over the trials; binary configurations first, Appendix D)"
     return {**selected, "rule": rule}
 
 
@@ -323,12 +324,15 @@ def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> 
         _record(name, shape, hp, lr, r, "tune") for lr in config.lrs for r in range(config.reps)
     ]
     train(cfgs, base, "tune")
-    loss: dict[float, list[float]] = {}
+    loss: dict[float, list[Any]] = {}
     for c in cfgs:
         rec = read_record(store.path(run_id(c)))
         loss.setdefault(c["lr"], []).append(rec["metrics"]["val_loss"])
-    mean = {v: sum(ls) / len(ls) for v, ls in loss.items()}
-    lr = min(loss, key=lambda v: (mean[v] if math.isfinite(mean[v]) else math.inf, v))
+    # the shared rule (dselectk_research.best) over the learning rates, smallest first (ties go
+    # to the smaller); a learning rate with a diverged repetition is ineligible; every one
+    # diverged: the smallest
+    choice = best_configuration((v, loss[v]) for v in sorted(loss))
+    lr = min(loss) if choice.key is None else choice.key
     tests = [_record(name, shape, hp, lr, r, "test") for r in range(config.reps)]
     train(tests, HeldOutData(base), "test")
-    return {"lr": lr, "lrs": list(config.lrs), "rule": "lowest mean validation loss"}
+    return {"lr": lr, "lrs": list(config.lrs), "rule": f"{RULE} (learning rates, smallest first)"}
