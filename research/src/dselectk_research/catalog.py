@@ -26,9 +26,11 @@ from typing import Any
 import torch
 
 from dselectk.gates.base import Gate
+from dselectk.gates.registry import HParam, gate_spec
 from dselectk.variants import Ramp, SearchPlan, Variant, variant_table
+from dselectk_research.args import hparam_type, setting
 
-__all__ = ["CATALOG", "FrozenSelectionVariant", "select"]
+__all__ = ["CATALOG", "FrozenSelectionVariant", "hparam_setting", "select"]
 
 _PAPER = {"init": "paper"}
 #: the swap search (dselectk.search; ours) of DSelect-k: after 25, 70 and 85 % of the steps,
@@ -129,3 +131,30 @@ def select(
             v = replace(v, name=name, label=labels.get(name, v.label))
         rows.append(v)
     return variant_table(*rows)
+
+
+def declaration(param: str) -> HParam:
+    """The gate registry's declaration of the hyperparameter ``param`` (type, range, doc), as
+    the gates of the catalog's variants declare it.
+
+    Raises:
+        ValueError: no gate of the catalog declares ``param``, or two declare it differently.
+    """
+    found = {
+        gate_spec(g).hparams[param]
+        for g in sorted({v.gate for v in CATALOG.values()})
+        if param in gate_spec(g).hparams
+    }
+    if len(found) != 1:
+        why = "no gate of the catalog declares it" if not found else f"declared as {found}"
+        raise ValueError(f"hyperparameter {param!r}: {why}")
+    return found.pop()
+
+
+def hparam_setting(param: str, default: Any, help: str, alias: str | None = None) -> Any:
+    """A run-config :func:`~dselectk_research.args.setting` whose value is one of the gate
+    hyperparameter ``param`` (an override, or the end value of a ramp of it): its argparse
+    type and the range its help states come from the registry's declaration
+    (:func:`declaration`), never written by hand."""
+    h = declaration(param)
+    return setting(default, f"{help} ({h.range_text()})", alias, type=hparam_type(h))

@@ -16,7 +16,7 @@ from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 from dselectk_research.args import int_at_least, positive_float, setting
-from dselectk_research.catalog import CATALOG
+from dselectk_research.catalog import CATALOG, hparam_setting
 from dselectk_research.keras_init import INITS
 
 #: hyperparameters of a run that shape the model, not the gate's declared ones (``k`` is the
@@ -169,11 +169,11 @@ class RealDataConfig:
     full: bool = setting(False, "paper protocol: Appendix D grid search, 100 reps")
     epochs: int | None = setting(None, "override the epochs of every run", type=POS)
     lr: float | None = setting(None, "override the learning rate", type=positive_float)
-    gamma: float | None = setting(
+    gamma: float | None = hparam_setting(
+        "gamma",
         None,
         "override the smooth-step γ of the gates that declare one (DSelect-k; quick default or "
         "--full grid axis); part of every such run's hyperparameters",
-        type=positive_float,
     )
     grid_points: int = setting(20, "--full: grid points per cell", type=POS)
     trials: int = setting(5, "--full: trials per grid point", type=POS)
