@@ -26,13 +26,26 @@ class RecoveryData:
     ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.true_experts = torch.randn(num_true, FEATURES, UNITS, generator=g)
-        head = torch.randn(UNITS, generator=g)
+        self.head = torch.randn(UNITS, generator=g)
         x = torch.randn(n_train + n_val, FEATURES, generator=g)
-        pre = expert_outputs(x, self.true_experts).mean(0) @ head  # the experts' average
-        y = (pre - pre.median() > 0).float()  # bias = minus the median: balanced classes
+        pre = expert_outputs(x, self.true_experts).mean(0) @ self.head  # the experts' average
+        self.bias = pre.median()  # subtracted: balanced classes
+        y = (pre - self.bias > 0).float()
         self.x_train, self.y_train = x[:n_train], y[:n_train]
         self.x_val, self.y_val = x[n_train:], y[n_train:]
         self.seed, self.num_true = seed, num_true
+
+    def labels(self, x: Tensor) -> Tensor:
+        """The generating model's labels (N,) in {0, 1} of inputs ``x`` (N, 10)."""
+        return ((expert_outputs(x, self.true_experts).mean(0) @ self.head - self.bias) > 0).float()
+
+    def held_out(self, n: int, seed: int) -> tuple[Tensor, Tensor]:
+        """``n`` more examples (x, y) of the same generating model (true experts, head and
+        bias), their inputs drawn from a generator seeded with ``seed``."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"held_out: n must be an integer >= 1, got {n!r}")
+        x = torch.randn(n, FEATURES, generator=torch.Generator().manual_seed(int(seed)))
+        return x, self.labels(x)
 
 
 def expert_outputs(x: Tensor, weights: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ from dselectk.optim import OPTIMIZER_DEFAULTS
 from dselectk.training import TaskData
 from dselectk.variants import TRAINER_HPARAMS, Variant
 from dselectk_research.args import int_at_least, positive_float, seed_value, setting
+from dselectk_research.catalog import CATALOG, hparam_setting
 from dselectk_research.keras_init import INITS
 from dselectk_research.records import EXPLOSION_FACTOR
 
@@ -60,22 +61,23 @@ class GateChoice:
         return self.variant.build(num_experts, hparams=hparams, **structure)
 
 
-def _choice(name: str, gate: str | None, label: str, per_example: bool = False) -> GateChoice:
-    variant = None if gate is None else Variant(name, gate, label)
-    return GateChoice(name, label, variant, per_example)
+def _choice(name: str, per_example: bool = False) -> GateChoice:
+    variant = CATALOG[name]
+    return GateChoice(name, variant.label, variant, per_example)
 
 
-#: the gates of Tables 1, 2, C.2 and C.3, in report order
+#: the gates of Tables 1, 2, C.2 and C.3, in report order (the gates' variants are rows of
+#: :mod:`dselectk_research.catalog`; the shared bottom is a model of its own)
 VARIANTS: dict[str, GateChoice] = {
     c.name: c
     for c in (
-        _choice("dselect_k_static", "dselect_k", "Static DSelect-k"),
-        _choice("topk_static", "topk", "Static Top-k"),
-        _choice("gumbel_softmax", "gumbel_softmax", "Static Gumbel Softmax"),
-        _choice("dselect_k_per_example", "dselect_k", "Per-example DSelect-k", True),
-        _choice("topk_per_example", "topk", "Per-example Top-k", True),
-        _choice("softmax", "softmax", "Softmax MoE"),
-        _choice("shared_bottom", None, "Shared Bottom"),
+        _choice("dselect_k_static"),
+        _choice("topk_static"),
+        _choice("gumbel_softmax"),
+        _choice("dselect_k_per_example", per_example=True),
+        _choice("topk_per_example", per_example=True),
+        _choice("softmax"),
+        GateChoice("shared_bottom", "Shared Bottom"),
     )
 }
 
@@ -168,11 +170,11 @@ class RealDataConfig:
     full: bool = setting(False, "paper protocol: Appendix D grid search, 100 reps")
     epochs: int | None = setting(None, "override the epochs of every run", type=POS)
     lr: float | None = setting(None, "override the learning rate", type=positive_float)
-    gamma: float | None = setting(
+    gamma: float | None = hparam_setting(
+        "gamma",
         None,
         "override the smooth-step γ of the gates that declare one (DSelect-k; quick default or "
         "--full grid axis); part of every such run's hyperparameters",
-        type=positive_float,
     )
     grid_points: int = setting(20, "--full: grid points per cell", requires="full", type=POS)
     trials: int = setting(5, "--full: trials per grid point", requires="full", type=POS)

@@ -24,11 +24,12 @@ from dselectk.training import (
     train,
 )
 from dselectk.variants import total_steps
+from dselectk_research.best import best_configuration
 from dselectk_research.executors import progress_position
 from dselectk_research.keras_init import init_module_
 from dselectk_research.monitor import GateMonitor, gate_metrics
 from dselectk_research.realdata.spec import FINITE, Experiment, Splits, init_seed, record_config
-from dselectk_research.records import RunStore, mean_se, run_id
+from dselectk_research.records import RunStore, run_id
 from dselectk_research.runner import grid_points, sample_points
 
 
@@ -144,15 +145,19 @@ def tune(
 ) -> dict[str, Any]:
     """Random grid search (Appendix D): ``--grid-points`` random grid points × ``--trials``
     runs, each a resumable ``phase="tune"`` record; ``--epochs`` and ``--lr`` fix their axes.
-    The point with the best mean validation metric wins; only points whose expected number
-    of nonzeros is <= 4 are eligible (Gumbel-softmax, as in the paper)."""
+    Selection: the shared rule (:func:`dselectk_research.best.best_configuration`) over the
+    points in their sampled order, each with its trials' validation metric (the experiment's
+    ``select``: lowest weighted validation loss, or highest mean validation accuracy); a point
+    with a diverged trial is ineligible, and so is one whose mean expected number of nonzeros
+    is above 4 (Gumbel-softmax, as in the paper); none eligible: the quick defaults, metric
+    NaN."""
     base_seed, data_cfg = args.seed, data.config
     grid = {**exp.grid[gate], **{k: [v] for k, v in overrides(args).items()}}
     seed = f"{exp.name}|{gate}|{json.dumps(setting)}|{base_seed}"
     pts = sample_points(grid_points(grid, sort_keys=True), int(args.grid_points), seed)
     metric = "val_loss" if exp.select == "min_loss" else "val_mean_accuracy"
-    sign = 1.0 if exp.select == "min_loss" else -1.0
-    best_hp, best_val = dict(exp.quick_hparams[gate]), math.nan
+    tried: list[tuple[int, list[Any]]] = []  # (point index, its trials' validation metrics)
+    sparse: dict[int, bool] = {}  # point index -> mean expected nonzeros <= 4
     for i, point in enumerate(pts):
         hp = {**exp.quick_hparams[gate], **point}
         vals, nnz = [], []
@@ -172,11 +177,13 @@ def tune(
                 store.save(cfg, m, **flag)
             vals.append(m.get(metric, math.nan))
             nnz.append(m.get("expected_nonzeros", 0.0))
-        finite = all(v is not None and math.isfinite(float(v)) for v in vals)
-        # a point with a diverged trial is never selected (its mean would hide the failure)
-        v = float(mean_se(vals)["mean"]) if finite else math.nan
-        if float(np.mean(nnz)) > 4.0:  # only Gumbel-softmax has expected nonzeros
-            continue
-        if math.isfinite(v) and (not math.isfinite(best_val) or sign * v < sign * best_val):
-            best_hp, best_val = hp, v
-    return {"hparams": best_hp, "val_metric": best_val, "metric": metric, "points": len(pts)}
+        tried.append((i, vals))
+        sparse[i] = float(np.mean(nnz)) <= 4.0  # only Gumbel-softmax has expected nonzeros
+    choice = best_configuration(
+        tried, maximize=exp.select != "min_loss", eligible=sparse.__getitem__
+    )
+    if choice.key is None:
+        return {"hparams": dict(exp.quick_hparams[gate]), "val_metric": math.nan,
+                "metric": metric, "points": len(pts)}  # fmt: skip
+    best_hp = {**exp.quick_hparams[gate], **pts[choice.key]}
+    return {"hparams": best_hp, "val_metric": choice.mean, "metric": metric, "points": len(pts)}

@@ -12,17 +12,26 @@ cell per variant; ``report``. The generated data is :mod:`dselectk_research.data
 """
 
 from dselectk_research.data.recovery import RecoveryData
-from dselectk_research.recovery.model import BASE_HPARAMS, VARIANTS, RecoveryMoE, train_reps
-from dselectk_research.recovery.recipe import add_arguments, run
+from dselectk_research.recovery.model import (
+    BASE_HPARAMS,
+    BATCH_SIZE,
+    VARIANTS,
+    RecoveryMoE,
+    train_reps,
+)
+from dselectk_research.recovery.recipe import add_arguments, init_seed, run, tuned_hparams
 from dselectk_research.recovery.report import write_report
 
 __all__ = [
     "BASE_HPARAMS",
+    "BATCH_SIZE",
     "VARIANTS",
     "RecoveryData",
     "RecoveryMoE",
     "add_arguments",
+    "init_seed",
     "run",
     "train_reps",
+    "tuned_hparams",
     "write_report",
 ]

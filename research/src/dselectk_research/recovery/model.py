@@ -16,7 +16,8 @@ from dselectk.optim import RowwiseAdam
 from dselectk.search import logistic_refit_bce
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import TaskData, TrainConfig, train
-from dselectk.variants import SearchPlan, Variant, stack_members, total_steps, variant_table
+from dselectk.variants import SearchPlan, Variant, stack_members, total_steps
+from dselectk_research.catalog import select
 from dselectk_research.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
 from dselectk_research.executors import progress_position
 from dselectk_research.metrics import recovered_experts
@@ -29,21 +30,14 @@ BATCH_SIZE = 256
 LRS = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5]
 #: hyperparameters under the tuned file's (a variant takes those its gate declares)
 BASE_HPARAMS: dict[str, Any] = {"epochs": 50, "gamma": 10.0, "entropy_reg": 0.1}
-_PAPER = {"init": "paper"}
 # The variants kept after the collapse study (research/notes/collapse.md; the retired remedies are
-# at the
-# commit a78ed56). The swap search (dselectk.search; ours) scores each move by
-# every repetition's loss on a probe of the training set after refitting the head (refit).
-VARIANTS = variant_table(
-    Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", _PAPER),
-    Variant("dselect_k_search", "dselect_k", "DSelect-k (paper) + swap local search (ours)",
-            _PAPER, search=SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True),
-            tuned_as="dselect_k"),
-    Variant("topk", "topk", "Top-k"),
-    Variant("topk_search", "topk", "Top-k + swap local search (ours)",
-            search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True), tuned_as="topk"),
-    Variant("comet", "comet", "COMET tree gate (Ibrahim et al. 2023)"),
-)  # fmt: skip
+# at commit a78ed56), from :mod:`dselectk_research.catalog`. The swap search
+# (dselectk.search; ours) scores each move by every repetition's loss on a probe of the training
+# set after refitting the head (refit).
+VARIANTS = select(
+    "dselect_k", "dselect_k_search", "topk", "topk_search", "comet",
+    labels={"dselect_k_search": "DSelect-k (paper) + swap local search (ours)"},
+)
 
 
 def _bce(logits: Tensor, y: Tensor) -> Tensor:

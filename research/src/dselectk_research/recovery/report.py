@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.io import write_json, write_text
+from dselectk_research.best import RULE, best_configuration
 from dselectk_research.data.recovery import NUM_TRUE
 from dselectk_research.records import (
     EXPLOSION_FACTOR,
@@ -132,24 +133,28 @@ def write_report(
             by_key[key]["recovered_histogram"][int(r["metrics"]["recovered"])] += 1
         if r.get("trajectory"):
             trajs.setdefault(key, r["trajectory"])
-    # Tuning: the learning rate with the lowest mean validation loss, per variant; a learning
-    # rate with a diverged run is skipped (its mean would be over the survivors only).
+    # Tuning, per variant: the shared rule (dselectk_research.best) over its learning rates in
+    # the table's order, each with its repetitions' validation losses; a learning rate with a
+    # diverged run is skipped (its mean would be over the survivors only)
+    losses: dict[tuple[str, float], list[float]] = {}
+    for r in records:
+        loss = math.nan if diverged(r, FINITE) else r["metrics"]["val_loss"]
+        losses.setdefault((r["config"]["gate"], r["config"]["lr"]), []).append(loss)
     selected, skipped, no_selection = [], {}, []
     for g in sorted({r["gate"] for r in rows}):
         mine = [r for r in rows if r["gate"] == g]
-        ok = [r for r in mine if not r["diverged"]]  # (their mean validation loss is finite)
-        if len(ok) < len(mine):
-            skipped[g] = sorted(r["lr"] for r in mine if r not in ok)
-        if ok:
-            selected.append(min(ok, key=lambda r: r["metrics"]["val_loss"]["mean"]))
-        else:
+        choice = best_configuration((r["lr"], losses[(g, r["lr"])]) for r in mine)
+        if choice.diverged:
+            skipped[g] = sorted(choice.diverged)
+        if choice.key is None:
             no_selection.append(g)
+        else:
+            selected.append(next(r for r in mine if r["lr"] == choice.key))
     summary |= {
         "shape": shape,
         "hparams_source": _hparams_source(results_dir),
         "selected": selected,
-        "selection": "per gate, the learning rate with the lowest mean validation loss, of "
-        "those without diverged runs",
+        "selection": f"per gate, over its learning rates: {RULE}",
         "skipped_lrs": skipped,
         "no_selection": no_selection,
         "paper": PAPER,

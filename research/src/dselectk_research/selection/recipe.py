@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from dselectk_research.args import add_config_arguments, int_at_least, positive_float, setting
-from dselectk_research.recovery.model import BATCH_SIZE
+from dselectk_research.recovery import BATCH_SIZE
 from dselectk_research.runner import Recipe, add_run_arguments, executor_from_args, run_recipe
 from dselectk_research.selection import study as S
 from dselectk_research.selection.report import diverged_line, print_table, write_report
-from dselectk_research.synthetic.spec import paper_grid
+from dselectk_research.synthetic import paper_grid
 
 #: the dry run's cost model, seconds on one core of the development machine under load ~6 on
 #: 2 cores (fitted on two 32/3 cells of the quick form): per training call, steps × (A + B·members)

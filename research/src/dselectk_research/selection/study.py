@@ -4,7 +4,7 @@ recovery shape, or Appendix C.1 at T tasks).
 C.1 cells: T related regression tasks (groups of 16 sharing 4 generating experts), T/4 trainable
 experts, one static gate per task choosing k = 4. Each (arm, T) is tuned on VALIDATION over the
 paper's grid (lr, epochs and the gate's γ/λ; Appendix D) by
-:func:`dselectk_research.synthetic.train.tune` with the test split replaced by the validation
+:func:`dselectk_research.synthetic.tune` with the test split replaced by the validation
 split (so tuning never reads it), then the selection is trained again for ``reps`` repetitions
 with the study's paired init seeds and read once on the TEST split. Every arm of a cell sees the
 same data (one data seed from the reserved range)."""
@@ -17,24 +17,24 @@ from importlib import resources
 from string import Template
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from dselectk.gates.base import Gate
 from dselectk.search import SwapSearch
-from dselectk.variants import SearchPlan, Variant, total_steps, variant_table
-from dselectk_research.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
+from dselectk.variants import SearchPlan, Variant, total_steps
+from dselectk_research.best import RULE, best_configuration
+from dselectk_research.catalog import select
+from dselectk_research.data.recovery import RecoveryData
 from dselectk_research.data.synthetic import SyntheticData, generate_data
 from dselectk_research.records import RunStore, diverged, read_record, run_id
-from dselectk_research.recovery import VARIANTS, train_reps
-from dselectk_research.recovery.model import BATCH_SIZE
-from dselectk_research.recovery.recipe import init_seed as recovery_init_seed
-from dselectk_research.recovery.recipe import tuned_hparams
+from dselectk_research.recovery import BATCH_SIZE, train_reps, tuned_hparams
+from dselectk_research.recovery import VARIANTS as RECOVERY_VARIANTS
+from dselectk_research.recovery import init_seed as recovery_init_seed
 from dselectk_research.recovery.report import FINITE as RECOVERY_FINITE
 from dselectk_research.runner import missing
-from dselectk_research.synthetic import train as c1_train
-from dselectk_research.synthetic.spec import BATCH_SIZE as C1_BATCH
-from dselectk_research.synthetic.spec import VARIANTS as C1_VARIANTS
-from dselectk_research.synthetic.spec import K as C1_K
+from dselectk_research.synthetic import BATCH_SIZE as C1_BATCH
+from dselectk_research.synthetic import VARIANTS as C1_VARIANTS
+from dselectk_research.synthetic import K as C1_K
+from dselectk_research.synthetic import train_reps as c1_train_reps
+from dselectk_research.synthetic import tune as c1_tune
 
 if TYPE_CHECKING:
     from dselectk_research.selection.recipe import SelectionConfig
@@ -86,70 +86,37 @@ class CountedPlan(SearchPlan):
         return cb
 
 
-@dataclass(frozen=True)
-class FrozenSelectionVariant(Variant):
-    """DSelect-k with its selection frozen: a gradient hook zeroes the gradient of the selector
-    logits Z (the bits: which experts), so Adam never moves them (zero moments, zero step) and
-    only the swap search changes the selection; the selector shares α (how much each selected
-    expert weighs) and the rest of the model train at the arm's learning rate."""
-
-    def build(self, num_experts: int, *, hparams: Any = None, **structure: Any) -> Gate:
-        gate = super().build(num_experts, hparams=hparams, **structure)
-        logits = getattr(gate, "logits", None)
-        k = getattr(gate, "k", None)
-        if not (gate.static and gate.searchable and isinstance(logits, torch.Tensor) and k):
-            raise ValueError(f"{self.name}: needs a static DSelect-k gate, got {gate!r}")
-        mask = torch.ones(logits.shape[-1], dtype=logits.dtype)
-        mask[k:] = 0.0  # logits = [α (k), Z (k·m)] per gate
-        logits.register_hook(lambda grad: grad * mask.to(grad))
-        return gate
-
-    def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "selection_frozen": True}
-
-
 def _counted(v: Variant) -> Variant:
     assert v.search is not None
     s = v.search
     return replace(v, search=CountedPlan(s.at, s.binarize, s.refit, s.probe))
 
 
-def _budget(v: Variant, label: str) -> Variant:
-    """A no-search arm given the search's probe examples as extra epochs (:func:`budget_epochs`)."""
-    return replace(v, name=f"{v.name}_budget", label=label)
+def _arms(*names: str, labels: dict[str, str]) -> dict[str, Variant]:
+    """The catalog's rows ``names`` (:mod:`dselectk_research.catalog`), labelled as ``labels``
+    says, the search arms with their probe passes counted."""
+    rows = select(*names, labels=labels)
+    return {a: _counted(v) if v.search is not None else v for a, v in rows.items()}
 
 
-_DSK_SEARCH = _counted(VARIANTS["dselect_k_search"])
-#: the arms, in report order
-ARMS = variant_table(
-    VARIANTS["dselect_k"],
-    VARIANTS["topk"],
-    VARIANTS["comet"],
-    _budget(VARIANTS["topk"], "Top-k, equal budget (probe examples as extra epochs)"),
-    _budget(VARIANTS["comet"], "COMET, equal budget (probe examples as extra epochs)"),
-    _DSK_SEARCH,
-    _counted(VARIANTS["topk_search"]),
-    FrozenSelectionVariant(
-        "search_only", "dselect_k",
-        "search only (DSelect-k's selection frozen at init, shares trained) + swap search",
-        _DSK_SEARCH.options, search=_DSK_SEARCH.search, tuned_as="dselect_k",
-    ),
+#: the arms, in report order: recovery's variants (its labels), the equal-budget arms and the
+#: search-only arm (DSelect-k's selection frozen at init)
+ARMS = _arms(
+    "dselect_k", "topk", "comet", "topk_budget", "comet_budget", "dselect_k_search",
+    "topk_search", "search_only",
+    labels={"dselect_k_search": RECOVERY_VARIANTS["dselect_k_search"].label},
 )  # fmt: skip
 BASELINES = tuple(a for a, v in ARMS.items() if v.search is None)
 BUDGET_ARMS = tuple(a for a in BASELINES if a.endswith("_budget"))
 SEARCH_ARMS = tuple(a for a, v in ARMS.items() if v.search is not None)
-_C1_SEARCH = _counted(C1_VARIANTS["dselect_k_search"])
-#: the arms of the C.1 cells, by the same names, with C.1's search plans (refit scoring, the
-#: swap search at recovery's fractions); the budget arms are recovery's only: C.1's no-search
-#: arms are tuned over epochs up to 100 already, see the protocol
-C1_ARMS = {
-    "dselect_k": C1_VARIANTS["dselect_k"],
-    "topk": C1_VARIANTS["topk"],
-    "comet": ARMS["comet"],
-    "dselect_k_search": _C1_SEARCH,
-    "topk_search": _counted(replace(C1_VARIANTS["topk_search_refit"], name="topk_search")),
-    "search_only": replace(ARMS["search_only"], search=_C1_SEARCH.search),
-}
+#: the arms of the C.1 cells, by the same names and search plans (refit scoring, the swap
+#: search at recovery's fractions), labelled as the synthetic study labels them; the budget
+#: arms are recovery's only: C.1's no-search arms are tuned over epochs up to 100 already, see
+#: the protocol
+C1_ARMS = _arms(
+    "dselect_k", "topk", "comet", "dselect_k_search", "topk_search", "search_only",
+    labels={"topk_search": C1_VARIANTS["topk_search_refit"].label},
+)  # fmt: skip
 #: COMET's tree gate has no discrete selection to search (Gate.searchable False): no COMET +
 #: search arm.
 NOT_RUN = "COMET's gate is not searchable (dselectk.search refuses it)"
@@ -224,21 +191,12 @@ def load_c1(sizes: C1Sizes) -> SyntheticData:
 
 class HeldOutData:
     """Recovery's data of a seed with the validation inputs replaced by a test set drawn from
-    the same generating model (the same true experts, head and bias)."""
+    the same generating model (:meth:`RecoveryData.held_out`; inputs seeded 10000 + seed)."""
 
     def __init__(self, base: RecoveryData, n_test: int = N_TEST) -> None:
-        g = torch.Generator().manual_seed(base.seed)  # recovery's draws, in its order
-        true = torch.randn(base.num_true, FEATURES, UNITS, generator=g)
-        head = torch.randn(UNITS, generator=g)
-        assert torch.equal(true, base.true_experts), "recovery's generator changed"
-        x_all = torch.cat([base.x_train, base.x_val])
-        bias = (expert_outputs(x_all, true).mean(0) @ head).median()
-        x = torch.randn(
-            n_test, FEATURES, generator=torch.Generator().manual_seed(10_000 + base.seed)
-        )
-        self.labels = lambda xs: ((expert_outputs(xs, true).mean(0) @ head - bias) > 0).float()
+        self.labels = base.labels
         self.x_train, self.y_train = base.x_train, base.y_train
-        self.x_val, self.y_val = x, self.labels(x)
+        self.x_val, self.y_val = base.held_out(n_test, 10_000 + base.seed)
         self.true_experts, self.seed, self.num_true = base.true_experts, base.seed, base.num_true
 
 
@@ -312,7 +270,7 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
     per_config = EPOCHS_AXIS if arm.schedules or arm.search is not None else 1
     points = None if sizes.points is None else sizes.points * per_config
     no_test = replace(data, x_test=data.x_val, y_test=data.y_val)
-    selected = c1_train.tune(
+    selected = c1_tune(
         arm, tasks, no_test, store, trials=sizes.trials, max_points=points, seed=STUDY_SEED,
         data_cfg=_c1_data_cfg(sizes), progress=progress, shape=shape,
     )  # fmt: skip
@@ -321,7 +279,7 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
     todo = missing(store, cfgs)
     if todo:
         metrics = _counting(
-            lambda: c1_train.train_reps(
+            lambda: c1_train_reps(
                 arm, tasks, hp, [init_seed(r) for r in todo], data, shuffle_seed=STUDY_SEED,
                 progress=progress, desc=f"{name}/c1-T{tasks} test", num_experts=tasks // 4,
                 k=C1_K,
@@ -330,7 +288,7 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
         )  # fmt: skip
         for m, i in zip(metrics, todo, strict=True):
             store.save(cfgs[i], m)
-    rule = "lowest mean validation MSE over the trials (binary configurations first, Appendix D)"
+    rule = f"{RULE} (the validation MSE over the trials; binary configurations first, Appendix D)"
     return {**selected, "rule": rule}
 
 
@@ -367,14 +325,17 @@ def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> 
         _record(name, shape, hp, lr, r, "tune") for lr in config.lrs for r in range(config.reps)
     ]
     train(cfgs, base, "tune")
-    loss: dict[float, list[float]] = {}
+    loss: dict[float, list[Any]] = {}
     for c in cfgs:
         rec = read_record(store.path(run_id(c)))
-        # a diverged run (non-finite or exploded, recovery's bound) makes its rate's mean inf
+        # a diverged run (non-finite or exploded, recovery's bound) counts as non-finite
         bad = diverged(rec, RECOVERY_FINITE)
         loss.setdefault(c["lr"], []).append(math.inf if bad else rec["metrics"]["val_loss"])
-    mean = {v: sum(ls) / len(ls) for v, ls in loss.items()}
-    lr = min(loss, key=lambda v: (mean[v] if math.isfinite(mean[v]) else math.inf, v))
+    # the shared rule (dselectk_research.best) over the learning rates, smallest first (ties go
+    # to the smaller); a learning rate with a diverged repetition is ineligible; every one
+    # diverged: the smallest
+    choice = best_configuration((v, loss[v]) for v in sorted(loss))
+    lr = min(loss) if choice.key is None else choice.key
     tests = [_record(name, shape, hp, lr, r, "test") for r in range(config.reps)]
     train(tests, HeldOutData(base), "test")
-    return {"lr": lr, "lrs": list(config.lrs), "rule": "lowest mean validation loss"}
+    return {"lr": lr, "lrs": list(config.lrs), "rule": f"{RULE} (learning rates, smallest first)"}

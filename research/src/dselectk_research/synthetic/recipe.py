@@ -22,11 +22,11 @@ from dselectk_research.args import (
     existing_file,
     fraction,
     int_at_least,
-    nonnegative_float,
     positive_float,
     seed_value,
     setting,
 )
+from dselectk_research.catalog import hparam_setting
 from dselectk_research.data.synthetic import SyntheticData, generate_data
 from dselectk_research.records import RunStore, diverged
 from dselectk_research.runner import (
@@ -90,22 +90,20 @@ class SyntheticConfig:
     full: bool = setting(False, "paper protocol: grid search + 100 reps")
     epochs: int | None = setting(None, "override the epochs of every gate", type=POS)
     lr: float | None = setting(None, "override the learning rate", type=positive_float)
-    gamma: float | None = setting(None, "override DSelect-k's γ", type=positive_float)
-    gamma_end: float | None = setting(None, "anneal γ to this (log scale)", type=positive_float)
-    entropy_reg: float | None = setting(
-        None, "override λ (DSelect-k, abl.)", type=nonnegative_float
-    )
-    entropy_reg_end: float | None = setting(None, "ramp λ linearly to this", type=nonnegative_float)
+    gamma: float | None = hparam_setting("gamma", None, "override DSelect-k's γ")
+    gamma_end: float | None = hparam_setting("gamma", None, "anneal γ to this (log scale)")
+    entropy_reg: float | None = hparam_setting("entropy_reg", None, "override λ (DSelect-k, abl.)")
+    entropy_reg_end: float | None = hparam_setting("entropy_reg", None, "ramp λ linearly to this")
     entropy_warmup: float = setting(
         0.0,
         "with --entropy-reg-end: the fraction of the run with λ = 0 before the ramp",
         type=fraction,
     )
-    temperature: float | None = setting(
+    temperature: float | None = hparam_setting(
+        "temperature",
         None,
         "annealing start temperature s (Ablation (Annealing))",
         "--temperature-start",
-        type=positive_float,
     )
     n_train: int = setting(100_000, "training rows (paper 100k)", type=POS)
     n_eval: int = setting(20_000, "validation = test rows (20k)", type=POS)

@@ -8,44 +8,24 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dselectk.variants import Ramp, SearchPlan, Variant, variant_table
+from dselectk.variants import Ramp, Variant
 from dselectk_research.args import read_json_object
+from dselectk_research.catalog import select
 
 EXPERIMENT = "synthetic"
 K = 4
 BATCH_SIZE = 256
 
-#: the study's gate variants (``--gates``); the search variants (ours) run the swap local search
-#: during training, scored by each (repetition, task)'s MSE on a probe of the training set after
-#: refitting the selector shares (least squares), and use the tuned values of the gate they search
-VARIANTS: dict[str, Variant] = variant_table(
-    Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", {"init": "paper"}),
-    Variant("dselect_k_spread", "dselect_k", "DSelect-k (spread init, ours)", {"init": "spread"}),
-    Variant(
-        "dselect_k_search",
-        "dselect_k",
-        "DSelect-k + swap local search (ours)",
-        {"init": "paper"},
-        search=SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True),
-        tuned_as="dselect_k",
-    ),
-    Variant("topk", "topk", "Top-k"),
-    Variant(
-        "topk_search_refit",
-        "topk",
-        "Top-k + swap local search, refit scoring (ours)",
-        search=SearchPlan(at=(0.25, 0.5, 0.7, 0.85), refit=True),
-        tuned_as="topk",
-    ),
-    # Appendix D: the temperature anneals from the tuned start s down to 1e-16
-    Variant(
-        "ablation_annealing",
-        "ablation_annealing",
-        "Ablation (Annealing)",
-        schedules=(Ramp("temperature", end=1e-16, shape="geometric"),),
-    ),
-    Variant("ablation_entropy", "ablation_entropy", "Ablation (Entropy)"),
-)
+#: the study's gate variants (``--gates``; :mod:`dselectk_research.catalog`); the search variants
+#: (ours) run the swap local search during training, scored by each (repetition, task)'s MSE on
+#: a probe of the training set after refitting the selector shares (least squares), and use the
+#: tuned values of the gate they search
+VARIANTS: dict[str, Variant] = select(
+    "dselect_k", "dselect_k_spread", "dselect_k_search", "topk", "topk_search_refit",
+    "ablation_annealing", "ablation_entropy",
+    renamed={"topk_search_refit": "topk_search"},
+    labels={"topk_search_refit": "Top-k + swap local search, refit scoring (ours)"},
+)  # fmt: skip
 #: the quick default, every variant but topk_search_refit: the paper's gates, our spread init,
 #: and DSelect-k + swap search (binary with exactly k experts, beats Top-k,
 # research/notes/collapse.md §7)

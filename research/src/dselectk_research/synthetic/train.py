@@ -20,6 +20,7 @@ from dselectk.progress import tqdm
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import Callback, History, TaskData, TrainConfig, train
 from dselectk.variants import Variant, stack_members
+from dselectk_research.best import best_configuration
 from dselectk_research.data.synthetic import FEATURES, UNITS, SyntheticData
 from dselectk_research.executors import progress_position
 from dselectk_research.metrics import distinct_experts, pairwise_jaccard
@@ -229,9 +230,11 @@ def tune(
     initialisations, all (point, trial) pairs as the members of batched models of up to
     ``max_members``. Without schedules or search, one run of max(epochs) is evaluated at each
     epoch count of the grid; otherwise epochs is one more axis. ``max_points`` samples that many
-    points; runs already in ``store`` are not trained again. Selection (Appendix D): lowest mean
-    validation MSE, among the configurations whose S(Z) is binary in every trial for gates that
-    binarize (if none is, the best non-binary one, ``"binary": False``).
+    points; runs already in ``store`` are not trained again. Selection: the shared rule
+    (:func:`dselectk_research.best.best_configuration`): lowest mean validation MSE over the
+    trials, a configuration with a diverged trial ineligible, among the configurations whose
+    S(Z) is binary in every trial for gates that binarize (Appendix D; if none is, the best
+    non-binary one, ``"binary": False``).
     """
     v = variant_of(gate)
     axes = dict(paper_grid(v) if grid is None else grid)
@@ -297,26 +300,21 @@ def tune(
             key = json.dumps(rec["config"]["hparams"], sort_keys=True)
             trials_of.setdefault(key, []).append(rec["metrics"])
 
-    def val(m: Mapping[str, Any]) -> float:  # a diverged trial (NaN, saved as null): inf
-        x = m.get("val_mse")
-        return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else math.inf
-
-    scores = [  # (mean validation MSE, binary in every trial (gates that binarize), hparams)
-        (
-            sum(map(val, ms)) / len(ms),
-            all(bool(m.get("all_binary", 1.0)) for m in ms),
-            json.loads(key),
-        )
-        for key, ms in trials_of.items()
-    ]
-    ranked = sorted(scores, key=lambda s: s[0])
-    finite = [s for s in ranked if math.isfinite(s[0])] or ranked
-    best = ([s for s in finite if s[1]] or finite)[0]
+    # the shared rule (dselectk_research.best): the configurations in the order of their
+    # records (by run id), each with its trials' validation MSEs; a configuration with a
+    # diverged trial is ineligible; binary in every trial preferred (gates that binarize;
+    # Appendix D); every configuration diverged: the first, its validation MSE infinite
+    keys = list(trials_of)
+    binary = {k: all(bool(m.get("all_binary", 1.0)) for m in trials_of[k]) for k in keys}
+    choice = best_configuration(
+        ((k, [m.get("val_mse") for m in trials_of[k]]) for k in keys), prefer=binary.__getitem__
+    )
+    best = keys[0] if choice.key is None else choice.key
     return {
-        "hparams": best[2],
-        "val_mse": best[0],
-        "binary": best[1],
-        "configs_tried": len(scores),
-        "configs_binary": sum(1 for s in scores if s[1]),
-        "configs_diverged": sum(1 for s in scores if not math.isfinite(s[0])),
+        "hparams": json.loads(best),
+        "val_mse": math.inf if choice.key is None else choice.mean,
+        "binary": binary[best],
+        "configs_tried": len(keys),
+        "configs_binary": choice.preferred_count,
+        "configs_diverged": len(choice.diverged),
     }

@@ -24,7 +24,8 @@ from dselectk.training import (
     TrainingDivergedError,
     train,
 )
-from dselectk.variants import Variant, variant_table
+from dselectk.variants import Variant
+from dselectk_research.catalog import select
 from dselectk_research.char_lm import CharMoETransformer, byte_windows, evaluate, random_windows
 from dselectk_research.data.text import Corpus
 from dselectk_research.executors import progress_position
@@ -32,25 +33,15 @@ from dselectk_research.monitor import StepTimer
 
 EXPERIMENT = "token-moe"
 
-#: the routers compared (``--gates``); DSelect-k takes the study's ``gamma`` and ``entropy_reg``
-ROUTERS = variant_table(
-    Variant("dselect_k", "dselect_k", "DSelect-k (per token)"),
-    Variant("topk", "topk", "Top-k"),
-    Variant(
-        "dselect_k_distinct", "dselect_k", "DSelect-k, distinct codes (ours)", {"distinct": True}
-    ),
-    Variant(
-        "dselect_k_diversity",
-        "dselect_k",
-        "DSelect-k, diversity μ = 0.1 (ours)",
-        {"diversity": 0.1},
-    ),
-    Variant(
-        "expert_choice",
-        "softmax",
-        "Expert choice (Zhou et al. 2022; softmax router, capacity k·N/n)",
-        routing="expert",
-    ),
+#: the routers compared (``--gates``; :mod:`dselectk_research.catalog`); DSelect-k takes the
+#: study's ``gamma`` and ``entropy_reg``
+ROUTERS = select(
+    "dselect_k",
+    "topk",
+    "dselect_k_distinct",
+    "dselect_k_diversity",
+    "expert_choice",
+    renamed={"dselect_k": "dselect_k_token"},
 )
 #: the routers a command runs without ``--gates`` (expert choice sees the whole batch, future
 #: tokens included: a competitor to run on purpose, not a default)
