@@ -136,9 +136,12 @@ def test_a_bank_trains_each_member_as_it_trains_alone_with_its_own_hparams() -> 
     # the members moved by their own learning rates: the same update at another lr differs
     lr_swapped = build_bank(_maker(v, hps), SEEDS)
     swapped = [{**hps[0], "lr": hps[2]["lr"]}, hps[1], {**hps[2], "lr": hps[0]["lr"]}]
-    train_bank(lr_swapped, _data(), {}, member_hparams=swapped, variant=v, batch_size=BATCH,
-               shuffle_seed=5)  # fmt: skip
-    assert not torch.allclose(_member(lr_swapped, 0)["gates.logits"], _member(bank, 0)["gates.logits"])
+    train_bank(
+        lr_swapped, _data(), {}, member_hparams=swapped, variant=v, batch_size=BATCH, shuffle_seed=5
+    )
+    assert not torch.allclose(
+        _member(lr_swapped, 0)["gates.logits"], _member(bank, 0)["gates.logits"]
+    )
 
 
 def test_each_member_follows_its_own_schedule_and_epochs() -> None:
@@ -156,8 +159,16 @@ def test_each_member_follows_its_own_schedule_and_epochs() -> None:
             seen[history.steps] = bank.gates.gamma
 
     steps_per_epoch = N // BATCH
-    hist = train_bank(bank, _data(), {}, member_hparams=hps, variant=v, batch_size=BATCH,
-                      shuffle_seed=5, callbacks=[Watch()])  # fmt: skip
+    hist = train_bank(
+        bank,
+        _data(),
+        {},
+        member_hparams=hps,
+        variant=v,
+        batch_size=BATCH,
+        shuffle_seed=5,
+        callbacks=[Watch()],
+    )
     assert hist.steps == 4 * steps_per_epoch  # the largest epochs
     g0, g1 = seen[2 * steps_per_epoch][:T], seen[2 * steps_per_epoch][T:]
     torch.testing.assert_close(g0, torch.full((T,), 0.01))  # member 0 annealed in 2 epochs
@@ -167,8 +178,9 @@ def test_each_member_follows_its_own_schedule_and_epochs() -> None:
     shared = build_bank(_maker(v, [hps[0], hps[0]]), SEEDS[:2])
     seen.clear()
     bank = shared
-    train_bank(shared, _data(), hps[0], variant=v, batch_size=BATCH, shuffle_seed=5,
-               callbacks=[Watch()])  # fmt: skip
+    train_bank(
+        shared, _data(), hps[0], variant=v, batch_size=BATCH, shuffle_seed=5, callbacks=[Watch()]
+    )
     assert float(seen[1][0]) < 1.0 and float(seen[2 * steps_per_epoch][0]) == pytest.approx(0.01)
 
 
@@ -220,8 +232,16 @@ def test_a_custom_bank_takes_its_loss_and_search_loss() -> None:
         train_bank(bank, data, hp, variant=v, loss_fn=loss, batch_size=BATCH, shuffle_seed=0)
     with pytest.raises(ValueError, match="pass loss_fn"):
         train_bank(bank, data, hp, batch_size=BATCH, shuffle_seed=0)
-    train_bank(bank, data, hp, variant=v, loss_fn=loss, search_loss=per_gate, batch_size=BATCH,
-               shuffle_seed=0)  # fmt: skip
+    train_bank(
+        bank,
+        data,
+        hp,
+        variant=v,
+        loss_fn=loss,
+        search_loss=per_gate,
+        batch_size=BATCH,
+        shuffle_seed=0,
+    )
     assert calls  # the search scored its moves with the caller's loss
 
 
@@ -242,8 +262,14 @@ def test_train_bank_rejects_bad_hyperparameters() -> None:
     with pytest.raises(ValueError, match=r"hparams\.lr: expected a finite number"):
         train_bank(bank, data, {"lr": float("nan"), "epochs": 1}, **kw)
     with pytest.raises(ValueError, match=r"member_hparams\[0\]"):  # the variant's own check
-        train_bank(bank, data, {}, member_hparams=[{"lr": 0.1, "epochs": 1, "nope": 1}] * 2,
-                   variant=v, **kw)  # fmt: skip
+        train_bank(
+            bank,
+            data,
+            {},
+            member_hparams=[{"lr": 0.1, "epochs": 1, "nope": 1}] * 2,
+            variant=v,
+            **kw,
+        )
     with pytest.raises(ValueError, match="member_hparams must hold one mapping per member"):
         train_bank(bank, data, {"lr": 0.1, "epochs": 1}, member_hparams=[], **kw)
     with pytest.raises(TypeError, match="bank_loss needs a MoEBank"):
@@ -255,7 +281,7 @@ def test_the_modules_example_runs() -> None:
     code = doc.split("::\n", 1)[1]
     lines = [ln[4:] if ln.startswith("    ") else ln for ln in code.splitlines()]
     namespace: dict[str, Any] = {}
-    exec(compile("\n".join(lines), "members example", "exec"), namespace)  # noqa: S102
+    exec(compile("\n".join(lines), "members example", "exec"), namespace)
     bank = namespace["bank"]
     assert isinstance(bank, MoEBank) and bank.members == 3
     assert bool(bank.gates.is_binary().all())  # the search binarized every member

@@ -13,11 +13,12 @@ the training set with the selector shares refitted by least squares,
 which experts a task should use is never given to it.
 
 ``--restarts`` R (default 4) initialisations train side by side as one
-:class:`~dselectk.models.MoEBank` (one batched model; each member starts where a lone model under
-its seed would) on 7/8 of the training split, and the demo keeps the one with the lowest MSE on
-the remaining eighth (validation; the test split is read only for the printed test MSE). A
-single run settles early into a split of some group over three experts in 15 of 120 restarts
-on the development seeds (README); such a run fits worse, and validation finds it out.
+:class:`~dselectk.models.MoEBank` (:mod:`dselectk.members`: one batched model; each member
+starts where a lone model under its seed would) on 7/8 of the training split, and the demo keeps
+the one with the lowest MSE on the remaining eighth (validation; the test split is read only for
+the printed test MSE). A single run settles early into a split of some group over three experts
+in 15 of 120 restarts on the development seeds (README); such a run fits worse, and validation
+finds it out.
 
 With 8 tasks and 16 selector slots for 8 experts, tasks must share experts. The demo prints
 which experts each task selected, whether S(Z) is binary, the train/test MSE, and what it

@@ -296,6 +296,12 @@ def train_bank(
             raise ValueError(f"train_bank: pass loss_fn for a {type(bank).__name__}")
         loss_fn = bank_loss
     return train(
-        bank, data, None, config, schedulers=schedulers, optimizer=opt, callbacks=cbs,
+        bank,
+        data,
+        None,
+        config,
+        schedulers=schedulers,
+        optimizer=opt,
+        callbacks=cbs,
         loss_fn=loss_fn,
-    )  # fmt: skip
+    )
