@@ -126,7 +126,7 @@ def per_gate_hparams(
     keys = list(dict.fromkeys(k for m in members for k in m)) if names is None else list(names)
     out: dict[str, Tensor] = {}
     for key in keys:
-        values = [m.get(key) for m in members]
+        values: list[Any] = [m.get(key) for m in members]
         if all(v is None for v in values):
             continue
         missing = [r for r, v in enumerate(values) if v is None]
