@@ -75,6 +75,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "telemetry": "training",
     "search": "training",
     "variants": "training",
+    "members": "training",
     "integrations": "integrations",
     "cli": "cli",
     "demo": "cli",

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from dselectk import demo
+from dselectk import members
 from dselectk.cli import main
 from dselectk.demo import make_data, sharing
 
@@ -73,7 +73,7 @@ def test_the_demo_trains_on_one_thread_and_restores_the_count(
 ) -> None:
     before = torch.get_num_threads()
     seen: list[int] = []
-    real_train = demo.train
+    real_train = members.train
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(torch.get_num_threads())
@@ -82,7 +82,7 @@ def test_the_demo_trains_on_one_thread_and_restores_the_count(
     torch.set_num_threads(2)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(demo, "train", spy)
+            mp.setattr(members, "train", spy)
             args = ["demo", "--tasks", "2", "--examples", "200", "--epochs", "1", "--no-progress"]
             assert main(args) == 0
         assert seen == [1] and torch.get_num_threads() == 2  # one thread inside, then restored

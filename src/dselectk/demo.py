@@ -13,11 +13,12 @@ the training set with the selector shares refitted by least squares,
 which experts a task should use is never given to it.
 
 ``--restarts`` R (default 4) initialisations train side by side as one
-:class:`~dselectk.models.MoEBank` (one batched model; each member starts where a lone model under
-its seed would) on 7/8 of the training split, and the demo keeps the one with the lowest MSE on
-the remaining eighth (validation; the test split is read only for the printed test MSE). A
-single run settles early into a split of some group over three experts in 15 of 120 restarts
-on the development seeds (README); such a run fits worse, and validation finds it out.
+:class:`~dselectk.models.MoEBank` (:mod:`dselectk.members`: one batched model; each member
+starts where a lone model under its seed would) on 7/8 of the training split, and the demo keeps
+the one with the lowest MSE on the remaining eighth (validation; the test split is read only for
+the printed test MSE). A single run settles early into a split of some group over three experts
+in 15 of 120 restarts on the development seeds (README); such a run fits worse, and validation
+finds it out.
 
 With 8 tasks and 16 selector slots for 8 experts, tasks must share experts. The demo prints
 which experts each task selected, whether S(Z) is binary, the train/test MSE, and what it
@@ -41,15 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from dselectk._argtypes import int_at_least
-from dselectk.gates import DSelectK
 from dselectk.layers import StackedMLP
+from dselectk.members import build_bank, train_bank
 from dselectk.models import MoEBank
 from dselectk.runtime import intra_op_threads
-from dselectk.training import TaskData, TrainConfig, train
-from dselectk.variants import SearchPlan, stack_members, total_steps
+from dselectk.training import TaskData
+from dselectk.variants import SearchPlan, Variant
 
 __all__ = ["Sharing", "add_arguments", "make_data", "run", "sharing"]
 
@@ -57,6 +57,9 @@ BATCH = 256
 LR = 0.03
 MIX = (0.3, 0.7)  # range of a task's share of its group's first expert
 SEARCH = SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=True)
+#: the paper's gate (static DSelect-k) with the swap search of :data:`SEARCH`
+GATE = Variant("dselect_k_search", "dselect_k", "DSelect-k + swap local search", search=SEARCH)
+GATE_HPARAMS = {"gamma": 10.0, "entropy_reg": 0.1}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,30 +166,26 @@ def run(args: argparse.Namespace) -> int:
     y_all = torch.cat(train_all.ys, 1)  # (N, T)
     x_tr, y_tr, x_val, y_val = train_all.x[:cut], y_all[:cut], train_all.x[cut:], y_all[cut:]
     r_count, t_count = args.restarts, args.tasks
-    experts, gates = [], []
-    for r in range(r_count):  # restart r: the model a lone run under its seed would start from
-        torch.manual_seed(_restart_seed(args.seed, r))
-        gates.append(DSelectK(8, k=2, num_gates=t_count, gamma=10.0, entropy_reg=0.1))
-        experts.append(StackedMLP(8, 10, [4, 1], final_activation=False))
-    bank = MoEBank(
-        stack_members(StackedMLP(8 * r_count, 10, [4, 1], final_activation=False), experts),
-        stack_members(
-            DSelectK(8, k=2, num_gates=r_count * t_count, gamma=10.0, entropy_reg=0.1), gates
-        ),
-        members=r_count,
-    )
-    steps = total_steps(args.epochs, cut, BATCH)
-    search = SEARCH.bank_callback(bank, x_tr, y_tr, steps, seed=args.seed)
-    cfg = TrainConfig.for_members(
-        lr=LR,
-        batch_size=BATCH,
-        epochs=args.epochs,
-        shuffle_seed=args.seed,
-        progress=not args.no_progress,
-    )
+
+    def make(r: int | None) -> MoEBank:  # restart r alone (r: an index), or all of them
+        n = r_count if r is None else 1
+        gates = GATE.build(8, k=2, num_gates=n * t_count, hparams=GATE_HPARAMS)
+        experts = StackedMLP(8 * n, 10, [4, 1], final_activation=False)
+        return MoEBank(experts, gates, members=n)
+
+    seeds = [_restart_seed(args.seed, r) for r in range(r_count)]
+    bank = build_bank(make, seeds)  # restart r starts where a lone run under its seed would
     t0 = time.perf_counter()
     with intra_op_threads(1):  # a small model: more threads only wait on each other
-        train(bank, TaskData(x_tr, [y_tr]), None, cfg, callbacks=[search], loss_fn=_loss)
+        train_bank(
+            bank,
+            TaskData(x_tr, [y_tr]),
+            {"lr": LR, "epochs": args.epochs},
+            variant=GATE,
+            batch_size=BATCH,
+            shuffle_seed=args.seed,
+            progress=not args.no_progress,
+        )
     elapsed = time.perf_counter() - t0
     weights = bank.expert_weights()  # (R, T, E)
     binary = bank.gates.is_binary().view(r_count, t_count)
@@ -236,8 +235,3 @@ def run(args: argparse.Namespace) -> int:
         )
     print("Expert indices are the model's own: trainable experts have no fixed order.")
     return 0
-
-
-def _loss(model: torch.nn.Module, batch: TaskData) -> tuple[Tensor, None]:
-    assert isinstance(model, MoEBank)
-    return model.loss(batch.x, batch.ys[0]), None

@@ -372,24 +372,34 @@ def total_steps(epochs: int, examples: int, batch_size: int) -> int:
 
 
 @torch.no_grad()
-def stack_members(bank: M, members: Sequence[nn.Module]) -> M:
+def stack_members(bank: M, members: Sequence[nn.Module], *, buffers: Iterable[str] = ()) -> M:
     """Load independent members into one vectorized ``bank``: each parameter of the bank is
     the members' parameters of the same name, concatenated member after member along the
     first axis (a single gate's (L,) logits become row r of the bank's (R, L); a bank of T gates
     rows r·T ... r·T + T − 1; E experts of a :class:`~dselectk.layers.StackedMLP` experts
     r·E ...). R repetitions then train as one model, each from the initialisation it gets
-    alone. Returns ``bank``.
+    alone. The buffers named in ``buffers`` (frozen experts, masks) are stacked the same way;
+    the others (a gate's hyperparameters, say) are the bank's own. Returns ``bank``.
+    :func:`dselectk.members.build_bank` builds the members from seeds and calls this.
 
     Raises:
-        ValueError: a member lacks a parameter of the bank, or the sizes do not add up.
+        ValueError: a member lacks a parameter (or named buffer) of the bank, or the sizes do
+            not add up.
     """
     if not members:
         raise ValueError("stack_members needs at least one member")
-    params = [dict(m.named_parameters()) for m in members]
-    for name, p in bank.named_parameters():
-        if any(name not in mp for mp in params):
-            raise ValueError(f"stack_members: a member has no parameter {name!r}")
-        parts = [mp[name].reshape(-1, *p.shape[1:]) for mp in params]
+    names = list(buffers)
+    own = dict(bank.named_buffers())
+    unknown = [n for n in names if n not in own]
+    if unknown:
+        raise ValueError(f"stack_members: the bank has no buffer {unknown[0]!r}")
+    tensors = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in members]
+    targets = [*bank.named_parameters(), *((n, own[n]) for n in names)]
+    for name, p in targets:
+        if any(name not in mp for mp in tensors):
+            kind = "parameter" if name not in own else "buffer"
+            raise ValueError(f"stack_members: a member has no {kind} {name!r}")
+        parts = [mp[name].reshape(-1, *p.shape[1:]) for mp in tensors]
         if sum(q.shape[0] for q in parts) != p.shape[0]:
             raise ValueError(
                 f"stack_members: {name!r} of the bank has {p.shape[0]} rows, the members "

@@ -23,7 +23,7 @@ def test_data_deterministic_and_balanced() -> None:
 
 def test_model_holds_exact_copies_of_the_true_experts() -> None:
     data = R.RecoveryData(0)
-    m = R.RecoveryMoE(R.VARIANTS["topk"], R.BASE_HPARAMS, data, [5, 6, 7])
+    m = R.RecoveryMoE.from_seeds(R.VARIANTS["topk"], R.BASE_HPARAMS, data, [5, 6, 7])
     assert m.true_mask.sum(-1).tolist() == [4, 4, 4]
     for r in range(3):
         pos = m.true_mask[r].nonzero().flatten()
@@ -31,7 +31,7 @@ def test_model_holds_exact_copies_of_the_true_experts() -> None:
         want = {tuple(w.flatten().tolist()) for w in data.true_experts}
         assert got == want
     assert not any(p.requires_grad for p in [m.experts])
-    single = R.RecoveryMoE(R.VARIANTS["topk"], R.BASE_HPARAMS, data, [6])
+    single = R.RecoveryMoE.from_seeds(R.VARIANTS["topk"], R.BASE_HPARAMS, data, [6])
     assert torch.equal(single.experts[0], m.experts[1])
     assert torch.equal(single.gates.logits[0], m.gates.logits[1])
 
@@ -111,7 +111,7 @@ def test_a_held_out_shape_trains_and_reports_it(tmp_path: Path) -> None:
     data = R.RecoveryData(0, n_train=512, n_val=256, num_true=3)
     assert data.true_experts.shape == (3, 10, 4)
     hp = {**R.BASE_HPARAMS, "lr": 0.1, "epochs": 2}
-    m = R.RecoveryMoE(R.VARIANTS["dselect_k"], hp, data, [1, 2], experts=32, k=3)
+    m = R.RecoveryMoE.from_seeds(R.VARIANTS["dselect_k"], hp, data, [1, 2], experts=32, k=3)
     assert m.experts.shape == (2, 32, 10, 4) and m.true_mask.sum(-1).tolist() == [3, 3]
     metrics, _ = R.train_reps(R.VARIANTS["topk"], hp, data, [1, 2], shuffle_seed=0, experts=32)
     assert all(r["experts_selected"] == 3.0 and 0 <= r["recovered"] <= 3 for r in metrics)

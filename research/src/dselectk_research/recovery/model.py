@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
-from dselectk.optim import RowwiseAdam
+from dselectk.members import build_bank, train_bank
 from dselectk.search import logistic_refit_bce
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import TaskData, TrainConfig, train
-from dselectk.variants import SearchPlan, Variant, stack_members, total_steps
+from dselectk.training import TaskData
+from dselectk.variants import SearchPlan, Variant
 from dselectk_research.catalog import select
 from dselectk_research.data.recovery import FEATURES, UNITS, RecoveryData, expert_outputs
 from dselectk_research.executors import progress_position
@@ -35,7 +35,11 @@ BASE_HPARAMS: dict[str, Any] = {"epochs": 50, "gamma": 10.0, "entropy_reg": 0.1}
 # (dselectk.search; ours) scores each move by every repetition's loss on a probe of the training
 # set after refitting the head (refit).
 VARIANTS = select(
-    "dselect_k", "dselect_k_search", "topk", "topk_search", "comet",
+    "dselect_k",
+    "dselect_k_search",
+    "topk",
+    "topk_search",
+    "comet",
     labels={"dselect_k_search": "DSelect-k (paper) + swap local search (ours)"},
 )
 
@@ -48,8 +52,10 @@ def _bce(logits: Tensor, y: Tensor) -> Tensor:
 
 class RecoveryMoE(nn.Module):
     """R independent recovery models (``experts`` experts, a gate of the variant choosing
-    ``k``, default the true count) as one vectorized model. Repetition r draws its copy positions
-    of the true experts, random experts, gate and head under ``torch.manual_seed(init_seeds[r])``.
+    ``k``, default the true count) as one vectorized model: each draws its copy positions of
+    the true experts and its random experts, then the gate bank and the heads are built.
+    :meth:`from_seeds` builds repetition r as a model of one member built under
+    ``torch.manual_seed(init_seeds[r])`` (:func:`~dselectk.members.build_bank`).
     """
 
     true_mask: Tensor
@@ -60,30 +66,48 @@ class RecoveryMoE(nn.Module):
         variant: Variant,
         hp: Mapping[str, Any],
         data: RecoveryData,
-        init_seeds: Sequence[int],
+        members: int = 1,
         *,
         experts: int = NUM_EXPERTS,
         k: int | None = None,
     ) -> None:
         super().__init__()
-        self.reps, self.num_true = len(init_seeds), data.num_true
+        self.reps = self.members = members
+        self.num_true = data.num_true
         self.k = data.num_true if k is None else k
-        banks, masks, gates, heads = [], [], [], []
-        for s in init_seeds:
-            torch.manual_seed(int(s))
+        banks, masks = [], []
+        for _ in range(members):
             pos = torch.randperm(experts)[: data.num_true]
             bank = torch.randn(experts, FEATURES, UNITS)
             bank[pos] = data.true_experts
             banks.append(bank)
             masks.append(torch.zeros(experts, dtype=torch.bool).index_fill(0, pos, True))
-            gates.append(variant.build(experts, hparams=hp, k=self.k))
-            heads.append(nn.Linear(UNITS, 1))
         self.register_buffer("experts", torch.stack(banks))  # (R, E, 10, 4), frozen
         self.register_buffer("true_mask", torch.stack(masks))  # (R, E)
-        self.gates: Gate = variant.build(experts, hparams=hp, k=self.k, num_gates=self.reps)
-        stack_members(self.gates, gates)
-        self.head_w = nn.Parameter(torch.stack([h.weight.detach()[0] for h in heads]))  # (R, 4)
-        self.head_b = nn.Parameter(torch.cat([h.bias.detach() for h in heads]))  # (R,)
+        self.gates: Gate = variant.build(experts, hparams=hp, k=self.k, num_gates=members)
+        head = nn.Linear(UNITS, members)
+        self.head_w = nn.Parameter(head.weight.detach().clone())  # (R, 4)
+        self.head_b = nn.Parameter(head.bias.detach().clone())  # (R,)
+
+    @classmethod
+    def from_seeds(
+        cls,
+        variant: Variant,
+        hp: Mapping[str, Any],
+        data: RecoveryData,
+        init_seeds: Sequence[int],
+        *,
+        experts: int = NUM_EXPERTS,
+        k: int | None = None,
+    ) -> RecoveryMoE:
+        """One repetition per seed: repetition r is the model of one member built under
+        ``torch.manual_seed(init_seeds[r])``."""
+
+        def make(r: int | None) -> RecoveryMoE:
+            n = len(init_seeds) if r is None else 1
+            return cls(variant, hp, data, n, experts=experts, k=k)
+
+        return build_bank(make, init_seeds, buffers=("experts", "true_mask"))
 
     def features(self, x: Tensor) -> Tensor:
         """Frozen expert outputs (B, R, E, 4), examples first (precomputed once)."""
@@ -161,32 +185,28 @@ def train_reps(
     gate-weight trajectories of ``record_reps`` ({rep: {"steps", "weights", "true"}}, every
     ``record_every`` steps; 0: none). ``telemetry_dir``: routing telemetry, gates/task<r> = rep r.
     """
-    model = RecoveryMoE(variant, hparams, data, init_seeds, experts=experts, k=k)
+    model = RecoveryMoE.from_seeds(variant, hparams, data, init_seeds, experts=experts, k=k)
     rates = [float(v) for v in lrs] if lrs else [float(hparams["lr"])] * model.reps
-    opt = RowwiseAdam([p for p in model.parameters() if p.requires_grad], torch.tensor(rates))
-    epochs = int(hparams["epochs"])
-    steps = total_steps(epochs, data.y_train.shape[0], BATCH_SIZE)
     trajectory = GateTrajectory(model.gates, record_reps if record_every else (), record_every or 1)
     for r, tr in trajectory.trajectories.items():  # and the positions of the true experts
         tr["true"] = model.true_mask[r].nonzero().flatten().tolist()
     cbs: list[Any] = [trajectory]
-    if variant.search is not None:
-        loss = _member_loss(model, data, variant.search, shuffle_seed)
-        cbs.append(variant.search.callback(model.gates, loss, steps))
     if telemetry_dir is not None:
         cbs.append(RoutingTelemetry(telemetry_dir, every=record_every or 10))
-    cfg = TrainConfig.for_members(
-        lr=max(rates),
+    plan = variant.search
+    train_bank(
+        model,
+        TaskData(model.features(data.x_train), [data.y_train]),
+        hparams,
+        member_hparams=[{"lr": v} for v in rates],
+        variant=variant,
+        loss_fn=_loss,
+        search_loss=None if plan is None else _member_loss(model, data, plan, shuffle_seed),
         batch_size=BATCH_SIZE,
-        epochs=epochs,
         shuffle_seed=shuffle_seed,
+        callbacks=cbs,
         progress=progress,
         desc=desc,
         position=progress_position(),
-    )
-    train_xy = TaskData(model.features(data.x_train), [data.y_train])
-    scheds = variant.schedulers(model.gates, hparams, steps)
-    train(
-        model, train_xy, None, cfg, schedulers=scheds, optimizer=opt, callbacks=cbs, loss_fn=_loss
     )
     return _evaluate(model, model.features(data.x_val), data.y_val), trajectory.trajectories

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dselectk.layers import StackedMLP
+from dselectk.members import build_bank, per_gate_hparams, train_bank
 from dselectk.models import MoEBank
-from dselectk.optim import RowwiseAdam
 from dselectk.progress import tqdm
 from dselectk.telemetry import RoutingTelemetry
-from dselectk.training import Callback, History, TaskData, TrainConfig, train
-from dselectk.variants import Variant, stack_members
+from dselectk.training import Callback, History, TaskData
+from dselectk.variants import Variant
 from dselectk_research.best import best_configuration
 from dselectk_research.data.synthetic import FEATURES, UNITS, SyntheticData
 from dselectk_research.executors import progress_position
@@ -47,33 +47,28 @@ def build_model(
     num_experts: int | None = None,
     k: int = K,
 ) -> MoEBank:
-    """R multi-gate MoEs of Appendix C.1 as one bank: E experts of the generator's form
-    (``num_experts``, default T/4) and one static gate per task choosing ``k``. Member r's
-    parameters are those a single model built under ``torch.manual_seed(init_seeds[r])`` gets;
-    its hyperparameters are ``hparams`` updated by ``member_hparams[r]`` (when given)."""
+    """R multi-gate MoEs of Appendix C.1 as one bank (:func:`~dselectk.members.build_bank`): E
+    experts of the generator's form (``num_experts``, default T/4) and one static gate per task
+    choosing ``k``. Member r's parameters are those a single model built under
+    ``torch.manual_seed(init_seeds[r])`` gets; its hyperparameters are ``hparams`` updated by
+    ``member_hparams[r]`` (when given; the bank's gates then hold one value per gate)."""
     v = variant_of(gate)
     if num_experts is None and num_tasks % 4:
         raise ValueError(f"num_tasks must be a multiple of 4, got {num_tasks}")
     reps, e = len(init_seeds), num_tasks // 4 if num_experts is None else num_experts
     keys = paper_grid(v)  # the hyperparameters the study gives this variant
     members = [{**hparams, **m} for m in member_hparams or [{}] * reps]
-    experts, gates = [], []
-    for s, hp_i in zip(init_seeds, members, strict=True):
-        torch.manual_seed(int(s))
-        experts.append(StackedMLP(e, FEATURES, [UNITS]))
-        own = {n: x for n, x in hp_i.items() if n in keys}
-        gates.append(v.build(e, hparams=own, k=k, num_gates=num_tasks))
-    bank_hp: dict[str, Any] = {n: x for n, x in hparams.items() if n in keys}
+    own = [{n: x for n, x in hp.items() if n in keys} for hp in members]
+    bank_hp: Mapping[str, Any] = {n: x for n, x in hparams.items() if n in keys}
     if member_hparams is not None:  # per-gate values: member r's, over its T gates
-        used = [n for n in keys if any(m.get(n) is not None for m in members)]
-        bank_hp = {n: _values(members, n).repeat_interleave(num_tasks) for n in used}
-    bank_experts = StackedMLP(reps * e, FEATURES, [UNITS])
-    bank_gates = v.build(e, hparams=bank_hp, k=k, num_gates=reps * num_tasks)
-    return MoEBank(stack_members(bank_experts, experts), stack_members(bank_gates, gates), reps)
+        bank_hp = per_gate_hparams(own, num_tasks, list(keys))
 
+    def make(r: int | None) -> MoEBank:  # member r alone, or the bank (r None)
+        n, hp = (reps, bank_hp) if r is None else (1, own[r])
+        experts = StackedMLP(n * e, FEATURES, [UNITS])
+        return MoEBank(experts, v.build(e, hparams=hp, k=k, num_gates=n * num_tasks), n)
 
-def _values(members: Sequence[Mapping[str, Any]], key: str) -> Tensor:
-    return torch.tensor([float(m.get(key) or 0.0) for m in members], dtype=torch.float64)
+    return build_bank(make, init_seeds)
 
 
 @torch.no_grad()
@@ -121,11 +116,6 @@ class _Checkpoints(Callback):
             model.train()
 
 
-def _fused_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
-    assert isinstance(model, MoEBank)
-    return model.loss(batch.x, batch.ys[0], fused=True), None
-
-
 def train_reps(
     gate: str | Variant,
     num_tasks: int,
@@ -164,42 +154,23 @@ def train_reps(
     model = build_model(
         v, num_tasks, hparams, init_seeds, member_hparams, num_experts=num_experts, k=k
     )
-    steps_per_epoch = math.ceil(data.x_train.shape[0] / BATCH_SIZE)
-    steps = epochs * steps_per_epoch
-    opt: torch.optim.Optimizer
-    if member_hparams is None:
-        opt = torch.optim.Adam(model.parameters(), lr=float(hparams["lr"]), foreach=True)
-    else:
-        opt = RowwiseAdam(model.parameters(), lr=_values(members, "lr"))
     evaluator = _Checkpoints(cps, data, k)
     callbacks: list[Any] = [evaluator]
     if telemetry_dir is not None:
-        callbacks.append(RoutingTelemetry(telemetry_dir, every=steps_per_epoch))
-    y = data.y_train[:, :num_tasks]
-    if v.search is not None:  # each (repetition, task) gate scored by the task's probe MSE
-        callbacks.append(v.search.bank_callback(model, data.x_train, y, steps, shuffle_seed))
-    config = TrainConfig.for_members(
-        lr=float(hparams["lr"]),
+        every = math.ceil(data.x_train.shape[0] / BATCH_SIZE)  # once per epoch
+        callbacks.append(RoutingTelemetry(telemetry_dir, every=every))
+    train_bank(
+        model,
+        TaskData(data.x_train, [data.y_train[:, :num_tasks]]),
+        hparams,
+        member_hparams=member_hparams,
+        variant=v,
         batch_size=BATCH_SIZE,
-        epochs=epochs,
         shuffle_seed=shuffle_seed,
+        callbacks=callbacks,
         progress=progress,
         desc=desc,
         position=progress_position(),
-    )
-    train(
-        model,
-        TaskData(data.x_train, [y]),
-        None,
-        config,
-        schedulers=(
-            v.schedulers(model.gates, hparams, max(1, steps))
-            if member_hparams is None
-            else v.member_schedulers(model.gates, members, num_tasks, steps_per_epoch)
-        ),
-        optimizer=opt,
-        callbacks=callbacks,
-        loss_fn=_fused_loss,
     )
     if return_model:
         return evaluator.results, model
