@@ -2,10 +2,10 @@
 
 ``python -m benchmarks.gpu_gate [--device cuda] [--out FILE]``: forward + backward of a
 per-example gate (p = 64, n = 128, k = 4, float32, as ``small_batch``) at B = 1, 16, 256, 4096,
-timed interleaved in one process: Top-k; DSelect-k as dispatched today (on a GPU with Triton:
-its two Triton kernels, ``dselectk._triton``); DSelect-k forced onto each of its three ATen
+timed interleaved in one process: Top-k; DSelect-k as dispatched today (on a GPU with Triton: its
+two Triton kernels, ``dselectk.kernels.triton_cuda``); DSelect-k forced onto each of its three ATen
 formulations (the small-problem kernel, the fused kernel, the composed autograd formulas:
-``dselectk.functional``'s size thresholds set and ``DSELECTK_TRITON=0`` for the call); and
+``dselectk.kernels.dispatch``'s size thresholds set and ``DSELECTK_TRITON=0`` for the call); and
 ``torch.compile`` of both gates. Also counts the device kernels one step launches (torch's
 profiler): on a GPU a step this small costs its launches, not its arithmetic. Prints one table;
 ``--out`` writes the rows as JSON.
@@ -24,14 +24,14 @@ from unittest import mock
 
 import torch
 
-import dselectk.functional as DF
+import dselectk.kernels.dispatch as dispatch
 from benchmarks.common import dselect_out, fwd_bwd, topk_out
 from benchmarks.small_batch import gate_steps
 from benchmarks.timing import compare, machine_facts
 
 BATCHES = (1, 16, 256, 4096)
 HUGE = 2**62
-#: formulation -> the dselectk.functional size thresholds that force it at every size
+#: formulation -> the dselectk.kernels.dispatch size thresholds that force it at every size
 FORCED = {
     "small": {
         "SMALL_MAX_ELEMENTS": HUGE,
@@ -49,7 +49,7 @@ def forced(step: Callable[[], None], name: str) -> Callable[[], None]:
     def run() -> None:
         with (
             mock.patch.dict(os.environ, {"DSELECTK_TRITON": "0"}),
-            mock.patch.multiple(DF, **FORCED[name]),
+            mock.patch.multiple(dispatch, **FORCED[name]),
         ):
             step()
 

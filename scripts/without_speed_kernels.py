@@ -5,10 +5,10 @@ metric. Two later speed changes compute the same formulas in another order, so t
 differ from a78ed56's in the last bits (then, through training and the swap search's discrete
 moves, more; each was tested equal to the formulas it replaced to float rounding):
 
-- 06a056d, the small-problem kernel (``functional.SMALL_MAX_ELEMENTS``), and the NumPy and numba
-  host kernels after it (``DSELECTK_KERNEL``);
+- 06a056d, the small-problem kernel (``kernels.dispatch.SMALL_MAX_ELEMENTS``), and the NumPy
+  and numba host kernels after it (``DSELECTK_KERNEL``);
 - dc4db40, the fused kernel's broadcast combine for small problems
-  (``_kernels._BROADCAST_MAX_ELEMENTS``).
+  (``kernels.aten._BROADCAST_MAX_ELEMENTS``).
 
 This script sets ``DSELECTK_KERNEL=aten`` and both limits to 0 (the formulas a78ed56 ran),
 then runs the CLI in this process; pass ``--jobs 1`` (worker processes would not inherit the
@@ -26,12 +26,12 @@ import sys
 
 os.environ["DSELECTK_KERNEL"] = "aten"
 
-import dselectk._kernels as kernels
-import dselectk.functional as functional
+import dselectk.kernels.aten as aten
+import dselectk.kernels.dispatch as dispatch
 from dselectk.cli import main
 
-functional.SMALL_MAX_ELEMENTS = 0
-kernels._BROADCAST_MAX_ELEMENTS = 0
+dispatch.SMALL_MAX_ELEMENTS = 0
+aten._BROADCAST_MAX_ELEMENTS = 0
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from dselectk import _triton
-from dselectk._kernels import _DSelectSmall
+from dselectk.kernels import triton_cuda as _triton
+from dselectk.kernels.aten import _DSelectSmall
 
 
 def small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor, go: Tensor | None, ge: Tensor | None):
@@ -42,10 +42,10 @@ def _assert_as_accurate(got: Tensor, ref: Tensor, truth: Tensor, what: str) -> N
 
 
 def assert_triton_matches_small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> None:
-    """``dselectk._triton``'s forward and backward against the ATen small kernel's on the same
-    device: values, and the gradients for each of (both outputs, the weights, the entropies).
-    float64: equal to rounding. float32: as accurate as the ATen kernel against float64 on the
-    same inputs (the two order their float32 roundings differently on a GPU)."""
+    """``dselectk.kernels.triton_cuda``'s forward and backward against the ATen small kernel's
+    on the same device: values, and the gradients for each of (both outputs, the weights, the
+    entropies). float64: equal to rounding. float32: as accurate as the ATen kernel against
+    float64 on the same inputs (the two order their float32 roundings differently on a GPU)."""
     gen = torch.Generator(device=z.device).manual_seed(1)
     shape_out = (z.shape[0], 2 ** z.shape[2])
     g_out = torch.randn(shape_out, generator=gen, device=z.device, dtype=z.dtype)

@@ -26,10 +26,10 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def always_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make dselect_k_fused call its kernel at every size (FUSED_MIN_ELEMENTS = 0)."""
-    from dselectk import functional as DF
+    from dselectk.kernels import dispatch
 
-    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(DF, "CUDA_SMALL_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(dispatch, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(dispatch, "CUDA_SMALL_MAX_ELEMENTS", 0)
 
 
 @pytest.fixture

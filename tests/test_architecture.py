@@ -2,7 +2,8 @@
 
 Imports go one way, down this stack (a group may import itself and the groups its rule lists):
 
-    base         _kernels, _numba*, _triton*, _testing, functional, io, progress, runtime
+    base         _testing, functional, io, progress, runtime
+    kernels      dselectk.kernels       (DSelect-k's kernels: ATen, NumPy, numba, Triton; dispatch)
     gates        dselectk.gates
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
@@ -41,30 +42,29 @@ RESEARCH_PKG = RESEARCH_SRC / "dselectk_research"
 #: group -> the groups it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     "base": frozenset(),
-    "gates": frozenset({"base"}),
-    "layers": frozenset({"base", "gates"}),
-    "models": frozenset({"base", "gates", "layers"}),
-    "api": frozenset({"base", "gates", "layers", "models"}),
-    "training": frozenset({"base", "gates", "layers", "models", "api"}),
-    "integrations": frozenset({"base", "gates", "layers"}),
-    "cli": frozenset({"base", "gates", "layers", "models", "api", "training", "integrations"}),
+    "kernels": frozenset({"base"}),
+    "gates": frozenset({"base", "kernels"}),
+    "layers": frozenset({"base", "kernels", "gates"}),
+    "models": frozenset({"base", "kernels", "gates", "layers"}),
+    "api": frozenset({"base", "kernels", "gates", "layers", "models"}),
+    "training": frozenset({"base", "kernels", "gates", "layers", "models", "api"}),
+    "integrations": frozenset({"base", "kernels", "gates", "layers"}),
+    "cli": frozenset(
+        {"base", "kernels", "gates", "layers", "models", "api", "training", "integrations"}
+    ),
     "research": frozenset(
-        {"base", "gates", "layers", "models", "api", "training", "integrations", "cli"}
+        {"base", "kernels", "gates", "layers", "models", "api", "training", "integrations", "cli"}
     ),
 }
 
 #: top-level name under dselectk -> group.
 GROUP_OF_TOP: dict[str, str] = {
-    "_kernels": "base",
-    "_numba": "base",
-    "_numba_nodes": "base",
-    "_triton": "base",
-    "_triton_kernels": "base",
     "_testing": "base",
     "functional": "base",
     "io": "base",
     "progress": "base",
     "runtime": "base",
+    "kernels": "kernels",
     "gates": "gates",
     "layers": "layers",
     "models": "models",

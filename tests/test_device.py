@@ -236,16 +236,18 @@ def test_export_on_cuda_matches_eager() -> None:
 def test_kernel_dispatch_by_device_and_size() -> None:
     """CUDA takes the small kernel up to its own bound (fewer launches); the CPU's rule is as
     before: small, composed, then fused by size."""
-    from dselectk import functional as DF
-    from dselectk._kernels import _DSelectFused, _DSelectSmall
+    from dselectk.kernels import dispatch
+    from dselectk.kernels.aten import _DSelectFused, _DSelectSmall
 
     cuda_dev, cpu_dev = torch.device("cuda"), torch.device("cpu")
-    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS, cuda_dev) is _DSelectSmall
-    assert DF._kernel_for(10**9, cuda_dev, triton_ok=True) is DF._triton.DSelectTriton
-    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS + 1, cuda_dev) is _DSelectFused
-    assert DF._kernel_for(DF.SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectSmall
-    assert DF._kernel_for(DF.FUSED_MIN_ELEMENTS, cpu_dev) is _DSelectFused
-    assert DF._kernel_for(DF.CUDA_SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectFused
+    assert dispatch._kernel_for(dispatch.CUDA_SMALL_MAX_ELEMENTS, cuda_dev) is _DSelectSmall
+    assert (
+        dispatch._kernel_for(10**9, cuda_dev, triton_ok=True) is dispatch.triton_cuda.DSelectTriton
+    )
+    assert dispatch._kernel_for(dispatch.CUDA_SMALL_MAX_ELEMENTS + 1, cuda_dev) is _DSelectFused
+    assert dispatch._kernel_for(dispatch.SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectSmall
+    assert dispatch._kernel_for(dispatch.FUSED_MIN_ELEMENTS, cpu_dev) is _DSelectFused
+    assert dispatch._kernel_for(dispatch.CUDA_SMALL_MAX_ELEMENTS, cpu_dev) is _DSelectFused
 
 
 @pytest.mark.gpu
@@ -257,11 +259,13 @@ def test_cuda_small_kernel_matches_composed_formulas(
 ) -> None:
     """The per-example gate's CUDA paths (the Triton kernels; without them, the small kernel at
     these sizes) against the composed autograd formulas, values and gradients, float64."""
-    from dselectk import functional as DF
+    from dselectk.kernels import dispatch
 
     if not use_triton:
         monkeypatch.setenv("DSELECTK_TRITON", "0")
-    elif not DF._triton.available(torch.zeros(1, 1, 1, device="cuda", dtype=torch.float64)):
+    elif not dispatch.triton_cuda.available(
+        torch.zeros(1, 1, 1, device="cuda", dtype=torch.float64)
+    ):
         pytest.skip("Triton does not import here")
     torch.manual_seed(11)
     alpha = torch.randn(batch, 4, dtype=torch.float64, device="cuda", requires_grad=True)
@@ -271,10 +275,10 @@ def test_cuda_small_kernel_matches_composed_formulas(
     results = []
     for composed in (False, True):
         if composed:  # no kernel at any size
-            monkeypatch.setattr(DF, "CUDA_SMALL_MAX_ELEMENTS", 0)
-            monkeypatch.setattr(DF, "SMALL_MAX_ELEMENTS", 0)
-            monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 2**62)
-        w, ent = DF.dselect_k_fused(alpha, z, 0.7)
+            monkeypatch.setattr(dispatch, "CUDA_SMALL_MAX_ELEMENTS", 0)
+            monkeypatch.setattr(dispatch, "SMALL_MAX_ELEMENTS", 0)
+            monkeypatch.setattr(dispatch, "FUSED_MIN_ELEMENTS", 2**62)
+        w, ent = dispatch.dselect_k_fused(alpha, z, 0.7)
         grads = torch.autograd.grad([w, ent], [alpha, z], [g_w, g_e])
         results.append((w, ent, *grads))
     for fast, reference in zip(*results):
@@ -336,8 +340,9 @@ def test_dselect_k_step_on_cuda_never_syncs(static: bool) -> None:
 def test_triton_kernels_on_cuda_match_the_aten_small_kernel(
     dtype: torch.dtype, g: int, k: int, m: int, per_gate: bool
 ) -> None:
-    """dselectk._triton compiled on the GPU against the ATen small kernel on the same GPU:
-    values and both gradients, saturated bits included, up to TRITON_MAX_BITS = 7 bits."""
+    """dselectk.kernels.triton_cuda compiled on the GPU against the ATen small kernel on the
+    same GPU: values and both gradients, saturated bits included, up to TRITON_MAX_BITS = 7
+    bits."""
     pytest.importorskip("triton")
     from _triton_check import assert_triton_matches_small_kernel
 
@@ -356,7 +361,7 @@ def test_triton_kernels_on_cuda_match_the_aten_small_kernel(
 @pytest.mark.gpu
 @cuda
 def test_cuda_gate_takes_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dselectk import _triton
+    from dselectk.kernels import triton_cuda as _triton
 
     pytest.importorskip("triton")
     calls = []

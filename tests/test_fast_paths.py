@@ -12,6 +12,7 @@ from torch import nn
 
 from dselectk import functional as DF
 from dselectk.gates import DSelectK, TopKGate
+from dselectk.kernels import dispatch
 from dselectk.layers import StackedMLP
 from dselectk.models import MoE, MultiGateMoE
 
@@ -47,7 +48,7 @@ def test_fused_matches_product_table(m: int, lead: tuple[int, ...], scale: float
     g_w = torch.randn(*lead, 2**m, generator=gen, dtype=F64)
     g_e = torch.randn(*lead, k, generator=gen, dtype=F64)
 
-    w, ent = DF.dselect_k_fused(alpha, z, gamma)
+    w, ent = dispatch.dselect_k_fused(alpha, z, gamma)
     grads = torch.autograd.grad((w * g_w).sum() + (ent * g_e).sum(), (z, alpha))
     w0, ent0 = naive_gate(alpha, z, gamma)
     grads0 = torch.autograd.grad((w0 * g_w).sum() + (ent0 * g_e).sum(), (z, alpha))
@@ -62,7 +63,7 @@ def test_fused_binary_bits_are_exact() -> None:
     """Bits at exactly 0/1 give exact one-hot selectors and exactly zero gradients."""
     z = torch.tensor([[[2.0, -2.0, 2.0]], [[-0.1, 2.0, -3.0]]], dtype=F64, requires_grad=True)
     alpha = torch.zeros(2, 1, dtype=F64, requires_grad=True)
-    w, ent = DF.dselect_k_fused(alpha, z, 1.0)
+    w, ent = dispatch.dselect_k_fused(alpha, z, 1.0)
     assert w[0].tolist() == [0.0] * 5 + [1.0] + [0.0] * 2  # bits 1,0,1 -> expert 5
     assert ent[0].item() == 0.0
     (gz,) = torch.autograd.grad((w * torch.arange(8.0, dtype=F64)).sum() + ent.sum(), (z,))
@@ -73,12 +74,14 @@ def test_fused_binary_bits_are_exact() -> None:
 def test_fused_gradcheck() -> None:
     z, alpha = _inputs((4,), 2, 5, 0.4)
     gamma = torch.tensor(1.3, dtype=F64)
-    assert torch.autograd.gradcheck(lambda a, zz: DF.dselect_k_fused(a, zz, gamma), (alpha, z))
+    assert torch.autograd.gradcheck(
+        lambda a, zz: dispatch.dselect_k_fused(a, zz, gamma), (alpha, z)
+    )
 
 
 def test_fused_only_weights_or_only_entropy_used() -> None:
     z, alpha = _inputs((6,), 4, 4, 0.5)
-    w, ent = DF.dselect_k_fused(alpha, z, 1.0)
+    w, ent = dispatch.dselect_k_fused(alpha, z, 1.0)
     w0, ent0 = naive_gate(alpha, z, 1.0)
     for out, ref in ((w.sum(), w0.sum()), (ent.pow(2).sum(), ent0.pow(2).sum())):
         got = torch.autograd.grad(out, (z, alpha), retain_graph=True, allow_unused=True)
@@ -92,15 +95,15 @@ def test_fused_only_weights_or_only_entropy_used() -> None:
 
 def test_fused_float32_close_to_float64() -> None:
     z, alpha = _inputs((64,), 4, 7, 0.5)
-    w64, _ = DF.dselect_k_fused(alpha, z, 1.0)
-    w32, _ = DF.dselect_k_fused(alpha.float(), z.float(), 1.0)
+    w64, _ = dispatch.dselect_k_fused(alpha, z, 1.0)
+    w32, _ = dispatch.dselect_k_fused(alpha.float(), z.float(), 1.0)
     torch.testing.assert_close(w32.double(), w64, rtol=1e-5, atol=1e-6)
 
 
 def test_gamma_requiring_grad_falls_back() -> None:
     z, alpha = _inputs((3,), 2, 3, 0.5)
     gamma = torch.tensor(0.8, dtype=F64, requires_grad=True)
-    w, _ = DF.dselect_k_fused(alpha, z, gamma)
+    w, _ = dispatch.dselect_k_fused(alpha, z, gamma)
     (g,) = torch.autograd.grad(w[..., 0].sum(), (gamma,))
     assert torch.isfinite(g)
 
@@ -277,5 +280,5 @@ def test_fused_gate_works_with_torch_func() -> None:
         (ref,) = torch.autograd.grad(loss(params, x[i : i + 1]), [params["proj.weight"]])
         torch.testing.assert_close(per_example["proj.weight"][i], ref)
     z, alpha = _inputs((3, 4), 2, 3, 0.5)
-    batched = vmap(lambda a, zz: DF.dselect_k_fused(a, zz, 1.0)[0])(alpha, z)
-    torch.testing.assert_close(batched, DF.dselect_k_fused(alpha, z, 1.0)[0])
+    batched = vmap(lambda a, zz: dispatch.dselect_k_fused(a, zz, 1.0)[0])(alpha, z)
+    torch.testing.assert_close(batched, dispatch.dselect_k_fused(alpha, z, 1.0)[0])

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from dselectk import _kernels, runtime
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
 from dselectk.gates import DSelectK
+from dselectk.kernels import aten as _kernels
+from dselectk.kernels import dispatch, host_numpy
+from dselectk.kernels.aten import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
 
 F64 = torch.float64
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("numpy_kernel")
 def _aten_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn the host kernels off: the ATen small kernel and the gate's composed path."""
     monkeypatch.setattr(_kernels, "_host_ok", lambda *t: False)
-    monkeypatch.setattr(DF, "_host_ok", lambda *t: False)
+    monkeypatch.setattr(dispatch, "_host_ok", lambda *t: False)
 
 
 def _inputs(g: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +70,7 @@ def test_host_small_kernel_matches_aten_kernel(
 ) -> None:
     """Both ways of summing the factors' grads onto the table (a 0/1 product, per-bit sums)."""
     if not table_matmul:
-        monkeypatch.setattr(runtime, "_HOST_MATMUL_MAX_MACS", 0)
+        monkeypatch.setattr(host_numpy, "_HOST_MATMUL_MAX_MACS", 0)
     alpha, z = _inputs(g, k, m)
     gamma = torch.rand(g, dtype=F64) + 0.5 if per_gate else torch.tensor(0.7, dtype=F64)
     assert _kernels._host_ok(z, alpha)
@@ -200,8 +201,8 @@ def test_gate_host_path_is_bitwise_the_host_kernel_path(
             par.mul_(20.0)
     x = None if in_features is None else torch.randn(5, in_features)
     got = _gate_outputs(gate, x)
-    monkeypatch.setattr(DF, "_small_on_host", lambda *a: False)  # gate as written
-    assert DF._host_ok(gate.compute_logits(x))  # ... whose small kernel computes on the host
+    monkeypatch.setattr(dispatch, "_small_on_host", lambda *a: False)  # gate as written
+    assert dispatch._host_ok(gate.compute_logits(x))  # ... whose small kernel computes on the host
     want = _gate_outputs(gate, x)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -215,15 +216,17 @@ def test_gate_host_path_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
     DSelectK(8, 2, in_features=4, distinct=True)(torch.randn(3, 4))  # distinct codes: as written
     DSelectK(5, 2, in_features=4)(torch.randn(3, 4))  # the unused-code penalty: as written
-    limit = DF.HOST_GATE_MAX_ELEMENTS // (2 * 8)
-    gate(torch.randn(DF.SMALL_MAX_ELEMENTS // (2 * 8) + 1, 4))  # above the small kernel's size
+    limit = dispatch.HOST_GATE_MAX_ELEMENTS // (2 * 8)
+    gate(
+        torch.randn(dispatch.SMALL_MAX_ELEMENTS // (2 * 8) + 1, 4)
+    )  # above the small kernel's size
     gate(torch.randn(limit, 4))
     assert calls == [1, 1, 1]
     gate(torch.randn(limit + 1, 4))  # too large
     gate.half()(torch.randn(3, 4).half())  # not float32/float64
     assert calls == [1, 1, 1]
     with monkeypatch.context() as mp:
-        mp.setattr(DF, "FUSED_MIN_ELEMENTS", 0)  # the fused kernel everywhere: as written ...
+        mp.setattr(dispatch, "FUSED_MIN_ELEMENTS", 0)  # the fused kernel everywhere: as written ...
         gate.float()(torch.randn(3, 4))
         assert calls == [1, 1, 1]
         gate(torch.randn(limit, 4))  # ... up to the small kernel's size

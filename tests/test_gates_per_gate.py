@@ -19,9 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dselectk import functional as DF
-from dselectk._kernels import _SelectorGate
 from dselectk.gates import DSelectK, GumbelSoftmaxGate, SoftmaxSelectorGate
 from dselectk.gates.base import GateOutput, HyperParameter
+from dselectk.kernels import dispatch as KD
+from dselectk.kernels.aten import _SelectorGate
 from dselectk.schedules import AttributeScheduler, GeometricSchedule, LinearSchedule
 
 F64 = torch.float64
@@ -36,7 +37,7 @@ def dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """Run a test through the fused kernel and through the composed small-problem path (the
     NumPy host kernel's dispatch: the numba kernel, when installed, takes the gate at every size
     and is checked against these paths to float rounding in tests/test_numba_kernel.py)."""
-    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", 0 if request.param == "kernel" else 10**9)
+    monkeypatch.setattr(KD, "FUSED_MIN_ELEMENTS", 0 if request.param == "kernel" else 10**9)
     monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
     return str(request.param)
 
@@ -56,7 +57,7 @@ class RefMemberDSelectK(DSelectK):
 
     def gate(self, logits: torch.Tensor) -> GateOutput:
         alpha, z = self.split_logits(logits)
-        w, ent = DF.dselect_k_fused(alpha, z, self.member_gamma)
+        w, ent = KD.dselect_k_fused(alpha, z, self.member_gamma)
         return GateOutput(w, self._reduce_aux(self.member_entropy_reg * ent.sum(dim=-1)))
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ from torch.autograd import gradcheck
 from dselectk import functional as DF
 from dselectk.gates import DSelectK, SoftmaxSelectorGate
 from dselectk.gates.registry import make_gate
+from dselectk.kernels import dispatch
 
 # exercise the fused kernel itself, also on problems small enough that dselect_k_fused
 # would otherwise compose autograd ops (see the fixture in conftest.py)
@@ -51,7 +52,7 @@ def test_fused_equals_composed(m: int, k: int, scale: float) -> None:
     gen = torch.Generator().manual_seed(1)
     g_w = torch.randn(11, 2**m, generator=gen, dtype=F64)
     g_e = torch.randn(11, k, generator=gen, dtype=F64)
-    got = _grads(lambda a, zz: DF.dselect_k_fused(a, zz, 1.7), alpha, z, g_w, g_e)
+    got = _grads(lambda a, zz: dispatch.dselect_k_fused(a, zz, 1.7), alpha, z, g_w, g_e)
     want = _grads(lambda a, zz: _composed(a, zz, 1.7), alpha, z, g_w, g_e)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
@@ -60,7 +61,7 @@ def test_fused_equals_composed(m: int, k: int, scale: float) -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7])
 def test_fused_gradcheck_shapes(m: int) -> None:
     z, alpha = _inputs((3,), 3, m, 0.5)
-    assert gradcheck(lambda a, zz: DF.dselect_k_fused(a, zz, 1.1), (alpha, z))
+    assert gradcheck(lambda a, zz: dispatch.dselect_k_fused(a, zz, 1.1), (alpha, z))
 
 
 @pytest.mark.parametrize("m", [5, 7])
@@ -69,7 +70,7 @@ def test_fused_float32_large_batch(m: int) -> None:
     gen = torch.Generator().manual_seed(2)
     g_w = torch.randn(2048, 2**m, generator=gen)
     g_e = torch.randn(2048, 4, generator=gen)
-    got = _grads(lambda a, zz: DF.dselect_k_fused(a, zz, 10.0), alpha, z, g_w, g_e)
+    got = _grads(lambda a, zz: dispatch.dselect_k_fused(a, zz, 10.0), alpha, z, g_w, g_e)
     plain = _grads(lambda a, zz: _composed(a, zz, 10.0), alpha, z, g_w, g_e)
     z64, a64 = (t.detach().double().requires_grad_() for t in (z, alpha))
     truth = _grads(lambda a, zz: _composed(a, zz, 10.0), a64, z64, g_w.double(), g_e.double())
@@ -81,7 +82,7 @@ def test_fused_float32_large_batch(m: int) -> None:
 @pytest.mark.parametrize("m", [2, 5])
 def test_fused_only_one_output_used(m: int) -> None:
     z, alpha = _inputs((5,), 3, m, 0.7)
-    w, ent = DF.dselect_k_fused(alpha, z, 1.0)
+    w, ent = dispatch.dselect_k_fused(alpha, z, 1.0)
     w0, ent0 = _composed(alpha, z, 1.0)
     for out, ref in ((w.pow(2).sum(), w0.pow(2).sum()), (ent.sum(), ent0.sum())):
         got = torch.autograd.grad(out, (z, alpha), retain_graph=True, allow_unused=True)
@@ -217,11 +218,11 @@ def test_fused_kernel_takes_one_gamma_per_gate() -> None:
     gammas = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
     z = (torch.randn(3, 4, 5, dtype=torch.float64) * 0.8).requires_grad_()
     a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    w, ent = DF.dselect_k_fused(a, z, gammas)
+    w, ent = dispatch.dselect_k_fused(a, z, gammas)
     g = torch.randn_like(w)
     gz, ga = torch.autograd.grad((w * g).sum() + ent.sum(), (z, a))
     for i, gamma in enumerate(gammas.tolist()):
-        wi, ei = DF.dselect_k_fused(a[i], z[i], gamma)
+        wi, ei = dispatch.dselect_k_fused(a[i], z[i], gamma)
         gzi, gai = torch.autograd.grad((wi * g[i]).sum() + ei.sum(), (z, a))
         torch.testing.assert_close(w[i], wi)
         torch.testing.assert_close(ent[i], ei)
@@ -232,7 +233,7 @@ def test_fused_kernel_takes_one_gamma_per_gate() -> None:
         torch.stack([DF.smooth_step(z[i], float(gammas[i])) for i in range(3)]),
     )
     with pytest.raises(ValueError, match="gamma must be a finite number > 0"):
-        DF.dselect_k_fused(a, z, torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64))
+        dispatch.dselect_k_fused(a, z, torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("threshold", [0, 10**9])  # the kernel, then the composed ops
@@ -243,15 +244,15 @@ def test_small_problem_dispatch_gives_the_same_numbers(
     z = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
     a = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     gammas = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    monkeypatch.setattr(DF, "FUSED_MIN_ELEMENTS", threshold)
+    monkeypatch.setattr(dispatch, "FUSED_MIN_ELEMENTS", threshold)
     for gamma in (1.3, gammas):
-        w, ent = DF.dselect_k_fused(a, z, gamma)
+        w, ent = dispatch.dselect_k_fused(a, z, gamma)
         g = gamma if isinstance(gamma, float) else gamma[:, None, None]
         p = DF.smooth_step(z, g)
         torch.testing.assert_close(ent, DF.selector_entropy(p))
         want = (torch.softmax(a, -1)[..., None] * DF.selector(p)).sum(-2)
         torch.testing.assert_close(w, want)
-    assert gradcheck(lambda aa, zz: DF.dselect_k_fused(aa, zz, gammas), (a, z))
+    assert gradcheck(lambda aa, zz: dispatch.dselect_k_fused(aa, zz, gammas), (a, z))
 
 
 def test_ablation_gate_small_temperature_flush_equals_plain_exp() -> None:
@@ -279,16 +280,19 @@ def test_ablation_gate_small_temperature_flush_equals_plain_exp() -> None:
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
 
 
-# -- module layout: the autograd kernels live in dselectk._kernels ------------------------------
+# -- module layout: the kernels live in dselectk.kernels --------------------------------------
 
 
 def test_kernels_module_imports_torch_only() -> None:
-    """_kernels imports no dselectk module but runtime (functional and gates import it: no
-    cycle), and runtime imports no dselectk module."""
+    """The ATen kernels import no dselectk module but runtime and the kernels' arithmetic and
+    setting below them (dispatch and gates import them: no cycle); those import no dselectk
+    module but runtime, runtime and functional none (functional is pure math)."""
     import ast
     import inspect
 
-    from dselectk import _kernels, runtime
+    from dselectk import runtime
+    from dselectk.kernels import aten as _kernels
+    from dselectk.kernels import host_numpy, setting
 
     def imports(module: object) -> set[str]:
         tree = ast.parse(inspect.getsource(module))  # type: ignore[arg-type]
@@ -300,17 +304,21 @@ def test_kernels_module_imports_torch_only() -> None:
                 modules.add(node.module or "")
         return modules
 
-    assert {m.split(".")[0] for m in imports(_kernels) - {"dselectk.runtime"}} <= {
+    below = {"dselectk.runtime", "dselectk.kernels.host_numpy", "dselectk.kernels.setting"}
+    assert {m.split(".")[0] for m in imports(_kernels) - below} <= {
         "__future__", "math", "typing", "torch"
     }  # fmt: skip
+    for lower in (host_numpy, setting):
+        assert not [m for m in imports(lower) - {"dselectk.runtime"} if m.startswith("dselectk")]
     assert not [m for m in imports(runtime) if m.startswith("dselectk")]
+    assert not [m for m in imports(DF) if m.startswith("dselectk")]
 
 
 def test_functional_is_pure_math_and_names_stay_importable() -> None:
     import inspect
 
-    from dselectk import _kernels
     from dselectk.gates import ablation
+    from dselectk.kernels import aten as _kernels
 
     defined_here = [
         obj for obj in vars(DF).values() if inspect.isclass(obj) and obj.__module__ == DF.__name__
@@ -328,7 +336,7 @@ def test_functional_is_pure_math_and_names_stay_importable() -> None:
 
 def test_selector_kernel_takes_one_temperature_per_gate() -> None:
     """A (T, 1, 1) τ gives gate t of a static and of a per-example bank its own τ's numbers."""
-    from dselectk._kernels import _SelectorGate
+    from dselectk.kernels.aten import _SelectorGate
 
     torch.manual_seed(0)
     taus = torch.tensor([1.0, 0.05, 0.3], dtype=F64)

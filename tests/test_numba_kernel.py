@@ -1,13 +1,13 @@
 """The compiled (numba) kernel of the DSelect-k gate and the ``DSELECTK_KERNEL`` switch.
 
-With numba installed (the ``fast`` extra) CPU float32/float64 gates take ``dselectk._numba`` at
-every size. Checked here: the numba kernel = the NumPy host kernel = the ATen kernels to float
-rounding (weights, auxiliary loss, grads of the input, weight and bias; random shapes, n not a
-power of two, static and per-example gates, banks with one γ and λ per gate), float64
-gradcheck of every node through it, exact binary selections, the one-thread layer, which
-kernel each value of the variable picks, and its errors (unknown value; numba asked for but
-missing, simulated). The tests that need numba skip without it; the switch's tests run
-either way. No timings here.
+With numba installed (the ``fast`` extra) CPU float32/float64 gates take
+``dselectk.kernels.numba_cpu`` at every size. Checked here: the numba kernel = the NumPy host kernel
+= the ATen kernels to float rounding (weights, auxiliary loss, grads of the input, weight and bias;
+random shapes, n not a power of two, static and per-example gates, banks with one γ and λ per gate),
+float64 gradcheck of every node through it, exact binary selections, the one-thread layer, which
+kernel each value of the variable picks, and its errors (unknown value; numba asked for but missing,
+simulated). The tests that need numba skip without it; the switch's tests run either way. No timings
+here.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-import dselectk
-from dselectk import _numba_nodes, runtime
+import dselectk.kernels
 from dselectk import functional as DF
-from dselectk._numba_nodes import _NumbaGate, _NumbaGateLinear
 from dselectk.gates import DSelectK
+from dselectk.kernels import dispatch, host_numpy, setting
+from dselectk.kernels import numba_nodes as _numba_nodes
+from dselectk.kernels.numba_nodes import _NumbaGate, _NumbaGateLinear
 
 F64 = torch.float64
-ENV = runtime.KERNEL_ENV
+ENV = setting.KERNEL_ENV
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def numba_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Skip without numba; else pin the numba kernel and count its forward calls."""
     pytest.importorskip("numba")
     monkeypatch.setenv(ENV, "numba")
-    nb = runtime._load_numba("numba")
+    nb = setting._load_numba("numba")
     calls: list[int] = []
 
     def spy(*args: Any, _orig: Any = nb.gate_forward) -> Any:
@@ -122,7 +123,7 @@ def test_numba_kernel_at_a_large_batch(
     still the numba kernel, the ATen numbers."""
     torch.manual_seed(0)
     gate = DSelectK(128, 4, in_features=16, entropy_reg=0.1).to(dtype)
-    b = DF.HOST_GATE_MAX_ELEMENTS // (4 * 128) + 1
+    b = dispatch.HOST_GATE_MAX_ELEMENTS // (4 * 128) + 1
     x = torch.randn(b, 16, dtype=dtype, requires_grad=True)
     with monkeypatch.context() as mp:
         got = _outputs(gate, x, "numba", mp)
@@ -168,7 +169,7 @@ def test_numba_gate_node_matches_aten_and_gradcheck(
         assert gradcheck(lambda lg: f(lg)[1], (logits,))
         w, aux = f(logits)
         monkeypatch.setenv(ENV, "aten")
-        ref_w, ent = DF.dselect_k_fused(logits[:, :2], logits[:, 2:].view(3, 2, m), gamma)
+        ref_w, ent = dispatch.dselect_k_fused(logits[:, :2], logits[:, 2:].view(3, 2, m), gamma)
         ref_aux = (lam * ent.sum(-1)).sum()
         monkeypatch.setenv(ENV, "numba")
         seed = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
@@ -260,7 +261,7 @@ def test_numba_gate_layer_runs_on_one_thread(
     seen = thread_spy(_numba_nodes)
     gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
     before = torch.get_num_threads()
-    for b in (3, DF.HOST_GATE_MAX_ELEMENTS // 32 + 1):
+    for b in (3, dispatch.HOST_GATE_MAX_ELEMENTS // 32 + 1):
         out = gate(torch.randn(b, 4))
         (out.weights.sum() + out.aux_loss).backward()
     assert seen == [1, 1, 1, 1] and torch.get_num_threads() == before
@@ -315,11 +316,11 @@ def test_kernel_env_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> N
 
 def _without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make numba look absent (not installed, nothing imported yet)."""
-    monkeypatch.setattr(runtime, "_kernel_seen", [object(), "numpy"])
-    monkeypatch.setattr(runtime, "_numba_module", None)
+    monkeypatch.setattr(setting, "_kernel_seen", [object(), "numpy"])
+    monkeypatch.setattr(setting, "_numba_module", None)
     monkeypatch.setitem(sys.modules, "numba", None)
-    monkeypatch.setitem(sys.modules, "dselectk._numba", None)
-    monkeypatch.delattr(dselectk, "_numba", raising=False)
+    monkeypatch.setitem(sys.modules, "dselectk.kernels.numba_cpu", None)
+    monkeypatch.delattr(dselectk.kernels, "numba_cpu", raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a)
@@ -343,10 +344,10 @@ def test_kernel_auto_without_numba_is_numpy(monkeypatch: pytest.MonkeyPatch) -> 
             monkeypatch.delenv(ENV, raising=False)
         else:
             monkeypatch.setenv(ENV, value)
-        assert runtime._cpu_kernel() == "numpy"
+        assert setting._cpu_kernel() == "numpy"
     calls: list[int] = []
-    orig = runtime._host_forward
-    monkeypatch.setattr(runtime, "_host_forward", lambda *a: calls.append(1) or orig(*a))
+    orig = host_numpy._host_forward
+    monkeypatch.setattr(host_numpy, "_host_forward", lambda *a: calls.append(1) or orig(*a))
     DSelectK(8, 2, in_features=4)(torch.randn(3, 4))
     assert calls == [1]
 
@@ -382,11 +383,11 @@ def test_gate_under_func_grad_on_every_kernel(monkeypatch: pytest.MonkeyPatch, k
 def test_warm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """0 where another kernel is picked; with numba, both dtypes ready afterwards."""
     monkeypatch.setenv(ENV, "aten")
-    assert runtime.warm_kernels() == 0.0
+    assert dselectk.kernels.warm_kernels() == 0.0
     pytest.importorskip("numba")
     monkeypatch.setenv(ENV, "numba")
-    assert runtime.warm_kernels() > 0.0
-    nb = runtime._load_numba("numba")
+    assert dselectk.kernels.warm_kernels() > 0.0
+    nb = setting._load_numba("numba")
     assert len(nb.gate_forward.signatures) >= 2 and len(nb.gate_backward.signatures) >= 2
 
 
@@ -396,7 +397,7 @@ def test_logf_is_within_an_ulp(numba_kernel: list[int]) -> None:
     and a little above, at the reduction's edges (√½) and at exact powers of two."""
     from numba import njit
 
-    nb = runtime._load_numba("numba")
+    nb = setting._load_numba("numba")
 
     @njit
     def logs(x: Any, out: Any) -> None:  # pragma: no cover - compiled
@@ -424,11 +425,11 @@ def test_logf_is_within_an_ulp(numba_kernel: list[int]) -> None:
 
 
 def test_numba_module_imports_numba_and_numpy_only() -> None:
-    """The kernel module (loaded lazily by runtime) imports no dselectk module: no cycle."""
+    """The kernel module (loaded lazily by kernels.setting) imports no dselectk module: no cycle."""
     import ast
     from pathlib import Path
 
-    source = Path(runtime.__file__).with_name("_numba.py").read_text()
+    source = Path(setting.__file__).with_name("numba_cpu.py").read_text()
     modules = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -450,7 +451,7 @@ def test_the_kernels_numbers_do_not_depend_on_the_tiling(
     multiply-adds, the same order of operations), whichever tile a gate falls in: two wide
     tiles and a rest against each gate alone, with and without the weights' grad, γ, λ and the
     entropies' grads per gate; and the loss, summed gate after gate."""
-    nb = runtime._load_numba("numba")
+    nb = setting._load_numba("numba")
     rng = np.random.default_rng(k * 10 + m)
     g = 2 * nb._TILE + rest
     assert (rest >= nb._PAD_FROM) == (nb.state_shape(g, k, m)[1] > g)

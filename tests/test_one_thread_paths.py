@@ -20,11 +20,10 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from dselectk import _kernels
-from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmallGateLinear, _OneThreadLinear
 from dselectk.gates import DSelectK
-from dselectk.gates.dselect_k import _OneThreadSplitLinear
+from dselectk.kernels import aten as _kernels
+from dselectk.kernels import dispatch
+from dselectk.kernels.aten import _DSelectSmallGateLinear, _OneThreadLinear, _OneThreadSplitLinear
 from dselectk.runtime import _OneThread
 
 F64 = torch.float64
@@ -113,7 +112,7 @@ def test_gate_above_host_size_takes_the_one_thread_layer(
     for bit the module's layer and gate run on one thread; the threads restored."""
     torch.manual_seed(0)
     gate = DSelectK(16, 2, in_features=6, entropy_reg=0.2, bias=bias).to(dtype)
-    b = DF.HOST_GATE_MAX_ELEMENTS // (2 * 16) + 1  # examples x K x N > the host node's size
+    b = dispatch.HOST_GATE_MAX_ELEMENTS // (2 * 16) + 1  # examples x K x N > the host node's size
     x = torch.randn(b, 12, dtype=dtype)[:, ::2].requires_grad_()  # non-contiguous input
     calls = _spy(monkeypatch, _OneThreadSplitLinear)
     host = _spy(monkeypatch, _DSelectSmallGateLinear)
@@ -136,7 +135,7 @@ def test_gate_one_thread_layer_dispatch(monkeypatch: pytest.MonkeyPatch) -> None
     """The layer on one thread below PARALLEL_MIN_ELEMENTS (CPU float32/float64, eager) where
     the host node does not take the problem; not above, for float16, with hooks, with an input
     check, for a subclass's own math or under a torch.func transform."""
-    limit = DF.HOST_GATE_MAX_ELEMENTS // (2 * 16)  # examples at the host node's size
+    limit = dispatch.HOST_GATE_MAX_ELEMENTS // (2 * 16)  # examples at the host node's size
     monkeypatch.setattr("dselectk.gates.dselect_k.PARALLEL_MIN_ELEMENTS", 4 * limit * 32)
     calls = _spy(monkeypatch, _OneThreadSplitLinear)
     logits = _spy(monkeypatch, _OneThreadLinear)
@@ -232,7 +231,7 @@ def test_gate_one_thread_layer_under_compile(monkeypatch: pytest.MonkeyPatch) ->
     eager to float rounding, and the node is not called while compiling."""
     torch.manual_seed(0)
     gate = DSelectK(16, 2, in_features=4, entropy_reg=0.1)
-    x = torch.randn(DF.HOST_GATE_MAX_ELEMENTS // (2 * 16) + 1, 4)
+    x = torch.randn(dispatch.HOST_GATE_MAX_ELEMENTS // (2 * 16) + 1, 4)
     eager = gate(x).weights
     calls = _spy(monkeypatch, _OneThreadSplitLinear)
     logits = _spy(monkeypatch, _OneThreadLinear)

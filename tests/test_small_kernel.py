@@ -12,7 +12,8 @@ import torch
 from torch.autograd import gradcheck
 
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectFused, _DSelectSmall
+from dselectk.kernels import dispatch
+from dselectk.kernels.aten import _DSelectFused, _DSelectSmall
 from dselectk.runtime import intra_op_threads
 
 F64 = torch.float64
@@ -76,9 +77,13 @@ def test_dispatch_by_size(monkeypatch: pytest.MonkeyPatch) -> None:
 
         monkeypatch.setattr(cls, "apply", spy)
     k, m = 4, 7
-    for b in (1, DF.SMALL_MAX_ELEMENTS // (k * 2**m), DF.SMALL_MAX_ELEMENTS // (k * 2**m) + 1):
+    for b in (
+        1,
+        dispatch.SMALL_MAX_ELEMENTS // (k * 2**m),
+        dispatch.SMALL_MAX_ELEMENTS // (k * 2**m) + 1,
+    ):
         alpha, z = _inputs(b, k, m)
-        w, ent = DF.dselect_k_fused(alpha, z, 0.9)
+        w, ent = dispatch.dselect_k_fused(alpha, z, 0.9)
         p = DF.smooth_step(z, 0.9)
         ref = (torch.softmax(alpha, -1).unsqueeze(-1) * DF.selector(p)).sum(-2)
         torch.testing.assert_close(w, ref)
@@ -114,9 +119,9 @@ def test_fused_kernel_combine_both_ways(
 ) -> None:
     """The fused kernel's combine as multiply-add loops (large problems) and as one broadcast
     product (small ones): the composed formulas' values and gradients either way."""
-    from dselectk import _kernels
+    from dselectk.kernels import aten
 
-    monkeypatch.setattr(_kernels, "_BROADCAST_MAX_ELEMENTS", broadcast_max)
+    monkeypatch.setattr(aten, "_BROADCAST_MAX_ELEMENTS", broadcast_max)
     alpha, z = _inputs(6, 3, m, seed=2)
     gamma = torch.tensor(0.8, dtype=F64)
     w, ent = _DSelectFused.apply(z, alpha, gamma)[:2]

@@ -1,4 +1,4 @@
-"""The Triton kernels of DSelect-k (``dselectk._triton``) against the ATen small kernel.
+"""The Triton kernels of DSelect-k (``dselectk.kernels.triton_cuda``) against the ATen small kernel.
 
 On a machine without CUDA they run in Triton's interpreter (``TRITON_INTERPRET=1``, NumPy on the
 CPU): the same kernel code, so values and gradients are checked in CI; the GPU tests
@@ -17,9 +17,10 @@ if torch.cuda.is_available():  # pragma: no cover - the GPU tests cover the comp
     pytest.skip("the interpreter tests run on CPU-only machines", allow_module_level=True)
 
 from _triton_check import assert_triton_matches_small_kernel
-from dselectk import _triton
 from dselectk import functional as DF
-from dselectk._kernels import _DSelectSmall
+from dselectk.kernels import dispatch
+from dselectk.kernels import triton_cuda as _triton
+from dselectk.kernels.aten import _DSelectSmall
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - set by conftest.py
     pytest.skip("needs TRITON_INTERPRET=1 before triton's import", allow_module_level=True)
@@ -79,9 +80,9 @@ def test_availability_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     rule prefers it at every size when allowed."""
     assert not _triton.available(torch.zeros(2, 2, 3))
     cuda = torch.device("cuda")
-    assert DF._kernel_for(10**9, cuda, triton_ok=True) is _triton.DSelectTriton
-    assert DF._kernel_for(8, cuda, triton_ok=False) is _DSelectSmall
-    assert DF._kernel_for(8, torch.device("cpu"), triton_ok=True) is _DSelectSmall
+    assert dispatch._kernel_for(10**9, cuda, triton_ok=True) is _triton.DSelectTriton
+    assert dispatch._kernel_for(8, cuda, triton_ok=False) is _DSelectSmall
+    assert dispatch._kernel_for(8, torch.device("cpu"), triton_ok=True) is _DSelectSmall
     monkeypatch.setenv("DSELECTK_TRITON", "0")
     assert not _triton.available(torch.zeros(2, 2, 3))
 

@@ -4,8 +4,9 @@ Every function here is stateless and works on any leading batch shape, so the sa
 static gate (``alpha: (K,)``), a bank of static gates (``(T, K)``) and a per-example gate
 (``(B, K)`` or ``(B, T, K)``). Modules in :mod:`dselectk.gates` are thin wrappers around these.
 
-This module is pure math: the hand-written ``torch.autograd.Function`` kernels that compute some
-of these formulas in one node (e.g. :func:`dselect_k_fused`) live in :mod:`dselectk._kernels`.
+This module is pure math, the formulas as written: the kernels that compute some of them in one
+node (e.g. :func:`dselectk.kernels.dselect_k_fused`, DSelect-k's weights and entropies), and the
+choice between them, live in :mod:`dselectk.kernels`.
 
 Shape letters: B batch, T gates (tasks), K selectors, M = ceil(log2 n) bits, N = 2**M codes,
 n experts.
@@ -20,15 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dselectk import _triton
-from dselectk._kernels import _DSelectFused, _DSelectSmall, _host_ok
-
 __all__ = [
     "binary_entropy",
     "code_collisions",
     "code_table",
     "distinct_codes",
-    "dselect_k_fused",
     "dselect_k_weights",
     "entropy",
     "keep_topk",
@@ -157,203 +154,42 @@ def dselect_k_weights(
     """DSelect-k gate q̃(α, Z) = Σ_i σ(α)_i r(S(z⁽ⁱ⁾)) (Section 3.1.3, Eq. smoothed_router).
 
     Used for the static gate (α, Z parameters) and the per-example gate (α = Gx, Z = Wx,
-    Section 3.2) alike.
+    Section 3.2) alike. The formulas as written (memory O(K·N) per gate); the gates compute the
+    same numbers (to float rounding, tested) in one node through
+    :func:`dselectk.kernels.dselect_k_fused`, which is O(N + K·sqrt(N)) per gate.
 
     Args:
         alpha: (..., K) selector logits.
         z: (..., K, M) encoding variables.
-        gamma: smooth-step width γ.
+        gamma: smooth-step width γ > 0: a float, a 0-d tensor, or a tensor broadcastable to the
+            leading shape ``...`` (one γ per gate).
         num_experts: n <= 2**M; entries beyond n are dropped (Appendix B.2, no renormalisation,
             as in the reference implementation; see :func:`unused_code_penalty`).
 
     Returns:
         (..., n) expert weights; on the simplex when n = 2**M (Proposition 2).
     """
-    if alpha.shape[-1] != z.shape[-2]:
-        raise ValueError(
-            f"alpha has {alpha.shape[-1]} selectors but z has {z.shape[-2]} (expected alpha "
-            f"(..., K) and z (..., K, M))"
-        )
-    w = dselect_k_fused(alpha, z, gamma)[0]  # (..., N)
+    _check_gamma(gamma)
+    w = _dselect_k_composed(alpha, z, gamma)[0]  # (..., N)
     return w if num_experts is None else w[..., :num_experts]
 
 
-#: at or below this many selector entries (gates × K × 2**M), :func:`dselect_k_fused` calls the
-#: small-problem kernel (``_DSelectSmall``: ~35 ATen calls in one autograd node; the cost of a
-#: few examples is the number of calls; on CPU float32/float64 NumPy calls, cheaper still, see
-#: :mod:`dselectk.runtime`). Its work is O(N·M²) per selector, so larger problems go to the
-#: composed formulas or the fused kernel (see ``benchmarks/small_batch.py``)
-SMALL_MAX_ELEMENTS = 8192
-
-#: below this many selector entries, :func:`dselect_k_fused` does not call the fused kernel
-#: (``_DSelectFused``, O(N) per selector but ~90 ATen calls): the small kernel (up to
-#: :data:`SMALL_MAX_ELEMENTS`) or the composed autograd formulas (above it) are faster there
-FUSED_MIN_ELEMENTS = SMALL_MAX_ELEMENTS + 1
-
-#: on a CUDA device without the Triton kernels (:data:`TRITON_MAX_BITS`), up to this many
-#: selector entries go to the small kernel at every size: a
-#: GPU step this small costs its kernel launches, not its arithmetic, and the small kernel
-#: launches about half the fused kernel's (fwd + bwd of a gate with p = 64, n = 128, k = 4 on an
-#: H200: 2.2 vs 3.1 ms at B = 4096, 2.3 vs 3.0 at B = 256; ``python -m benchmarks.gpu_gate``,
-#: ``benchmarks/results/gpu/gpu_gate-86373fc.json``). Its transient memory is O(entries · M²)
-#: (~350 MB at this bound with M = 7 bits), hence a bound: B = 4096 at K = 4, n = 128
-CUDA_SMALL_MAX_ELEMENTS = 2**21
-
-
-def _capturing() -> bool:
-    """Whether a tracer or exporter records the ops into a graph for other batch sizes.
-
-    (``torch.compile`` is not one: it guards on the shapes and takes the eager path's kernels,
-    so compiled and eager numbers stay identical.)
-    """
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
-
-
-#: up to this many selector entries, a :class:`~dselectk.gates.DSelectK` gate on CPU float32 or
-#: float64 tensors (eager) computes in one autograd node on the host (``_DSelectSmallGate``,
-#: NumPy; :mod:`dselectk.runtime`): below :data:`SMALL_MAX_ELEMENTS` the numbers of
-#: :func:`dselect_k_fused` bit for bit (the same host kernel), above it (where that takes the
-#: fused kernel) the same to float rounding. 2**18: B = 512 at K = 4, n = 128, where it is still
-#: 2x faster than the fused kernel (B = 1024: as fast; measured on a 2-core EPYC)
-HOST_GATE_MAX_ELEMENTS = 2**18
-
-
-def _small_on_host(entries: int, logits: Tensor, gamma: Tensor) -> bool:
-    """Whether :class:`~dselectk.gates.DSelectK` takes a problem of ``entries`` selector entries
-    to the host in one node: CPU float32/float64 tensors, eager, and either a size that
-    :func:`dselect_k_fused` gives to the small kernel (which then computes on the host too: the
-    same numbers) or one above :data:`SMALL_MAX_ELEMENTS` up to :data:`HOST_GATE_MAX_ELEMENTS`."""
-    return (  # the size last: under graph capture, a comparison with a dynamic size is a guard
-        _host_ok(logits)  # (eager only: no tracer or exporter, see _capturing)
-        and gamma.is_cpu
-        and not gamma.requires_grad
-        and 0 < entries
-        and (
-            (entries <= SMALL_MAX_ELEMENTS and entries < FUSED_MIN_ELEMENTS)
-            or SMALL_MAX_ELEMENTS < entries <= HOST_GATE_MAX_ELEMENTS
-        )
-    )
-
-
-def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
-    out, ent = _DSelectSmall.apply(z, alpha, gamma)[:2]
-    return out, ent
-
-
-#: the small kernel outside a compiled graph (see :func:`dselect_k_fused`); torch's own lazy
-#: form of ``torch.compiler.disable`` (which would import torch._dynamo with this module: 1.6 s)
-_small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
-
-
-#: the Triton kernels (:mod:`dselectk._triton`) take CUDA problems of at most this many bits
-#: (N = 2**M codes per selector, held in one program's registers): up to 128 experts. Checked
-#: compiled on an H200 at M = 1 and 7 (float32 and float64); at M = 10 (float64) the check failed
-#: and the next one did not finish in its time, so M > 7 takes the ATen small kernel
-TRITON_MAX_BITS = 7
-
-_Kernel = type[_DSelectSmall] | type[_DSelectFused] | type[_triton.DSelectTriton]
-
-
-def _triton_ok(z: Tensor) -> bool:
-    """Whether the Triton kernels may take ``z`` (..., K, M): CUDA float32/float64, at most
-    :data:`TRITON_MAX_BITS` bits, Triton importable, eager (see :func:`_triton.available`)."""
-    return (
-        z.shape[-1] <= TRITON_MAX_BITS
-        and not torch.compiler.is_compiling()
-        and _triton.available(z)
-    )
-
-
-def _kernel_for(entries: int, device: torch.device, triton_ok: bool = False) -> _Kernel | None:
-    """The formulation :func:`dselect_k_fused` takes for ``entries`` selector entries on
-    ``device``: on CUDA the Triton kernels (:mod:`dselectk._triton`) at every size when
-    ``triton_ok`` (:func:`_triton_ok`), else the small kernel up to
-    :data:`CUDA_SMALL_MAX_ELEMENTS`; elsewhere the small kernel, the composed formulas (None)
-    or the fused kernel, by size."""
-    if device.type == "cuda":
-        if triton_ok:
-            return _triton.DSelectTriton
-        if entries <= CUDA_SMALL_MAX_ELEMENTS:
-            return _DSelectSmall
-    if entries < FUSED_MIN_ELEMENTS:
-        return _DSelectSmall if entries <= SMALL_MAX_ELEMENTS else None
-    return _DSelectFused
-
-
-def dselect_k_fused(alpha: Tensor, z: Tensor, gamma: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
-    """DSelect-k weights over all N = 2**M codes and the per-selector entropies, fused.
-
-    Same numbers as ``dselect_k_weights(alpha, z, gamma)`` and
-    ``selector_entropy(smooth_step(z, gamma))`` (tested, values and gradients), in one autograd
-    node whose memory and time are O(N + K·sqrt(N)) per gate (``_DSelectFused`` in
-    :mod:`dselectk._kernels`, where a comment explains the algorithm). γ gets no
-    gradient; a γ that requires one uses the composed formulation. Problems smaller than
-    :data:`FUSED_MIN_ELEMENTS` use the small-problem kernel (``_DSelectSmall``, up to
-    :data:`SMALL_MAX_ELEMENTS`) or the composed formulation. On a CUDA device the Triton kernels
-    (:mod:`dselectk._triton`) take float32/float64 problems of at most
-    :data:`TRITON_MAX_BITS` bits at every size, and otherwise the small kernel every problem up
-    to :data:`CUDA_SMALL_MAX_ELEMENTS` (see :func:`_kernel_for`).
-
-    Args:
-        alpha: (..., K) selector logits.
-        z: (..., K, M) encoding variables.
-        gamma: smooth-step width γ > 0: a float, a 0-d tensor (e.g. a buffer a
-            schedule updates in place), or a tensor broadcastable to the
-            leading shape ``...`` (one γ per gate, e.g. a bank of gates tuned together).
-
-    Returns:
-        ``(weights (..., N), entropies (..., K))``.
-    """
-    _check_gamma(gamma)
-    return _dselect_k_parts(alpha, z, gamma)
-
-
-def _dselect_k_parts(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`dselect_k_fused` without the check of ``gamma`` (a gate's γ buffer is validated
-    when written): a γ on a GPU is not read back to the host (a device sync) every call."""
+def _dselect_k_composed(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tuple[Tensor, Tensor]:
+    """DSelect-k's weights over all N = 2**M codes (..., N) and the selector entropies (..., K)
+    by the formulas as written (``gamma`` already checked)."""
     if alpha.shape[-1] != z.shape[-2]:
         raise ValueError(
             f"alpha has {alpha.shape[-1]} selectors but z has {z.shape[-2]} (expected alpha "
             f"(..., K) and z (..., K, M))"
         )
-    lead = alpha.shape[:-1]
-    if lead != z.shape[:-2]:
-        lead = torch.broadcast_shapes(lead, z.shape[:-2])
-    k, m = z.shape[-2:]
-    entries = math.prod(lead) * k * 2**m
-    kernel: _Kernel | None
-    if (isinstance(gamma, Tensor) and gamma.requires_grad) or _capturing() or not entries:
-        # Tracing and exporting: the composed formulas at every size. A branch on the size
-        # (the small kernel's reshapes fix the batch; comparing a dynamic batch with
-        # FUSED_MIN_ELEMENTS records a guard: an exported program refused batches above 256)
-        # would tie the graph to the example's batch. Zero entries (no gates at all, e.g.
-        # zero tokens): the composed formulas' empty result.
-        kernel = None
-    else:
-        kernel = _kernel_for(entries, z.device, z.is_cuda and _triton_ok(z))
-    if kernel is None:
-        if isinstance(gamma, Tensor) and gamma.dim() > 0:
-            gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
-        p = _smooth(z, gamma)
-        w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
-        return w, selector_entropy(p)
-    if isinstance(gamma, Tensor):
-        g = gamma if gamma.dtype == z.dtype and gamma.device == z.device else gamma.to(z)
-    else:
-        g = torch.as_tensor(gamma, dtype=z.dtype, device=z.device)
-    if g.dim() > 0:  # one γ per gate: flattened like the gates (the kernel's batch axis)
-        g = g.expand(lead).reshape(-1)
-    if alpha.shape[:-1] != lead:
-        alpha = alpha.expand(*lead, alpha.shape[-1])
-    if z.shape[:-2] != lead:
-        z = z.expand(*lead, *z.shape[-2:])
-    if kernel is _DSelectSmall and torch.compiler.is_compiling():
-        # Eager, as a graph break: on the CPU the small kernel computes in NumPy, so compiled
-        # and eager numbers stay identical (a traced copy would take the ATen kernel).
-        out, ent = _small_eager(z.reshape(-1, k, m), alpha.reshape(-1, k), g)
-    else:
-        out, ent = kernel.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
-    return out.view(*lead, out.shape[-1]), ent.reshape(*lead, k)
+    if isinstance(gamma, Tensor) and gamma.dim() > 0:
+        lead = alpha.shape[:-1]
+        if lead != z.shape[:-2]:
+            lead = torch.broadcast_shapes(lead, z.shape[:-2])
+        gamma = gamma.expand(lead)[..., None, None]  # one γ per gate, against (..., K, M)
+    p = _smooth(z, gamma)
+    w = _expand_bits(p, torch.softmax(alpha, dim=-1).unsqueeze(-1)).sum(dim=-2)
+    return w, selector_entropy(p)
 
 
 def binary_entropy(p: Tensor) -> Tensor:

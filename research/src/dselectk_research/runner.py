@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from dselectk.io import write_json, write_text
-from dselectk.runtime import warm_kernels
+from dselectk.kernels import warm_kernels
 from dselectk_research.args import check_out_dir, int_at_least, out_dir
 from dselectk_research.executors import Executor, LocalExecutor
 from dselectk_research.records import (

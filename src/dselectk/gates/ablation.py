@@ -8,12 +8,6 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-
-# The autograd node lives in dselectk._kernels; these names are re-exported for code that
-# imports them from this module.
-from dselectk._kernels import _FLUSH_TEMPERATURE as _FLUSH_TEMPERATURE
-from dselectk._kernels import _SelectorGate as _SelectorGate
-from dselectk._kernels import _softmax_small as _softmax_small
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -21,6 +15,12 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
+
+# The autograd node lives in dselectk.kernels.aten; these names are re-exported for code that
+# imports them from this module.
+from dselectk.kernels.aten import _FLUSH_TEMPERATURE as _FLUSH_TEMPERATURE
+from dselectk.kernels.aten import _SelectorGate as _SelectorGate
+from dselectk.kernels.aten import _softmax_small as _softmax_small
 
 __all__ = ["SoftmaxSelectorGate"]
 

@@ -10,16 +10,6 @@ import torch
 from torch import Tensor, nn
 
 from dselectk import functional as DF
-from dselectk._kernels import (
-    _DSelectSmallGate,
-    _DSelectSmallGateLinear,
-    _host_ok,
-    _linear,
-    _linear_grads,
-    _OneThreadLinear,
-    _PositionalFunction,
-)
-from dselectk._numba_nodes import _NumbaGate, _NumbaGateLinear
 from dselectk.gates.base import (
     Gate,
     GateOutput,
@@ -27,7 +17,15 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
-from dselectk.runtime import PARALLEL_MIN_ELEMENTS, _cpu_kernel, _OneThread
+from dselectk.kernels.aten import (
+    _DSelectSmallGate,
+    _DSelectSmallGateLinear,
+    _host_ok,
+    _OneThreadLinear,
+    _OneThreadSplitLinear,
+)
+from dselectk.kernels.dispatch import _dselect_k_parts, choose
+from dselectk.runtime import PARALLEL_MIN_ELEMENTS
 
 __all__ = ["DSelectK"]
 
@@ -48,50 +46,6 @@ def _has_hooks(module: nn.Module) -> bool:
         or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
         or g._global_backward_pre_hooks
     )  # fmt: skip
-
-
-class _OneThreadSplitLinear(_PositionalFunction):
-    """A per-example gate's layer and the split of its logits: (x (B, p), weight, bias or None,
-    lead, K, M) -> (α (*lead, K), Z (*lead, K, M)), copies of the slices of the logits, forward
-    and backward on one intra-op thread (``dselectk.runtime._OneThread``). The backward writes
-    the grads of α and Z into one grad of the logits (what the slices' backward nodes compute,
-    without their zero-fills, copies and sum on two threads), then the layer's grads
-    (``_kernels._linear_grads``)."""
-
-    @staticmethod
-    def forward(
-        x: Tensor, weight: Tensor, bias: Tensor | None, lead: tuple[int, ...], k: int, m: int
-    ) -> tuple[Tensor, Tensor]:
-        with _OneThread():
-            logits = _linear(x, weight, bias).view(*lead, k * (1 + m))
-            return logits[..., :k].clone(), logits[..., k:].unflatten(-1, (k, m)).clone()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.set_materialize_grads(False)
-        ctx.lead, ctx.k, ctx.m = inputs[3], inputs[4], inputs[5]
-        ctx.save_for_backward(inputs[0], inputs[1])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_alpha: Tensor | None, g_z: Tensor | None) -> tuple[Any, ...]:
-        none = (None, None, None)
-        if g_alpha is None and g_z is None:
-            return (None, None, None, *none)
-        x, weight = ctx.saved_tensors
-        k = ctx.k
-        with _OneThread():
-            g = x.new_empty(x.shape[0], weight.shape[0])
-            parts = g.view(*ctx.lead, k * (1 + ctx.m))  # (not -1: the batch may be empty)
-            if g_alpha is None:
-                parts[..., :k].zero_()
-            else:
-                parts[..., :k].copy_(g_alpha)
-            if g_z is None:
-                parts[..., k:].zero_()
-            else:
-                parts[..., k:].copy_(g_z.flatten(-2))
-            return (*_linear_grads(g, x, weight, ctx.needs_input_grad[:3]), *none)
 
 
 class DSelectK(Gate):
@@ -323,8 +277,8 @@ class DSelectK(Gate):
         # One fused autograd node: smooth-step, the K selectors by successive outer products
         # (no (*lead, K, N) tensor), the σ(α) mixture and the bit entropies.
         # A per-gate γ (T,) broadcasts over the trailing gate axis of the (*lead,) gates.
-        # γ was validated when written: no device sync here (see DF._dselect_k_parts)
-        w, ent = DF._dselect_k_parts(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
+        # γ was validated when written: no device sync here (see kernels.dispatch)
+        w, ent = _dselect_k_parts(alpha, z, self._gamma)  # (*lead, N), (*lead, K)
         weights = w[..., : self.num_experts]
         per_gate = self._entropy_reg * ent.sum(dim=-1)  # a per-gate λ (T,) broadcasts likewise
         if self.num_experts < 2**self.num_bits and self.xi > 0:
@@ -386,8 +340,8 @@ class DSelectK(Gate):
         """:meth:`forward` with the linear layer inside the host node
         (``_DSelectSmallGateLinear``, the layer on one thread as in :meth:`compute_logits`) for
         a per-example gate of this class (see :meth:`_plain_layer`) and a problem the host node
-        takes (the CPU kernel ``DSELECTK_KERNEL`` picks, see :mod:`dselectk.runtime`: numba's
-        at every size, NumPy's up to :data:`~dselectk.functional.HOST_GATE_MAX_ELEMENTS`
+        takes (:func:`dselectk.kernels.dispatch.choose`: by ``DSELECTK_KERNEL``, numba's at
+        every size, NumPy's up to :data:`~dselectk.kernels.dispatch.HOST_GATE_MAX_ELEMENTS`
         selector entries, ATen's none); other problems below
         :data:`~dselectk.runtime.PARALLEL_MIN_ELEMENTS` take the layer and the split of the
         logits on one thread (``_OneThreadSplitLinear``), then the gate's math as written; None
@@ -404,13 +358,13 @@ class DSelectK(Gate):
         buffers = self._buffers
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None and isinstance(x, Tensor)
-        kernel = _cpu_kernel()
-        if kernel == "numba" and self._numba_ok(gamma, lam, entries):  # every size
-            w, aux = _NumbaGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
-        elif kernel == "numpy" and self._host_math() and DF._small_on_host(entries, x, gamma):
+        node = choose(entries, x, gamma, lam, host_math=self._host_math(), linear=True)
+        if node is _DSelectSmallGateLinear:  # NumPy's (numba's: one γ per gate as it is)
             if gamma.dim() > 0:  # one γ per gate: flattened like the gates
                 gamma = gamma.expand(lead).reshape(-1)
-            w, aux, _ = _DSelectSmallGateLinear.apply(x, weight, bias, gamma, lam, k, lead, True)
+            w, aux, _ = node.apply(x, weight, bias, gamma, lam, k, lead, True)
+        elif node is not None:  # numba's, every size
+            w, aux = node.apply(x, weight, bias, gamma, lam, k, lead, True)
         elif entries < PARALLEL_MIN_ELEMENTS:
             # The layer and the split into α and Z on one thread (the slices' backward would
             # zero-fill, copy and add the logits' grad on two), then the gate's math as written.
@@ -431,12 +385,6 @@ class DSelectK(Gate):
         unused = self.num_experts < 2**self.num_bits and self.xi > 0
         return not (self.distinct or unused)
 
-    def _numba_ok(self, gamma: Tensor, lam: Tensor, entries: int) -> bool:
-        """Whether the numba node takes this gate's problem (every size; the tensors' own checks
-        are the caller's: :meth:`_plain_layer` or ``_host_ok``)."""
-        ok = self._host_math() and gamma.is_cpu and not gamma.requires_grad and lam.is_cpu
-        return ok and entries > 0
-
     def _own_layout(self) -> bool:
         """Whether the logits are laid out as DSelectK lays them out (the host nodes split them
         themselves): not so for a subclass with its own :meth:`split_logits`."""
@@ -452,22 +400,20 @@ class DSelectK(Gate):
         # eager CPU float32/float64 first: under graph capture nothing below is traced
         if not self._host_math() or not self._own_layout() or not _host_ok(logits):
             return None
-        kernel = _cpu_kernel()
         lead = logits.shape[:-1]
         buffers = self._buffers  # (not through nn.Module.__getattr__: this is the hot path)
         gamma, lam = buffers["_gamma"], buffers["_entropy_reg"]
         assert gamma is not None and lam is not None
-        entries = math.prod(lead) * k * 2**m
-        if kernel == "numba" and self._numba_ok(gamma, lam, entries):
-            flat = logits.reshape(-1, logits.shape[-1])
-            w, aux = _NumbaGate.apply(flat, gamma, lam, k, lead, not self.static)
-        elif kernel == "numpy" and DF._small_on_host(entries, logits, gamma):
+        node = choose(math.prod(lead) * k * 2**m, logits, gamma, lam)
+        if node is None:
+            return None
+        flat = logits.reshape(-1, logits.shape[-1])
+        if node is _DSelectSmallGate:  # NumPy's (numba's: one γ per gate as it is)
             if gamma.dim() > 0:  # one γ per gate: flattened like the gates
                 gamma = gamma.expand(lead).reshape(-1)
-            flat = logits.reshape(-1, logits.shape[-1])
-            w, aux, _ = _DSelectSmallGate.apply(flat, gamma, lam, k, lead, not self.static)
-        else:
-            return None
+            w, aux, _ = node.apply(flat, gamma, lam, k, lead, not self.static)
+        else:  # numba's, every size
+            w, aux = node.apply(flat, gamma, lam, k, lead, not self.static)
         if n < 2**m:
             w = w[..., :n]
         if type(self).diversity.is_nonzero(self):

@@ -1,10 +1,11 @@
-"""The autograd nodes of the DSelect-k gate on the numba kernel, and their glue.
+"""The autograd nodes of the DSelect-k gate on the numba kernel, their glue, and the warm-up.
 
 :class:`_NumbaGate` (logits in) and :class:`_NumbaGateLinear` (the gate's linear layer inside)
-run a gate's whole step on :mod:`dselectk._numba` (the ``fast`` extra; which kernel a gate takes
-is :func:`dselectk.runtime._cpu_kernel`'s): weights and the entropy loss out, one node,
-any size, the numbers of the gate as written to float rounding (tested). Eager only: the gate
-calls them for CPU float32/float64 tensors outside torch.func transforms and graph capture.
+run a gate's whole step on :mod:`dselectk.kernels.numba_cpu` (the ``fast`` extra; which kernel a
+gate takes is :func:`dselectk.kernels.dispatch.choose`'s): weights and the entropy loss out, one
+node, any size, the numbers of the gate as written to float rounding (tested). Eager only: the
+gate calls them for CPU float32/float64 tensors outside torch.func transforms and graph capture.
+:func:`warm_kernels` compiles the kernel (or loads it from numba's cache) ahead of time.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dselectk._kernels import _linear, _linear_grads, _PositionalFunction
-from dselectk.runtime import _load_numba, _OneThread
+from dselectk.kernels.aten import _linear, _linear_grads, _PositionalFunction
+from dselectk.kernels.setting import _cache_failed, _cache_warning, _cpu_kernel, _load_numba
+from dselectk.runtime import _OneThread
 
-__all__: list[str] = []
+__all__ = ["warm_kernels"]
 
 
 class _NumbaSaved:
     """What the numba kernel keeps for its backward (a non-tensor output of the node): the
     logits (G, K(1+M)), γ, K, and per gate σ(α), the clamped z/γ and log(1 - p) - log p of each
-    bit (``dselectk._numba.state_shape``: (K(1 + 2M), G))."""
+    bit (``dselectk.kernels.numba_cpu.state_shape``: (K(1 + 2M), G))."""
 
     __slots__ = ("gam", "k", "logits", "state")
 
@@ -80,20 +82,28 @@ def _numba_forward(
 _READY: set[tuple[str, str]] = set()
 
 
-def _first_call(kind: str, dt: str, args: tuple[Any, ...]) -> Any:
+def _first_call(kind: str, dt: str, args: tuple[Any, ...], warn: bool = True) -> Any:
     """The first call of a kernel for a dtype in this process; a RuntimeWarning when it had to
-    compile (nothing cached: about 15 s, see :mod:`dselectk.runtime`), so that a slow first
-    step, in each of a sweep's fresh worker processes, is not silent."""
-    kernel = getattr(_load_numba(None), f"gate_{kind}")
+    compile (nothing cached: about 15 s, see :mod:`dselectk.kernels.setting`), so that a slow
+    first step, in each of a sweep's fresh worker processes, is not silent. Where numba cannot
+    write the compiled code to its cache (an ``OSError``: numba adds the compiled code to the
+    function before it saves it), the call runs again on the code compiled in memory, with one
+    warning per process (:func:`~dselectk.kernels.setting._cache_warning`)."""
+    nb = _load_numba(None)
+    kernel = getattr(nb, f"gate_{kind}")
     start = time.perf_counter()
-    result = kernel(*args)
+    try:
+        result = kernel(*args)
+    except OSError as err:  # the kernel does no I/O: numba's cache could not be written
+        _cache_warning(f"writing it failed: {err}")
+        result = kernel(*args)
     took = time.perf_counter() - start
     _READY.add((kind, dt))
-    if took > 1.0:
+    if took > 1.0 and warn and nb.CACHE and not _cache_failed[0]:
         warnings.warn(
             f"dselectk: compiling the numba DSelect-k kernel ({kind}, {np.dtype(dt).name}) took "
             f"{took:.0f} s; numba caches it on disk for later processes (NUMBA_CACHE_DIR), and "
-            "dselectk.runtime.warm_kernels() compiles it before starting worker processes",
+            "dselectk.kernels.warm_kernels() compiles it before starting worker processes",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -190,7 +200,7 @@ class _NumbaGate(_PositionalFunction):
     """:class:`_DSelectSmallGate` on the numba kernel (any size): (logits (G, K(1+M)), γ (0-d or
     (T,): gate g reads γ[g mod T]), λ (likewise), K, lead, per_example) -> (q̃ (*lead, N),
     auxiliary loss ()). The loss is summed over the gates in float64 in the kernel
-    (``dselectk.runtime._numba_gate``): the gate's numbers to float rounding.
+    (:func:`_numba_gate`): the gate's numbers to float rounding.
 
     Eager only (the gate checks, see :func:`_host_ok`), so ``forward`` takes ``ctx`` itself
     (no ``setup_context``, which torch.func needs and which costs ~10 µs a call, measured) and
@@ -262,3 +272,28 @@ class _NumbaGateLinear(_PositionalFunction):
             g = g.view(x.shape[0], -1)
         with _OneThread():
             return (*_linear_grads(g, x, weight, ctx.needs_input_grad), *none)
+
+
+def warm_kernels(dtypes: tuple[Any, ...] = (np.float32, np.float64)) -> float:
+    """Compile (or load from numba's on-disk cache) the numba kernel for ``dtypes`` (NumPy
+    float32 and/or float64), so that worker processes started afterwards load it instead of
+    compiling it each.
+
+    Returns:
+        The seconds it took (see :mod:`dselectk.kernels.setting`); 0.0 without numba or where
+        ``DSELECTK_KERNEL`` picks another kernel.
+    """
+    if _cpu_kernel() != "numba":
+        return 0.0
+    nb = _load_numba(None)
+    start = time.perf_counter()
+    for dt in dtypes:
+        x = np.zeros((1, 4), dtype=dt)  # one gate, K = 1, M = 3
+        out, state = np.empty((1, 8), dtype=dt), np.empty(nb.state_shape(1, 1, 3), dtype=dt)
+        gam = np.ones(1, dtype=dt)
+        char = np.dtype(dt).char
+        tiny = float(np.finfo(dt).tiny)
+        _first_call("forward", char, (x, 1, gam, np.ones(1), 1.0, tiny, out, state), False)
+        args = (1, gam, state, out, True, np.ones((1, 1)), 1.0, x.copy())
+        _first_call("backward", char, args, False)
+    return time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Compiled CPU kernels of the DSelect-k gate (numba; the ``fast`` extra).
 
-Imported by :mod:`dselectk.runtime` only when the numba kernel is in use (see there: the
-``DSELECTK_KERNEL`` variable); importing this module imports numba. One forward and one
+Imported by :mod:`dselectk.kernels.setting` only when the numba kernel is in use (see there:
+the ``DSELECTK_KERNEL`` variable); importing this module imports numba. One forward and one
 backward over a gate's logits (G, K(1+M)) (α the first K columns, then Z (K, M)), one thread,
 without the GIL, float32 and float64 (one compiled specialisation each, on first use).
 
@@ -48,6 +48,23 @@ __all__: list[str] = []
 # One file on purpose: numba's on-disk cache of a function is keyed on its own source file
 # only, so a kernel that called jitted code of another file would keep running the old
 # compiled code of that file after it changed (tests/test_architecture.py lists the reason).
+
+
+def _cache_probe() -> None:  # pragma: no cover - never called
+    """A function numba is asked to cache, to learn whether it can cache this file's."""
+
+
+# numba raises "cannot cache function ..." when a function with ``cache=True`` is defined and no
+# cache folder is writable (NUMBA_CACHE_DIR, this file's folder, the user's cache folder; e.g. a
+# read-only install run by a user without a writable home). Then the kernels compile in memory
+# in each process instead (``dselectk.kernels.setting`` warns once): a computation never fails
+# for want of a cache.
+try:
+    njit(cache=True)(_cache_probe)
+    CACHE = True
+except RuntimeError:
+    CACHE = False
+
 
 # -- operations that keep loops vectorisable ---------------------------------------------------
 #
@@ -99,7 +116,7 @@ _f32_bits: Any = intrinsic(_f32_bits_typing)
 _bits_f32: Any = intrinsic(_bits_f32_typing)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _logf(x: Any) -> Any:  # pragma: no cover - compiled
     """log of a positive normal float32: Cephes' ``logf`` (frexp, a degree-9 polynomial on
     [√½ - 1, √2 - 1]; within 1 ulp of the correctly rounded log, tested), in plain arithmetic
@@ -163,7 +180,7 @@ def state_shape(gates: int, k: int, m: int) -> tuple[int, int]:
     return k * (1 + 2 * m), gates + (_TILE - rest if rest >= _PAD_FROM else 0)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _levels(
     p: Any, q: Any, j0: int, bits: int, lev: Any, b0: int, tw: int
 ) -> None:  # pragma: no cover - compiled
@@ -184,7 +201,7 @@ def _levels(
         w *= 2
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _walk_back(
     p: Any,
     q: Any,
@@ -216,7 +233,7 @@ def _walk_back(
             g_p[j, t] = acc[t]
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _smooth(state: Any, g0: int, k: int, km: int, p: Any, q: Any, tw: int) -> None:
     """p = S(z) = s (1.5 - 2 s²) + 0.5 and q = 1 - p of the tile's bits from s = the clamped
     z/γ (rows k .. of ``state``, gates from ``g0``), op for op as the ATen and NumPy kernels
@@ -235,7 +252,7 @@ def _smooth(state: Any, g0: int, k: int, km: int, p: Any, q: Any, tw: int) -> No
             q[j, t] = one - pj
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _gate_values(vals: Any, g0: int, into: Any, tw: int) -> None:
     """``into[t]`` = vals[(g0 + t) mod P] (γ or λ: one value or one per gate, P = vals.size)."""
     j = g0 % vals.size
@@ -244,7 +261,7 @@ def _gate_values(vals: Any, g0: int, into: Any, tw: int) -> None:
         j = j + 1 if j + 1 < vals.size else 0
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _forward_tile(
     logits: Any,
     k: int,
@@ -373,7 +390,7 @@ def _forward_tile(
     return loss
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=CACHE, nogil=True, error_model="numpy", inline="always")
 def _backward_tile(
     k: int,
     gam: Any,
@@ -498,7 +515,7 @@ def _backward_tile(
             grad[g0 + t, k + j] = g_p[j, t]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=CACHE, nogil=True, error_model="numpy")
 def gate_forward(
     logits: Any,
     k: int,
@@ -543,7 +560,7 @@ def gate_forward(
     return loss / divisor
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=CACHE, nogil=True, error_model="numpy")
 def gate_backward(
     k: int,
     gam: Any,

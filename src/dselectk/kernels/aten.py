@@ -1,22 +1,23 @@
-"""Hand-written autograd nodes behind the pure functions and the gates.
+"""DSelect-k's and the selector ablation's hand-written autograd nodes (ATen calls).
 
 The math lives in :mod:`dselectk.functional` (plain, composable formulas); this module holds
 the ``torch.autograd.Function`` kernels that compute the same numbers in one node with a written
 out backward pass (tested against the composed formulas):
 
-* :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, called by
-  :func:`dselectk.functional.dselect_k_fused`;
+* :class:`_DSelectFused`: DSelect-k's q̃ and selector entropies, O(N) per selector, taken by
+  :func:`dselectk.kernels.dselect_k_fused` for large problems;
 * :class:`_DSelectSmall`: the same numbers for small problems (few calls), on CPU float32 and
-  float64 computed on the host in NumPy (:mod:`dselectk.runtime`); :class:`_DSelectSmallGate`
-  and :class:`_DSelectSmallGateLinear`: a small DSelect-k gate's whole step (logits or input in;
-  weights and entropy loss out) in one node on the host, and :class:`_OneThreadLinear`, used by
-  :class:`dselectk.gates.DSelectK` (numba's nodes: :mod:`dselectk._numba_nodes`);
+  float64 computed on the host in NumPy (:mod:`dselectk.kernels.host_numpy`);
+  :class:`_DSelectSmallGate` and :class:`_DSelectSmallGateLinear`: a small DSelect-k gate's
+  whole step (logits or input in; weights and entropy loss out) in one node on the host;
+  :class:`_OneThreadLinear` and :class:`_OneThreadSplitLinear`: a gate's linear layer on one
+  intra-op thread; all used by :class:`dselectk.gates.DSelectK` (numba's nodes:
+  :mod:`dselectk.kernels.numba_nodes`);
 * :class:`_SelectorGate`: the softmax-selector ablation gate and its entropies.
 
-It depends on torch and :mod:`dselectk.runtime` only, so :mod:`dselectk.functional` and
-:mod:`dselectk.gates` can import it without a cycle. The DSelect-k kernels run their ops on one
-thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why) and bypass
-``Function.apply``'s per-call argument binding (:func:`_apply`).
+Which node takes a problem is :func:`dselectk.kernels.dispatch.choose`'s. The DSelect-k kernels
+run their ops on one thread below :data:`dselectk.runtime.PARALLEL_MIN_ELEMENTS` (see there why)
+and bypass ``Function.apply``'s per-call argument binding (:func:`_apply`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dselectk.runtime import (
-    _cpu_kernel,
+from dselectk.kernels.host_numpy import (
     _entropy_grad,
     _entropy_loss,
     _host_gate,
@@ -36,10 +36,10 @@ from dselectk.runtime import (
     _host_small,
     _host_small_grads,
     _HostSaved,
-    _OneThread,
     _Transformed,
-    intra_op_threads,
 )
+from dselectk.kernels.setting import _cpu_kernel
+from dselectk.runtime import _OneThread, intra_op_threads
 
 __all__: list[str] = []
 
@@ -303,7 +303,7 @@ class _DSelectSmall(_PositionalFunction):
     @staticmethod
     def forward(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Any, ...]:
         if _host_ok(z, alpha) and gamma.device.type == "cpu" and _cpu_kernel() != "aten":
-            return _host_small(z, alpha, gamma)  # see dselectk.runtime
+            return _host_small(z, alpha, gamma)  # see dselectk.kernels.host_numpy
         with intra_op_threads(1):  # small problems only: one thread (see dselectk.runtime)
             return _DSelectSmall._forward(z, alpha, gamma)
 
@@ -386,7 +386,7 @@ _HOST_DTYPES = (torch.float32, torch.float64)
 
 
 def _host_ok(*tensors: Tensor) -> bool:
-    """Whether the small kernels may compute on the host (:mod:`dselectk.runtime`, NumPy): CPU
+    """Whether the small kernels may compute on the host (NumPy, :mod:`.host_numpy`): CPU
     float32/float64 tensors of one dtype, eager (no torch.func transform, no graph capture or
     compilation)."""
     t = tensors[0]
@@ -406,9 +406,9 @@ class _DSelectSmallGate(_PositionalFunction):
     lead, per_example) -> (q̃ (*lead, N), auxiliary loss (), saved).
 
     The NumPy small kernel (see the comment above) on the gate's logits, and the entropy term
-    of the auxiliary loss with the gate's ATen calls (``dselectk.runtime._entropy_loss``): one
+    of the auxiliary loss with the gate's ATen calls (``host_numpy._entropy_loss``): one
     node instead of the logits' two slices, the small kernel and four loss nodes. Bit for bit
-    what the gate computes through :func:`dselectk.functional.dselect_k_fused` (values and
+    what the gate computes through :func:`dselectk.kernels.dselect_k_fused` (values and
     gradients). For CPU float32/float64 only (:func:`_host_ok`); the gate checks."""
 
     @staticmethod
@@ -519,6 +519,50 @@ class _OneThreadLinear(_PositionalFunction):
         x, weight = ctx.saved_tensors
         with _OneThread():
             return _linear_grads(g, x, weight, ctx.needs_input_grad)
+
+
+class _OneThreadSplitLinear(_PositionalFunction):
+    """A per-example gate's layer and the split of its logits: (x (B, p), weight, bias or None,
+    lead, K, M) -> (α (*lead, K), Z (*lead, K, M)), copies of the slices of the logits, forward
+    and backward on one intra-op thread (``dselectk.runtime._OneThread``). The backward writes
+    the grads of α and Z into one grad of the logits (what the slices' backward nodes compute,
+    without their zero-fills, copies and sum on two threads), then the layer's grads
+    (:func:`_linear_grads`)."""
+
+    @staticmethod
+    def forward(
+        x: Tensor, weight: Tensor, bias: Tensor | None, lead: tuple[int, ...], k: int, m: int
+    ) -> tuple[Tensor, Tensor]:
+        with _OneThread():
+            logits = _linear(x, weight, bias).view(*lead, k * (1 + m))
+            return logits[..., :k].clone(), logits[..., k:].unflatten(-1, (k, m)).clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.lead, ctx.k, ctx.m = inputs[3], inputs[4], inputs[5]
+        ctx.save_for_backward(inputs[0], inputs[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_alpha: Tensor | None, g_z: Tensor | None) -> tuple[Any, ...]:
+        none = (None, None, None)
+        if g_alpha is None and g_z is None:
+            return (None, None, None, *none)
+        x, weight = ctx.saved_tensors
+        k = ctx.k
+        with _OneThread():
+            g = x.new_empty(x.shape[0], weight.shape[0])
+            parts = g.view(*ctx.lead, k * (1 + ctx.m))  # (not -1: the batch may be empty)
+            if g_alpha is None:
+                parts[..., :k].zero_()
+            else:
+                parts[..., :k].copy_(g_alpha)
+            if g_z is None:
+                parts[..., k:].zero_()
+            else:
+                parts[..., k:].copy_(g_z.flatten(-2))
+            return (*_linear_grads(g, x, weight, ctx.needs_input_grad[:3]), *none)
 
 
 # -- softmax-selector ablation gate -----------------------------------------------------------

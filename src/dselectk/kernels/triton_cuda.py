@@ -1,7 +1,7 @@
 """DSelect-k's small-problem math in two Triton kernels, for CUDA tensors (optional).
 
 On a GPU a per-example gate step costs its kernel launches, not its arithmetic: the ATen form
-of the small kernel (:class:`dselectk._kernels._DSelectSmall`) launches ~15 kernels forward
+of the small kernel (:class:`dselectk.kernels.aten._DSelectSmall`) launches ~15 kernels forward
 and ~20 backward (``python -m benchmarks.gpu_gate`` counts them). :class:`DSelectTriton` is the
 same function, (z (G, K, M), α (G, K), γ (0-d or (G,))) -> (q̃ (G, N), entropies (G, K)), in one
 kernel each way: one program per gate computes its K selectors' bit probabilities p = S(z/γ),
@@ -11,8 +11,8 @@ inputs is saved) and takes the product of the other M - 1 factors of each (i, j)
 exact at zero factors (no division), as the ATen form does.
 
 Same numbers as the ATen form to float rounding (tested in Triton's interpreter on the CPU,
-``TRITON_INTERPRET=1``, and on a GPU). Used by :func:`dselectk.functional.dselect_k_fused` for
-CUDA float32/float64 tensors of at most ``functional.TRITON_MAX_BITS`` bits when Triton
+``TRITON_INTERPRET=1``, and on a GPU). Used by :func:`dselectk.kernels.dselect_k_fused` for
+CUDA float32/float64 tensors of at most ``dispatch.TRITON_MAX_BITS`` bits when Triton
 imports, in eager mode (not under ``torch.compile``, tracing, export or ``torch.func``
 transforms, which take the ATen form); ``DSELECTK_TRITON=0`` turns it off. The kernels are
 built on first use, so the environment can be set before.
@@ -58,7 +58,7 @@ def available(z: Tensor) -> bool:
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     """The forward and backward kernels (their module is imported on first use)."""
-    from dselectk import _triton_kernels as tk
+    from dselectk.kernels import triton_programs as tk
 
     return tk.fwd, tk.bwd
 
@@ -117,7 +117,7 @@ def backward(
 
 class DSelectTriton(torch.autograd.Function):
     """(z (G, K, M), α (G, K), γ) -> (q̃ (G, N), entropies (G, K)) in one Triton kernel each way
-    (module docstring); the interface of :class:`dselectk._kernels._DSelectSmall`."""
+    (module docstring); the interface of :class:`dselectk.kernels.aten._DSelectSmall`."""
 
     @staticmethod
     def forward(ctx: Any, z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:

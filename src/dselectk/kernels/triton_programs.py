@@ -1,5 +1,6 @@
-"""The Triton kernels of :mod:`dselectk._triton` (imported on first use only: Triton decides at
-import whether to compile them or run them in its interpreter, ``TRITON_INTERPRET=1``)."""
+"""The Triton kernels of :mod:`dselectk.kernels.triton_cuda` (imported on first use only:
+Triton decides at import whether to compile them or run them in its interpreter,
+``TRITON_INTERPRET=1``)."""
 # mypy: disable-error-code="no-untyped-def"
 
 from __future__ import annotations
