@@ -181,9 +181,9 @@ def choose(
     if lam is not None:
         kernel = _cpu_kernel()
         if kernel == "numba":
-            ok = host_math and isinstance(gamma, Tensor) and gamma.is_cpu and lam.is_cpu
-            if ok and not gamma.requires_grad and entries > 0:
-                return _NumbaGateLinear if linear else _NumbaGate
+            if host_math and isinstance(gamma, Tensor) and gamma.is_cpu and lam.is_cpu:
+                if not gamma.requires_grad and entries > 0:
+                    return _NumbaGateLinear if linear else _NumbaGate
         elif kernel == "numpy" and host_math and isinstance(gamma, Tensor):
             if _small_on_host(entries, t, gamma):
                 return _DSelectSmallGateLinear if linear else _DSelectSmallGate
