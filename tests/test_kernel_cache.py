@@ -124,11 +124,14 @@ def test_a_cache_write_that_fails_runs_the_compiled_code_with_one_warning(
 
         monkeypatch.setattr(nb, name, once)
     monkeypatch.setattr(numba_nodes, "_READY", set())
-    monkeypatch.setitem(setting._cache_failed, 0, False)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = gate(x)
-        (got_gx,) = torch.autograd.grad(got.weights.square().sum() + got.aux_loss, x)
+    before, setting._cache_failed[0] = setting._cache_failed[0], False
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = gate(x)
+            (got_gx,) = torch.autograd.grad(got.weights.square().sum() + got.aux_loss, x)
+    finally:
+        setting._cache_failed[0] = before
     assert failed == ["gate_forward", "gate_backward"]
     assert [w.category for w in seen] == [RuntimeWarning], [str(w.message) for w in seen]
     assert "NUMBA_CACHE_DIR" in str(seen[0].message) and "Permission denied" in str(seen[0].message)
