@@ -119,6 +119,7 @@ __all__ = [
     "check_loaded",
     "find_moe_blocks",
     "from_pretrained",
+    "register",
     "replace_routers",
     "router_aux_loss",
     "router_config",
@@ -130,6 +131,25 @@ _FORMAT = 1
 
 _CLASSES: dict[type, type] = {}
 _HOOKED: dict[type, type] = {}
+_CONFIGS: dict[type, type] = {}
+_MODELS_REGISTERED: set[type] = set()
+#: the prefix of the ``model_type`` a config with DSelect-k routers is saved under
+MODEL_TYPE_PREFIX = "dselectk_"
+#: the file ``save_pretrained`` writes next to ``config.json`` (named by its ``auto_map``)
+AUTO_FILE = "dselectk_transformers.py"
+#: the config classes :func:`register` registers (the supported families)
+SUPPORTED_CONFIGS = (
+    "MixtralConfig",
+    "MiniMaxConfig",
+    "Qwen2MoeConfig",
+    "Qwen3MoeConfig",
+    "Qwen3NextConfig",
+    "OlmoeConfig",
+    "FlexOlmoConfig",
+    "JambaConfig",
+    "GraniteMoeConfig",
+    "GptOssConfig",
+)
 _HOOK_FLAG = "_dselectk_router_hook"
 _IN_ROUTER = "_dselectk_in_router"
 
@@ -220,12 +240,13 @@ def _init_weights(self: Any, module: nn.Module) -> None:
 
 
 def _initialize_weights(self: Any, module: nn.Module, is_custom_code: bool = False) -> None:
-    """transformers' ``_initialize_weights``, with the routers given to :func:`_init_weights`
-    (its shortcut for custom code would skip them: a router holds no tensor of its own)."""
-    if isinstance(module, GateRouter) and not getattr(module, "_is_hf_initialized", False):
-        self._init_weights(module)
-        setattr(module, "_is_hf_initialized", True)  # noqa: B010 (not a declared attribute)
-        return
+    """transformers' ``_initialize_weights`` (the per-module step of ``init_weights`` and of
+    the loader's ``_initialize_missing_keys``), the routers included: they go through the
+    replaced class' own ``_initialize_weights`` (so that whatever wraps it, e.g. a seed per
+    module, wraps them too), never through its shortcut for custom code (a router holds no
+    tensor of its own, so the shortcut would skip it)."""
+    if isinstance(module, GateRouter):
+        is_custom_code = False
     type(self)._dselectk_base._initialize_weights(self, module, is_custom_code)
 
 
@@ -234,38 +255,235 @@ def _is_custom_code(cls: Any) -> bool:
     return bool(cls._dselectk_base.is_custom_code())
 
 
-def _construct(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-    """The replaced class' constructor, then the routers the config names (from_pretrained)."""
-    type(self)._dselectk_base.__init__(self, config, *args, **kwargs)
-    _apply_config(self)
+def _no_auto_class(cls: Any, auto_class: Any = None) -> None:
+    """These classes are registered with the auto classes by :func:`register`; transformers'
+    ``register_for_auto_class`` (called when a folder is loaded with ``trust_remote_code``)
+    would make ``save_pretrained`` copy this module into the folder."""
+
+
+def _post_init(self: Any) -> None:
+    """Before the replaced class' ``post_init`` (the end of every transformers model's
+    constructor, which initialises the weights): the routers the config names, so that
+    construction, ``from_config``, ``from_pretrained`` and ``init_weights`` all build and
+    initialise them through transformers' own path."""
+    if _spec(getattr(self, "config", None)) is not None and any(
+        not isinstance(_block_router(block), GateRouter) for _, block in find_moe_blocks(self)
+    ):
+        _apply_config(self)
+    type(self)._dselectk_base.post_init(self)
+
+
+def _from_pretrained_hooked(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``from_pretrained``, then the gates' hyperparameter records from the
+    loaded buffers."""
+    out = cls._dselectk_base.from_pretrained.__func__(cls, *args, **kwargs)
+    _refresh(out[0] if isinstance(out, tuple) else out)
+    return out
+
+
+def _save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``save_pretrained``, plus :data:`AUTO_FILE` (the file ``config.json``'s
+    ``auto_map`` names) when the config names this package's routers."""
+    out = type(self)._dselectk_base.save_pretrained(self, save_directory, *args, **kwargs)
+    named = getattr(getattr(self, "config", None), CONFIG_KEY, None) is not None
+    if named and kwargs.get("is_main_process", True):
+        write_auto_file(save_directory)
+    return out
 
 
 def _hooked_class(cls: type) -> type:
-    """``DSelectK<Name>``: ``cls`` whose routers are initialised by their gates and whose
-    constructor puts in the routers ``config.dselectk_router`` names (cls itself when it is
-    one already). Kept as a global of this module under its name, so that it pickles."""
+    """``DSelectK<Name>``: ``cls`` whose routers are initialised by their gates, whose
+    constructor puts in the routers ``config.dselectk_router`` names and whose ``config_class``
+    is ``DSelectK<Config>`` (:func:`_config_class`); cls itself when it is one already. Kept
+    as a global of this module under its name, so that it pickles."""
     if getattr(cls, "_dselectk_hooked", False):
         return cls
     if cls not in _HOOKED:
         name = f"DSelectK{cls.__name__}"
-        hooked = type(
-            name,
-            (cls,),
-            {
-                "__init__": _construct,
-                "_init_weights": _init_weights,
-                "_initialize_weights": _initialize_weights,
-                "is_custom_code": classmethod(_is_custom_code),
-                "_dselectk_base": cls,
-                "_dselectk_hooked": True,
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"{cls.__name__} with this package's routers (see {__name__}).",
-            },
-        )
+        attrs: dict[str, Any] = {
+            "post_init": _post_init,
+            "_init_weights": _init_weights,
+            "_initialize_weights": _initialize_weights,
+            "is_custom_code": classmethod(_is_custom_code),
+            "from_pretrained": classmethod(_from_pretrained_hooked),
+            "save_pretrained": _save_pretrained,
+            "register_for_auto_class": classmethod(_no_auto_class),
+            "_dselectk_base": cls,
+            "_dselectk_hooked": True,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{cls.__name__} with this package's routers (see {__name__}).",
+        }
+        config_class = getattr(cls, "config_class", None)
+        if isinstance(config_class, type) and getattr(config_class, "model_type", ""):
+            attrs["config_class"] = _config_class(config_class)
+        hooked = type(name, (cls,), attrs)
         _HOOKED[cls] = hooked
         globals().setdefault(name, hooked)
     return _HOOKED[cls]
+
+
+def _config_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    type(self)._dselectk_base.__init__(self, *args, **kwargs)
+    _register_models(type(self))
+
+
+def _config_class(base: type) -> type:
+    """``DSelectK<Config>``: ``base`` (a transformers config class) under the model type
+    ``dselectk_<model_type>``, registered with ``AutoConfig``; building one registers the
+    ``DSelectK<Model>`` classes of its family with the auto model classes (the first time).
+    Plain transformers does not know the model type, so it refuses a folder saved with it
+    instead of building the original routers. Kept as a global of this module."""
+    if getattr(base, "_dselectk_hooked", False):
+        return base
+    if base not in _CONFIGS:
+        name = f"DSelectK{base.__name__}"
+        cls = type(
+            name,
+            (base,),
+            {
+                "__init__": _config_init,
+                "model_type": MODEL_TYPE_PREFIX + str(base.model_type),  # type: ignore[attr-defined]
+                "register_for_auto_class": classmethod(_no_auto_class),
+                "_dselectk_base": base,
+                "_dselectk_hooked": True,
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"{base.__name__} of a model with this package's routers "
+                f"(see {__name__}).",
+            },
+        )
+        _CONFIGS[base] = cls
+        globals().setdefault(name, cls)
+        _register_config(cls)
+    return _CONFIGS[base]
+
+
+def _register_config(cls: Any) -> None:
+    """``AutoConfig`` knows ``cls.model_type``; transformers' weight conversions of the family
+    (per-expert checkpoints, renamed prefixes) apply to it, less those that rename the original
+    router's weight (which the gate replaces: Granite-MoE's ``router.layer.weight``)."""
+    from transformers import AutoConfig
+
+    AutoConfig.register(cls.model_type, cls, exist_ok=True)
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # a transformers without weight conversions
+        return
+    conversions = get_checkpoint_conversion_mapping(cls._dselectk_base.model_type)
+    if conversions is None:
+        return
+    kept = [c for c in conversions if not _renames_router_weight(c)]
+    register_checkpoint_conversion_mapping(cls.model_type, kept, overwrite=True)
+
+
+def _renames_router_weight(conversion: Any) -> bool:
+    targets = getattr(conversion, "target_patterns", None) or []
+    if isinstance(targets, str):
+        targets = [targets]
+    return type(conversion).__name__ == "WeightRenaming" and all(
+        t.rstrip("$").endswith(("router.weight", "gate.weight")) for t in targets
+    )
+
+
+def _auto_classes() -> list[Any]:
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return [
+        a
+        for a in vars(modeling_auto).values()
+        if isinstance(a, type)
+        and issubclass(a, _BaseAutoModelClass)
+        and getattr(a, "_model_mapping", None) is not None
+    ]
+
+
+def _register_models(config_cls: Any) -> None:
+    """Every auto model class that maps the family's config maps ``config_cls`` to the
+    ``DSelectK<Model>`` of the same model class."""
+    if config_cls in _MODELS_REGISTERED:
+        return
+    _MODELS_REGISTERED.add(config_cls)
+    base = config_cls._dselectk_base
+    for auto in _auto_classes():
+        if base not in auto._model_mapping:
+            continue
+        target = auto._model_mapping[base]
+        if isinstance(target, list | tuple):
+            target = target[0]
+        hooked = _hooked_class(target)
+        if getattr(hooked, "config_class", None) is config_cls:
+            auto.register(config_cls, hooked, exist_ok=True)
+
+
+def _auto_map(config_cls: Any) -> dict[str, str]:
+    """``config.json``'s ``auto_map``: where transformers finds the classes of this model type
+    without this package imported (:data:`AUTO_FILE`, with ``trust_remote_code=True``)."""
+    module = AUTO_FILE.removesuffix(".py")
+    base = config_cls._dselectk_base
+    out = {"AutoConfig": f"{module}.{config_cls.__name__}"}
+    for auto in _auto_classes():
+        names = getattr(auto._model_mapping, "_model_mapping", {})
+        name = names.get(base.model_type) if isinstance(names, Mapping) else None
+        if isinstance(name, list | tuple):
+            name = name[0]
+        if isinstance(name, str):
+            out[auto.__name__] = f"{module}.DSelectK{name}"
+    return out
+
+
+_AUTO_FILE_TEXT = '''"""A transformers model whose MoE routers are DSelect-k gates (or another gate of dselectk).
+
+Loading it needs the dselectk package: pip install "dselectk[transformers]". With dselectk
+installed, ``import dselectk.integrations.hf`` registers these classes with transformers' auto
+classes, and ``AutoModelForCausalLM.from_pretrained(folder)`` (or ``AutoModel``, ...) loads the
+model with its routers; without the import, pass ``trust_remote_code=True`` (this file only
+imports dselectk). See dselectk.integrations.hf.
+"""
+
+import dselectk.integrations.hf as _hf
+
+
+def __getattr__(name):
+    return getattr(_hf, name)
+'''
+
+
+def write_auto_file(save_directory: Any) -> None:
+    """Write :data:`AUTO_FILE` into ``save_directory`` (``save_pretrained`` of a model with
+    this package's routers does it)."""
+    import os
+
+    with open(os.path.join(os.fspath(save_directory), AUTO_FILE), "w", encoding="utf-8") as f:
+        f.write(_AUTO_FILE_TEXT)
+
+
+def _set_config_class(config: Any, dselectk: bool) -> None:
+    """Make ``config`` a ``DSelectK<Config>`` (its model type and ``auto_map`` with it), or
+    back to the plain config class."""
+    cls = type(config)
+    hooked = getattr(cls, "_dselectk_hooked", False)
+    if dselectk and not hooked and getattr(cls, "model_type", ""):
+        config.__class__ = _config_class(cls)
+        _register_models(config.__class__)
+        config.auto_map = {**(getattr(config, "auto_map", None) or {}), **_auto_map(type(config))}
+    elif not dselectk and hooked:
+        ours = _auto_map(cls)
+        config.__class__ = cls._dselectk_base
+        rest = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items() if k not in ours}
+        if rest:
+            config.auto_map = rest
+        elif hasattr(config, "auto_map"):
+            with contextlib.suppress(AttributeError):
+                delattr(config, "auto_map")
+    else:
+        return
+    if "model_type" in vars(config):  # loaded from a dict: the class' model type, not its own
+        vars(config)["model_type"] = type(config).model_type
 
 
 def _hook_init(model: nn.Module) -> None:
@@ -473,8 +691,11 @@ def replace_routers(
                 router, aux_loss_weight=aux_loss_weight, renormalize=renormalize, **resolved
             )
             setattr(config, CONFIG_KEY, entry)
-        elif hasattr(config, CONFIG_KEY):
-            delattr(config, CONFIG_KEY)  # a callable's gates cannot be rebuilt from the config
+            _set_config_class(config, True)
+        else:
+            if hasattr(config, CONFIG_KEY):
+                delattr(config, CONFIG_KEY)  # a callable's gates cannot be rebuilt from the config
+            _set_config_class(config, False)
     return routers
 
 
@@ -532,6 +753,8 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **
     if config is None:
         from transformers import AutoConfig
 
+        _register_saved_type(pretrained_model_name_or_path)
+
         config = AutoConfig.from_pretrained(
             pretrained_model_name_or_path,
             **{k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs},
@@ -543,6 +766,38 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **
     model = target.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
     _refresh(model)
     return model
+
+
+def _register_saved_type(path: Any) -> None:
+    """A local folder saved under ``dselectk_<model_type>`` of a family :func:`register` does not
+    list: its ``DSelectK<Config>``, so that ``AutoConfig`` knows it."""
+    import json
+    import os
+
+    file = os.path.join(os.fspath(path), "config.json") if os.path.isdir(path) else None
+    if file is None or not os.path.isfile(file):
+        return
+    with open(file, encoding="utf-8") as f:
+        model_type = str(json.load(f).get("model_type", ""))
+    if model_type.startswith(MODEL_TYPE_PREFIX):
+        from transformers import CONFIG_MAPPING
+
+        base = model_type.removeprefix(MODEL_TYPE_PREFIX)
+        if model_type not in CONFIG_MAPPING and base in CONFIG_MAPPING:
+            _config_class(CONFIG_MAPPING[base])
+
+
+def register() -> None:
+    """Register the ``DSelectK<Config>`` of every supported family (:data:`SUPPORTED_CONFIGS`)
+    with ``AutoConfig`` (and, once such a config is built, the ``DSelectK<Model>`` classes with
+    the auto model classes). Importing this module calls it when transformers is installed;
+    calling it again does nothing."""
+    import transformers
+
+    for name in SUPPORTED_CONFIGS:
+        base = getattr(transformers, name, None)
+        if isinstance(base, type):
+            _config_class(base)
 
 
 def check_loaded(model: nn.Module) -> None:
@@ -580,5 +835,11 @@ def __getattr__(name: str) -> type:
                         base = getattr(mod, base_name)
                         break
             if isinstance(base, type):
+                if prefix == "DSelectK" and hasattr(base, "model_type") and hasattr(base, "to_dict"):
+                    return _config_class(base)  # a config class
                 return make(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+with contextlib.suppress(ImportError):  # transformers installed: the auto classes know ours
+    register()
