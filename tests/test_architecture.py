@@ -65,6 +65,7 @@ GROUP_OF_TOP: dict[str, str] = {
     "progress": "base",
     "runtime": "base",
     "kernels": "kernels",
+    "_compiled_small": "kernels",
     "gates": "gates",
     "layers": "layers",
     "models": "models",

@@ -835,7 +835,11 @@ def __getattr__(name: str) -> type:
                         base = getattr(mod, base_name)
                         break
             if isinstance(base, type):
-                if prefix == "DSelectK" and hasattr(base, "model_type") and hasattr(base, "to_dict"):
+                if (
+                    prefix == "DSelectK"
+                    and hasattr(base, "model_type")
+                    and hasattr(base, "to_dict")
+                ):
                     return _config_class(base)  # a config class
                 return make(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,14 +103,6 @@ def _small_on_host(entries: int, logits: Tensor, gamma: Tensor) -> bool:
     )
 
 
-def _small_kernel(z: Tensor, alpha: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
-    out, ent = _DSelectSmall.apply(z, alpha, gamma)[:2]
-    return out, ent
-
-
-#: the small kernel outside a compiled graph (see :func:`dselect_k_fused`); torch's own lazy
-#: form of ``torch.compiler.disable`` (which would import torch._dynamo with this module: 1.6 s)
-_small_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_small_kernel)
 
 
 #: the Triton kernels (:mod:`.triton_cuda`) take CUDA problems of at most this many bits
@@ -248,9 +240,11 @@ def _dselect_k_parts(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tuple[T
     if z.shape[:-2] != lead:
         z = z.expand(*lead, *z.shape[-2:])
     if kernel is _DSelectSmall and torch.compiler.is_compiling():
-        # Eager, as a graph break: on the CPU the small kernel computes in NumPy, so compiled
-        # and eager numbers stay identical (a traced copy would take the ATen kernel).
-        out, ent = _small_eager(z.reshape(-1, k, m), alpha.reshape(-1, k), g)
+        # One operator of the graph that runs the eager kernel (on the CPU it computes in
+        # NumPy): compiled and eager numbers stay identical, and nothing breaks the graph.
+        from dselectk._compiled_small import small
+
+        out, ent = small(z.reshape(-1, k, m), alpha.reshape(-1, k), g)
     else:
         out, ent = kernel.apply(z.reshape(-1, k, m), alpha.reshape(-1, k), g)[:2]
     return out.view(*lead, out.shape[-1]), ent.reshape(*lead, k)
