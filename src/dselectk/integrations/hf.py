@@ -123,6 +123,7 @@ __all__ = [
     "replace_routers",
     "router_aux_loss",
     "router_config",
+    "with_routers",
 ]
 
 #: the config attribute that records the router choice (see the module docstring)
@@ -436,7 +437,7 @@ def _auto_map(config_cls: Any) -> dict[str, str]:
     return out
 
 
-_AUTO_FILE_TEXT = '''"""A transformers model whose MoE routers are DSelect-k gates (or another gate of dselectk).
+_AUTO_FILE_TEXT = '''"""A transformers model whose MoE routers are dselectk gates (DSelect-k, ...).
 
 Loading it needs the dselectk package: pip install "dselectk[transformers]". With dselectk
 installed, ``import dselectk.integrations.hf`` registers these classes with transformers' auto
@@ -600,6 +601,30 @@ def router_config(
         "renormalize": bool(renormalize),
         "format": _FORMAT,
     }
+
+
+def with_routers(
+    config: Any,
+    router: str = "dselect_k",
+    *,
+    aux_loss_weight: float = 1.0,
+    renormalize: bool = False,
+    **gate_kwargs: Any,
+) -> Any:
+    """A copy of a transformers ``config`` that names these routers: a ``DSelectK<Config>``
+    (model type ``dselectk_<model_type>``) with ``config.dselectk_router`` set, so that
+    ``AutoModelForCausalLM.from_config(...)`` (or any auto class of the family) builds the model
+    with this package's routers, initialised through transformers' ``init_weights``. Arguments
+    as for :func:`replace_routers` (a gate name only)."""
+    import copy
+
+    new = copy.deepcopy(config)
+    entry = router_config(
+        router, aux_loss_weight=aux_loss_weight, renormalize=renormalize, **gate_kwargs
+    )
+    setattr(new, CONFIG_KEY, entry)
+    _set_config_class(new, True)
+    return new
 
 
 def replace_routers(
