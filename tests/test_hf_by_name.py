@@ -124,8 +124,8 @@ def test_plain_transformers_refuses_the_folder(tmp_path: Path) -> None:
     lines = [line for line in out.stdout.splitlines() if "|" in line or line == "LOADED"]
     assert "LOADED" not in lines, out.stdout + out.stderr
     assert len(lines) == 2, out.stdout + out.stderr
-    assert lines[0].startswith("ValueError") and "trust_remote_code=True" in lines[0]
-    assert lines[1].startswith("ImportError") and "pip install dselectk" in lines[1]
+    assert "ValueError |" in lines[0] and "trust_remote_code=True" in lines[0]
+    assert "ImportError |" in lines[1] and "pip install dselectk" in lines[1]
     code = (
         "import torch, transformers\n"
         f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, "
@@ -200,7 +200,8 @@ def test_weight_conversions_find_their_weights(family: str) -> None:
 
 def test_gate_compiles_to_one_graph_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """fullgraph=True: the small CPU kernel is one operator of the graph, running the eager
-    kernel (values and gradients identical)."""
+    kernel; values and gradients match the eager gate to float rounding (eager, the gate also
+    fuses its linear layer into the host node)."""
     monkeypatch.setenv("DSELECTK_KERNEL", "numpy")
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -208,15 +209,15 @@ def test_gate_compiles_to_one_graph_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
     x = torch.randn(6, 8)
     compiled = torch.compile(gate, fullgraph=True, backend="aot_eager")
     got, want = compiled(x), gate(x)
-    assert torch.equal(got.weights, want.weights)
-    assert torch.equal(got.aux_loss, want.aux_loss)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=1e-7)
     grads = []
     for out in (got, want):
         gate.zero_grad()
         (out.weights.square().sum() + out.aux_loss).backward()
         grads.append([p.grad.clone() for p in gate.parameters()])
     for a, b in zip(*grads):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
