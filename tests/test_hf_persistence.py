@@ -259,14 +259,32 @@ def test_device_map_loads_the_same_model(where: str, tmp_path: Path) -> None:
         assert "disk" in loaded.hf_device_map.values()
 
 
+def _as_first_format(folder: Path) -> None:
+    """The folder as the first release of the adapter saved it: the family's own model type,
+    no ``auto_map``, no :data:`hf.AUTO_FILE` (plain transformers loads such a folder)."""
+    saved = json.loads((folder / "config.json").read_text())
+    saved["model_type"] = saved["model_type"].removeprefix(hf.MODEL_TYPE_PREFIX)
+    saved.pop("auto_map")
+    (folder / "config.json").write_text(json.dumps(saved))
+    (folder / hf.AUTO_FILE).unlink()
+
+
 def test_plain_transformers_load(tmp_path: Path) -> None:
-    """Plain transformers (no dselectk) loads the folder with its own routers, freshly
-    initialised (a load report lists them as MISSING and the gates as UNEXPECTED); the config
-    keeps the field, and check_loaded says what happened."""
+    """A folder saved in the first format (the family's own model type) loads in plain
+    transformers with its own routers, freshly initialised (a load report lists them as MISSING
+    and the gates as UNEXPECTED); the config keeps the field, check_loaded says what happened,
+    and hf.from_pretrained loads it with its routers. (Folders saved now are refused by plain
+    transformers: tests/test_hf_by_name.py.)"""
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(_config("mixtral"))
     hf.replace_routers(model, "dselect_k")
-    model.save_pretrained(tmp_path)
+    model.eval().save_pretrained(tmp_path)
+    _as_first_format(tmp_path)
+    back = hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert len(_routers(back)) == 2
+    with torch.no_grad():
+        want, got = model(input_ids=_ids()).logits, back(input_ids=_ids()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     plain, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True
     )
@@ -335,6 +353,7 @@ def test_gradient_checkpointing_same_gradients() -> None:
 
 @pytest.mark.slow
 def test_torch_compile_forward() -> None:
+    """One graph (fullgraph=True, inductor), the logits of the eager model."""
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(_config("mixtral"))
     hf.replace_routers(model, "dselect_k")
@@ -342,7 +361,7 @@ def test_torch_compile_forward() -> None:
     ids = _ids()
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
-        compiled = torch.compile(model, fullgraph=False)
+        compiled = torch.compile(model, fullgraph=True)
         got = compiled(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
