@@ -21,10 +21,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_persistence import FAMILIES, _config, _ids, _model_cls, _routers, _train  # noqa: E402
-
 from dselectk.gates import DSelectK  # noqa: E402
 from dselectk.integrations import hf  # noqa: E402
+from test_hf_persistence import FAMILIES, _config, _ids, _model_cls, _routers, _train  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -45,7 +44,9 @@ def test_from_config_and_auto_from_pretrained_by_name(family: str, tmp_path: Pat
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == cfg.model_type
-    assert saved["auto_map"]["AutoModelForCausalLM"].endswith(f"DSelectK{_model_cls(family).__name__}")
+    assert saved["auto_map"]["AutoModelForCausalLM"].endswith(
+        f"DSelectK{_model_cls(family).__name__}"
+    )
     assert (tmp_path / hf.AUTO_FILE).is_file()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded) is type(model) and len(_routers(loaded)) == 2

@@ -68,8 +68,12 @@ transformers' contract, the rest of it:
 * **Router logits** are recorded for ``output_router_logits=True`` (the router is also an
   instance of the replaced router class, for transformers' output recorders) and the
   load-balancing loss works as above.
-* ``generate`` (with or without the KV cache), gradient checkpointing and ``torch.compile``
-  work as for the original model (tested).
+* ``generate`` (with or without the KV cache) and gradient checkpointing work as for the
+  original model (tested). ``torch.compile(model, fullgraph=True)`` captures the whole model in
+  one graph (the small CPU kernel is the custom operator ``dselectk::small``): tested on a
+  DSelect-k gate (values and gradients = eager to float rounding, ``aot_eager``), on every
+  family's forward (``aot_eager``, logits = eager to 1e-5) and on Mixtral with inductor
+  (``-m slow``).
 
 Persistence. ``replace_routers`` with a gate *name* writes the router choice into the model's
 config, ``config.dselectk_router`` (:data:`CONFIG_KEY`)::
@@ -91,13 +95,33 @@ the saved model::
 
 A router given as a callable is not recorded (it cannot be rebuilt from a config).
 
-**Plain transformers** (without this package, or ``AutoModelForCausalLM.from_pretrained`` on
-such a folder) loads the config (``dselectk_router`` is kept as an unknown attribute) and builds
-the *original* routers: the load report (a warning) lists the routers' ``...mlp.gate.weight`` as
-MISSING (freshly initialised) and the gate tensors ``...mlp.gate.gate_module.*`` as UNEXPECTED.
-Nothing raises; the model runs, but with untrained softmax routers, so its outputs are not the
-saved model's. :func:`from_pretrained` is the loading path; :func:`check_loaded` raises on a
-model that was saved with DSelect-k routers but lacks them.
+**Loading by name.** The config of such a model is a ``DSelectK<Config>`` (e.g.
+``DSelectKMixtralConfig``) saved under the model type ``dselectk_<model_type>``, and importing
+this module (or :func:`register`) registers those config classes with ``AutoConfig`` and their
+``DSelectK<Model>`` classes with the auto model classes. So plain transformers code loads and
+builds these models::
+
+    import dselectk.integrations.hf  # registers the classes
+    model = AutoModelForCausalLM.from_pretrained("path")       # DSelect-k routers, same logits
+    model = AutoModelForCausalLM.from_config(hf.with_routers(config, "dselect_k", gamma=0.5))
+
+The constructor builds the routers before transformers' ``post_init``, so they are initialised
+by ``init_weights`` like every other weight (eager construction, the meta device and
+``from_pretrained`` give the same router weights under one seed per module). The family's
+weight conversions apply to the new model type, less a renaming of the original router's weight
+(Granite-MoE's ``router.layer.weight``, which the gate replaces).
+
+**Without this package**, transformers does not know ``dselectk_<model_type>``: ``config.json``'s
+``auto_map`` names the file ``save_pretrained`` writes beside it (:data:`AUTO_FILE`, which only
+imports dselectk), so ``from_pretrained`` raises a ValueError asking for
+``trust_remote_code=True``, and with it an ImportError naming dselectk and ``pip install
+dselectk``; it never builds fresh routers. With dselectk installed but not imported,
+``trust_remote_code=True`` loads the model. A folder saved by the first release of this adapter
+(the family's own model type) still loads through :func:`from_pretrained`; plain transformers
+loads it with fresh softmax routers, which :func:`check_loaded` detects.
+
+Tested transformers versions: see ``pyproject.toml``'s ``transformers`` extra and
+``make test-transformers-floor``.
 """
 
 from __future__ import annotations
