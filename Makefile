@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU wheel; GPU users install their own torch first (the package requires torch>=2.1).
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-all lint demo reproduce bench docs dist clean
+.PHONY: install test test-all test-transformers-floor lint demo reproduce bench docs dist clean
 
 # What the studies need: torch, the library with its compiled kernel (`fast`: the studies'
 # numbers were measured with it) and the research part (research/), editable.
@@ -28,6 +28,19 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -m ""
+
+# The transformers adapter's tests on the lowest transformers version pyproject declares (the
+# `transformers` extra), in a venv of its own; `make test` runs them on the installed version.
+TRANSFORMERS_FLOOR ?= 5.23.0
+FLOOR_VENV ?= .venv-transformers-floor
+HF_TESTS := tests/test_hf_adapter.py tests/test_hf_persistence.py tests/test_hf_by_name.py
+
+test-transformers-floor:
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(FLOOR_VENV)/bin/python -m pip install -q "transformers==$(TRANSFORMERS_FLOOR)" "accelerate>=1.0" \
+		"pytest>=7" "hypothesis>=6" "numba>=0.60" -e .
+	$(FLOOR_VENV)/bin/python -m pytest $(HF_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks research examples docs/hooks.py
@@ -57,4 +70,4 @@ dist: install
 	$(PY) -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
