@@ -65,7 +65,6 @@ GROUP_OF_TOP: dict[str, str] = {
     "progress": "base",
     "runtime": "base",
     "kernels": "kernels",
-    "_compiled_small": "kernels",
     "gates": "gates",
     "layers": "layers",
     "models": "models",

@@ -114,8 +114,9 @@ weight conversions apply to the new model type, less a renaming of the original 
 **Without this package**, transformers does not know ``dselectk_<model_type>``: ``config.json``'s
 ``auto_map`` names the file ``save_pretrained`` writes beside it (:data:`AUTO_FILE`, which only
 imports dselectk), so ``from_pretrained`` raises a ValueError asking for
-``trust_remote_code=True``, and with it an ImportError naming dselectk and ``pip install
-dselectk``; it never builds fresh routers. With dselectk installed but not imported,
+``trust_remote_code=True``, and with it transformers' ImportError naming the missing dselectk
+package (its hint ``pip install dselectk`` is transformers' wording: install dselectk from a clone
+of its repository); it never builds fresh routers. With dselectk installed but not imported,
 ``trust_remote_code=True`` loads the model. A folder saved by the first release of this adapter
 (the family's own model type) still loads through :func:`from_pretrained`; plain transformers
 loads it with fresh softmax routers, which :func:`check_loaded` detects.
@@ -463,7 +464,8 @@ def _auto_map(config_cls: Any) -> dict[str, str]:
 
 _AUTO_FILE_TEXT = '''"""A transformers model whose MoE routers are dselectk gates (DSelect-k, ...).
 
-Loading it needs the dselectk package: pip install "dselectk[transformers]". With dselectk
+Loading it needs the dselectk library with its transformers extra (from a clone of its
+repository: pip install -e ".[transformers]"; dselectk is not on PyPI). With dselectk
 installed, ``import dselectk.integrations.hf`` registers these classes with transformers' auto
 classes, and ``AutoModelForCausalLM.from_pretrained(folder)`` (or ``AutoModel``, ...) loads the
 model with its routers; without the import, pass ``trust_remote_code=True`` (this file only

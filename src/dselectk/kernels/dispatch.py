@@ -242,7 +242,7 @@ def _dselect_k_parts(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tuple[T
     if kernel is _DSelectSmall and torch.compiler.is_compiling():
         # One operator of the graph that runs the eager kernel (on the CPU it computes in
         # NumPy): compiled and eager numbers stay identical, and nothing breaks the graph.
-        from dselectk._compiled_small import small
+        from dselectk.kernels.compiled_small import small
 
         out, ent = small(z.reshape(-1, k, m), alpha.reshape(-1, k), g)
     else:
