@@ -23,7 +23,7 @@ or the command line against them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -32,14 +32,13 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
 from dselectk.gates.registry import GateSpec, gate_spec
-from dselectk.models.bank import MoEBank
 from dselectk.schedules import (
     AttributeScheduler,
     GeometricSchedule,
     LinearSchedule,
     Schedule,
 )
-from dselectk.search import RefitStats, SwapSearch, selector_refit_mse
+from dselectk.search import SearchPlan
 
 __all__ = [
     "Held",
@@ -123,66 +122,6 @@ class Ramp:
         if delay == 0:
             return inner
         return Held(inner, delay, start if self.before is None else self.before)
-
-
-@dataclass(frozen=True)
-class SearchPlan:
-    """When the swap local search (:mod:`dselectk.search`) runs during training.
-
-    Attributes:
-        at: fractions of the training steps after which the search runs.
-        binarize: the fraction after which fractional or colliding selectors are forced onto
-            their best free code (DSelect-k); None: never.
-        refit: score a move after refitting the read-out of the selection (the study supplies
-            the refitted loss); False: with the model as it is.
-        probe: examples of the training set the moves are scored on.
-    """
-
-    at: tuple[float, ...]
-    binarize: float | None = None
-    refit: bool = False
-    probe: int = 2048
-
-    def callback(
-        self, gate: Gate, member_loss: Callable[[], Tensor], total_steps: int
-    ) -> SwapSearch:
-        """The :class:`~dselectk.search.SwapSearch` callback of this plan."""
-        return SwapSearch.at_fractions(gate, member_loss, total_steps, self.at, self.binarize)
-
-    def bank_callback(
-        self, bank: MoEBank, x: Tensor, y: Tensor, total_steps: int, seed: int
-    ) -> SwapSearch:
-        """The search of a :class:`~dselectk.models.MoEBank`'s gates: each (member, task) gate
-        scored by that task's mean squared error on a fixed probe of ``probe`` rows of ``x``
-        (N, in) and ``y`` (N, T), drawn with ``seed``; with ``refit``, after refitting the
-        selector shares by least squares (:func:`~dselectk.search.selector_refit_mse`)."""
-        g = torch.Generator().manual_seed(seed)
-        idx = torch.randperm(x.shape[0], generator=g)[: self.probe]
-        xp, yp = x[idx], y[idx].T  # (B, in), (T, B)
-
-        def member_loss() -> Tensor:
-            pred, _ = bank(xp)  # (R, T, B)
-            return ((pred - yp) ** 2).mean(-1).flatten()
-
-        if self.refit:
-            cache: dict[tuple[int, ...], RefitStats] = {}
-
-            def member_loss() -> Tensor:
-                # the experts' probe moments, recomputed only after an optimizer step changed them
-                key = tuple(p._version for p in bank.experts.parameters())
-                if key not in cache:
-                    cache.clear()
-                    cache[key] = RefitStats.of(bank.expert_outputs(xp), yp)
-                return selector_refit_mse(bank.gates, cache[key])
-
-        return self.callback(bank.gates, member_loss, total_steps)
-
-    def identity(self) -> dict[str, Any]:
-        """The plan as a run record stores it."""
-        out: dict[str, Any] = {"at": list(self.at), "binarize": self.binarize}
-        if self.refit:
-            out["refit"] = True
-        return out
 
 
 def _freeze(options: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:

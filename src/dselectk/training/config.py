@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
 from dselectk.training.guards import DIVERGENCE_FACTOR
+from dselectk.training.search import SearchPlan
 
 if TYPE_CHECKING:
     from dselectk.training.tasks import TaskData
@@ -106,6 +107,22 @@ class TrainConfig:
             torch's current count: small steps gain nothing from a parallel region and, beside
             other busy processes, lose 4-40x waiting at its barrier for a descheduled thread.
             An int n >= 1: n threads; None: leave torch's setting alone.
+        search: the swap local search (:mod:`dselectk.search`) that makes a static sparse gate
+            end on k distinct experts: gradient descent cannot move a DSelect-k selector once
+            its bits are binary, nor a Top-k gate's unselected experts, so a selection that
+            settled on the wrong expert, or on one another selector holds, stays there.
+            "auto" (default): for every searchable static gate (DSelect-k, Top-k with
+            ``in_features=None``) of a :class:`~dselectk.models.MoE`,
+            :class:`~dselectk.models.MultiGateMoE` or :class:`~dselectk.models.MoEBank` trained
+            with ``losses``, run :func:`~dselectk.search.default_plan`: DSelect-k searches after
+            25 %, 70 % and 85 % of the steps and is forced to a binary selection of k distinct
+            experts at 50 %; Top-k searches at 25/50/70/85 %. Nothing runs for other models, for
+            per-example gates, or with ``loss_fn``. Cost: each search scores every expert for
+            every selector, one forward pass on a fixed probe of 2048 training examples per
+            candidate, at most ``1 + 2·k·E`` passes per search (two sweeps), so at most
+            ``4·(1 + 2·k·E)`` probe passes per run (k = 2, E = 8: 132), whatever the epochs.
+            A :class:`~dselectk.search.SearchPlan`: that schedule instead. None: no search
+            (the selection is what gradient descent leaves).
     """
 
     optimizer: str = "adam"
@@ -126,6 +143,7 @@ class TrainConfig:
     resume: str = "strict"
     divergence_factor: float | None = DIVERGENCE_FACTOR
     threads: int | str | None = "auto"
+    search: SearchPlan | str | None = "auto"
 
     @classmethod
     def for_members(
@@ -142,7 +160,9 @@ class TrainConfig:
         """Settings for a vectorized model whose independent members (repetitions, grid
         points) train as one: no global seeding (each member was initialised by its own seed),
         one shared shuffle, one progress tick per epoch, and a member that diverges ends with
-        NaN metrics while the others train on (``nonfinite="warn"``)."""
+        NaN metrics while the others train on (``nonfinite="warn"``). No search of its own
+        (``search=None``): such a model is trained with ``loss_fn`` and given its search as a
+        callback (:meth:`~dselectk.search.SearchPlan.bank_callback`)."""
         return cls(
             lr=lr,
             batch_size=batch_size,
@@ -152,6 +172,7 @@ class TrainConfig:
             progress=progress,
             progress_unit="epoch",
             nonfinite="warn",
+            search=None,
             desc=desc,
             position=position,
         )
@@ -177,6 +198,12 @@ class TrainConfig:
                 check_nonnegative("task_weights[i]", w)
         if self.threads is not None and self.threads != "auto":
             check_positive_int("threads", self.threads)
+        if not (
+            self.search is None or self.search == "auto" or isinstance(self.search, SearchPlan)
+        ):
+            raise ValueError(
+                f"search must be 'auto', a dselectk.search.SearchPlan or None, got {self.search!r}"
+            )
         if self.divergence_factor is not None and not (
             isinstance(self.divergence_factor, (int, float))
             and not isinstance(self.divergence_factor, bool)

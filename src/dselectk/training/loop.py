@@ -38,6 +38,7 @@ from dselectk.training.guards import (
     loss_diverged,
     parameters_diverged,
 )
+from dselectk.training.search import model_searches
 from dselectk.training.state import History, RunState
 from dselectk.training.tasks import (
     LossFn,
@@ -167,6 +168,21 @@ class _Run:
         )
         shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else cfg.seed
         gen = torch.Generator().manual_seed(shuffle_seed if shuffle_seed is not None else 0)
+        searches: list[Callback] = []
+        if cfg.search is not None and (loss_fn is None or cfg.search != "auto"):
+            if loss_fn is not None and losses is None:
+                raise ValueError(
+                    "search: a SearchPlan scores each gate by its task's loss; with loss_fn, pass "
+                    "losses too, or search=None"
+                )
+            steps = cfg.epochs * math.ceil(
+                (len(data) // max(dist_rank_world()[1], 1)) / cfg.batch_size
+            )
+            searches = list(
+                model_searches(model, data, self.fns, cfg.search, steps, shuffle_seed or 0)
+            )
+        self.searches = searches
+        callbacks = [*callbacks, *searches]
         self.callbacks = [cb for cb in callbacks if isinstance(cb, Callback)]
         self.step_hooks = step_hooks(callbacks)
         self.rank, self.world = dist_rank_world()

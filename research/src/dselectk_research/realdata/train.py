@@ -91,6 +91,7 @@ def train_one(
         progress=progress,
         desc=desc,
         position=progress_position(),
+        search=None,  # the study's own settings: no swap search
     )
     t0 = time.perf_counter()
     opt = make_reference_optimizer(

@@ -108,6 +108,7 @@ def train_run(
         progress_unit="step",
         desc=desc,
         position=progress_position(),
+        search=None,  # the study's own settings: no swap search
     )
     machine: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     machine["load_average_at_start"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
