@@ -7,9 +7,9 @@ Imports go one way, down this stack (a group may import itself and the groups it
     gates        dselectk.gates
     layers       dselectk.layers        (expert banks, CNN experts/towers, expert mixer)
     models       dselectk.models        (MoE, multi-gate MoE, shared bottom)
-    api          dselectk/__init__.py   (the public facade: re-exports base..models)
     training     optim, schedules, training (the package: loop, config, tasks, guards,
-                 checkpoint, callbacks, state), export, telemetry, search, variants
+                 checkpoint, callbacks, state, search), export, telemetry, search, variants
+    api          dselectk/__init__.py   (the public facade: re-exports base..training)
     data         dselectk_research.data          (loaders; no models, training or experiments)
     plots        dselectk_research.plots         (a leaf: draws arrays/records, imports only base)
     integrations dselectk.integrations  (adapters to other libraries: gates and layers only)
@@ -46,8 +46,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "gates": frozenset({"base", "kernels"}),
     "layers": frozenset({"base", "kernels", "gates"}),
     "models": frozenset({"base", "kernels", "gates", "layers"}),
-    "api": frozenset({"base", "kernels", "gates", "layers", "models"}),
-    "training": frozenset({"base", "kernels", "gates", "layers", "models", "api"}),
+    "training": frozenset({"base", "kernels", "gates", "layers", "models"}),
+    "api": frozenset({"base", "kernels", "gates", "layers", "models", "training"}),
     "integrations": frozenset({"base", "kernels", "gates", "layers"}),
     "cli": frozenset(
         {"base", "kernels", "gates", "layers", "models", "api", "training", "integrations"}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dselectk as dk
+from dselectk.gates import gate_names
 from dselectk.gates.comet import COMETGate, tree_leaf_probabilities
 
 
@@ -100,5 +101,5 @@ def test_init_and_errors() -> None:
         COMETGate(4, 2, gamma=0.0)
     with pytest.raises(ValueError, match="internal nodes"):
         tree_leaf_probabilities(torch.rand(3), 5)
-    assert "comet" in dk.gate_names()
+    assert "comet" in gate_names()
     assert math.isclose(float(dk.make_gate("comet", 4, k=1)().weights.sum()), 1.0, rel_tol=1e-6)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dselectk as dk
+from dselectk.gates import gate_names
 from dselectk.layers import StackedMLP
 from dselectk.models import MultiGateMoE
 
@@ -14,7 +15,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 def test_gate_on_cuda_matches_cpu(name: str) -> None:
     kw = {} if name in ("softmax", "gumbel_softmax") else {"k": 2}
     torch.manual_seed(0)
@@ -69,7 +70,7 @@ def _assert_same_step(
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 @pytest.mark.parametrize("batch", [1, 16, 300])
 def test_gate_gradients_on_cuda_match_cpu(name: str, batch: int) -> None:
     """Forward and backward of every per-example gate, at small and large batch sizes (the CPU

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from dselectk import MoE, StackedMLP
+from dselectk import MoE
 from dselectk import functional as DF
 from dselectk.export import export_program, to_onnx
 from dselectk.gates import make_gate
-from dselectk.layers import SparseMoEFeedForward
+from dselectk.layers import SparseMoEFeedForward, StackedMLP
 
 SHAPES = [(2, 2), (4, 2), (5, 3), (8, 2), (8, 4), (6, 6), (16, 3), (3, 3)]
 

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 
 import dselectk.layers.mixer as mixer_mod
-from dselectk import DSelectK, MoE, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MoE, MultiGateMoE
 from dselectk.export import ExportVerificationError, export_program, to_onnx
 from dselectk.gates import gate_names, make_gate
+from dselectk.layers import StackedMLP
 
 N, P = 8, 6
 BATCHES = (16, 7, 1)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import dselectk.layers.mixer as mixer_mod
-from dselectk import DSelectK, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MultiGateMoE
 from dselectk.export import (
     VERIFY_BATCH_SIZES,
     ExportVerificationError,
@@ -17,6 +17,7 @@ from dselectk.export import (
     to_onnx,
     verify,
 )
+from dselectk.layers import StackedMLP
 
 N, P = 8, 6
 

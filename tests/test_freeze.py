@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dselectk import DSelectK, MoE, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MoE, MultiGateMoE
 from dselectk.export import FixedGate, SelectedExperts, export_program, freeze, to_onnx
 from dselectk.gates import GumbelSoftmaxGate, SoftmaxGate, SoftmaxSelectorGate, TopKGate
-from dselectk.layers import ExpertList
+from dselectk.layers import ExpertList, StackedMLP
 
 N, P = 8, 6
 

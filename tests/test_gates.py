@@ -11,7 +11,15 @@ import torch
 from torch.autograd import gradcheck
 
 import dselectk as dk
-from dselectk.gates import DSelectK, GumbelSoftmaxGate, SoftmaxSelectorGate, TopKGate
+from dselectk.gates import (
+    DSelectK,
+    Gate,
+    GateOutput,
+    GumbelSoftmaxGate,
+    SoftmaxSelectorGate,
+    TopKGate,
+    gate_names,
+)
 
 N, P, B = 8, 5, 6
 
@@ -23,7 +31,7 @@ def kwargs_for(name: str) -> dict[str, Any]:
 LAYOUTS = [(None, None), (None, 3), (P, None), (P, 3)]  # (in_features, num_gates)
 
 
-def build(name: str, in_features: int | None, num_gates: int | None, **kw: Any) -> dk.Gate:
+def build(name: str, in_features: int | None, num_gates: int | None, **kw: Any) -> Gate:
     torch.manual_seed(0)
     return dk.make_gate(
         name, N, in_features=in_features, num_gates=num_gates, **kwargs_for(name), **kw
@@ -35,7 +43,7 @@ def expected_shape(in_features: int | None, num_gates: int | None, batch: int) -
     return (*lead, *(() if num_gates is None else (num_gates,)), N)
 
 
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("batch", [1, B])
@@ -44,7 +52,7 @@ def test_gate_contract(name: str, layout: tuple[Any, Any], dtype: torch.dtype, b
     gate = build(name, in_features, num_gates).to(dtype)
     x = None if in_features is None else torch.randn(batch, P, dtype=dtype)
     out = gate(x)
-    assert isinstance(out, dk.GateOutput)
+    assert isinstance(out, GateOutput)
     w = out.weights
     assert w.shape == expected_shape(in_features, num_gates, batch)
     assert w.dtype == dtype and out.aux_loss.dtype == dtype and out.aux_loss.dim() == 0
@@ -78,7 +86,7 @@ def test_gate_contract(name: str, layout: tuple[Any, Any], dtype: torch.dtype, b
     torch.testing.assert_close(clone(x).weights, gate(x).weights, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 def test_buffers_follow_to(name: str) -> None:
     gate = build(name, None, None).to(torch.float64)
     for buf in gate.buffers():
@@ -87,7 +95,7 @@ def test_buffers_follow_to(name: str) -> None:
     assert gate().weights.dtype == torch.float64
 
 
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 @pytest.mark.parametrize("layout", [(None, 2), (P, None)])
 def test_gate_gradcheck(name: str, layout: tuple[Any, Any]) -> None:
     in_features, num_gates = layout
@@ -295,7 +303,7 @@ def test_bad_types_raise_type_error() -> None:
         DSelectK(8, 2, in_features=P)([[0.0] * P])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", dk.gate_names())
+@pytest.mark.parametrize("name", gate_names())
 def test_bad_inputs(name: str) -> None:
     gate = build(name, P, None, check_finite=True)
     with pytest.raises(ValueError, match=r"shape \(batch, 5\)"):

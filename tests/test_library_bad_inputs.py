@@ -76,7 +76,8 @@ def test_written_files_get_the_usual_mode(tmp_path: Path) -> None:
 def test_models_on_an_empty_batch(static: bool, training: bool, conditional: bool) -> None:
     """MoE and MultiGateMoE on B = 0 used to crash (static: an ambiguous reshape; per-example in
     eval: the routing path)."""
-    from dselectk import MoE, MultiGateMoE, StackedMLP
+    from dselectk import MoE, MultiGateMoE
+    from dselectk.layers import StackedMLP
 
     kw = {} if static else {"in_features": 4}
     moe = MoE(StackedMLP(8, 4, [6]), DSelectK(8, 2, **kw), conditional=conditional)

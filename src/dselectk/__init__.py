@@ -1,50 +1,48 @@
 """dselectk: DSelect-k (Hazimeh et al., NeurIPS 2021) and competing gates for MoE models.
 
-The top-level API is the gates, the expert layers and the models (what the README's examples
-use). Process tuning (:func:`dselectk.runtime.tune_allocator`), the training loop
-(:mod:`dselectk.training`) and the experiments live in their own modules.
+The top level is what a model needs: the gates (:class:`DSelectK`, :class:`TopKGate`,
+:class:`SoftmaxGate`, :class:`COMETGate`, :class:`GumbelSoftmaxGate`, and :func:`make_gate` by
+name), the models (:class:`MoE`, :class:`MultiGateMoE`, :class:`MoEBank`) and the per-token layer
+(:class:`SparseMoEFeedForward`), training (:func:`train`, :class:`TrainConfig`,
+:class:`TaskData`) and the swap search (:class:`SwapSearch`). Everything else lives in its
+submodule: expert banks and towers in :mod:`dselectk.layers` (``StackedMLP``, ``make_towers``),
+output types and ``SharedBottom`` in :mod:`dselectk.models`, the gate contract, the registry and
+the ablation gates in :mod:`dselectk.gates`, callbacks and losses in :mod:`dselectk.training`,
+process tuning in :mod:`dselectk.runtime`.
 """
 
 from typing import Any
 
-from dselectk import functional
 from dselectk.gates import (
     COMETGate,
     DSelectK,
-    Gate,
-    GateOutput,
     GumbelSoftmaxGate,
     SoftmaxGate,
-    SoftmaxSelectorGate,
     TopKGate,
-    gate_names,
     make_gate,
 )
-from dselectk.layers import ExpertList, StackedMLP
-from dselectk.models import MoE, MoEOutput, MultiGateMoE, MultiTaskOutput, SharedBottom
+from dselectk.layers import SparseMoEFeedForward
+from dselectk.models import MoE, MoEBank, MultiGateMoE
+from dselectk.search import SwapSearch
+from dselectk.training import TaskData, TrainConfig, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "COMETGate",
     "DSelectK",
-    "ExpertList",
-    "Gate",
-    "GateOutput",
     "GumbelSoftmaxGate",
     "MoE",
-    "MoEOutput",
+    "MoEBank",
     "MultiGateMoE",
-    "MultiTaskOutput",
-    "SharedBottom",
     "SoftmaxGate",
-    "SoftmaxSelectorGate",
-    "StackedMLP",
+    "SparseMoEFeedForward",
+    "SwapSearch",
+    "TaskData",
     "TopKGate",
-    "__version__",
-    "functional",
-    "gate_names",
+    "TrainConfig",
     "make_gate",
+    "train",
 ]
 
 

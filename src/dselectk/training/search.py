@@ -106,8 +106,12 @@ def _losses(member_loss: MemberLoss, groups: int) -> Tensor:
             f"got shape {tuple(out.shape)}"
         )
     if not torch.isfinite(out).all():
-        raise ValueError("member_loss returned a non-finite loss")
+        raise NonFiniteSearchLoss("member_loss returned a non-finite loss")
     return out.cpu()
+
+
+class NonFiniteSearchLoss(ValueError):
+    """A search's ``member_loss`` returned NaN/inf (a diverged model cannot be scored)."""
 
 
 def _threshold(best: Tensor, tol: float) -> Tensor:
@@ -330,6 +334,10 @@ class SwapSearch(Callback):
         sweeps, tol, scale: see :func:`swap_search`.
         binarize_at: steps after which to search with ``binarize=True`` (DSelect-k: S(Z) is
             binary with k distinct experts afterwards); may overlap ``at``.
+        skip_nonfinite: a search whose losses are NaN/inf (a diverged model trained on with
+            ``TrainConfig(nonfinite="warn")``, which warns about the divergence itself) is
+            skipped, its step recorded in :attr:`skipped`, instead of raising (what
+            ``TrainConfig.search`` uses).
     """
 
     gate: Gate
@@ -340,6 +348,8 @@ class SwapSearch(Callback):
     scale: float = 1.0
     binarize_at: Sequence[int] = ()
     results: list[SearchResult] = field(default_factory=list)
+    skip_nonfinite: bool = False
+    skipped: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_gate(self.gate)
@@ -366,6 +376,10 @@ class SwapSearch(Callback):
                         binarize=history.steps in self._binarize_at,
                     )
                 )
+            except NonFiniteSearchLoss:
+                if not self.skip_nonfinite:
+                    raise
+                self.skipped.append(history.steps)
             finally:
                 model.train(was)
 
@@ -594,5 +608,7 @@ def model_searches(
             losses_now = task_losses()
             return losses_now if task is None else losses_now[task]
 
-        out.append(chosen.callback(item.gate, member_loss, total_steps))
+        search = chosen.callback(item.gate, member_loss, total_steps)
+        search.skip_nonfinite = True
+        out.append(search)
     return out
