@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dselectk import DSelectK, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MultiGateMoE
+from dselectk.layers import StackedMLP
 from dselectk.training import TaskData, TrainConfig, train
 
 dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT

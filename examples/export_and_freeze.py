@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from dselectk import DSelectK, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MultiGateMoE
 from dselectk.export import export_program, freeze, to_onnx
+from dselectk.layers import StackedMLP
 
 torch.manual_seed(0)
 gates = DSelectK(num_experts=8, k=2, num_gates=2, gamma=1.0)
