@@ -130,7 +130,11 @@ class StackedMLP(nn.Module):
         layer_sizes: output size of each layer (e.g. ``[256]`` for the paper's MovieLens expert).
         activation: "relu", "gelu", "silu", "tanh" or "identity".
         dropout: dropout rate after each activated layer.
-        final_activation: apply the activation (and dropout) after the last layer too.
+        final_activation: apply the activation (and dropout) after the last layer too. None
+            (default): True, as the paper's experts end in ReLU; a model that takes this module
+            as its task towers then warns, since a tower ending in ReLU predicts nothing below
+            0 (negative targets stall, with no error). Towers: ``final_activation=False``, or
+            :func:`make_towers`.
     """
 
     def __init__(
@@ -141,7 +145,7 @@ class StackedMLP(nn.Module):
         *,
         activation: str = "relu",
         dropout: float = 0.0,
-        final_activation: bool = True,
+        final_activation: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_members = check_positive_int("num_members", num_members)
@@ -157,7 +161,9 @@ class StackedMLP(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.activation = activation
         self.dropout = float(dropout)
-        self.final_activation = bool(final_activation)
+        #: whether ``final_activation`` was left to its default (towers warn about it)
+        self.final_activation_defaulted = final_activation is None
+        self.final_activation = True if final_activation is None else bool(final_activation)
         self.out_features = sizes[-1]
         dims = [in_features, *sizes]  # consecutive pairs give each layer's shape
         self.weights = nn.ParameterList(
