@@ -74,6 +74,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[nn.Module, TaskData]], object]] = {
 PARTS = {
     "StackedMLP": "an expert bank: (E, B, out), members first, one output per expert",
     "ExpertList": "an expert bank: (E, B, out), members first, one output per expert",
+    "GatedMLP": "a SwiGLU expert bank of the per-token layer: (E, B, out), like StackedMLP",
     "ExpertMixer": "combines an expert bank with weights a gate gives it; has no gate itself",
 }
 
