@@ -52,3 +52,19 @@ def test_what_left_the_top_level_lives_in_its_submodule() -> None:
         assert obj.__name__ not in dselectk.__all__
     with pytest.raises(AttributeError):
         dselectk.SoftmaxSelectorGate  # noqa: B018 - an ablation gate is not top-level API
+
+
+def test_a_bank_returns_named_fields() -> None:
+    import torch
+
+    from dselectk.gates import DSelectK
+    from dselectk.layers import StackedMLP
+    from dselectk.models import BankOutput, MoEBank
+
+    bank = MoEBank(
+        StackedMLP(2 * 4, 3, [2, 1], final_activation=False), DSelectK(4, 2, num_gates=6), 2
+    )
+    out = bank(torch.randn(5, 3))
+    assert isinstance(out, BankOutput) and out.outputs.shape == (2, 3, 5)
+    pred, aux = out  # still a pair
+    assert pred is out.outputs and aux is out.aux_loss and aux.dim() == 0

@@ -29,7 +29,7 @@ initialisation it gets alone when the bank is loaded with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -37,12 +37,21 @@ from torch import Tensor, nn
 from dselectk.gates.base import Gate
 from dselectk.layers.experts import StackedMLP
 
-__all__ = ["LOSS_BLOCK_WEIGHTS", "MoEBank"]
+__all__ = ["LOSS_BLOCK_WEIGHTS", "BankOutput", "MoEBank"]
 
 #: size of a block of the fused loss, in gate weights (members × T × E): 10 members at T = 128
 #: (E = 32), all 100 at T <= 32. A block's (R, B, T) residual and (B, U, R·E) activations are
 #: then about 1.3 MB each and stay in the CPU caches.
 LOSS_BLOCK_WEIGHTS = 40_960
+
+
+class BankOutput(NamedTuple):
+    """Output of :class:`MoEBank`."""
+
+    outputs: Tensor
+    """(R, T, B): member r's prediction of task t for each example."""
+    aux_loss: Tensor
+    """Scalar: the summed auxiliary loss of all R·T gates."""
 
 
 class MoEBank(nn.Module):
@@ -87,15 +96,16 @@ class MoEBank(nn.Module):
         """(R, E, B): every expert of every member on the shared batch (one batched op)."""
         return self.experts(x).sum(-1).view(self.members, self.num_experts, -1)
 
-    def forward(self, x: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Predictions (R, T, B) and the summed auxiliary loss of all R·T gates; ``weights``
-        ((R, T, E) or (R·T, E)) replaces the gates' (then the auxiliary loss is 0)."""
+    def forward(self, x: Tensor, weights: Tensor | None = None) -> BankOutput:
+        """A :class:`BankOutput`: predictions (R, T, B) and the summed auxiliary loss of all R·T
+        gates (a named tuple: ``pred, aux = bank(x)`` still unpacks); ``weights`` ((R, T, E) or
+        (R·T, E)) replaces the gates' (then the auxiliary loss is 0)."""
         if weights is None:
             out = self.gates()
             weights, aux = out.weights, out.aux_loss
         else:
             aux = x.new_zeros(())
-        return torch.bmm(self._members_view(weights), self.expert_outputs(x)), aux
+        return BankOutput(torch.bmm(self._members_view(weights), self.expert_outputs(x)), aux)
 
     @torch.no_grad()
     def inference_weights(self) -> Tensor:
