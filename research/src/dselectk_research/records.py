@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,29 +75,19 @@ PLAN_FILE = "plan.json"
 #: the state of the last sweep started in a results folder: its cells, the cells and runs
 #: finished so far, and whether it finished (a report made before it did says it is partial)
 SWEEP_FILE = "sweep.json"
-_TRACKED: set[str] | None = None
-
-
-@contextlib.contextmanager
-def tracking() -> Iterator[set[str]]:
-    """Collect the ids of every run whose record this process looks up or writes (through
-    :meth:`RunStore.path`: ``done``, ``save``) inside the block: the runs a sweep consists of."""
-    global _TRACKED
-    outer, _TRACKED = _TRACKED, set()
-    try:
-        yield _TRACKED
-    finally:
-        ids, _TRACKED = _TRACKED, outer
-        if outer is not None:
-            outer.update(ids)
 
 
 class RunStore:
-    """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``."""
+    """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``.
 
-    def __init__(self, root: str | Path) -> None:
+    With ``track``, :attr:`tracked` collects the id of every run whose record this store looks
+    up or writes (through :meth:`path`: ``done``, ``save``): the runs a cell consists of
+    (:func:`dselectk_research.executors.run_cell` hands a cell such a store)."""
+
+    def __init__(self, root: str | Path, *, track: bool = False) -> None:
         self.root = Path(root)
         self.runs = self.root / "runs"
+        self.tracked: set[str] | None = set() if track else None
         self.remove_stale_temps()
 
     def remove_stale_temps(self) -> None:
@@ -117,9 +107,9 @@ class RunStore:
                 pass
 
     def path(self, rid: str) -> Path:
-        """The record file of run ``rid`` (the run counts as planned, see :func:`tracking`)."""
-        if _TRACKED is not None:
-            _TRACKED.add(rid)
+        """The record file of run ``rid`` (a tracking store counts the run as planned)."""
+        if self.tracked is not None:
+            self.tracked.add(rid)
         return self.runs / f"{rid}.json"
 
     def done(self, config: Mapping[str, Any]) -> bool:

@@ -48,8 +48,10 @@ class Recipe:
 
     Attributes:
         cells: the cells, in report order.
-        run_cell: ``(config, cell, data, progress) -> selection``: trains the cell's missing
-            runs (one record each); the selection is its entry of ``selected_hparams.json``.
+        run_cell: ``(config, cell, data, progress, store) -> selection``: trains the cell's
+            missing runs (one record each, looked up and written through ``store``, a
+            :class:`~dselectk_research.records.RunStore` of ``config.out`` that tracks them);
+            the selection is its entry of ``selected_hparams.json``.
         load_data: ``config -> data``, once per process (again when ``data_key`` changes).
         data_key: ``config -> key`` identifying the data.
         cell_name: ``cell -> name``, the cell's key in ``selected_hparams.json``.
@@ -66,7 +68,7 @@ class Recipe:
     """
 
     cells: Sequence[Hashable]
-    run_cell: Callable[[Any, Any, Any, bool], dict[str, Any]]
+    run_cell: Callable[[Any, Any, Any, bool, RunStore], dict[str, Any]]
     load_data: Callable[[Any], Any]
     data_key: Callable[[Any], Hashable]
     cell_name: Callable[[Any], str]

@@ -188,11 +188,11 @@ def _record_config(
 
 
 def run_cell(
-    config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool
+    config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool, store: RunStore
 ) -> dict[str, Any]:
     """One variant: every (learning rate, repetition) not recorded yet, trained in one
     vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
-    variant, store = VARIANTS[gate], RunStore(config.out)
+    variant = VARIANTS[gate]
     hp = tuned_hparams(variant, config.tuned, config.epochs)
     tuned, reps = config.tuned, config.repetitions
     source = f"--tuned {tuned} (sha256 {file_digest(tuned)})" if tuned else "tuned_recovery.json"

@@ -140,12 +140,16 @@ class SyntheticConfig:
 
 
 def run_cell(
-    args: SyntheticConfig, cell: tuple[str, int], data: SyntheticData, progress: bool
+    args: SyntheticConfig,
+    cell: tuple[str, int],
+    data: SyntheticData,
+    progress: bool,
+    store: RunStore,
 ) -> dict[str, Any]:
     """Select the cell's hyperparameters (the grid search under ``--full``, else the tuning
     record) and train its missing final repetitions, one record each; returns the selection."""
     gate, t = cell
-    v, shape, store = args.variant(gate), args.shape(t), RunStore(args.out)
+    v, shape = args.variant(gate), args.shape(t)
     data_cfg = {"seed": args.data_seed, "n_train": args.n_train, "n_eval": args.n_eval}
     if args.full:
         choice = tune(

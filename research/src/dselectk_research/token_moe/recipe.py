@@ -189,9 +189,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, TokenMoEConfig)
 
 
-def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
+def run_cell(
+    config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool, store: RunStore
+) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
-    store = RunStore(config.out)
     hp, ident = config.hparams(), config.record_hparams()
     data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
     data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
