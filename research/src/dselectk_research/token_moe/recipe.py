@@ -169,18 +169,17 @@ class TokenMoEConfig:
         return ROUTERS[router].with_ramps([ramp])
 
     def record_hparams(self) -> dict[str, Any]:
-        """The study settings as the records store them (their identity): every setting, but
-        those of :data:`LATER` only where they differ from the default, so records written
-        before those settings existed still match a default command."""
-        hp = self.hparams()
-        return {n: v for n, v in sorted(hp.items()) if n not in LATER or v != DEFAULTS[n]}
+        """The study settings as the records store them (their identity): every setting,
+        sorted by name."""
+        return dict(sorted(self.hparams().items()))
 
 
-#: the default study (``dselectk reproduce token-moe``): the settings every record stores (the
-#: fields after out, gates, seeds, first_seed, telemetry)
-DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
-#: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"capacity_factor", "entropy_reg_end", "entropy_warmup", "router_k"})
+#: the fields of the run config that say which runs and where, not how each trains
+NOT_SETTINGS = frozenset({"out", "gates", "seeds", "first_seed", "telemetry"})
+#: the default study (``dselectk reproduce token-moe``): the settings every record stores
+DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(TokenMoEConfig) if f.name not in NOT_SETTINGS
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
