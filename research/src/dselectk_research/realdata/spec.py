@@ -209,7 +209,9 @@ def data_key(exp: Experiment, config: Any) -> tuple[Any, ...]:
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:
-    """Initialisation seed of one run (stable, independent of sweep order)."""
+    """Initialisation seed of one run (stable, independent of sweep order): the text key's
+    integer, not :func:`~dselectk_research.seeds.derive_seed` (see :mod:`dselectk_research.seeds`
+    for why)."""
     key = f"{seed}|{gate}|{json.dumps(setting)}|{rep}|{phase}"
     return int.from_bytes(key.encode(), "little") % 2_147_483_647
 

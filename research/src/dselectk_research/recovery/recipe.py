@@ -43,6 +43,7 @@ from dselectk_research.runner import (
     missing,
     run_recipe,
 )
+from dselectk_research.seeds import derive_seed
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
 #: examples of the training and of the validation set (RecoveryData's defaults)
@@ -164,8 +165,9 @@ def tuned_hparams(
 
 
 def init_seed(seed: int, rep: int) -> int:
-    """Repetition r's seed: the same for every variant and learning rate (paired comparison)."""
-    return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
+    """Repetition r's seed: the same for every variant and learning rate (paired comparison);
+    :func:`~dselectk_research.seeds.derive_seed` over the repetition."""
+    return derive_seed(seed, (7919, rep), (1, 17))
 
 
 def _record_config(
