@@ -88,19 +88,19 @@ def add_run_arguments(
     """The flags every recipe shares, with its defaults: ``--out``, ``--threads`` (0 is
     allowed only when it is the default: a recipe of tiny models refuses it), ``--jobs``,
     ``--no-progress``, ``--telemetry`` and the executor's; ``cells`` names a cell in the help."""
-    p.add_argument("--out", type=out_dir, default=Path(out), help=f"results folder ({out})")
+    p.add_argument("--out", type=out_dir, default=Path(out), help="results folder")
     p.add_argument(
         "--threads",
         type=int_at_least(0 if threads == 0 else 1),
         default=threads,
-        help=f"torch threads per process (default {threads or '0: all cores'})",
+        help="torch threads per process" + ("" if threads else " (default: 0, all cores)"),
     )
     p.add_argument(
         "--jobs",
         type=int_at_least(0),
         default=jobs,
-        help=f"worker processes, each running whole {cells} (default {jobs}; 0: one per "
-        "--threads cores, at most one per cell); the records are the same as in one process",
+        help=f"worker processes, each running whole {cells} (0: one per --threads cores, at "
+        "most one per cell); the records are the same as in one process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(

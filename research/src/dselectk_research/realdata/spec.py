@@ -156,14 +156,14 @@ class RealDataConfig:
     )
     repetitions: int | None = setting(
         None,
-        "repetitions per gate and setting (quick: MovieLens 3, Multi-MNIST 1; full 100)",
+        "repetitions per gate and setting (default: MovieLens 3, Multi-MNIST 1; with --full 100)",
         "--reps",
         type=POS,
     )
     seed: int = setting(0, "seed of the data and of the runs", type=seed_value)
     gates: tuple[str, ...] = setting(  # an absent --gates: resolved by ``config_of``
         tuple(VARIANTS),
-        "gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
+        "gates (default: all; MovieLens without --full: static DSelect-k, static Top-k, softmax)",
         choices=list(VARIANTS),
         default=None,
     )

@@ -71,12 +71,12 @@ class RecoveryConfig:
     )
     experts: int = setting(
         NUM_EXPERTS,
-        f"experts of the model (default {NUM_EXPERTS})",
+        "experts of the model",
         type=int_at_least(2),
         metavar="N",
     )
     true_experts: int = setting(
-        NUM_TRUE, f"generating experts (default {NUM_TRUE}; <= --experts)", type=POS, metavar="N"
+        NUM_TRUE, "generating experts (<= --experts)", type=POS, metavar="N"
     )
     k: int | None = setting(
         None,
@@ -84,7 +84,7 @@ class RecoveryConfig:
         type=POS,
         metavar="N",
     )
-    reps: int | None = setting(None, "repetitions (quick 20, full 100)", type=POS)
+    reps: int | None = setting(None, "repetitions (default: 20; with --full 100)", type=POS)
     epochs: int | None = setting(None, "override the epochs", type=POS)
     seed: int = setting(0, "base seed (init, shuffling)", type=seed_value)
     data_seed: int = setting(0, "seed of the generated data", type=seed_value)
@@ -94,7 +94,7 @@ class RecoveryConfig:
     record_every: int = setting(10, "trajectory sampling (steps)", type=NONNEG)
     lrs: tuple[float, ...] | None = setting(
         None,
-        "learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+        "learning-rate grid (default: 1e-1 1e-2 1e-3; with --full 1e-1 ... 1e-5)",
         type=positive_float,
         nargs="+",
     )
