@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -36,6 +37,48 @@ def run_id(config: Mapping[str, Any]) -> str:
     """Stable 16-hex-digit id of a resolved run config (key order does not matter)."""
     blob = json.dumps(_io.json_safe(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: the optional packages whose presence changes what a run computes or shows: numba (the
+#: DSelect-k CPU kernel ``auto`` picks, whose rounding moves discrete searches) and tqdm
+EXTRAS = ("numba", "tqdm")
+
+
+def resolved_kernel() -> str:
+    """The DSelect-k CPU kernel ``DSELECTK_KERNEL`` picks now: ``numba``, ``numpy`` or ``aten``
+    (unset, empty or ``auto``: numba when installed, else numpy; another value is returned as
+    written, lower-cased: the library refuses it when a gate runs)."""
+    choice = (os.environ.get("DSELECTK_KERNEL") or "auto").strip().lower() or "auto"
+    if choice == "auto":
+        return "numba" if _installed("numba") is not None else "numpy"
+    return choice
+
+
+@functools.cache
+def _installed(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def produced_by(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Which kernels and extras produced ``records`` (from each record's environment): the
+    kernels, sorted, and each extra's versions, sorted ("not installed" for None); records
+    written before these were recorded count as "not recorded"."""
+    kernels: set[str] = set()
+    extras: dict[str, set[str]] = {name: set() for name in EXTRAS}
+    for r in records:
+        env = r.get("environment") or {}
+        kernels.add(str(env.get("kernel") or "not recorded"))
+        got = env.get("extras")
+        for name in EXTRAS:
+            if not isinstance(got, Mapping):
+                extras[name].add("not recorded")
+            else:
+                extras[name].add(str(got.get(name) or "not installed"))
+    return {"kernels": sorted(kernels), "extras": {k: sorted(v) for k, v in extras.items()}}
 
 
 @functools.cache
@@ -122,6 +165,8 @@ class RunStore:
         env = dict(_static_environment())
         env["threads"] = torch.get_num_threads()  # (pool workers set it)
         env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        env["kernel"] = resolved_kernel()  # (the variable is read at each gate call)
+        env["extras"] = {name: _installed(name) for name in EXTRAS}
         record = {
             "schema": SCHEMA_VERSION,
             "run_id": rid,
@@ -417,6 +462,7 @@ def sweep_summary(
         "records_not_summarised": others,
         "wall_seconds": wall["seconds"],
         "wall_time": wall,
+        "produced_by": produced_by(records),
         **{k: v if v is not None else prev.get(k) for k, v in given.items()},
     }
 
