@@ -122,8 +122,10 @@ def test_environment_runs_git_once_per_process(
     assert len(calls) == 1 and calls[0][:2] == ["git", "rev-parse"]
     assert envs[0] == envs[1] == envs[2]
     assert sorted(envs[0]) == sorted(
-        ["dselectk", "git_commit", "torch", "python", "machine", "processor", "threads", "cuda"]
-        + ["kernel", "extras"]
+        [
+            *("dselectk", "git_commit", "torch", "python", "machine", "processor", "threads"),
+            *("cuda", "kernel", "extras"),
+        ]
     )
 
 
