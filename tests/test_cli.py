@@ -77,3 +77,15 @@ def test_commands_of_installed_add_ons_are_registered(monkeypatch: pytest.Monkey
     monkeypatch.setattr(cli, "entry_points", lambda group: [EntryPoint()])
     assert main(["hello", "--times", "3"]) == 3
     assert calls == ["hello"]
+
+
+def test_demo_help_names_every_flag_and_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--tasks", 8), ("--examples", 12000), ("--epochs", 100), ("--seed", 0)):
+        metavar = flag[2:].upper()
+        after = flat.split(f"{flag} {metavar} ", 1)[1]
+        assert not after.startswith("(default")  # a help text comes first
+        assert f"(default: {default})" in after.split(" --", 1)[0]
+    assert "training epochs (default: 100)" in flat

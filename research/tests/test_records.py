@@ -122,7 +122,10 @@ def test_environment_runs_git_once_per_process(
     assert len(calls) == 1 and calls[0][:2] == ["git", "rev-parse"]
     assert envs[0] == envs[1] == envs[2]
     assert sorted(envs[0]) == sorted(
-        ["dselectk", "git_commit", "torch", "python", "machine", "processor", "threads", "cuda"]
+        [
+            *("dselectk", "git_commit", "torch", "python", "machine", "processor", "threads"),
+            *("cuda", "kernel", "extras"),
+        ]
     )
 
 
@@ -146,3 +149,32 @@ def test_stale_temps_of_dead_local_writers_are_removed_other_hosts_kept(tmp_path
         p.write_text("{")
     RunStore(tmp_path)
     assert not mine.exists() and alive.exists() and other.exists()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "aten", "numba"])
+def test_records_name_the_kernel_and_extras_that_produced_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    import importlib.util
+
+    from dselectk_research.records import EXTRAS, produced_by
+    from dselectk_research.templates import environment_line
+
+    monkeypatch.setenv("DSELECTK_KERNEL", kernel)
+    store = RunStore(tmp_path)
+    rec = json.loads(store.save({"rep": 0}, {"m": 1.0}).read_text())
+    env = rec["environment"]
+    assert env["kernel"] == kernel
+    assert set(env["extras"]) == set(EXTRAS) == {"numba", "tqdm"}
+    has_numba = importlib.util.find_spec("numba") is not None
+    assert (env["extras"]["numba"] is not None) == has_numba
+    monkeypatch.setenv("DSELECTK_KERNEL", "auto")
+    auto = json.loads(store.save({"rep": 1}, {"m": 1.0}).read_text())["environment"]["kernel"]
+    assert auto == ("numba" if has_numba else "numpy")
+    old = {"config": {}, "metrics": {}, "environment": {"torch": "2"}}  # written before
+    got = produced_by([rec, old])
+    assert got["kernels"] == sorted([kernel, "not recorded"])
+    assert "not recorded" in got["extras"]["tqdm"]
+    line = environment_line(produced_by([rec]))
+    assert line.startswith(f"DSelect-k CPU kernel (DSELECTK_KERNEL): {kernel}; extras: numba ")
+    assert "tqdm" in line and environment_line(None) == "Kernel and extras: not recorded"

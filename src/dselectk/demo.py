@@ -64,17 +64,35 @@ GATE_HPARAMS = {"gamma": 10.0, "entropy_reg": 0.1}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--tasks", type=int_at_least(1), default=8, help="tasks, two per group (default 8)"
+        "--tasks",
+        type=int_at_least(1),
+        default=8,
+        help="tasks, two per group (default: %(default)s)",
     )
-    p.add_argument("--examples", type=int_at_least(10), default=12000, help="generated examples")
-    p.add_argument("--epochs", type=int_at_least(1), default=100)
-    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument(
+        "--examples",
+        type=int_at_least(10),
+        default=12000,
+        help="generated examples (default: %(default)s)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int_at_least(1),
+        default=100,
+        help="training epochs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int_at_least(0),
+        default=0,
+        help="seed of the data, the initialisations and the shuffling (default: %(default)s)",
+    )
     p.add_argument(
         "--restarts",
         type=int_at_least(1),
         default=4,
         help="initialisations trained side by side; the one with the lowest validation MSE "
-        "is kept (default 4)",
+        "is kept (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

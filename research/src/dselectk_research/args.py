@@ -123,6 +123,71 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T
     return cls(**{k: tuple(dict.fromkeys(v)) if isinstance(v, list) else v for k, v in kw.items()})
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """The help of every research command: each option that takes a value and has a default
+    ends with ``(default: X)`` (unless its help says it already), lists shown as their values;
+    the usage line leaves out the ``--slurm-*`` flags (their own group, "Slurm", lists them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or default == []
+            or "default" in text
+        ):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, Switch):
+            yes, no = action.option_strings
+            return f"{yes} [true|false], {no}"
+        return super()._format_action_invocation(action)
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any = None) -> None:
+        actions = [a for a in actions if not a.dest.startswith("slurm_")]
+        super().add_usage(usage, actions, groups, prefix)
+
+
+def bool_value(text: str) -> bool:
+    """An argparse type: ``true``/``false`` (also 1/0, yes/no, on/off), any case."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class Switch(argparse.BooleanOptionalAction):
+    """A boolean flag: ``--NAME`` / ``--no-NAME``; ``--NAME true|false`` is accepted too."""
+
+    def __init__(self, option_strings: Any, dest: str, **kw: Any) -> None:
+        kw.pop("type", None)
+        super().__init__(option_strings, dest, **kw)
+        self.nargs, self.metavar = "?", "true|false"
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        try:
+            value = True if values is None else bool_value(values)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"{option_string}: {e}")
+        setattr(namespace, self.dest, value)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
 def setting(
     default: Any,
     /,

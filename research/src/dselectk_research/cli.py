@@ -13,6 +13,7 @@ import importlib.util
 from typing import Any
 
 from dselectk_research import report
+from dselectk_research.args import HelpFormatter
 from dselectk_research.report import EXPERIMENTS
 
 __all__ = ["register"]
@@ -32,10 +33,15 @@ def register(sub: Any) -> None:
     rep_sub = rep.add_subparsers(dest="experiment", required=True)
     for name, module in EXPERIMENTS.items():
         if _available(module):
-            p = rep_sub.add_parser(name, help=f"reproduce the {name} experiment")
-            importlib.import_module(module).add_arguments(p)
+            p = rep_sub.add_parser(
+                name, help=f"reproduce the {name} experiment", formatter_class=HelpFormatter
+            )
+            # (before the flags: an experiment module serving two names reads its name here)
             p.set_defaults(experiment_module=module, experiment_name=name, handler=_reproduce)
+            importlib.import_module(module).add_arguments(p)
 
-    rebuild = sub.add_parser("report", help="rebuild report and plots of a results folder")
+    rebuild = sub.add_parser(
+        "report", help="rebuild report and plots of a results folder", formatter_class=HelpFormatter
+    )
     report.add_arguments(rebuild)
     rebuild.set_defaults(handler=report.run)

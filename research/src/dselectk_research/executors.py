@@ -17,12 +17,29 @@ from typing import Any, Protocol
 import torch
 
 from dselectk.progress import tqdm
-from dselectk_research.records import tracking
+from dselectk_research.records import RunStore
 
 #: ``on_cell(name, selection, run_ids)``: called by an executor once per finished cell
 OnCell = Callable[[str, dict[str, Any], Iterable[str]], None]
-#: state of a pool worker process (its data, progress-bar line); empty in the main process
-_WORKER: dict[str, Any] = {}
+
+
+@dataclass
+class _WorkerState:
+    """The state of one pool worker process: its progress-bar line, whether bars show, and the
+    data it loaded (with the key it was loaded for)."""
+
+    position: int
+    progress: bool
+    key: Any = None
+    data: Any = None
+    loaded: bool = False
+
+
+#: this process's pool-worker state; None in the main process. A process-global because a
+#: :class:`~concurrent.futures.ProcessPoolExecutor` initializer has no other way to hand state
+#: to the tasks that later run in its process; only :func:`_worker_init` sets it, once per
+#: spawned worker.
+_STATE: _WorkerState | None = None
 
 
 class Executor(Protocol):
@@ -48,10 +65,12 @@ class Executor(Protocol):
 def run_cell(
     recipe: Any, config: Any, cell: Any, data: Any, progress: bool
 ) -> tuple[str, dict[str, Any], set[str]]:
-    """One cell, wherever it runs: its name, its selection and the runs it looked up or wrote."""
-    with tracking() as runs:
-        selection = recipe.run_cell(config, cell, data, progress)
-    return recipe.cell_name(cell), selection, runs
+    """One cell, wherever it runs: its name, its selection and the runs it looked up or wrote
+    (the cell gets a tracking :class:`~dselectk_research.records.RunStore` of ``config.out``)."""
+    store = RunStore(config.out, track=True)
+    selection = recipe.run_cell(config, cell, data, progress, store)
+    assert store.tracked is not None
+    return recipe.cell_name(cell), selection, store.tracked
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,7 @@ class LocalExecutor:
 # -- the local pool ---------------------------------------------------------------------------
 def progress_position() -> int | None:
     """The progress-bar line of this worker process (None in the main process)."""
-    return _WORKER.get("position")
+    return None if _STATE is None else _STATE.position
 
 
 class _SweepKilled(BaseException):
@@ -109,14 +128,15 @@ def _worker_init(threads: int, parent_pid: int, counter: Any, lock: Any, progres
     when the sweep's main process dies, and its own progress-bar line (tqdm's lock)."""
     from dselectk.runtime import exit_with_parent, tune_allocator
 
+    global _STATE
     signal.signal(signal.SIGTERM, _raise_sweep_killed)
     exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     tune_allocator()
     with counter.get_lock():
-        _WORKER["position"] = int(counter.value) + 1
+        position = int(counter.value) + 1
         counter.value += 1
-    _WORKER["progress"] = progress
+    _STATE = _WorkerState(position, progress)
     tqdm.set_lock(lock)
 
 
@@ -125,10 +145,13 @@ def _worker_cell(
 ) -> tuple[str, dict[str, Any], set[str], float]:
     """One cell in a pool worker (the data is loaded once per worker)."""
     t0 = time.perf_counter()
+    state = _STATE
+    assert state is not None, "a pool task runs in a process set up by _worker_init"
     try:
-        if _WORKER.get("key") != (key := recipe.data_key(config)) or "data" not in _WORKER:
-            _WORKER["data"], _WORKER["key"] = recipe.load_data(config), key
-        result = run_cell(recipe, config, cell, _WORKER["data"], _WORKER["progress"])
+        key = recipe.data_key(config)
+        if not state.loaded or state.key != key:
+            state.data, state.key, state.loaded = recipe.load_data(config), key, True
+        result = run_cell(recipe, config, cell, state.data, state.progress)
     except _SweepKilled:
         os._exit(1)  # the sweep is gone: nothing to report to, nothing half-written left
     return (*result, time.perf_counter() - t0)

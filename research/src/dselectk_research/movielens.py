@@ -116,7 +116,7 @@ class MovieLensConfig(rd.RealDataConfig):
 
     variant: str = setting("ml-1m", "ml-1m: the paper's", choices=["ml-100k", "ml-1m"])
     alphas: tuple[float, ...] = setting(  # an absent --alphas: resolved by ``run``
-        QUICK_ALPHAS, "α values (quick 0.5, full all)", type=probability, default=None
+        QUICK_ALPHAS, "α values (default: 0.5; with --full all)", type=probability, default=None
     )
     neg_ratio: int = setting(1, "negatives per rating", type=int_at_least(1))
     max_train: int | None = setting(None, "training examples", type=int_at_least(1))

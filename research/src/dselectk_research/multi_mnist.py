@@ -106,7 +106,7 @@ def expert_flops(hp: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -
 def _size(split: int, what: str) -> Any:
     """The setting of a split's image count (an absent flag: resolved by ``run``)."""
     quick, full = QUICK_SIZES[split], FULL_SIZES[split]
-    help_text = f"{what} images (quick {quick}, full {full})"
+    help_text = f"{what} images (default: {quick}; with --full {full})"
     return setting(quick, help_text, type=int_at_least(1), default=None)
 
 
@@ -182,13 +182,14 @@ def experiment(name: str) -> rd.Experiment:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    rd.add_common_arguments(p, "results/multi-mnist", MultiMNISTConfig)
+    name = p.get_default("experiment_name") or "multi-mnist"
+    rd.add_common_arguments(p, f"results/{name}", MultiMNISTConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     name = str(getattr(args, "experiment_name", "multi-mnist"))
     out = args.out
-    if out == Path("results/multi-mnist") and name != "multi-mnist":
+    if out == Path("results/multi-mnist") and name != "multi-mnist":  # (a parser not from the CLI)
         out = Path(f"results/{name}")
     defaults = FULL_SIZES if args.full else QUICK_SIZES
     n: dict[str, Any] = {k: getattr(args, k) or d for k, d in zip(SIZES, defaults)}

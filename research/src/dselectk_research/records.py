@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,48 @@ def run_id(config: Mapping[str, Any]) -> str:
     """Stable 16-hex-digit id of a resolved run config (key order does not matter)."""
     blob = json.dumps(_io.json_safe(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: the optional packages whose presence changes what a run computes or shows: numba (the
+#: DSelect-k CPU kernel ``auto`` picks, whose rounding moves discrete searches) and tqdm
+EXTRAS = ("numba", "tqdm")
+
+
+def resolved_kernel() -> str:
+    """The DSelect-k CPU kernel ``DSELECTK_KERNEL`` picks now: ``numba``, ``numpy`` or ``aten``
+    (unset, empty or ``auto``: numba when installed, else numpy; another value is returned as
+    written, lower-cased: the library refuses it when a gate runs)."""
+    choice = (os.environ.get("DSELECTK_KERNEL") or "auto").strip().lower() or "auto"
+    if choice == "auto":
+        return "numba" if _installed("numba") is not None else "numpy"
+    return choice
+
+
+@functools.cache
+def _installed(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def produced_by(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Which kernels and extras produced ``records`` (from each record's environment): the
+    kernels, sorted, and each extra's versions, sorted ("not installed" for None); records
+    written before these were recorded count as "not recorded"."""
+    kernels: set[str] = set()
+    extras: dict[str, set[str]] = {name: set() for name in EXTRAS}
+    for r in records:
+        env = r.get("environment") or {}
+        kernels.add(str(env.get("kernel") or "not recorded"))
+        got = env.get("extras")
+        for name in EXTRAS:
+            if not isinstance(got, Mapping):
+                extras[name].add("not recorded")
+            else:
+                extras[name].add(str(got.get(name) or "not installed"))
+    return {"kernels": sorted(kernels), "extras": {k: sorted(v) for k, v in extras.items()}}
 
 
 @functools.cache
@@ -75,29 +118,19 @@ PLAN_FILE = "plan.json"
 #: the state of the last sweep started in a results folder: its cells, the cells and runs
 #: finished so far, and whether it finished (a report made before it did says it is partial)
 SWEEP_FILE = "sweep.json"
-_TRACKED: set[str] | None = None
-
-
-@contextlib.contextmanager
-def tracking() -> Iterator[set[str]]:
-    """Collect the ids of every run whose record this process looks up or writes (through
-    :meth:`RunStore.path`: ``done``, ``save``) inside the block: the runs a sweep consists of."""
-    global _TRACKED
-    outer, _TRACKED = _TRACKED, set()
-    try:
-        yield _TRACKED
-    finally:
-        ids, _TRACKED = _TRACKED, outer
-        if outer is not None:
-            outer.update(ids)
 
 
 class RunStore:
-    """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``."""
+    """The ``runs/`` folder of the results directory ``root``: ``root/runs/<run_id>.json``.
 
-    def __init__(self, root: str | Path) -> None:
+    With ``track``, :attr:`tracked` collects the id of every run whose record this store looks
+    up or writes (through :meth:`path`: ``done``, ``save``): the runs a cell consists of
+    (:func:`dselectk_research.executors.run_cell` hands a cell such a store)."""
+
+    def __init__(self, root: str | Path, *, track: bool = False) -> None:
         self.root = Path(root)
         self.runs = self.root / "runs"
+        self.tracked: set[str] | None = set() if track else None
         self.remove_stale_temps()
 
     def remove_stale_temps(self) -> None:
@@ -117,9 +150,9 @@ class RunStore:
                 pass
 
     def path(self, rid: str) -> Path:
-        """The record file of run ``rid`` (the run counts as planned, see :func:`tracking`)."""
-        if _TRACKED is not None:
-            _TRACKED.add(rid)
+        """The record file of run ``rid`` (a tracking store counts the run as planned)."""
+        if self.tracked is not None:
+            self.tracked.add(rid)
         return self.runs / f"{rid}.json"
 
     def done(self, config: Mapping[str, Any]) -> bool:
@@ -132,6 +165,8 @@ class RunStore:
         env = dict(_static_environment())
         env["threads"] = torch.get_num_threads()  # (pool workers set it)
         env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        env["kernel"] = resolved_kernel()  # (the variable is read at each gate call)
+        env["extras"] = {name: _installed(name) for name in EXTRAS}
         record = {
             "schema": SCHEMA_VERSION,
             "run_id": rid,
@@ -427,6 +462,7 @@ def sweep_summary(
         "records_not_summarised": others,
         "wall_seconds": wall["seconds"],
         "wall_time": wall,
+        "produced_by": produced_by(records),
         **{k: v if v is not None else prev.get(k) for k, v in given.items()},
     }
 

@@ -48,8 +48,10 @@ class Recipe:
 
     Attributes:
         cells: the cells, in report order.
-        run_cell: ``(config, cell, data, progress) -> selection``: trains the cell's missing
-            runs (one record each); the selection is its entry of ``selected_hparams.json``.
+        run_cell: ``(config, cell, data, progress, store) -> selection``: trains the cell's
+            missing runs (one record each, looked up and written through ``store``, a
+            :class:`~dselectk_research.records.RunStore` of ``config.out`` that tracks them);
+            the selection is its entry of ``selected_hparams.json``.
         load_data: ``config -> data``, once per process (again when ``data_key`` changes).
         data_key: ``config -> key`` identifying the data.
         cell_name: ``cell -> name``, the cell's key in ``selected_hparams.json``.
@@ -66,7 +68,7 @@ class Recipe:
     """
 
     cells: Sequence[Hashable]
-    run_cell: Callable[[Any, Any, Any, bool], dict[str, Any]]
+    run_cell: Callable[[Any, Any, Any, bool, RunStore], dict[str, Any]]
     load_data: Callable[[Any], Any]
     data_key: Callable[[Any], Hashable]
     cell_name: Callable[[Any], str]
@@ -86,19 +88,19 @@ def add_run_arguments(
     """The flags every recipe shares, with its defaults: ``--out``, ``--threads`` (0 is
     allowed only when it is the default: a recipe of tiny models refuses it), ``--jobs``,
     ``--no-progress``, ``--telemetry`` and the executor's; ``cells`` names a cell in the help."""
-    p.add_argument("--out", type=out_dir, default=Path(out), help=f"results folder ({out})")
+    p.add_argument("--out", type=out_dir, default=Path(out), help="results folder")
     p.add_argument(
         "--threads",
         type=int_at_least(0 if threads == 0 else 1),
         default=threads,
-        help=f"torch threads per process (default {threads or '0: all cores'})",
+        help="torch threads per process" + ("" if threads else " (default: 0, all cores)"),
     )
     p.add_argument(
         "--jobs",
         type=int_at_least(0),
         default=jobs,
-        help=f"worker processes, each running whole {cells} (default {jobs}; 0: one per "
-        "--threads cores, at most one per cell); the records are the same as in one process",
+        help=f"worker processes, each running whole {cells} (0: one per --threads cores, at "
+        "most one per cell); the records are the same as in one process",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(

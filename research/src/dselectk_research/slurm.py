@@ -92,6 +92,8 @@ _INT_FLAGS = [
     ("gpus", "gpus", 0, "GPUs per job"),
     ("array_parallelism", "array-parallelism", 1, "jobs of the array running at once"),
 ]
+#: the metavars of the integer flags
+_INT_METAVARS = {"time": "MIN", "cpus": "N", "gpus": "N", "array-parallelism": "N"}
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -103,18 +105,32 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def add_executor_arguments(p: argparse.ArgumentParser) -> None:
     """The executor flags shared by every recipe (``--executor`` and ``--slurm-*``)."""
-    g = p.add_argument_group("executor")
-    g.add_argument(
+    p.add_argument(
         "--executor",
         choices=["local", "slurm"],
         default="local",
         help="local: this machine (--jobs workers); slurm: one Slurm job per cell "
         "(needs submitit); rerun the same command to resume or re-attach",
     )
-    g.add_argument("--slurm-partition", default=None, help="Slurm partition (default: the default)")
+    g = p.add_argument_group(
+        "Slurm (with --executor slurm)",
+        "where and how the cells' jobs run; refused without --executor slurm",
+    )
+    g.add_argument(
+        "--slurm-partition",
+        default=None,
+        metavar="NAME",
+        help="partition (default: the cluster's default)",
+    )
     for name, flag, least, doc in _INT_FLAGS:
         default = getattr(SlurmOptions, name)
-        g.add_argument(f"--slurm-{flag}", type=int_at_least(least), default=default, help=doc)
+        g.add_argument(
+            f"--slurm-{flag}",
+            type=int_at_least(least),
+            default=default,
+            metavar=_INT_METAVARS[flag],
+            help=doc,
+        )
     g.add_argument(
         "--slurm-opt",
         type=_key_value,

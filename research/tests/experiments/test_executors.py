@@ -29,8 +29,7 @@ _FAIL_CELL = -1  #: the cell whose runs raise (a bug that a later code change fi
 
 
 # -- a tiny sweep: cell c writes records (c, rep) for rep < args.reps ----------------------------
-def _run_cell(args: Any, cell: int, data: Any, progress: bool) -> dict[str, Any]:
-    store = RunStore(args.out)
+def _run_cell(args: Any, cell: int, data: Any, progress: bool, store: RunStore) -> dict[str, Any]:
     for rep in range(args.reps):
         cfg = {"cell": cell, "rep": rep, "reps": args.reps}
         if store.done(cfg):

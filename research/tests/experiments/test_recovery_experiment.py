@@ -84,6 +84,7 @@ def test_cli_smoke_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert {r["gate"] for r in summary["selected"]} == {"dselect_k", "topk"}
     assert (out / "trajectory_topk.png").is_file()
     assert "1/4" in (out / "report.md").read_text()
+    assert "DSelect-k CPU kernel (DSELECTK_KERNEL): " in (out / "report.md").read_text()
 
 
 def test_report_without_records_fails_cleanly(tmp_path: Path) -> None:

@@ -234,7 +234,11 @@ def test_lambda_ramp_soft_then_binary_applies_to_dselect_k_routers_only(tmp_path
 
     plain = TM.TokenMoEConfig(tmp_path)
     assert all(plain.variant(r) == TM.ROUTERS[r] for r in TM.ROUTERS)  # no ramp by default
-    assert not {"entropy_reg_end", "entropy_warmup"} & set(plain.record_hparams())  # identity kept
+    ident = plain.record_hparams()  # the defaults, stored like every setting
+    assert (ident["entropy_reg_end"], ident["entropy_warmup"]) == (
+        None,
+        TM.DEFAULTS["entropy_warmup"],
+    )
     cfg = TM.TokenMoEConfig(
         tmp_path, entropy_reg=0.0, entropy_reg_end=0.1, entropy_warmup=0.5, steps=20,
         d_model=16, d_ff=16, num_experts=4, seq_len=16, batch_size=8, val_windows=16,
@@ -268,7 +272,7 @@ def test_router_k_gives_dselect_k_routers_more_selectors_than_dispatched_experts
     still dispatches k = 2 experts a token; Top-k and the default command are unchanged."""
     from dselectk_research.token_moe.model import build_model, train_run
 
-    assert "router_k" not in TM.TokenMoEConfig(tmp_path).record_hparams()  # identity kept
+    assert TM.TokenMoEConfig(tmp_path).record_hparams()["router_k"] is None  # the default
     small = dict(d_model=16, d_ff=16, num_experts=4, seq_len=16, batch_size=8, val_windows=16)
     cfg = TM.TokenMoEConfig(tmp_path, router_k=3, steps=12, **small)
     assert cfg.record_hparams()["router_k"] == 3

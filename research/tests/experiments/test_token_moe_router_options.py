@@ -15,7 +15,7 @@ import torch
 from dselectk.cli import main
 from dselectk_research import token_moe as TM
 from dselectk_research.char_lm import evaluate
-from dselectk_research.token_moe.recipe import LATER, TokenMoEConfig
+from dselectk_research.token_moe.recipe import TokenMoEConfig
 
 #: the settings every record stored before the capacity option existed
 _RECORD_KEYS = {
@@ -26,12 +26,16 @@ _RECORD_KEYS = {
 _TINY = dict(d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8)
 
 
-def test_defaults_keep_the_records_identity(tmp_path: Path) -> None:
-    assert set(TM.DEFAULTS) == _RECORD_KEYS | LATER
+#: the settings added with the capacity and router options
+_LATER = {"capacity_factor", "entropy_reg_end", "entropy_warmup", "router_k"}
+
+
+def test_every_record_stores_every_setting(tmp_path: Path) -> None:
+    assert set(TM.DEFAULTS) == _RECORD_KEYS | _LATER
     assert TM.DEFAULTS["capacity_factor"] is None
-    assert set(TokenMoEConfig(out=tmp_path).record_hparams()) == _RECORD_KEYS
+    assert TokenMoEConfig(out=tmp_path).record_hparams() == TM.DEFAULTS
     ident = TokenMoEConfig(out=tmp_path, capacity_factor=1.25).record_hparams()
-    assert set(ident) == _RECORD_KEYS | {"capacity_factor"}
+    assert set(ident) == _RECORD_KEYS | _LATER
     assert ident["capacity_factor"] == 1.25
     assert list(ident) == sorted(ident)
 
@@ -65,16 +69,18 @@ def test_capacity_factor_reaches_every_layer_and_only_when_set(router: str) -> N
     assert plain_m["bits_per_byte"] != capped_m["bits_per_byte"]
 
 
-def test_cli_runs_the_capacity_and_records_it_only_when_set(tmp_path: Path) -> None:
+def test_cli_runs_the_capacity_and_records_it(tmp_path: Path) -> None:
     base = ["reproduce", "token-moe", "--seeds", "1", "--steps", "12", "--batch-size", "4",
             "--d-model", "16", "--d-ff", "16", "--num-experts", "4", "--corpus-bytes", "40000",
             "--seq-len", "16", "--val-windows", "8", "--jobs", "1", "--no-progress",
             "--gates", "topk", "dselect_k_distinct"]  # fmt: skip
     assert main([*base, "--out", str(tmp_path / "d")]) == 0
     assert main([*base, "--out", str(tmp_path / "o"), "--capacity-factor", "1.25"]) == 0
-    for name, keys in (("d", _RECORD_KEYS), ("o", _RECORD_KEYS | {"capacity_factor"})):
+    for name, cap in (("d", None), ("o", 1.25)):
         records = [json.loads(p.read_text()) for p in (tmp_path / name / "runs").glob("*.json")]
+        keys = _RECORD_KEYS | _LATER
         assert len(records) == 2 and all(set(r["config"]["hparams"]) == keys for r in records)
+        assert all(r["config"]["hparams"]["capacity_factor"] == cap for r in records)
         capped = name == "o"
         assert all(("dropped_pairs_per_token" in r["metrics"]) == capped for r in records)
         report = (tmp_path / name / "report.md").read_text()

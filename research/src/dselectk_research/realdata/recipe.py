@@ -37,9 +37,6 @@ from dselectk_research.realdata.train import overrides, train_one, tune
 from dselectk_research.records import RunStore, read_object
 from dselectk_research.runner import Recipe, add_run_arguments, missing, run_recipe
 
-#: the data this process loaded for the running command (data key → splits); see :func:`load`
-_DATA: dict[Hashable, Splits] = {}
-
 
 def add_common_arguments(p: argparse.ArgumentParser, default_out: str, cls: type) -> None:
     """The runner's flags (:func:`add_run_arguments`: every worker of ``--jobs`` loads its own
@@ -60,24 +57,44 @@ def config_of(
     return config_from_args(cls, args, gates=tuple(gates), **values)
 
 
-def load(exp: Experiment, config: RealDataConfig) -> Splits:
-    """The experiment's data, loaded once per process and command (the cells of one process
-    reuse what :func:`prepare` loaded)."""
-    key = data_key(exp, config)
-    if key not in _DATA:
-        _DATA.clear()
-        _DATA[key] = exp.load_data(config)
-    return _DATA[key]
+class DataCache:
+    """The data one command loaded for an experiment (the last key's splits): the cells of the
+    main process reuse what :func:`prepare` loaded. A copy sent to a worker process (the recipe
+    is pickled with it) arrives empty: every worker loads its own."""
+
+    def __init__(self, exp: Experiment) -> None:
+        self.exp = exp
+        self.key: Hashable = None
+        self.splits: Splits | None = None
+
+    def load(self, config: RealDataConfig) -> Splits:
+        """The experiment's data for ``config``, loaded once (again when its key changes)."""
+        key = data_key(self.exp, config)
+        if self.splits is None or self.key != key:
+            self.clear()  # the old splits go before the new ones load
+            self.splits, self.key = self.exp.load_data(config), key
+        return self.splits
+
+    def clear(self) -> None:
+        self.splits, self.key = None, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"exp": self.exp, "key": None, "splits": None}
 
 
 def run_cell(
-    exp: Experiment, args: RealDataConfig, cell: tuple[Any, str], data: Splits, progress: bool
+    exp: Experiment,
+    args: RealDataConfig,
+    cell: tuple[Any, str],
+    data: Splits,
+    progress: bool,
+    store: RunStore,
 ) -> dict[str, Any]:
     """One (setting, gate) cell: its hyperparameters (the grid search under ``--full``, else
     the quick defaults with the flags' overrides), then its missing final repetitions. Returns
     the cell's entry of ``selected_hparams.json``."""
     setting, gate = cell
-    store, key = RunStore(args.out), cell_key(exp.setting_key, gate, setting)
+    key = cell_key(exp.setting_key, gate, setting)
     if args.full:
         choice = tune(exp, args, gate, setting, data, store, progress)
         hp, selection = dict(choice["hparams"]), {**choice, "source": "random grid search (--full)"}
@@ -150,13 +167,15 @@ def _printed(summary: Any) -> None:
     """The report was printed whole by its writer."""
 
 
-def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Executor) -> bool:
+def prepare(
+    exp: Experiment, cache: DataCache, config: RealDataConfig, out: Path, executor: Executor
+) -> bool:
     """Before the sweep: load the data (a missing data set fails before any worker starts),
     print the plan (``--full``, ``--dry-run``: False stops a dry run there), save the data's
     facts and the setup notes in ``run_info.json``, cache the recipe's reference predictors."""
     if executor.threads:
         torch.set_num_threads(executor.threads)
-    data = load(exp, config)
+    data = cache.load(config)
     if config.full or config.dry_run:
         print_plan(exp, config, data, executor.jobs, executor.threads)
         if config.dry_run:
@@ -180,7 +199,7 @@ def prepare(exp: Experiment, config: RealDataConfig, out: Path, executor: Execut
     if exp.reference is not None:
         rd_report.cached_reference(out, data.config, functools.partial(exp.reference, config, data))
     if executor.jobs > 1:
-        _DATA.clear()  # the workers load their own copies
+        cache.clear()  # the workers load their own copies
     return True
 
 
@@ -223,15 +242,16 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
     """The (setting, gate) cells of the config (settings outer, gates inner) for the shared
     runner, with the experiment's data, preparation and report (``--gamma`` applied)."""
     exp = with_gamma(with_training_defaults(exp, config), config.gamma)
+    cache = DataCache(exp)
     return Recipe(
         cells=list(itertools.product(config.settings, config.gates)),
         run_cell=functools.partial(run_cell, exp),
-        load_data=functools.partial(load, exp),
+        load_data=cache.load,
         data_key=functools.partial(data_key, exp),
         cell_name=functools.partial(_cell_name, exp),
         write_report=functools.partial(write_report, exp, config),
         print_table=_printed,  # the whole report was printed
-        prepare=functools.partial(prepare, exp, config),
+        prepare=functools.partial(prepare, exp, cache, config),
         diverged=_diverged,
         planned_runs=functools.partial(_planned_runs, exp),
         experiment=exp.name,
@@ -240,7 +260,4 @@ def build_recipe(exp: Experiment, config: RealDataConfig) -> Recipe:
 
 def run_experiment(exp: Experiment, config: RealDataConfig, executor: Executor) -> int:
     """Run (or resume) the sweep settings × gates × repetitions, then write the report."""
-    try:
-        return run_recipe(build_recipe(exp, config), config, executor)
-    finally:
-        _DATA.clear()
+    return run_recipe(build_recipe(exp, config), config, executor)

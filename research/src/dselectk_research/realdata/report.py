@@ -19,10 +19,11 @@ from dselectk_research.realdata.spec import FINITE, VARIANTS, Experiment, cell_k
 from dselectk_research.records import (
     RunStore,
     diverged,
+    produced_by,
     read_object,
     summarize,
 )
-from dselectk_research.templates import diverged_rows, format_mean_se, render
+from dselectk_research.templates import diverged_rows, environment_line, format_mean_se, render
 
 #: the paragraph of a notes template after which the quick-mode notes start
 QUICK_MARK = "<!-- quick mode -->"
@@ -260,6 +261,7 @@ def write_report(results_dir: Path, spec: Experiment) -> None:
         "tune_records": len(tunes),
         "tune_diverged": sum(1 for r in tunes if diverged(r, FINITE)),
         "run_info": info,
+        "produced_by": produced_by(records),
         "plots": [str(p.relative_to(results_dir)) for p in plots],
     }
     write_json(results_dir / "summary.json", summary)
@@ -307,7 +309,8 @@ def _run_lines(info: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) ->
         f"Mode: **{info.get('mode')}**, repetitions per gate and setting: "
         f"{info.get('repetitions')}, cumulative wall time of the sweep commands: "
         f"{float(info.get('wall_seconds') or 0):.0f} s; training time of the summarised "
-        f"runs: {train_s:.0f} s.",
+        f"runs: {train_s:.0f} s.  ",
+        environment_line(produced_by(records)) + ".",
         "",
     ]
     if info.get("mode") == "quick":

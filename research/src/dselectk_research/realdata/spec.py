@@ -156,14 +156,14 @@ class RealDataConfig:
     )
     repetitions: int | None = setting(
         None,
-        "repetitions per gate and setting (quick: MovieLens 3, Multi-MNIST 1; full 100)",
+        "repetitions per gate and setting (default: MovieLens 3, Multi-MNIST 1; with --full 100)",
         "--reps",
         type=POS,
     )
     seed: int = setting(0, "seed of the data and of the runs", type=seed_value)
     gates: tuple[str, ...] = setting(  # an absent --gates: resolved by ``config_of``
         tuple(VARIANTS),
-        "gates (default: all; MovieLens quick: static DSelect-k, static Top-k, softmax)",
+        "gates (default: all; MovieLens without --full: static DSelect-k, static Top-k, softmax)",
         choices=list(VARIANTS),
         default=None,
     )
@@ -209,7 +209,9 @@ def data_key(exp: Experiment, config: Any) -> tuple[Any, ...]:
 
 
 def init_seed(seed: int, gate: str, setting: Any, rep: int, phase: str = "final") -> int:
-    """Initialisation seed of one run (stable, independent of sweep order)."""
+    """Initialisation seed of one run (stable, independent of sweep order): the text key's
+    integer, not :func:`~dselectk_research.seeds.derive_seed` (see :mod:`dselectk_research.seeds`
+    for why)."""
     key = f"{seed}|{gate}|{json.dumps(setting)}|{rep}|{phase}"
     return int.from_bytes(key.encode(), "little") % 2_147_483_647
 

@@ -43,6 +43,7 @@ from dselectk_research.runner import (
     missing,
     run_recipe,
 )
+from dselectk_research.seeds import derive_seed
 
 POS, NONNEG = int_at_least(1), int_at_least(0)
 #: examples of the training and of the validation set (RecoveryData's defaults)
@@ -70,12 +71,12 @@ class RecoveryConfig:
     )
     experts: int = setting(
         NUM_EXPERTS,
-        f"experts of the model (default {NUM_EXPERTS})",
+        "experts of the model",
         type=int_at_least(2),
         metavar="N",
     )
     true_experts: int = setting(
-        NUM_TRUE, f"generating experts (default {NUM_TRUE}; <= --experts)", type=POS, metavar="N"
+        NUM_TRUE, "generating experts (<= --experts)", type=POS, metavar="N"
     )
     k: int | None = setting(
         None,
@@ -83,7 +84,7 @@ class RecoveryConfig:
         type=POS,
         metavar="N",
     )
-    reps: int | None = setting(None, "repetitions (quick 20, full 100)", type=POS)
+    reps: int | None = setting(None, "repetitions (default: 20; with --full 100)", type=POS)
     epochs: int | None = setting(None, "override the epochs", type=POS)
     seed: int = setting(0, "base seed (init, shuffling)", type=seed_value)
     data_seed: int = setting(0, "seed of the generated data", type=seed_value)
@@ -93,7 +94,7 @@ class RecoveryConfig:
     record_every: int = setting(10, "trajectory sampling (steps)", type=NONNEG)
     lrs: tuple[float, ...] | None = setting(
         None,
-        "learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+        "learning-rate grid (default: 1e-1 1e-2 1e-3; with --full 1e-1 ... 1e-5)",
         type=positive_float,
         nargs="+",
     )
@@ -164,8 +165,9 @@ def tuned_hparams(
 
 
 def init_seed(seed: int, rep: int) -> int:
-    """Repetition r's seed: the same for every variant and learning rate (paired comparison)."""
-    return (int(seed) * 1_000_003 + rep * 7919 + 17) % 2**31
+    """Repetition r's seed: the same for every variant and learning rate (paired comparison);
+    :func:`~dselectk_research.seeds.derive_seed` over the repetition."""
+    return derive_seed(seed, (7919, rep), (1, 17))
 
 
 def _record_config(
@@ -188,11 +190,11 @@ def _record_config(
 
 
 def run_cell(
-    config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool
+    config: RecoveryConfig, gate: str, data: RecoveryData, progress: bool, store: RunStore
 ) -> dict[str, Any]:
     """One variant: every (learning rate, repetition) not recorded yet, trained in one
     vectorized model (per-row Adam learning rates); repetition 0's trajectory is kept per lr."""
-    variant, store = VARIANTS[gate], RunStore(config.out)
+    variant = VARIANTS[gate]
     hp = tuned_hparams(variant, config.tuned, config.epochs)
     tuned, reps = config.tuned, config.repetitions
     source = f"--tuned {tuned} (sha256 {file_digest(tuned)})" if tuned else "tuned_recovery.json"

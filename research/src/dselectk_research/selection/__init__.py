@@ -1,5 +1,5 @@
 """``dselectk reproduce selection``: who selects the right experts, DSelect-k's smooth phase or
-the swap search? A pre-registered study (issue 22) on the expert-recovery task: arms DSelect-k,
+the swap search? A pre-registered study on the expert-recovery task: arms DSelect-k,
 Top-k, COMET, each with and without the swap search (refit scoring; COMET is not searchable),
 and a search-only arm (DSelect-k's gate frozen at init); learning rate tuned per arm and shape
 on validation loss, the selected one read once on a test set; paired seeds; data seeds from a

@@ -52,21 +52,21 @@ class SelectionConfig:
     )
     shapes: tuple[tuple[int, int], ...] = setting(
         S.QUICK_SHAPES,
-        "shapes EXPERTS/TRUE, k = TRUE <= EXPERTS/4 (quick: 16/2 16/4 32/3; "
-        "--full: 16, 32, 64 experts × 2, 3, 4, 6 true)",
+        "shapes EXPERTS/TRUE, k = TRUE <= EXPERTS/4 (default: 16/2 16/4 32/3; "
+        "with --full 16, 32, 64 experts × 2, 3, 4, 6 true)",
         type=shape_arg,
         default=None,
         metavar="N/T",
     )
     reps: int = setting(
         S.QUICK_REPS,
-        f"repetitions (quick {S.QUICK_REPS}, full {S.FULL_REPS})",
+        f"repetitions (default: {S.QUICK_REPS}; with --full {S.FULL_REPS})",
         type=int_at_least(2),
         default=None,
     )
     lrs: tuple[float, ...] = setting(
         S.QUICK_LRS,
-        "learning-rate grid (quick: 1e-1 1e-2 1e-3; --full: 1e-1 ... 1e-5)",
+        "learning-rate grid (default: 1e-1 1e-2 1e-3; with --full 1e-1 ... 1e-5)",
         type=positive_float,
         default=None,
     )
@@ -77,7 +77,8 @@ class SelectionConfig:
     )
     tasks: tuple[int, ...] = setting(
         S.QUICK_TASKS,
-        "Appendix C.1 cells at T tasks (quick: 32 64; --full: 32 64 128); '--tasks' alone: none",
+        "Appendix C.1 cells at T tasks (default: 32 64; with --full 32 64 128); "
+        "'--tasks' alone: none",
         nargs="*",
         type=int,
         choices=(16, 32, 64, 128),

@@ -13,6 +13,7 @@ from dselectk_research.records import (
     RunStore,
     diverged,
     mean_se,
+    produced_by,
     read_object,
     run_id,
     summarize,
@@ -30,6 +31,7 @@ from dselectk_research.selection.study import (
 from dselectk_research.synthetic.report import FINITE as C1_FINITE
 from dselectk_research.templates import (
     Column,
+    environment_line,
     format_mean_se,
     markdown_table,
     others_note,
@@ -375,7 +377,9 @@ def _markdown(summary: Mapping[str, Any]) -> str:
         + "\n"
         + template(1).substitute(
             command=summary.get("command") or "(rebuilt with dselectk report)",
-            wall_line=f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded",
+            wall_line=(f"Wall time: {wall:.0f} s" if wall else "Wall time: not recorded")
+            + "  \n"
+            + environment_line(summary.get("produced_by")),
             tune=summary["tune"],
             tests=summary["tests"],
             c1_tests=summary.get("c1_tests", 0),
@@ -407,6 +411,7 @@ def write_report(
         "records_not_summarised": others,
         "wall_seconds": wall_seconds if wall_seconds is not None else prev.get("wall_seconds"),
         "command": command or prev.get("command"),
+        "produced_by": produced_by(records),
     }
     write_json(results_dir / "summary.json", summary)
     write_text(results_dir / "report.md", _markdown(summary))

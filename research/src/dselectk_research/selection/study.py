@@ -12,7 +12,8 @@ same data (one data seed from the reserved range)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from string import Template
 from typing import TYPE_CHECKING, Any
@@ -71,32 +72,25 @@ class C1Sizes:
 C1_QUICK = C1Sizes(20_000, 10_000, 10_000, points=4, trials=2, reps=6)
 C1_FULL = C1Sizes(100_000, 20_000, 20_000, points=None, trials=5, reps=25)  # the paper's splits
 
-#: searches started by a CountedPlan in this process (probe passes are read from them)
-_SEARCHES: list[SwapSearch] = []
-
 
 @dataclass(frozen=True)
 class CountedPlan(SearchPlan):
-    """The recovery study's search plan; its callbacks are kept so that the probe passes
-    (candidate evaluations; each scores every repetition on the probe) can be counted."""
+    """A search plan that keeps the searches it starts in ``searches``, so that their probe
+    passes (candidate evaluations; each scores every repetition on the probe) can be counted.
+    One is made per training (:func:`_counting`); the record identity is the plan's."""
+
+    searches: list[SwapSearch] = field(default_factory=list, compare=False, repr=False)
 
     def callback(self, gate: Gate, member_loss: Any, total_steps: int) -> SwapSearch:
         cb = super().callback(gate, member_loss, total_steps)
-        _SEARCHES.append(cb)
+        self.searches.append(cb)
         return cb
-
-
-def _counted(v: Variant) -> Variant:
-    assert v.search is not None
-    s = v.search
-    return replace(v, search=CountedPlan(s.at, s.binarize, s.refit, s.probe))
 
 
 def _arms(*names: str, labels: dict[str, str]) -> dict[str, Variant]:
     """The catalog's rows ``names`` (:mod:`dselectk_research.catalog`), labelled as ``labels``
-    says, the search arms with their probe passes counted."""
-    rows = select(*names, labels=labels)
-    return {a: _counted(v) if v.search is not None else v for a, v in rows.items()}
+    says."""
+    return select(*names, labels=labels)
 
 
 #: the arms, in report order: recovery's variants (its labels), the equal-budget arms and the
@@ -247,14 +241,18 @@ def _c1_record(arm: str, tasks: int, sizes: C1Sizes, hp: dict, rep: int) -> dict
     }  # fmt: skip
 
 
-def _counting(train: Any, examples: int) -> list[dict[str, float]]:
-    """The metrics ``train()`` returns, each with the probe passes of the searches it ran (every
-    candidate evaluation scores every member of the vectorised bank) and their share of the
-    ``examples`` the training passed."""
-    _SEARCHES.clear()
-    metrics = train()
-    passes = sum(res.evaluations for s in _SEARCHES for res in s.results)
-    _SEARCHES.clear()
+def _counting(
+    arm: Variant, train: Callable[[Variant], list[dict[str, float]]], examples: int
+) -> list[dict[str, float]]:
+    """The metrics ``train(arm)`` returns (``arm`` with its search plan counting, see
+    :class:`CountedPlan`), each with the probe passes of the searches it ran (every candidate
+    evaluation scores every member of the vectorised bank) and their share of the ``examples``
+    the training passed."""
+    s = arm.search
+    plan = None if s is None else CountedPlan(s.at, s.binarize, s.refit, s.probe)
+    metrics = train(arm if plan is None else replace(arm, search=plan))
+    searches = [] if plan is None else plan.searches
+    passes = sum(res.evaluations for s in searches for res in s.results)
     for m in metrics:
         m["probe_passes"] = float(passes)
         m["probe_share"] = passes * SearchPlan.probe / examples
@@ -262,10 +260,10 @@ def _counting(train: Any, examples: int) -> list[dict[str, float]]:
 
 
 def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: SyntheticData,
-                 progress: bool) -> dict:  # fmt: skip
+                 progress: bool, store: RunStore) -> dict:  # fmt: skip
     """Tune the arm at T = ``tasks`` on validation, then retrain the selection ``reps`` times
     and evaluate it once on the test split."""
-    arm, sizes, store = C1_ARMS[name], config.c1, RunStore(config.out)
+    arm, sizes = C1_ARMS[name], config.c1
     shape = {"num_experts": tasks // 4, "k": C1_K}
     per_config = EPOCHS_AXIS if arm.schedules or arm.search is not None else 1
     points = None if sizes.points is None else sizes.points * per_config
@@ -279,8 +277,9 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
     todo = missing(store, cfgs)
     if todo:
         metrics = _counting(
-            lambda: c1_train_reps(
-                arm, tasks, hp, [init_seed(r) for r in todo], data, shuffle_seed=STUDY_SEED,
+            arm,
+            lambda counted: c1_train_reps(
+                counted, tasks, hp, [init_seed(r) for r in todo], data, shuffle_seed=STUDY_SEED,
                 progress=progress, desc=f"{name}/c1-T{tasks} test", num_experts=tasks // 4,
                 k=C1_K,
             )[int(hp["epochs"])],
@@ -292,12 +291,14 @@ def _run_c1_cell(config: SelectionConfig, name: str, tasks: int, data: Synthetic
     return {**selected, "rule": rule}
 
 
-def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> dict:
+def run_cell(
+    config: SelectionConfig, cell: Cell, data: Any, progress: bool, store: RunStore
+) -> dict:
     """Tune on validation, then retrain the selection and evaluate it once on the test set."""
     name, study, a, b = cell
     if study == "c1":
-        return _run_c1_cell(config, name, a, data, progress)
-    store, arm, shape = RunStore(config.out), ARMS[name], (a, b)
+        return _run_c1_cell(config, name, a, data, progress, store)
+    arm, shape = ARMS[name], (a, b)
     base = RecoveryData(data_seed(a, b), N_TRAIN, N_VAL, num_true=b)
     hp = hparams_of(config, arm, shape)
     examples = total_steps(int(hp["epochs"]), N_TRAIN, BATCH_SIZE) * BATCH_SIZE
@@ -309,8 +310,9 @@ def run_cell(config: SelectionConfig, cell: Cell, data: Any, progress: bool) -> 
             return
         lrs, reps = [cfgs[i]["lr"] for i in todo], [cfgs[i]["rep"] for i in todo]
         metrics = _counting(
-            lambda: train_reps(
-                arm, {**hp, "lr": lrs[0]}, data, [init_seed(r) for r in reps],
+            arm,
+            lambda counted: train_reps(
+                counted, {**hp, "lr": lrs[0]}, data, [init_seed(r) for r in reps],
                 shuffle_seed=STUDY_SEED, experts=a, k=b, lrs=lrs, record_every=0,
                 progress=progress, desc=f"{cell_name(cell)} {phase}",
             )[0],

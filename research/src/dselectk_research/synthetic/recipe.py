@@ -81,9 +81,9 @@ class SyntheticConfig:
     out: Path
     tasks: tuple[int, ...] = setting((16, 32, 64, 128), "T values", type=task_count)
     gates: tuple[str, ...] = setting(tuple(DEFAULT_GATES), choices=sorted(VARIANTS))
-    experts: int | None = setting(None, "experts E of the model (T/4)", type=POS)
-    k: int = setting(K, f"experts each task selects ({K})", type=POS)
-    reps: int | None = setting(None, "repetitions (quick 5, full 100)", type=POS)
+    experts: int | None = setting(None, "experts E of the model (default: T/4)", type=POS)
+    k: int = setting(K, "experts each task selects", type=POS)
+    reps: int | None = setting(None, "repetitions (default: 5; with --full 100)", type=POS)
     batch_reps: int | None = setting(None, "repetitions trained together", type=POS)
     seed: int = setting(0, "base seed (init, shuffling)", type=seed_value)
     data_seed: int = setting(0, "seed of the generated data", type=seed_value)
@@ -105,8 +105,8 @@ class SyntheticConfig:
         "annealing start temperature s (Ablation (Annealing))",
         "--temperature-start",
     )
-    n_train: int = setting(100_000, "training rows (paper 100k)", type=POS)
-    n_eval: int = setting(20_000, "validation = test rows (20k)", type=POS)
+    n_train: int = setting(100_000, "training rows (the paper's 100k)", type=POS)
+    n_eval: int = setting(20_000, "validation = test rows (the paper's 20k)", type=POS)
     tuned: Path | None = setting(  # noqa: RUF009 (a dataclasses.field)
         None,
         'tuning record to use (every --gates x --tasks cell needs an entry: its T or "default")',
@@ -140,12 +140,16 @@ class SyntheticConfig:
 
 
 def run_cell(
-    args: SyntheticConfig, cell: tuple[str, int], data: SyntheticData, progress: bool
+    args: SyntheticConfig,
+    cell: tuple[str, int],
+    data: SyntheticData,
+    progress: bool,
+    store: RunStore,
 ) -> dict[str, Any]:
     """Select the cell's hyperparameters (the grid search under ``--full``, else the tuning
     record) and train its missing final repetitions, one record each; returns the selection."""
     gate, t = cell
-    v, shape, store = args.variant(gate), args.shape(t), RunStore(args.out)
+    v, shape = args.variant(gate), args.shape(t)
     data_cfg = {"seed": args.data_seed, "n_train": args.n_train, "n_eval": args.n_eval}
     if args.full:
         choice = tune(

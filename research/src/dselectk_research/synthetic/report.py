@@ -15,7 +15,7 @@ from dselectk_research.data.synthetic import TASKS_PER_GROUP
 from dselectk_research.metrics import expected_random_jaccard
 from dselectk_research.plots.core import finite
 from dselectk_research.records import EXPLOSION_FACTOR, RunStore, read_object, sweep_summary
-from dselectk_research.synthetic.spec import EXPERIMENT, PAPER, VARIANTS, K, load_tuned
+from dselectk_research.synthetic.spec import EXPERIMENT, PAPER, VARIANTS, load_tuned
 from dselectk_research.templates import (
     Column,
     diverged_rows,
@@ -81,11 +81,9 @@ def _label(gate: str) -> str:
 
 
 def _shape(rows: Sequence[Mapping[str, Any]], t: int) -> tuple[int, int]:
-    """(experts, k) of the runs at T = ``t`` (records before the shape options: T/4, 4)."""
-    for r in rows:
-        if r["num_tasks"] == t and "shape" in r:
-            return r["shape"]["num_experts"], r["shape"]["k"]
-    return t // 4, K
+    """(experts, k) of the runs at T = ``t``."""
+    shape = next(r["shape"] for r in rows if r["num_tasks"] == t)
+    return shape["num_experts"], shape["k"]
 
 
 def _describe(
@@ -99,8 +97,7 @@ def _describe(
         hps = {json.dumps(c["hparams"], sort_keys=True) for c in cfgs}
         row["hparams"] = [json.loads(h) for h in sorted(hps)]
         row["label"] = _label(row["gate"])
-        if "k" in cfgs[0]:
-            row["shape"] = {"num_experts": cfgs[0]["num_experts"], "k": cfgs[0]["k"]}
+        row["shape"] = {"num_experts": cfgs[0]["num_experts"], "k": cfgs[0]["k"]}
     order = {g: i for i, g in enumerate(VARIANTS)}
     rows.sort(key=lambda r: (order.get(r["gate"], len(order)), r["gate"], r["num_tasks"]))
     return rows

@@ -11,6 +11,7 @@ from typing import Any
 from dselectk.variants import Ramp, Variant
 from dselectk_research.args import read_json_object
 from dselectk_research.catalog import select
+from dselectk_research.seeds import derive_seed
 
 EXPERIMENT = "synthetic"
 K = 4
@@ -144,8 +145,9 @@ def resolve_hparams(
 
 
 def init_seed(seed: int, gate: str, num_tasks: int, rep: int) -> int:
-    """Initialisation seed of one repetition (independent of how repetitions are batched)."""
-    return (int(seed) * 1_000_003 + num_tasks * 10_007 + rep * 101 + sum(map(ord, gate))) % 2**31
+    """Initialisation seed of one repetition (independent of how repetitions are batched):
+    :func:`~dselectk_research.seeds.derive_seed` over T, the repetition and the gate."""
+    return derive_seed(seed, (10_007, num_tasks), (101, rep), (1, gate))
 
 
 def record_config(

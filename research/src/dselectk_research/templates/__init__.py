@@ -33,12 +33,27 @@ def others_note(n: int) -> str:
     )
 
 
+def environment_line(produced: Mapping[str, Any] | None) -> str:
+    """One line for a report: the DSelect-k CPU kernels and the extras' versions that produced
+    its runs (``records.produced_by``)."""
+    if not produced:
+        return "Kernel and extras: not recorded"
+    kernels = ", ".join(produced.get("kernels") or []) or "not recorded"
+    extras = "; ".join(
+        f"{name} {', '.join(versions)}" for name, versions in (produced.get("extras") or {}).items()
+    )
+    return f"DSelect-k CPU kernel (DSELECTK_KERNEL): {kernels}; extras: {extras or 'none'}"
+
+
 def header(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The placeholders of a sweep report's header (``$command``, ``$wall_line``, ``$records``,
-    ``$others``) filled from its summary (``records.sweep_summary``)."""
+    """The placeholders of a sweep report's header (``$command``, ``$wall_line`` with the
+    kernel and extras line after it, ``$records``, ``$others``) filled from its summary
+    (``records.sweep_summary``)."""
     return {
         "command": summary.get("command") or "(rebuilt with dselectk report)",
-        "wall_line": wall_line(summary, summary["records"]),
+        "wall_line": wall_line(summary, summary["records"])
+        + "  \n"
+        + environment_line(summary.get("produced_by")),
         "records": summary["records"],
         "others": others_note(summary.get("records_not_summarised", 0)),
     }

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dselectk.gates.registry import HParam, gate_spec
+from dselectk.gates.registry import gate_spec
 from dselectk.variants import Ramp, Variant
 from dselectk_research import char_lm
 from dselectk_research.args import (
     SEED_MAX,
+    Switch,
     add_config_arguments,
     check_fits,
     config_from_args,
@@ -47,8 +48,11 @@ from dselectk_research.token_moe.report import diverged_line, print_table, write
 
 def _flag(default: Any, kind: Callable[[str], Any], note: str = "") -> Any:
     """A study :func:`setting` taking a value (renormalize's False too): its default, its argparse
-    type (the value's domain) and a help that names the default, then ``note``."""
-    return setting(default, f"default {default}{note}", type=kind, action="store")
+    type (the value's domain) and the help ``note`` (the help formatter adds the default)."""
+    note = note.strip()
+    if note.startswith("(") and note.endswith(")"):
+        note = note[1:-1]
+    return setting(default, note, type=kind, action="store")
 
 
 _DK = gate_spec("dselect_k").hparams
@@ -69,53 +73,53 @@ class TokenMoEConfig:
         choices=list(ROUTERS),
     )
     seeds: int = setting(3, "seeds per router (paired across routers)", type=int_at_least(1))
-    first_seed: int = setting(
-        0, "seeds run: first-seed, first-seed + 1, ... (default 0)", type=seed_value
-    )
+    first_seed: int = setting(0, "seeds run: first-seed, first-seed + 1, ...", type=seed_value)
     telemetry: bool = False
-    corpus_bytes: int = _flag(1_500_000, int_at_least(1))
+    corpus_bytes: int = _flag(1_500_000, int_at_least(1), "bytes of the corpus read")
     val_fraction: float = 0.1
-    seq_len: int = _flag(64, int_at_least(1))
-    d_model: int = _flag(64, int_at_least(1), "; a multiple of the attention heads (4)")
-    layers: int = _flag(2, int_at_least(1))
+    seq_len: int = _flag(64, int_at_least(1), "tokens (bytes) per window")
+    d_model: int = _flag(64, int_at_least(1), "model width; a multiple of the attention heads (4)")
+    layers: int = _flag(2, int_at_least(1), "transformer blocks")
     heads: int = 4
-    d_ff: int = _flag(128, int_at_least(1))
-    num_experts: int = _flag(8, int_at_least(2))
-    k: int = _flag(2, int_at_least(1))
-    batch_size: int = _flag(32, int_at_least(1))
-    steps: int = _flag(1000, int_at_least(WARMUP_STEPS + 1), f"; > {WARMUP_STEPS} (warm-up)")
-    lr: float = _flag(2e-3, positive_float)
-    balance_loss_weight: float = _flag(0.01, nonnegative_float)
-    gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), " (DSelect-k's γ)")
-    entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), " (DSelect-k's λ)")
+    d_ff: int = _flag(128, int_at_least(1), "hidden width of an expert")
+    num_experts: int = _flag(8, int_at_least(2), "experts per MoE layer")
+    k: int = _flag(2, int_at_least(1), "experts a token is sent to")
+    batch_size: int = _flag(32, int_at_least(1), "windows per batch")
+    steps: int = _flag(
+        1000, int_at_least(WARMUP_STEPS + 1), f"training steps; > {WARMUP_STEPS} (warm-up)"
+    )
+    lr: float = _flag(2e-3, positive_float, "learning rate")
+    balance_loss_weight: float = _flag(0.01, nonnegative_float, "weight of the load-balancing loss")
+    gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), "DSelect-k's γ")
+    entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), "DSelect-k's λ")
     entropy_reg_end: float | None = _flag(
         None,
         hparam_type(_DK["entropy_reg"]),
-        " (no ramp; x: λ ramps linearly to x by the last step, DSelect-k routers)",
+        "λ of the last step: DSelect-k routers' λ ramps linearly to it (default: no ramp)",
     )
     entropy_warmup: float = _flag(
-        0.0, fraction, " (with --entropy-reg-end: the fraction of the steps at λ = 0 first)"
+        0.0, fraction, "with --entropy-reg-end: the fraction of the steps at λ = 0 first"
     )
     router_k: int | None = _flag(
         None,
         int_at_least(1),
-        " (--k; r: DSelect-k routers get r selectors, the layer still sends a token to its "
-        "--k largest weights)",
+        "selectors of a DSelect-k router; the layer still sends a token to its --k largest "
+        "weights (default: --k)",
     )
     val_windows: int = _flag(
-        2048, int_at_least(1), "; at most (fewer if the validation part is short)"
+        2048, int_at_least(1), "validation windows, at most (fewer if the validation part is short)"
     )
-    renormalize: bool = _flag(
+    renormalize: bool = setting(
         False,
-        hparam_type(HParam("renormalize", bool, False)),
-        " (true: a token's kept weights rescaled to sum to 1 when the top-k cut drops some)",
+        "rescale a token's kept weights to sum to 1 when the top-k cut drops some",
+        action=Switch,
     )
     capacity_factor: float | None = _flag(
         None,
         positive_float,
-        " (no limit; c: each expert of a layer takes at most ceil(c·N·k/n) of a batch's N·k "
-        "(token, expert) pairs, first choices first, the rest dropped; expert choice: its "
-        "capacity factor, 1 when unset)",
+        "c: each expert of a layer takes at most ceil(c·N·k/n) of a batch's N·k (token, "
+        "expert) pairs, first choices first, the rest dropped; expert choice: its capacity "
+        "factor, 1 when unset (default: no limit)",
     )
 
     def __post_init__(self) -> None:
@@ -169,18 +173,17 @@ class TokenMoEConfig:
         return ROUTERS[router].with_ramps([ramp])
 
     def record_hparams(self) -> dict[str, Any]:
-        """The study settings as the records store them (their identity): every setting, but
-        those of :data:`LATER` only where they differ from the default, so records written
-        before those settings existed still match a default command."""
-        hp = self.hparams()
-        return {n: v for n, v in sorted(hp.items()) if n not in LATER or v != DEFAULTS[n]}
+        """The study settings as the records store them (their identity): every setting,
+        sorted by name."""
+        return dict(sorted(self.hparams().items()))
 
 
-#: the default study (``dselectk reproduce token-moe``): the settings every record stores (the
-#: fields after out, gates, seeds, first_seed, telemetry)
-DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TokenMoEConfig)[5:]}
-#: settings added after records existed: a record names them only when not at the default
-LATER = frozenset({"capacity_factor", "entropy_reg_end", "entropy_warmup", "router_k"})
+#: the fields of the run config that say which runs and where, not how each trains
+NOT_SETTINGS = frozenset({"out", "gates", "seeds", "first_seed", "telemetry"})
+#: the default study (``dselectk reproduce token-moe``): the settings every record stores
+DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(TokenMoEConfig) if f.name not in NOT_SETTINGS
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -189,9 +192,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, TokenMoEConfig)
 
 
-def run_cell(config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool) -> dict:
+def run_cell(
+    config: TokenMoEConfig, router: str, corpus: Corpus, progress: bool, store: RunStore
+) -> dict:
     """Train every seed of ``router`` not recorded yet (one record each)."""
-    store = RunStore(config.out)
     hp, ident = config.hparams(), config.record_hparams()
     data = {"files_sha256": corpus.sha256, "files": len(corpus.files)}
     data.update(train_bytes=len(corpus.train), val_bytes=len(corpus.val))
