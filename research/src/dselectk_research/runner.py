@@ -255,6 +255,10 @@ def check_results_folder(out: Path) -> None:
     for p in sorted(runs.iterdir()):
         if p.name.startswith(".") and p.name.endswith(".tmp"):  # an interrupted record write
             continue
+        if p.is_dir() and _RECORD_NAME.fullmatch(p.name):
+            # a folder where a run's record goes: nothing of a user's to overwrite; that run's
+            # write fails and is reported as the run's error (IsADirectoryError)
+            continue
         if not (p.is_file() and _RECORD_NAME.fullmatch(p.name)):
             raise ValueError(
                 f"--out {out}: {p} is not a run record (runs/ holds only <run id>.json files "
