@@ -108,7 +108,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         if args.quick:
             reps = 5 if tokens < 8192 else 3
         torch.manual_seed(0)
-        ours = SparseMoEFeedForward(d_model, d_ff, n, "topk", k, balance_loss_weight=0.0).to(dev)
+        ours = SparseMoEFeedForward(d_model, d_ff, n, "topk", k, balance_weight=0.0).to(dev)
         assert isinstance(ours.router, TopKGate)
         grouped = GroupedMoE(ours.router, d_model, d_ff, n, k).to(dev)
         x = torch.randn(1, tokens, d_model, device=dev, requires_grad=True)
@@ -126,7 +126,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         if hf is not None:
             hf = hf.to(dev)
             fns["hf"] = _step(hf, x, g)
-            swiglu = SparseMoEFeedForward.from_hf_block(hf, balance_loss_weight=0.0)
+            swiglu = SparseMoEFeedForward.from_hf_block(hf, balance_weight=0.0)
             fns["swiglu"] = _step(swiglu, x, g)
         t = compare(fns, dev, reps=reps, warmup=2)
         cfg = {"tokens": tokens, "d_model": d_model, "d_ff": d_ff, "n": n, "k": k}

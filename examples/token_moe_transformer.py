@@ -24,9 +24,8 @@ class TinyMoETransformer(nn.Module):
         self.embed = nn.Embedding(VOCAB, D_MODEL)
         self.attn = nn.MultiheadAttention(D_MODEL, num_heads=4, batch_first=True)
         self.norm1, self.norm2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
-        self.moe = SparseMoEFeedForward(
-            D_MODEL, 64, num_experts=8, router="dselect_k", k=2, renormalize=True
-        )
+        # the defaults: DSelect-k gate (λ = 0, 3 selectors), top-2 dispatch, renormalised
+        self.moe = SparseMoEFeedForward(D_MODEL, 64, num_experts=8, gate="dselect_k", k=2)
         self.head = nn.Linear(D_MODEL, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,7 +123,10 @@ def test_sparse_moe_layer_on_cuda_matches_cpu(
     from dselectk.layers import SparseMoEFeedForward
 
     torch.manual_seed(4)
-    layer = SparseMoEFeedForward(16, 24, 8, router, k=2, routing=routing, capacity_factor=capacity)
+    layer = SparseMoEFeedForward(
+        16, 24, 8, router, k=2, selectors=None, renormalize=False, routing=routing,
+        capacity_factor=capacity,
+    )  # fmt: skip
     cpu, gpu = _pair(layer)
     x = torch.randn(3, 40, 16, dtype=torch.float64)
     outs = []

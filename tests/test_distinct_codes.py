@@ -160,7 +160,7 @@ def test_static_searchable_gate_reads_distinct_selection() -> None:
 def test_token_moe_dispatches_k_distinct_experts_per_token() -> None:
     torch.manual_seed(0)
     gate = _binary_gate(8, 2, True)
-    moe = SparseMoEFeedForward(6, 12, 8, gate, k=2, balance_loss_weight=0.0)
+    moe = SparseMoEFeedForward(6, 12, 8, gate, k=2, balance_weight=0.0)
     x = torch.randn(400, 6)
     x = x[gate.binary_entries(x).all(-1)][:120].reshape(3, 40, 6)
     out = moe(x).output

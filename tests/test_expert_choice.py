@@ -16,7 +16,7 @@ def _block(k: int = 2, n: int = 4, factor: float | None = None) -> SparseMoEFeed
     torch.manual_seed(0)
     return SparseMoEFeedForward(
         8, 16, n, "softmax", k=k, routing="expert", capacity_factor=factor,
-        balance_loss_weight=0.0,
+        balance_weight=0.0,
     )  # fmt: skip
 
 

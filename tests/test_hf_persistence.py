@@ -149,7 +149,9 @@ def test_life_cycle(family: str, tmp_path: Path) -> None:
     # 1. built on the meta device, routers swapped there
     with torch.device("meta"):
         model = _model_cls(family)(cfg)
-        routers = hf.replace_routers(model, "dselect_k", gamma=gamma, entropy_reg=0.01)
+        routers = hf.replace_routers(
+            model, "dselect_k", selectors=None, gamma=gamma, entropy_reg=0.01
+        )
     assert len(routers) == 2
     assert all(p.is_meta for p in model.parameters())
     # 2. materialised and initialised by transformers: the routers end with DSelect-k's init
@@ -308,10 +310,12 @@ def test_folder_without_routers_loads_plain(tmp_path: Path) -> None:
 
 def test_config_records_choice_and_callable_is_not_recorded() -> None:
     model = transformers.MixtralForCausalLM(_config("mixtral"))
-    hf.replace_routers(model, "comet", gamma=0.5, aux_loss_weight=0.5, renormalize=True)
+    hf.replace_routers(
+        model, "comet", selectors=None, gamma=0.5, aux_loss_weight=0.5, renormalize=True
+    )
     entry = getattr(model.config, hf.CONFIG_KEY)
     assert entry == hf.router_config(
-        "comet", gamma=0.5, k=TOP_K, aux_loss_weight=0.5, renormalize=True
+        "comet", gamma=0.5, selectors=TOP_K, aux_loss_weight=0.5, renormalize=True
     )
     hf.replace_routers(model, lambda n, d, k: DSelectK(n, k, in_features=d))
     assert not hasattr(model.config, hf.CONFIG_KEY)
@@ -415,11 +419,11 @@ def test_other_router_contracts_refused() -> None:
 
 def test_three_selector_router_dispatches_top_k_and_round_trips(tmp_path: Path) -> None:
     """The per-token recipe of research/notes/per_token.md §4q in a transformers model: a DSelect-k
-    router with one selector more than the model's top_k (k=3, λ = 0, renormalised). Every
+    router with one selector more than the model's top_k (selectors=3, λ = 0, renormalised). Every
     token still reaches top_k = 2 experts, and the choice is saved and loaded back."""
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(_config("mixtral"))
-    routers = hf.replace_routers(model, "dselect_k", k=3, entropy_reg=0.0, renormalize=True)
+    routers = hf.replace_routers(model, "dselect_k", selectors=3, entropy_reg=0.0, renormalize=True)
     assert all(r.gate_module.k == 3 for r in routers)
     seen: list[torch.Tensor] = []
     block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
@@ -441,3 +445,36 @@ def test_three_selector_router_dispatches_top_k_and_round_trips(tmp_path: Path) 
     with torch.no_grad():
         want, got = model(input_ids=_ids()).logits, loaded(input_ids=_ids()).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_defaults_are_the_per_token_recipe_and_old_names_are_refused() -> None:
+    model = transformers.MixtralForCausalLM(_config("mixtral"))
+    routers = hf.replace_routers(model)
+    assert all(isinstance(r.gate_module, DSelectK) and r.gate_module.k == 3 for r in routers)
+    assert all(r.renormalize and float(r.gate_module.entropy_reg) == 0.0 for r in routers)
+    entry = getattr(model.config, hf.CONFIG_KEY)
+    assert entry["gate_kwargs"] == {"k": 3} and entry["renormalize"] is True
+    topk = hf.replace_routers(model, "topk")  # its k is the model's top_k, not selectors
+    assert all(r.gate_module.k == TOP_K for r in topk)
+    with pytest.raises(TypeError, match="k= is now selectors="):
+        hf.replace_routers(model, "dselect_k", k=3)
+    with pytest.raises(TypeError, match="router= is now gate="):
+        hf.replace_routers(model, router="dselect_k")
+    with pytest.raises(ValueError, match="selectors"):
+        hf.replace_routers(model, selectors=0)
+
+
+def test_entry_of_an_earlier_version_loads_as_saved(tmp_path: Path) -> None:
+    """An entry written before the defaults changed (k in gate_kwargs; no renormalize key in the
+    oldest) is read as saved: the gate's k and no renormalisation."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(_config("mixtral"))
+    hf.replace_routers(model, "dselect_k", selectors=None, renormalize=False)
+    entry = getattr(model.config, hf.CONFIG_KEY)
+    assert entry["gate_kwargs"] == {"k": TOP_K}
+    del entry["renormalize"]
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(transformers.MixtralForCausalLM, tmp_path)
+    assert all(r.gate_module.k == TOP_K and not r.renormalize for r in _routers(loaded))
+    model.eval(), loaded.eval()
+    torch.testing.assert_close(model(input_ids=_ids()).logits, loaded(input_ids=_ids()).logits)

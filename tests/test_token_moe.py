@@ -57,7 +57,7 @@ def _binary_dselect(block: SparseMoEFeedForward) -> None:
 @pytest.mark.parametrize("router", ["topk", "dselect_k"])
 def test_block_equals_dense_mixture(router: str) -> None:
     torch.manual_seed(1)
-    block = SparseMoEFeedForward(D, 8, 4, router, k=2).double()
+    block = SparseMoEFeedForward(D, 8, 4, router, k=2, selectors=None, renormalize=False).double()
     if router == "dselect_k":
         _binary_dselect(block)
     x = torch.randn(3, 5, D, dtype=torch.float64)
@@ -89,7 +89,9 @@ def test_nonbinary_dselect_keeps_top_k() -> None:
 def test_gradients_reach_router_and_experts(router: str) -> None:
     torch.manual_seed(3)
     kw = {"entropy_reg": 0.1} if router == "dselect_k" else None
-    block = SparseMoEFeedForward(D, 8, 4, router, k=2, router_kwargs=kw)
+    block = SparseMoEFeedForward(
+        D, 8, 4, router, k=2, selectors=None, renormalize=False, gate_kwargs=kw
+    )
     out, aux = block(torch.randn(2, 6, D))
     (out.square().mean() + aux).backward()
     for name, p in block.named_parameters():
@@ -105,7 +107,9 @@ def test_capacity_drops_are_counted() -> None:
     with torch.no_grad():  # every token prefers expert 2
         router.proj.weight.zero_()
         router.proj.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
-    block = SparseMoEFeedForward(D, 8, 4, router, k=1, capacity_factor=1.0).double()
+    block = SparseMoEFeedForward(
+        D, 8, 4, router, k=1, selectors=None, renormalize=False, capacity_factor=1.0
+    ).double()
     x = torch.randn(16, D, dtype=torch.float64)
     out, _ = block(x)
     cap = block.capacity(16)
@@ -124,7 +128,9 @@ def test_capacity_priority_first_choices() -> None:
     with torch.no_grad():
         router.proj.weight.zero_()
         router.proj.bias.copy_(torch.tensor([1.0, 0.0]))  # first choice 0, second 1
-    block = SparseMoEFeedForward(D, 4, 2, router, k=2, capacity_factor=0.5)
+    block = SparseMoEFeedForward(
+        D, 4, 2, router, k=2, selectors=None, renormalize=False, capacity_factor=0.5
+    )
     block(torch.randn(8, D))
     # capacity ceil(0.5 * 8 * 2 / 2) = 4 per expert: 4 first choices kept on 0, 4 seconds on 1
     assert block.last_stats["load"].tolist() == [4, 4] and block.last_stats["dropped"] == 8
@@ -145,8 +151,9 @@ def test_balance_loss_by_hand() -> None:
 def test_block_aux_is_gate_aux_plus_balance() -> None:
     torch.manual_seed(5)
     block = SparseMoEFeedForward(
-        D, 8, 4, "dselect_k", k=2, balance_loss_weight=0.3, router_kwargs={"entropy_reg": 0.2}
-    )
+        D, 8, 4, "dselect_k", k=2, selectors=None, renormalize=False, balance_weight=0.3,
+        gate_kwargs={"entropy_reg": 0.2},
+    )  # fmt: skip
     x = torch.randn(2, 5, D)
     _, aux = block(x)
     r = block.route(x.reshape(-1, D))
@@ -175,7 +182,7 @@ def test_nan_token_gives_nan_not_zeros_and_zero_tokens_work(router: str) -> None
     from dselectk.layers import SparseMoEFeedForward
 
     torch.manual_seed(0)
-    moe = SparseMoEFeedForward(16, 32, 4, router=router, k=2)
+    moe = SparseMoEFeedForward(16, 32, 4, gate=router, k=2, selectors=None, renormalize=False)
     x = torch.randn(3, 16)
     x[1, 0] = float("nan")
     out = moe(x).output
@@ -199,8 +206,8 @@ def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
     torch.manual_seed(0)
     steps = 40
     layer = SparseMoEFeedForward(
-        8, 16, 8, router="dselect_k", k=2, renormalize=True,
-        router_kwargs={"distinct": True, "entropy_reg": 0.0},
+        8, 16, 8, gate="dselect_k", k=2, selectors=None, renormalize=True,
+        gate_kwargs={"distinct": True, "entropy_reg": 0.0},
     )  # fmt: skip
     ramp = Ramp("entropy_reg", end=0.1, delay=0.5, before=0.0).schedule(0.0, steps)
     sched = AttributeScheduler([layer.router], "entropy_reg", ramp)
@@ -223,15 +230,19 @@ def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
 
 def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
     """The README's per-token recipe that met issue 23's bar (research/notes/per_token.md §4q): a
-    DSelect-k router with three selectors (router_kwargs k = 3, λ = 0) under the layer's
+    DSelect-k router with three selectors (selectors=3, λ = 0: the defaults) under the layer's
     renormalised top-2 cut. Every token goes to exactly 2 experts, the two its mixture weights
     most, with those weights rescaled to sum to 1 (the block equals that masked mixture of all
     experts); where all three selectors end binary on one code, the token gets that one expert."""
     torch.manual_seed(0)
     layer = SparseMoEFeedForward(
-        8, 16, 8, router="dselect_k", k=2, renormalize=True,
-        router_kwargs={"k": 3, "entropy_reg": 0.0},
+        8, 16, 8, gate="dselect_k", k=2, selectors=3, renormalize=True,
+        gate_kwargs={"entropy_reg": 0.0},
     )  # fmt: skip
+    default = SparseMoEFeedForward(8, 16, 8)  # the defaults are this recipe
+    assert isinstance(default.router, DSelectK) and default.router.k == 3 and default.k == 2
+    assert default.renormalize and default.balance_weight == 0.01
+    assert float(default.router.entropy_reg) == 0.0
     assert layer.router.k == 3 and layer.k == 2
     x = torch.randn(200, 8)
     out = layer(x)
@@ -250,3 +261,25 @@ def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
     layer(x)
     assert layer.last_stats is not None and int(layer.last_stats["load"].sum()) == 200
     assert int(layer.last_stats["load"][0b101]) == 200
+
+
+def test_old_keyword_names_get_a_type_error_naming_the_new_one() -> None:
+    for old, new in (("router", "gate="), ("router_kwargs", "gate_kwargs="),
+                     ("balance_loss_weight", "balance_weight=")):  # fmt: skip
+        with pytest.raises(TypeError, match=f"{old}= is now {new}"):
+            SparseMoEFeedForward(D, 8, 4, **{old: 0})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        SparseMoEFeedForward(D, 8, 4, bogus=1)
+    with pytest.raises(TypeError, match="selectors="):
+        SparseMoEFeedForward(D, 8, 4, gate_kwargs={"k": 3})
+    with pytest.raises(ValueError, match="selectors"):
+        SparseMoEFeedForward(D, 8, 4, selectors=0)
+
+
+def test_selectors_size_selector_gates_and_k_sizes_topk() -> None:
+    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2, selectors=None).router.k == 2
+    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=1, selectors=4).router.k == 4
+    assert SparseMoEFeedForward(D, 8, 4, "topk", k=1, selectors=3).router.k == 1
+    assert SparseMoEFeedForward(D, 8, 4, "comet", k=2).router.k == 3
+    ec = SparseMoEFeedForward(D, 8, 4, "softmax", routing="expert")
+    assert not ec.renormalize  # None: renormalised for token routing only

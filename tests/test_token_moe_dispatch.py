@@ -57,7 +57,7 @@ def test_grouped_mlp_matches_forward_grouped(counts: list[int], final_activation
 
 def test_block_still_matches_dense_reference() -> None:
     torch.manual_seed(1)
-    block = SparseMoEFeedForward(8, 16, 4, "topk", 2, balance_loss_weight=0.0).to(F64)
+    block = SparseMoEFeedForward(8, 16, 4, "topk", 2, balance_weight=0.0).to(F64)
     x = torch.randn(2, 5, 8, dtype=F64, requires_grad=True)
     out = block(x).output
     torch.testing.assert_close(out, block.dense_reference(x))

@@ -102,7 +102,7 @@ def _check_same(block: nn.Module, ours: SparseMoEFeedForward, extra: object = No
 
 def test_mixtral_block_is_hosted_exactly() -> None:
     block = _mixtral()
-    ours = SparseMoEFeedForward.from_hf_block(block, balance_loss_weight=0.0)
+    ours = SparseMoEFeedForward.from_hf_block(block, balance_weight=0.0)
     assert isinstance(ours.router, TopKGate) and ours.router.proj.bias is None
     assert ours.gated and ours.k == K and ours.experts.activation == "silu"
     assert ours.experts.gate_up.dtype == F64
@@ -112,14 +112,14 @@ def test_mixtral_block_is_hosted_exactly() -> None:
 @pytest.mark.parametrize("norm", [False, True])
 def test_olmoe_block_is_hosted_exactly(norm: bool) -> None:
     block = _olmoe(norm)
-    ours = SparseMoEFeedForward.from_hf_block(block, balance_loss_weight=0.0)
+    ours = SparseMoEFeedForward.from_hf_block(block, balance_weight=0.0)
     assert isinstance(ours.router, TopKGate if norm else SoftmaxGate)
     _check_same(block, ours)
 
 
 def test_qwen2_moe_routed_experts_plus_its_shared_expert() -> None:
     block = _qwen2()
-    ours = SparseMoEFeedForward.from_hf_block(block, balance_loss_weight=0.0)
+    ours = SparseMoEFeedForward.from_hf_block(block, balance_weight=0.0)
 
     def shared(x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
@@ -145,8 +145,8 @@ def test_from_hf_block_refuses_what_it_cannot_host() -> None:
     with pytest.raises(TypeError, match=r"gate\.weight"):
         SparseMoEFeedForward.from_hf_block(nn.Linear(3, 3))
     block = _mixtral()
-    with pytest.raises(ValueError, match="router is taken from the block"):
-        SparseMoEFeedForward.from_hf_block(block, router="dselect_k")
+    with pytest.raises(ValueError, match="gate is taken from the block"):
+        SparseMoEFeedForward.from_hf_block(block, gate="dselect_k")
     block.experts.act_fn = nn.GELU(approximate="tanh")
     with pytest.raises(ValueError, match="activation GELU"):
         SparseMoEFeedForward.from_hf_block(block)
@@ -162,18 +162,18 @@ def test_load_fused_checks_shapes() -> None:
 
 # -- the fast path against the reference --------------------------------------------------------
 CASES = [
-    dict(router="topk", gated=False),
-    dict(router="topk", gated=True, activation="silu"),
-    dict(router="softmax", gated=True, activation="gelu", renormalize=True),
-    dict(router="topk", gated=False, capacity_factor=0.6),
-    dict(router="softmax", gated=True, activation="silu", routing="expert"),
+    dict(gate="topk", gated=False),
+    dict(gate="topk", gated=True, activation="silu"),
+    dict(gate="softmax", gated=True, activation="gelu", renormalize=True),
+    dict(gate="topk", gated=False, capacity_factor=0.6),
+    dict(gate="softmax", gated=True, activation="silu", routing="expert"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_fast_path_equals_reference_outputs_and_gradients(case: dict) -> None:
     torch.manual_seed(2)
-    block = SparseMoEFeedForward(D, FF, N_EXP, k=K, balance_loss_weight=0.0, **case).to(F64)
+    block = SparseMoEFeedForward(D, FF, N_EXP, k=K, balance_weight=0.0, **case).to(F64)
     x = torch.randn(3, 11, D, dtype=F64)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     fast = block(xa).output

@@ -52,8 +52,8 @@ def _dense_forward(self: SparseMoEFeedForward, x: Tensor) -> TokenMoEOutput:
         w = torch.softmax(self.router.compute_logits(flat), dim=-1)
     out = torch.einsum("tn,ntd->td", w, self.experts(flat))
     aux = r.gate_aux
-    if self.balance_loss_weight > 0:
-        aux = aux + self.balance_loss_weight * balance_loss(r.weights, r.routed)
+    if self.balance_weight > 0:
+        aux = aux + self.balance_weight * balance_loss(r.weights, r.routed)
     self.last_stats = {"load": torch.tensor(r.counts), "routed": r.routed.detach().cpu(),
                        "dropped": r.dropped, "tokens": int(flat.shape[0])}  # fmt: skip
     return TokenMoEOutput(out.reshape(x.shape), aux)

@@ -74,7 +74,7 @@ class MoEBlock(nn.Module):
             gate.num_experts,
             gate,
             k=k,
-            balance_loss_weight=balance_loss_weight,
+            balance_weight=balance_loss_weight,
             renormalize=renormalize,
             routing=routing,
             capacity_factor=capacity_factor,

@@ -35,8 +35,8 @@ pass ``output_router_logits=False`` to ``generate``.
 What the router returns (transformers' contract):
 
 * ``top_k_weights, top_k_index``: the gate's ``top_k`` largest weights per token
-  (``top_k = config.num_experts_per_tok``) and their experts. They are *not* renormalised
-  (``renormalize=True`` rescales them to sum to 1, as Mixtral's own router does): for DSelect-k
+  (``top_k = config.num_experts_per_tok``) and their experts, rescaled to sum to 1 by default
+  (``renormalize=True``, as Mixtral's own router does). With ``renormalize=False``: for DSelect-k
   with binary bits, at most k weights are nonzero and they already sum to 1, so the block
   computes exactly the dense mixture ``Σ_i w_i E_i(x)``; before that, the weight outside the top
   k is dropped (the same cut as :class:`~dselectk.layers.SparseMoEFeedForward`).
@@ -78,8 +78,11 @@ transformers' contract, the rest of it:
 Persistence. ``replace_routers`` with a gate *name* writes the router choice into the model's
 config, ``config.dselectk_router`` (:data:`CONFIG_KEY`)::
 
-    {"gate": "dselect_k", "gate_kwargs": {"k": 2, "gamma": 1.0, ...},
-     "aux_loss_weight": 1.0, "renormalize": false, "format": 1}
+    {"gate": "dselect_k", "gate_kwargs": {"k": 3, "gamma": 1.0, ...},
+     "aux_loss_weight": 1.0, "renormalize": true, "format": 1}
+
+(``gate_kwargs`` are the gate's own arguments: DSelect-k's ``k`` is the ``selectors`` of
+:func:`replace_routers`.)
 
 so ``model.save_pretrained(path)`` saves it in ``config.json`` next to the gate tensors
 (hyperparameter buffers included: a schedule's current γ or λ is saved and restored).
@@ -610,18 +613,53 @@ def _json_value(name: str, value: Any) -> Any:
     )
 
 
+#: keyword arguments of earlier versions and what replaced them (a TypeError names the new one)
+_RENAMED = {
+    "router": "gate= (a gate name or a callable building one)",
+    "k": "selectors= (DSelect-k's selector count; the experts per token are the model's top_k)",
+}
+
+
+def _check_renamed(where: str, gate_kwargs: Mapping[str, Any]) -> None:
+    for key in gate_kwargs:
+        if key in _RENAMED:
+            raise TypeError(f"{where}: {key}= is now {_RENAMED[key]}")
+
+
+def _selector_kwargs(gate: str, selectors: int | None, gate_kwargs: dict[str, Any]) -> None:
+    """Put ``selectors`` into ``gate_kwargs`` as the gate's ``k`` for selector gates (DSelect-k,
+    COMET, the ablations; not ``"topk"``, whose k is the model's ``top_k``)."""
+    if selectors is not None and not (isinstance(selectors, int) and selectors >= 1):
+        raise ValueError(f"selectors must be None or an int >= 1, got {selectors!r}")
+    if gate in GATES and GATES[gate].takes_k and gate != "topk" and selectors is not None:
+        gate_kwargs["k"] = selectors
+
+
 def router_config(
-    router: str = "dselect_k",
+    gate: str = "dselect_k",
     *,
+    selectors: int | None = 3,
     aux_loss_weight: float = 1.0,
-    renormalize: bool = False,
+    renormalize: bool = True,
     **gate_kwargs: Any,
 ) -> dict[str, Any]:
-    """The ``config.dselectk_router`` entry for these :func:`replace_routers` arguments."""
-    if router not in GATES:
-        raise ValueError(f"unknown gate {router!r}; expected one of {sorted(GATES)}")
+    """The ``config.dselectk_router`` entry for these :func:`replace_routers` arguments.
+
+    >>> router_config()["gate_kwargs"], router_config()["renormalize"]
+    ({'k': 3}, True)
+    """
+    _check_renamed("router_config", gate_kwargs)
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; expected one of {sorted(GATES)}")
+    _selector_kwargs(gate, selectors, gate_kwargs)
+    return _entry(gate, aux_loss_weight, renormalize, gate_kwargs)
+
+
+def _entry(
+    gate: str, aux_loss_weight: float, renormalize: bool, gate_kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
     return {
-        "gate": router,
+        "gate": gate,
         "gate_kwargs": {k: _json_value(k, v) for k, v in sorted(gate_kwargs.items())},
         "aux_loss_weight": float(aux_loss_weight),
         "renormalize": bool(renormalize),
@@ -631,10 +669,11 @@ def router_config(
 
 def with_routers(
     config: Any,
-    router: str = "dselect_k",
+    gate: str = "dselect_k",
     *,
+    selectors: int | None = 3,
     aux_loss_weight: float = 1.0,
-    renormalize: bool = False,
+    renormalize: bool = True,
     **gate_kwargs: Any,
 ) -> Any:
     """A copy of a transformers ``config`` that names these routers: a ``DSelectK<Config>``
@@ -646,7 +685,11 @@ def with_routers(
 
     new = copy.deepcopy(config)
     entry = router_config(
-        router, aux_loss_weight=aux_loss_weight, renormalize=renormalize, **gate_kwargs
+        gate,
+        selectors=selectors,
+        aux_loss_weight=aux_loss_weight,
+        renormalize=renormalize,
+        **gate_kwargs,
     )
     setattr(new, CONFIG_KEY, entry)
     _set_config_class(new, True)
@@ -655,10 +698,11 @@ def with_routers(
 
 def replace_routers(
     model: nn.Module,
-    router: str | Callable[[int, int, int], Gate] = "dselect_k",
+    gate: str | Callable[[int, int, int], Gate] = "dselect_k",
     *,
+    selectors: int | None = 3,
     aux_loss_weight: float = 1.0,
-    renormalize: bool = False,
+    renormalize: bool = True,
     **gate_kwargs: Any,
 ) -> list[GateRouter]:
     """Put a gate of this package in every Mixtral-style MoE block of ``model``.
@@ -666,28 +710,55 @@ def replace_routers(
     Works on a model on any device, the meta device included (the gates are built there). With
     a gate name, the choice is written to ``model.config.dselectk_router`` (see
     :func:`from_pretrained`), and the model's ``_init_weights`` initialises the routers by their
-    gates (see the module docstring).
+    gates (see the module docstring). The defaults are the per-token setting that measured best
+    in our character-level study: DSelect-k with λ = 0 (its default ``entropy_reg``), three
+    selectors for the model's top-2 dispatch, renormalised.
 
     Args:
         model: a transformers model (e.g. ``MixtralForCausalLM``); changed in place.
-        router: a gate name (built per-example with ``in_features=hidden_size``, n =
-            ``num_experts`` and, when the gate takes one, ``k = num_experts_per_tok``), or a
-            callable ``(num_experts, hidden_size, top_k) -> Gate`` (called once per block; not
-            recorded in the config).
-        aux_loss_weight: weight of the gates' auxiliary losses added to ``outputs.loss``
-            (0: not added; use :func:`router_aux_loss`).
-        renormalize: rescale each token's top-k weights to sum to 1.
-        **gate_kwargs: arguments of the gate when ``router`` is a name (gamma, entropy_reg, ...);
+        gate: a gate name (built per-example with ``in_features=hidden_size``, n =
+            ``num_experts``; ``"topk"`` with ``k = num_experts_per_tok``, selector gates with
+            ``k = selectors``), or a callable ``(num_experts, hidden_size, top_k) -> Gate``
+            (called once per block; not recorded in the config).
+        selectors: the selector count of DSelect-k (and the other selector gates: COMET, the
+            ablations) when ``gate`` is a name; None: the model's ``num_experts_per_tok``.
+            Each token still goes to ``num_experts_per_tok`` experts (the largest weights).
+        aux_loss_weight: weight of the gates' own auxiliary losses (DSelect-k's entropy term,
+            ...) added to ``outputs.loss`` (0: not added; use :func:`router_aux_loss`); the
+            model's load-balancing loss keeps its own ``router_aux_loss_coef``.
+        renormalize: rescale each token's top-k weights to sum to 1 (as Mixtral's router does).
+        **gate_kwargs: arguments of the gate when ``gate`` is a name (gamma, entropy_reg, ...);
             numbers, bools or strings (they are saved in the config).
 
     Returns:
         The new routers, in module order.
+
+    Example::
+
+        model = transformers.MixtralForCausalLM(config)
+        hf.replace_routers(model)  # DSelect-k, λ = 0, 3 selectors, renormalised
+        hf.replace_routers(model, "topk")  # transformers' routing, our gate
     """
+    _check_renamed("replace_routers", gate_kwargs)
+    if not isinstance(gate, str) and gate_kwargs:
+        raise ValueError("gate keyword arguments only apply when gate is a gate name")
+    kw = dict(gate_kwargs)
+    if isinstance(gate, str):
+        _selector_kwargs(gate, selectors, kw)
+    return _replace(model, gate, aux_loss_weight, renormalize, kw)
+
+
+def _replace(
+    model: nn.Module,
+    gate_spec: str | Callable[[int, int, int], Gate],
+    aux_loss_weight: float,
+    renormalize: bool,
+    gate_kwargs: dict[str, Any],
+) -> list[GateRouter]:
+    """:func:`replace_routers` with the gate's own arguments (``k`` included), as saved."""
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError("model has no Mixtral-style MoE block (a module with .gate and .experts)")
-    if not isinstance(router, str) and gate_kwargs:
-        raise ValueError("gate keyword arguments only apply when router is a gate name")
     routers: list[GateRouter] = []
     resolved: dict[str, Any] = dict(gate_kwargs)
     for _, block in blocks:
@@ -708,14 +779,14 @@ def replace_routers(
         # Built on the meta device when the model is there (no value exists there); otherwise
         # on the default device and moved, as before (the same random draws).
         with torch.device("meta") if on_meta else contextlib.nullcontext():
-            if isinstance(router, str):
+            if isinstance(gate_spec, str):
                 kw = dict(gate_kwargs)
-                if router in GATES and GATES[router].takes_k:
+                if gate_spec in GATES and GATES[gate_spec].takes_k:
                     kw.setdefault("k", top_k)
                     resolved.setdefault("k", kw["k"])
-                gate = make_gate(router, n, in_features=d, **kw)
+                gate = make_gate(gate_spec, n, in_features=d, **kw)
             else:
-                gate = router(n, d, top_k)
+                gate = gate_spec(n, d, top_k)
         if not isinstance(gate, Gate) or gate.static or gate.num_gates is not None:
             raise ValueError(f"the router must be a per-example single gate, got {gate!r}")
         if gate.num_experts != n or gate.in_features != d:
@@ -737,10 +808,8 @@ def replace_routers(
     _hook_init(model)
     config = getattr(model, "config", None)
     if config is not None:
-        if isinstance(router, str):
-            entry = router_config(
-                router, aux_loss_weight=aux_loss_weight, renormalize=renormalize, **resolved
-            )
+        if isinstance(gate_spec, str):
+            entry = _entry(gate_spec, aux_loss_weight, renormalize, resolved)
             setattr(config, CONFIG_KEY, entry)
             _set_config_class(config, True)
         else:
@@ -768,12 +837,14 @@ def _apply_config(model: nn.Module) -> None:
     spec = _spec(getattr(model, "config", None))
     if spec is None:
         return
-    replace_routers(
+    # The saved gate arguments are the gate's own (``k`` included), read as saved; an entry
+    # without ``renormalize`` predates it and was not renormalised.
+    _replace(
         model,
         str(spec["gate"]),
-        aux_loss_weight=float(spec.get("aux_loss_weight", 1.0)),
-        renormalize=bool(spec.get("renormalize", False)),
-        **dict(spec.get("gate_kwargs", {})),
+        float(spec.get("aux_loss_weight", 1.0)),
+        bool(spec.get("renormalize", False)),
+        dict(spec.get("gate_kwargs", {})),
     )
 
 

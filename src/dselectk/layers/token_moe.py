@@ -16,23 +16,21 @@ weighted results are scatter-added back to their tokens. :meth:`SparseMoEFeedFor
 computes the same output the slow way (every expert on every token, masked), differentiably:
 the tests' oracle.
 
-Which experts a token goes to: those with a nonzero weight, at most ``k`` of them (the largest).
-For gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits S(Wx) are binary)
-the block computes the gate's mixture exactly. For gates whose weights can have more nonzeros
-(DSelect-k while S(Wx) is not binary, softmax), the weight outside the ``k`` largest is dropped
-(or, with ``renormalize=True``, the kept weights are rescaled to sum to 1), so the compute stays
-at ``k`` experts per token. Measured per token (``research/notes/per_token.md``, a
-character-level
+Which experts a token goes to: those with a nonzero weight, at most ``k`` of them (the largest). For
+gates with at most ``k`` nonzeros per token (Top-k; DSelect-k once its bits S(Wx) are binary) the
+block computes the gate's mixture exactly. For gates whose weights can have more nonzeros (DSelect-k
+while S(Wx) is not binary, softmax), the weight outside the ``k`` largest is dropped (or, with
+``renormalize=True``, the default, the kept weights are rescaled to sum to 1), so the compute stays
+at ``k`` experts per token. Measured per token (``research/notes/per_token.md``, a character-level
 LM): DSelect-k with λ = 0 (its default ``entropy_reg``) and ``renormalize=True`` matched Top-k's
 bits per byte on 9 reserved seeds, its bits mostly soft (the top-k cut picks the experts); the
-paper's λ > 0 drives the bits binary and was worse there. With k selectors some tokens end with
-both on one code and get one expert; one selector more than ``k`` (``router_kwargs={"k": 3}``
-with ``k=2``) kept 1.98 distinct experts a token, +0.0006 ± 0.0070 bits per byte from
-Top-k over 27 reserved seeds. For a router that ends exactly sparse,
-train soft and binarize late: ``DSelectK(distinct=True)`` with λ = 0 for the first half of
-the steps, then ramped to 0.1 (e.g. ``dselectk.variants.Ramp("entropy_reg", end=0.1,
-delay=0.5, before=0.0)``); on 9 fresh seeds it left 83 % of the tokens binary with 2 distinct
-experts each, 0.006 ± 0.006 bits per byte behind Top-k.
+paper's λ > 0 drives the bits binary and was worse there. With k selectors some tokens end with both
+on one code and get one expert; one selector more than ``k`` (``selectors=3`` with ``k=2``, the
+defaults) kept 1.98 distinct experts a token, +0.0006 ± 0.0070 bits per byte from Top-k over 27
+reserved seeds. For a gate that ends exactly sparse, train soft and binarize late:
+``DSelectK(distinct=True)`` with λ = 0 for the first half of the steps, then ramped to 0.1 (e.g.
+``dselectk.variants.Ramp("entropy_reg", end=0.1, delay=0.5, before=0.0)``); on 9 fresh seeds it left
+83 % of the tokens binary with 2 distinct experts each, 0.006 ± 0.006 bits per byte behind Top-k.
 
 Capacity (optional, as Switch Transformer / GShard): with ``capacity_factor=c`` each expert takes
 at most ``ceil(c · N · k / n)`` (token, expert) pairs of a batch of N tokens; pairs over capacity
@@ -43,23 +41,23 @@ are counted in :attr:`SparseMoEFeedForward.last_stats`. ``None`` (default): no c
 
 Expert choice (``routing="expert"``; Zhou et al., *Mixture-of-Experts with Expert Choice
 Routing*, NeurIPS 2022): the experts choose instead of the tokens. Each expert takes the
-``C = ceil(c · N · k / n)`` tokens of the batch with the largest router weight for it (c: the
+``C = ceil(c · N · k / n)`` tokens of the batch with the largest gate weight for it (c: the
 capacity factor, 1 if None; at most N), so every expert is exactly full and a token may go to
-none, one or many experts; the pair weight is the router's weight (use a router whose weights are
+none, one or many experts; the pair weight is the gate's weight (use a gate whose weights are
 probabilities over experts, e.g. ``"softmax"``). Note: which experts a token reaches depends on
 the other tokens of the batch, future ones included, so in a causal language model expert choice
 sees the batch (the paper's caveat for autoregressive decoding); its outputs are not those of a
-per-token router.
+per-token gate.
 
 Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), for every gate:
 ``balance = n · Σ_i f_i · P_i`` where f_i is the fraction of the (token, expert) pairs routed to
 expert i (before capacity drops; the f sum to 1, so balanced routing gives 1) and P_i the mean
-over tokens of the router's probability for i. A gate's weights need not be probabilities (they
+over tokens of the gate's probability for i. A gate's weights need not be probabilities (they
 may sum to less than 1, e.g. DSelect-k with n not a power of two), so P uses the weights
 normalised per token, ``w_ti / Σ_j w_tj``. For DSelect-k these are its full weights (gradient
 reaches every selector and bit), for Top-k the softmax over its top k. f is not differentiable,
 P is. The block's auxiliary loss is the gate's own (e.g. DSelect-k's entropy term, averaged over
-tokens) plus ``balance_loss_weight · balance``.
+tokens) plus ``balance_weight · balance``.
 """
 
 from __future__ import annotations
@@ -83,7 +81,7 @@ class TokenMoEOutput(NamedTuple):
     output: Tensor
     """(..., d_model), shaped like the input."""
     aux_loss: Tensor
-    """Scalar: the gate's auxiliary loss + balance_loss_weight · balance loss."""
+    """Scalar: the gate's auxiliary loss + balance_weight · balance loss."""
 
 
 class Routing(NamedTuple):
@@ -144,7 +142,7 @@ def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
     """Switch-style load-balancing loss ``n · Σ_i f_i · P_i`` (see the module docstring).
 
     Args:
-        weights: (N, n) router weights, any nonnegative numbers (normalised per token here).
+        weights: (N, n) gate weights, any nonnegative numbers (normalised per token here).
         routed: (n,) number of (token, expert) pairs routed to each expert.
     """
     n = weights.shape[-1]
@@ -154,22 +152,48 @@ def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
     return n * (f * p).sum()
 
 
+#: keyword arguments of earlier versions and what replaced them (a TypeError names the new one)
+_RENAMED = {
+    "router": "gate= (the per-token gate: a gate name or a Gate)",
+    "router_kwargs": "gate_kwargs= (DSelect-k's selector count is selectors=)",
+    "balance_loss_weight": "balance_weight=",
+}
+
+
+def selector_count(gate: str, k: int, selectors: int | None) -> int:
+    """The ``k`` argument a gate named ``gate`` is built with: for ``"topk"`` the experts per
+    token ``k``; for selector gates (DSelect-k, COMET, the ablations) ``selectors`` (None: k).
+
+    >>> selector_count("dselect_k", 2, 3), selector_count("topk", 2, 3)
+    (3, 2)
+    """
+    if gate == "topk" or selectors is None:
+        return k
+    return selectors
+
+
 class SparseMoEFeedForward(nn.Module):
-    """Sparse MoE feed-forward block with a pluggable per-token router (module docstring).
+    """Sparse MoE feed-forward block with a pluggable per-token gate (module docstring).
 
     Args:
         d_model: token size.
         d_ff: hidden size of each expert.
         num_experts: n >= 2.
-        router: a gate name of :func:`~dselectk.gates.make_gate` (built per-example with
-            ``in_features=d_model`` and, if it takes one, ``k``) or a per-example single
-            :class:`~dselectk.gates.Gate` with ``in_features=d_model`` and n experts.
-        k: at most this many experts per token.
+        gate: the per-token gate: a gate name of :func:`~dselectk.gates.make_gate` (built
+            per-example with ``in_features=d_model``; ``"topk"`` with ``k``, selector gates
+            with ``selectors``) or a per-example single :class:`~dselectk.gates.Gate` with
+            ``in_features=d_model`` and n experts.
+        k: the experts each token is sent to (at most; the largest weights).
+        selectors: the selector count of DSelect-k (and the other selector gates: COMET, the
+            ablations) when ``gate`` is a name; None: ``k``. Default 3: one more than the
+            default ``k`` kept 2 distinct experts a token (module docstring). Not used by
+            ``"topk"`` or a Gate instance.
         capacity_factor: None (no limit) or c > 0: each expert takes at most
             ``ceil(c · N · k / n)`` pairs of a batch of N tokens.
-        balance_loss_weight: weight of the Switch balance loss in ``aux_loss`` (0: not computed).
+        balance_weight: weight of the Switch balance loss in ``aux_loss`` (0: not computed).
         renormalize: rescale the kept weights of a token to sum to 1 when the top-k cut drops
-            some (token routing only).
+            some (token routing only). None (default): True for token routing, False for
+            expert choice.
         routing: "token" (each token picks its k experts) or "expert" (expert choice: each
             expert picks its ``C = ceil(c · N · k / n)`` tokens; module docstring).
         activation: the experts' hidden activation ("gelu", "relu", "silu", ...); with
@@ -178,8 +202,25 @@ class SparseMoEFeedForward(nn.Module):
             ``down(act(x W_g) ⊙ x W_u)`` with hidden size ``d_ff``; SwiGLU with
             ``activation="silu"``. False (default): two-layer MLPs with biases
             (:class:`~dselectk.layers.StackedMLP`).
-        router_kwargs: extra arguments of the gate when ``router`` is a name (gamma, ...).
+        gate_kwargs: extra arguments of the gate when ``gate`` is a name (gamma,
+            entropy_reg, ...). DSelect-k's default ``entropy_reg`` is 0 (λ = 0, measured
+            best per token).
+
+    The defaults are the measured per-token recommendation: DSelect-k with λ = 0, three
+    selectors, top-2 dispatch, renormalised, balance weight 0.01.
+
+    Example::
+
+        >>> import torch
+        >>> from dselectk import SparseMoEFeedForward
+        >>> layer = SparseMoEFeedForward(16, 32, num_experts=8)  # DSelect-k, 3 selectors, top-2
+        >>> out = layer(torch.randn(4, 10, 16))
+        >>> out.output.shape, out.aux_loss.dim()
+        (torch.Size([4, 10, 16]), 0)
     """
+
+    router: Gate
+    """The per-token gate (the ``gate`` argument, built)."""
 
     last_stats: dict[str, Any] | None
     """Routing statistics of the last forward (detached): ``load`` (n,) pairs per expert after
@@ -190,52 +231,67 @@ class SparseMoEFeedForward(nn.Module):
         d_model: int,
         d_ff: int,
         num_experts: int,
-        router: Gate | str = "dselect_k",
+        gate: Gate | str = "dselect_k",
         k: int = 2,
         *,
+        selectors: int | None = 3,
         capacity_factor: float | None = None,
-        balance_loss_weight: float = 0.01,
-        renormalize: bool = False,
+        balance_weight: float = 0.01,
+        renormalize: bool | None = None,
         activation: str = "gelu",
-        router_kwargs: dict[str, Any] | None = None,
+        gate_kwargs: dict[str, Any] | None = None,
         routing: str = "token",
         gated: bool = False,
+        **renamed: Any,
     ) -> None:
         super().__init__()
+        for key in renamed:
+            if key in _RENAMED:
+                raise TypeError(f"SparseMoEFeedForward: {key}= is now {_RENAMED[key]}")
+            raise TypeError(f"SparseMoEFeedForward got an unexpected keyword argument {key!r}")
         if routing not in ("token", "expert"):
             raise ValueError(f"routing must be 'token' or 'expert', got {routing!r}")
         if routing == "expert" and renormalize:
             raise ValueError("renormalize applies to token routing only (routing='token')")
+        if renormalize is None:
+            renormalize = routing == "token"
         self.routing = routing
         self.d_model = check_positive_int("d_model", d_model)
         self.num_experts = check_positive_int("num_experts", num_experts, 2)
         self.k = check_positive_int("k", k)
         if k > num_experts:
             raise ValueError(f"k must be <= num_experts ({num_experts}), got {k}")
+        if selectors is not None:
+            check_positive_int("selectors", selectors)
         if capacity_factor is not None and not (
             capacity_factor > 0 and math.isfinite(capacity_factor)
         ):
             raise ValueError(f"capacity_factor must be None or > 0, got {capacity_factor}")
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
-        self.balance_loss_weight = check_nonnegative("balance_loss_weight", balance_loss_weight)
+        self.balance_weight = check_nonnegative("balance_weight", balance_weight)
         self.renormalize = bool(renormalize)
-        if isinstance(router, str):
-            kw = dict(router_kwargs or {})
-            if router in GATES and GATES[router].takes_k:
-                kw.setdefault("k", k)
-            router = make_gate(router, num_experts, in_features=d_model, **kw)
-        elif router_kwargs:
-            raise ValueError("router_kwargs only apply when router is a gate name")
-        if not isinstance(router, Gate):
-            raise TypeError(f"router must be a Gate or a gate name, got {type(router).__name__}")
-        if router.static or router.in_features != d_model or router.num_gates is not None:
+        if isinstance(gate, str):
+            kw = dict(gate_kwargs or {})
+            if "k" in kw:
+                raise TypeError(
+                    "gate_kwargs: the gate's k is set by k= (Top-k) or selectors= (DSelect-k "
+                    "and other selector gates); do not pass it in gate_kwargs"
+                )
+            if gate in GATES and GATES[gate].takes_k:
+                kw["k"] = selector_count(gate, k, selectors)
+            gate = make_gate(gate, num_experts, in_features=d_model, **kw)
+        elif gate_kwargs:
+            raise ValueError("gate_kwargs only apply when gate is a gate name")
+        if not isinstance(gate, Gate):
+            raise TypeError(f"gate must be a Gate or a gate name, got {type(gate).__name__}")
+        if gate.static or gate.in_features != d_model or gate.num_gates is not None:
             raise ValueError(
-                f"router must be a per-example single gate with in_features={d_model}, "
-                f"got {router!r}"
+                f"gate must be a per-example single gate with in_features={d_model}, got {gate!r}"
             )
-        if router.num_experts != num_experts:
-            raise ValueError(f"router has {router.num_experts} experts, expected {num_experts}")
-        self.router = router
+        if gate.num_experts != num_experts:
+            raise ValueError(f"gate has {gate.num_experts} experts, expected {num_experts}")
+        # The attribute keeps its name (state-dict keys ``router.*`` of saved layers load).
+        self.router = gate
         self.gated = bool(gated)
         self.experts: StackedMLP | GatedMLP
         if self.gated:
@@ -264,7 +320,7 @@ class SparseMoEFeedForward(nn.Module):
 
         Args:
             block: the Hugging Face block (transformers is not imported here).
-            **kwargs: other arguments of the constructor (``balance_loss_weight``,
+            **kwargs: other arguments of the constructor (``balance_weight``,
                 ``capacity_factor``, ...).
         """
         gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
@@ -291,7 +347,7 @@ class SparseMoEFeedForward(nn.Module):
         n, d_model = weight.shape
         d_ff = gate_up.shape[1] // 2
         renorm = bool(getattr(gate, "norm_topk_prob", True))
-        for key in ("router", "k", "gated", "activation", "router_kwargs", "renormalize"):
+        for key in ("gate", "k", "gated", "activation", "gate_kwargs", "renormalize", "selectors"):
             if key in kwargs:
                 raise ValueError(f"{key} is taken from the block; do not pass it")
         layer = cls(
@@ -302,7 +358,8 @@ class SparseMoEFeedForward(nn.Module):
             top_k,
             gated=True,
             activation=act,
-            router_kwargs={"bias": False},
+            renormalize=False,
+            gate_kwargs={"bias": False},
             **kwargs,
         ).to(dtype=gate_up.dtype, device=gate_up.device)
         with torch.no_grad():
@@ -381,7 +438,7 @@ class SparseMoEFeedForward(nn.Module):
         # (P, d): one gather, one grouped matmul per layer
         y = self.experts.forward_grouped(flat.index_select(0, r.token), r.counts)
         out = _Combine.apply(y, r.pair_weight.to(y.dtype), r.token, flat.shape[0])
-        # A token whose router weights are not finite (a NaN input) is routed to no expert;
+        # A token whose gate weights are not finite (a NaN input) is routed to no expert;
         # its output must say so (NaN), not read as a valid zero. On the CPU a check (no
         # pass over the output when every token is fine); elsewhere one masked add, no sync.
         bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
@@ -390,8 +447,8 @@ class SparseMoEFeedForward(nn.Module):
         elif bool(bad.any()):
             out = out.masked_fill(bad, torch.nan)
         aux = r.gate_aux
-        if self.balance_loss_weight > 0:
-            aux = aux + self.balance_loss_weight * balance_loss(r.weights, r.routed)
+        if self.balance_weight > 0:
+            aux = aux + self.balance_weight * balance_loss(r.weights, r.routed)
         self.last_stats = {
             "load": torch.tensor(r.counts),
             "routed": r.routed.detach().cpu(),
@@ -427,7 +484,7 @@ class SparseMoEFeedForward(nn.Module):
         return (
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
             f"capacity_factor={self.capacity_factor}, "
-            f"balance_loss_weight={self.balance_loss_weight:g}, renormalize={self.renormalize}"
+            f"balance_weight={self.balance_weight:g}, renormalize={self.renormalize}"
             + (", routing='expert'" if self.routing == "expert" else "")
             + (", gated=True" if self.gated else "")
         )
