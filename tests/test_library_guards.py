@@ -118,3 +118,53 @@ def test_swap_search_callback_checks_its_steps_and_loss() -> None:
     with pytest.raises(ValueError, match="fractions must lie in"):
         SwapSearch.at_fractions(gate, lambda: torch.zeros(1), 100, (NAN,))
     assert math.isfinite(SwapSearch(gate, lambda: torch.zeros(1), at=[3]).tol)
+
+
+# -- state loaded through the setters' checks ---------------------------------------------------
+@pytest.mark.parametrize("bad", [-3.0, NAN, INF, 0.0])
+def test_a_state_with_a_gamma_the_setter_refuses_does_not_load(bad: float) -> None:
+    gate = DSelectK(6, 2)
+    with pytest.raises(ValueError, match="gamma must be a finite number > 0"):
+        gate.gamma = bad
+    state = DSelectK(6, 2).state_dict()
+    state["_gamma"] = torch.tensor(bad)
+    before = {k: v.clone() for k, v in gate.state_dict().items()}
+    with pytest.raises(ValueError, match=r"_gamma: gamma must be a finite number > 0"):
+        gate.load_state_dict(state)
+    for key, value in gate.state_dict().items():  # nothing was loaded
+        assert torch.equal(value, before[key]), key
+
+
+def test_a_per_gate_state_with_one_negative_value_does_not_load() -> None:
+    gate = DSelectK(6, 2, num_gates=3)
+    state = gate.state_dict()
+    state["_entropy_reg"] = torch.tensor([0.1, -0.1, 0.0])
+    with pytest.raises(ValueError, match="entropy_reg must be a finite number >= 0"):
+        gate.load_state_dict(state)
+
+
+def test_a_state_of_another_meaning_with_the_same_shapes_does_not_load(tmp_path: Path) -> None:
+    five, six = DSelectK(5, 2), DSelectK(6, 2)
+    assert {k: v.shape for k, v in five.state_dict().items()} == {
+        k: v.shape for k, v in six.state_dict().items()
+    }  # same shapes: only the meaning differs
+    with pytest.raises(ValueError, match=r"num_experts=5, k=2; this gate has num_experts=6, k=2"):
+        six.load_state_dict(five.state_dict())
+    with pytest.raises(ValueError, match=r"TopKGate with num_experts=6, k=2; .* k=3"):
+        TopKGate(6, 3).load_state_dict(TopKGate(6, 2).state_dict())
+    path = tmp_path / "gate.pt"  # the meaning survives torch.save / torch.load
+    torch.save(five.state_dict(), path)
+    with pytest.raises(ValueError, match="num_experts=5"):
+        six.load_state_dict(torch.load(path, weights_only=True))
+    other = DSelectK(5, 2)
+    other.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(other().weights, five().weights, rtol=0, atol=0)
+
+
+def test_a_state_saved_without_the_meaning_still_loads() -> None:
+    five, six = DSelectK(5, 2), DSelectK(6, 2)
+    old = {k: v for k, v in five.state_dict().items() if not k.endswith("_extra_state")}
+    assert six.load_state_dict(old, strict=True).missing_keys == []  # no check: skipped
+    nested = MultiGateMoE(StackedMLP(8, 6, [5]), DSelectK(8, 2, num_gates=2), None)
+    state = {k: v for k, v in nested.state_dict().items() if not k.endswith("_extra_state")}
+    assert nested.load_state_dict(state, strict=True).missing_keys == []

@@ -149,6 +149,24 @@ class HyperParameter:
         assert buf is not None
         return buf
 
+    def check_state(self, value: Tensor, prefix: str = "") -> None:
+        """The setter's check of a value about to be loaded from a ``state_dict``: every entry
+        finite and > 0 (``positive``) or >= 0; a ValueError naming the entry otherwise."""
+        if not (value.is_floating_point() or value.dtype in _INT_DTYPES):
+            raise TypeError(
+                f"{prefix}{self.buffer_name}: {self.name} must hold real numbers, got a "
+                f"{value.dtype} tensor"
+            )
+        v = value.detach().to("cpu", torch.float64)
+        ok = (v > 0) if self.positive else (v >= 0)
+        if not bool((ok & torch.isfinite(v)).all()):
+            bound = "> 0" if self.positive else ">= 0"
+            shown = v.item() if v.numel() == 1 else v.tolist()
+            raise ValueError(
+                f"{prefix}{self.buffer_name}: {self.name} must be a finite number {bound}, "
+                f"got {shown} in the state being loaded"
+            )
+
     def _check_number(self, value: object) -> float:
         try:
             v = float(value)  # type: ignore[arg-type]
