@@ -168,3 +168,61 @@ def test_a_state_saved_without_the_meaning_still_loads() -> None:
     nested = MultiGateMoE(StackedMLP(8, 6, [5]), DSelectK(8, 2, num_gates=2), None)
     state = {k: v for k, v in nested.state_dict().items() if not k.endswith("_extra_state")}
     assert nested.load_state_dict(state, strict=True).missing_keys == []
+
+
+# -- smaller ones -------------------------------------------------------------------------------
+def test_balance_loss_of_an_empty_batch_is_zero_with_gradients() -> None:
+    from dselectk.layers.token_moe import balance_loss
+
+    weights = torch.zeros(0, 4, requires_grad=True)
+    loss = balance_loss(weights, torch.zeros(4, dtype=torch.long))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert weights.grad is not None and weights.grad.shape == (0, 4)
+    full = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # unchanged on a non-empty batch: n Σ f P
+    assert balance_loss(full, torch.tensor([1, 1])).item() == pytest.approx(1.0)
+
+
+def test_demo_seed_out_of_range_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from dselectk.cli import main
+
+    for seed in ("99999999999999999999", "1e20", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--seed", seed])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --seed: expected an integer" in err and "Traceback" not in err
+
+
+def test_demo_with_one_group_says_there_is_no_cross_group_pair(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dselectk.cli import main
+
+    args = ["demo", "--tasks", "2", "--examples", "200", "--epochs", "1", "--restarts", "1"]
+    assert main([*args, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "no cross-group pair (one group)" in out and "nan" not in out
+
+
+def test_replace_routers_refuses_bad_weights_and_non_bool_renormalize() -> None:
+    transformers = pytest.importorskip("transformers")
+    from dselectk.integrations import hf
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg)
+    for bad, error in ((NAN, ValueError), (-0.5, ValueError), (INF, ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="aux_loss_weight must be a finite number >= 0"):
+            hf.replace_routers(model, "dselect_k", aux_loss_weight=bad)
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="renormalize must be True or False"):
+            hf.replace_routers(model, "dselect_k", renormalize=bad)
+    assert not hf.find_moe_blocks(model) or all(
+        not isinstance(getattr(b, "gate", None), hf.GateRouter)
+        for _, b in hf.find_moe_blocks(model)
+    )  # nothing was replaced
+    assert len(hf.replace_routers(model, "dselect_k", aux_loss_weight=0, renormalize=True)) == 1

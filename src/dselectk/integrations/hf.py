@@ -128,6 +128,8 @@ Tested transformers versions: see ``pyproject.toml``'s ``transformers`` extra an
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -675,14 +677,22 @@ def replace_routers(
             callable ``(num_experts, hidden_size, top_k) -> Gate`` (called once per block; not
             recorded in the config).
         aux_loss_weight: weight of the gates' auxiliary losses added to ``outputs.loss``
-            (0: not added; use :func:`router_aux_loss`).
-        renormalize: rescale each token's top-k weights to sum to 1.
+            (a finite number >= 0; 0: not added, use :func:`router_aux_loss`).
+        renormalize: rescale each token's top-k weights to sum to 1 (a bool).
         **gate_kwargs: arguments of the gate when ``router`` is a name (gamma, entropy_reg, ...);
             numbers, bools or strings (they are saved in the config).
 
     Returns:
         The new routers, in module order.
     """
+    if isinstance(aux_loss_weight, bool) or not isinstance(aux_loss_weight, numbers.Real):
+        raise TypeError(
+            f"aux_loss_weight must be a finite number >= 0, got {type(aux_loss_weight).__name__}"
+        )
+    if not (math.isfinite(aux_loss_weight) and aux_loss_weight >= 0):
+        raise ValueError(f"aux_loss_weight must be a finite number >= 0, got {aux_loss_weight}")
+    if not isinstance(renormalize, bool):  # 'no' would read as True
+        raise TypeError(f"renormalize must be True or False, got {renormalize!r}")
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError("model has no Mixtral-style MoE block (a module with .gate and .experts)")
