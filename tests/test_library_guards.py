@@ -226,3 +226,47 @@ def test_replace_routers_refuses_bad_weights_and_non_bool_renormalize() -> None:
         for _, b in hf.find_moe_blocks(model)
     )  # nothing was replaced
     assert len(hf.replace_routers(model, "dselect_k", aux_loss_weight=0, renormalize=True)) == 1
+
+
+# -- γ below the bound where the optimizer's statistics overflow -----------------------------------
+def test_gamma_below_the_documented_bound_is_refused_everywhere() -> None:
+    from dselectk.gates import make_gate
+    from dselectk.gates.hyperparameter import GAMMA_MIN
+
+    for build in (
+        lambda: DSelectK(8, 2, gamma=1e-20),
+        lambda: DSelectK(8, 2, gamma=[1.0, GAMMA_MIN / 10], num_gates=2),
+        lambda: make_gate("comet", 8, k=2, gamma=1e-19),
+    ):
+        with pytest.raises(ValueError, match=r"gamma must be >= 1e-10, got 1e-"):
+            build()
+    gate = DSelectK(8, 2, gamma=GAMMA_MIN)  # the bound itself is allowed
+    with pytest.raises(ValueError, match="gamma must be >= 1e-10"):
+        gate.gamma = 1e-19
+    state = gate.state_dict()
+    state["_gamma"] = torch.tensor(1e-19, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gamma must be >= 1e-10"):
+        DSelectK(8, 2).load_state_dict(state)
+
+
+def test_adam_statistics_overflow_below_the_bound_not_at_it() -> None:
+    """The measurement behind GAMMA_MIN: Adam's second moment of the selectors' gradient grows
+    as 1/γ² and reaches float32's inf near γ = 1e-22 for this unit-scale loss."""
+    from dselectk.gates.hyperparameter import GAMMA_MIN
+
+    def second_moment(gamma: float) -> float:
+        torch.manual_seed(0)
+        gate = DSelectK(8, 2)
+        gate._gamma.fill_(gamma)  # past the setter, to measure what it prevents
+        opt = torch.optim.Adam(gate.parameters(), lr=1e-3)
+        target = torch.zeros(8)
+        target[3] = 1.0
+        for _ in range(20):
+            loss = ((gate().weights - target) ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return max(float(s["exp_avg_sq"].max()) for s in opt.state.values())
+
+    assert second_moment(1e-23) == INF
+    assert second_moment(GAMMA_MIN) < 1e20
