@@ -256,8 +256,10 @@ def test_adam_statistics_overflow_below_the_bound_not_at_it() -> None:
 
     def second_moment(gamma: float) -> float:
         torch.manual_seed(0)
-        gate = DSelectK(8, 2)
-        gate._gamma.fill_(gamma)  # past the setter, to measure what it prevents
+        gate = DSelectK(8, 2)  # γ = 1: logits from U(-1/100, 1/100)
+        with torch.no_grad():  # as built with this γ (U(-γ/100, γ/100)), past the setter
+            gate.logits.mul_(gamma)
+            gate._gamma.fill_(gamma)
         opt = torch.optim.Adam(gate.parameters(), lr=1e-3)
         target = torch.zeros(8)
         target[3] = 1.0

@@ -262,7 +262,7 @@ def classify(case: Case, res: Result, work: Path) -> tuple[str, str]:
 
 # -- fixtures -----------------------------------------------------------------------------
 def make_data(root: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "experiments"))
+    sys.path.insert(0, str(ROOT / "research" / "tests" / "experiments"))
     from test_realdata import write_ml100k, write_mnist  # the tests' tiny upstream-format files
 
     write_ml100k(root / "data")
