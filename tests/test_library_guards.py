@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from dselectk import DSelectK, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MultiGateMoE
 from dselectk.export import ExportVerificationError, export_program, to_onnx, verify
 from dselectk.gates import TopKGate
+from dselectk.layers import StackedMLP
 from dselectk.search import SwapSearch, swap_search
 
 NAN, INF = float("nan"), float("inf")

@@ -99,7 +99,8 @@ except (ValueError, TypeError) as e:
 
 _LIB_PRELUDE = """
 import math, torch
-from dselectk import DSelectK, MultiGateMoE, StackedMLP
+from dselectk import DSelectK, MultiGateMoE
+from dselectk.layers import StackedMLP
 from dselectk.gates import make_gate, TopKGate
 NAN, INF = float("nan"), float("inf")
 def model():
