@@ -85,6 +85,8 @@ def _x(kw: dict[str, Any]) -> torch.Tensor | None:
 def _digest(gate: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for key, t in sorted(gate.state_dict().items()):
+        if key.endswith("_extra_state"):  # the gate's meaning [n, k], not a constructed value
+            continue
         h.update(key.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

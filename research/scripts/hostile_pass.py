@@ -61,7 +61,7 @@ def run_cli(argv: list[str], cwd: Path, interrupt_at: str | None) -> Result:
     env = {**os.environ, "DSELECTK_VERIFY": "0", "PYTHONWARNINGS": "ignore"}
     if SRC:
         env["PYTHONPATH"] = SRC
-    cmd = [*CLI, *argv]
+    cmd = [sys.executable, "-c", _LIB_HARNESS, argv[1]] if argv[:1] == ["@py"] else [*CLI, *argv]
     if interrupt_at is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     # Ctrl-C at a known point (dselectk._testing.pause_point), not after a guessed delay
@@ -83,6 +83,160 @@ def run_cli(argv: list[str], cwd: Path, interrupt_at: str | None) -> Result:
         out, err = p.communicate()
         err += "\n(hostile_pass: did not stop within 120 s of Ctrl-C: killed)"
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+#: A library case: Python code run in a subprocess; a ValueError/TypeError is a refusal (one
+#: ``error:`` line on stderr, exit 2), any other exception a traceback, no exception exit 0.
+_LIB_HARNESS = """
+import sys, warnings
+warnings.simplefilter("ignore")
+try:
+    exec(compile(sys.argv[1], "<case>", "exec"), {"__name__": "__case__"})
+except (ValueError, TypeError) as e:
+    print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+    sys.exit(2)
+"""
+
+_LIB_PRELUDE = """
+import math, torch
+from dselectk import DSelectK, MultiGateMoE
+from dselectk.layers import StackedMLP
+from dselectk.gates import make_gate, TopKGate
+NAN, INF = float("nan"), float("inf")
+def model():
+    torch.manual_seed(0)
+    g = DSelectK(8, 2, in_features=6, num_gates=2)
+    t = StackedMLP(2, 5, [4, 1], final_activation=False)
+    return MultiGateMoE(StackedMLP(8, 6, [5]), g, t, conditional=True).eval()
+def wrong(m):
+    return lambda xs: [o + 1.0 for o in m(*xs).outputs]
+"""
+
+
+def lib(code: str) -> list[str]:
+    """argv of a library case (see ``_LIB_HARNESS``)."""
+    return ["@py", _LIB_PRELUDE + code]
+
+
+def library_cases() -> list[Case]:
+    """The library's checks that would otherwise check nothing, loaded state, constructor
+    numbers, the per-token layer, the transformers adapter."""
+    c: list[Case] = []
+
+    def refuse(name: str, code: str, *words: str) -> None:
+        c.append(Case("lib " + name, lib(code), "refuse", check=says(*words) if words else None))
+
+    def ok(name: str, code: str) -> None:  # the code asserts what is right
+        c.append(Case("lib " + name, lib(code), "ok"))
+
+    v = "from dselectk.export import verify, export_program\nm = model()\n"
+    for kw, word in (
+        ("atol=NAN", "atol"), ("rtol=NAN", "rtol"), ("atol=INF", "atol"), ("atol=-1e-5", "atol"),
+        ("rtol=-1.0", "rtol"), ("batch_sizes=[]", "batch_sizes"), ("batch_sizes=[0]", "batch_sizes"),  # noqa: E501
+        ("batch_sizes=[-3, 4]", "batch_sizes"), ("batch_sizes=[2.5]", "batch_sizes"),
+        ("atol='1e-5'", "atol"), ("batch_sizes=8", "batch_sizes"),
+    ):  # fmt: skip
+        refuse(
+            f"verify wrong graph {kw}", v + f"verify(wrong(m), m, torch.randn(16, 6), {kw})", word
+        )
+    for kw, word in (("atol=NAN", "atol"), ("batch_sizes=[]", "batch_sizes")):
+        refuse(f"export_program {kw}", v + f"export_program(m, torch.randn(16, 6), {kw})", word)
+    refuse(
+        "to_onnx rtol=NAN",
+        v
+        + "from dselectk.export import to_onnx\nto_onnx(m, torch.randn(16, 6), 'm.onnx', rtol=NAN)",
+        "rtol",
+    )
+    ok(
+        "verify wrong graph at default tolerances fails",
+        v + "from dselectk.export import ExportVerificationError\n"
+        "try:\n    verify(wrong(m), m, torch.randn(16, 6))\nexcept ExportVerificationError:\n"
+        "    pass\nelse:\n    raise SystemExit(5)",
+    )
+    s = "from dselectk.search import swap_search, SwapSearch\ng = DSelectK(8, 2, num_gates=3)\n"
+    for kw, word in (
+        ("tol=NAN", "tol"), ("tol=INF", "tol"), ("tol=-1.0", "tol"), ("scale=INF", "scale"),
+        ("scale=NAN", "scale"), ("scale=0.1", "scale"), ("sweeps=0", "sweeps"),
+        ("sweeps=2.5", "sweeps"),
+    ):  # fmt: skip
+        refuse(f"swap_search {kw}", s + f"swap_search(g, lambda: torch.zeros(3), {kw})", word)
+        refuse(
+            f"SwapSearch({kw}) at construction",
+            s + f"SwapSearch(g, lambda: torch.zeros(3), at=[5], {kw})",
+            word,
+        )
+    refuse("SwapSearch at=[2.5]", s + "SwapSearch(g, lambda: torch.zeros(3), at=[2.5])", "at")
+    refuse("SwapSearch at=[]", s + "SwapSearch(g, lambda: torch.zeros(3), at=[])", "at")
+    refuse("SwapSearch loss not callable", s + "SwapSearch(g, 3.0, at=[1])", "member_loss")
+    ld = "g = DSelectK(6, 2)\nst = DSelectK(6, 2).state_dict()\n"
+    for bad in ("-3.0", "NAN", "INF", "0.0", "1e-19"):
+        refuse(
+            f"load_state_dict gamma={bad}",
+            ld + f"st['_gamma'] = torch.tensor({bad})\ng.load_state_dict(st)",
+            "gamma",
+        )
+    refuse(
+        "load_state_dict entropy_reg=-1",
+        ld + "st['_entropy_reg'] = torch.tensor(-1.0)\ng.load_state_dict(st)",
+        "entropy_reg",
+    )
+    refuse(
+        "load 5-expert DSelect-k into 6-expert",
+        "DSelectK(6, 2).load_state_dict(DSelectK(5, 2).state_dict())",
+        "num_experts=5",
+    )
+    refuse(
+        "load top-2 state into top-3 gate",
+        "TopKGate(6, 3).load_state_dict(TopKGate(6, 2).state_dict())",
+        "k=2",
+    )
+    refuse(
+        "load 5-expert state after torch.save",
+        "import io\nb = io.BytesIO()\ntorch.save(DSelectK(5, 2).state_dict(), b)\nb.seek(0)\n"
+        "DSelectK(6, 2).load_state_dict(torch.load(b, weights_only=True))",
+        "num_experts",
+    )
+    ok(
+        "old state without the meaning still loads",
+        "st = {k: v for k, v in DSelectK(6, 2).state_dict().items() if 'extra' not in k}\n"
+        "assert DSelectK(6, 2).load_state_dict(st).missing_keys == []",
+    )
+    for name, kw in (
+        ("DSelectK gamma=1e-20", "DSelectK(8, 2, gamma=1e-20)"),
+        ("DSelectK gamma=NAN", "DSelectK(8, 2, gamma=NAN)"),
+        ("DSelectK gamma=-1", "DSelectK(8, 2, gamma=-1.0)"),
+        ("comet gamma=1e-19", "make_gate('comet', 8, k=2, gamma=1e-19)"),
+        ("DSelectK k=0", "DSelectK(8, 0)"),
+        ("DSelectK k=9 > n", "DSelectK(8, 9)"),
+        ("DSelectK k=2.0", "DSelectK(8, 2.0)"),
+        ("DSelectK entropy_reg=INF", "DSelectK(8, 2, entropy_reg=INF)"),
+        ("topk k=NAN", "TopKGate(8, NAN)"),
+        ("softmax num_experts=1", "make_gate('softmax', 1)"),
+        ("gumbel temperature=0", "make_gate('gumbel_softmax', 8, temperature=0.0)"),
+        ("gumbel temperature=INF", "make_gate('gumbel_softmax', 8, temperature=INF)"),
+        ("gate num_gates=0", "DSelectK(8, 2, num_gates=0)"),
+        ("gate in_features=-4", "DSelectK(8, 2, in_features=-4)"),
+        ("gate gamma per-gate with a NaN", "DSelectK(8, 2, num_gates=2, gamma=[1.0, NAN])"),
+    ):
+        refuse(name, kw)
+    refuse("gamma setter 1e-19", "g = DSelectK(8, 2)\ng.gamma = 1e-19", "gamma")
+    ok(
+        "token-moe balance loss of an empty batch",
+        "from dselectk.layers.token_moe import balance_loss\nw = torch.zeros(0, 4, requires_grad=True)\n"  # noqa: E501
+        "l = balance_loss(w, torch.zeros(4, dtype=torch.long))\nassert l.item() == 0.0\nl.backward()",  # noqa: E501
+    )
+    hf = (
+        "import transformers\nfrom dselectk.integrations import hf\n"
+        "cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=8, "
+        "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, "
+        "num_experts_per_tok=2)\nm = transformers.MixtralForCausalLM(cfg)\n"
+    )
+    for kw, word in (
+        ("aux_loss_weight=NAN", "aux_loss_weight"), ("aux_loss_weight=-0.5", "aux_loss_weight"),
+        ("renormalize='no'", "renormalize"), ("renormalize=None", "renormalize"),
+    ):  # fmt: skip
+        refuse(f"replace_routers {kw}", hf + f"hf.replace_routers(m, 'dselect_k', {kw})", word)
+    return c
 
 
 def classify(case: Case, res: Result, work: Path) -> tuple[str, str]:
@@ -109,7 +263,7 @@ def classify(case: Case, res: Result, work: Path) -> tuple[str, str]:
 
 # -- fixtures -----------------------------------------------------------------------------
 def make_data(root: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "experiments"))
+    sys.path.insert(0, str(ROOT / "research" / "tests" / "experiments"))
     from test_realdata import write_ml100k, write_mnist  # the tests' tiny upstream-format files
 
     write_ml100k(root / "data")
@@ -761,6 +915,20 @@ def cases() -> list[Case]:
     add(Case("bench --small-batches 0", ["bench", "--small-batches", "0"], "refuse"))
     # bench
     add(Case("bench bad flag", ["bench", "--no-such-flag"], "refuse"))
+    add(Case("demo --seed 1e20", [*DEMO, "--seed", "1e20"], "refuse", check=says("--seed")))
+    add(
+        Case("demo --seed 10^20", [*DEMO, "--seed", "1" + "0" * 20], "refuse", check=says("--seed"))
+    )
+    add(Case("demo --seed 2^31", [*DEMO, "--seed", str(2**31)], "refuse", check=says("--seed")))
+    add(
+        Case(
+            "demo --tasks 2 has no cross-group pair",
+            [*DEMO, "--restarts", "1"],
+            "ok",
+            check=lambda r, w: "no cross-group pair" in r.stdout and "nan" not in r.stdout,
+        )
+    )
+    c.extend(library_cases())
     return c
 
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 __all__ = ["int_at_least"]
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (and <= ``maximum`` when given)."""
 
     def parse(text: str) -> int:
         try:
@@ -18,6 +18,10 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in [{minimum}, {maximum}], got {value}"
+            )
         return value
 
     return parse

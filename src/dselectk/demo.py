@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,10 @@ GATE = Variant("dselect_k_search", "dselect_k", "DSelect-k + swap local search",
 GATE_HPARAMS = {"gamma": 10.0, "entropy_reg": 0.1}
 
 
+#: the largest ``--seed`` (a larger one would overflow torch's or NumPy's seeding)
+SEED_MAX = 2**31 - 1
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tasks",
@@ -83,9 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=int_at_least(0),
+        type=int_at_least(0, SEED_MAX),
         default=0,
-        help="seed of the data, the initialisations and the shuffling (default: %(default)s)",
+        help=f"seed of the data, the initialisations and the shuffling, in [0, {SEED_MAX}] "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--restarts",
@@ -241,7 +247,12 @@ def run(args: argparse.Namespace) -> int:
             f"observed: {s.identical} of {s.pairs} same-group task pairs selected identical "
             f"expert sets; {s.overlapping} of {s.pairs} same-group task pairs share an expert; "
             f"mean Jaccard of selections {s.jaccard_within:.2f} within groups, "
-            f"{s.jaccard_across:.2f} across groups ({int(binary[best].sum())} of "
+            + (
+                f"{s.jaccard_across:.2f} across groups"
+                if not math.isnan(s.jaccard_across)
+                else "no cross-group pair (one group)"
+            )
+            + f" ({int(binary[best].sum())} of "
             f"{t_count} gates binary, "
             f"{sum(len(x) for x in selected) / len(selected):.2f} experts per task)"
         )

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import numbers
+import operator
 import os
 import tempfile
 import warnings
@@ -225,6 +228,31 @@ def _compare(
     return worst
 
 
+def _check_tolerances(batch_sizes: Sequence[int], atol: float, rtol: float) -> tuple[int, ...]:
+    """Refuse a verification that would check nothing: tolerances that are NaN, infinite or
+    negative, or no batch size >= 1 to run."""
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a finite number >= 0, got {type(value).__name__}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise TypeError(
+            f"batch_sizes must be a non-empty sequence of ints >= 1, got "
+            f"{type(batch_sizes).__name__}"
+        )
+    if len(batch_sizes) == 0:
+        raise ValueError("batch_sizes must be a non-empty sequence of ints >= 1, got []")
+    sizes = []
+    for b in batch_sizes:
+        if isinstance(b, bool) or not hasattr(type(b), "__index__"):
+            raise TypeError(f"batch_sizes must hold ints >= 1, got {b!r}")
+        if operator.index(b) < 1:
+            raise ValueError(f"batch_sizes must hold ints >= 1, got {list(batch_sizes)}")
+        sizes.append(operator.index(b))
+    return tuple(sizes)
+
+
 def verify(
     run: Callable[[list[Tensor]], Sequence[Any]],
     model: nn.Module,
@@ -241,8 +269,10 @@ def verify(
     Returns the largest absolute difference; raises :class:`ExportVerificationError` beyond
     ``atol + rtol·|expected|``, on a NaN or an unmatched infinity in either output (or when
     ``run`` fails). The inputs are finite: a non-finite example input or sampled input is
-    refused with :class:`ValueError`.
+    refused with :class:`ValueError`, and so are ``atol``/``rtol`` that are not finite numbers
+    >= 0 and ``batch_sizes`` without a size >= 1 (a check that would check nothing).
     """
+    batch_sizes = _check_tolerances(batch_sizes, atol, rtol)
     args = _as_tuple(example_inputs)
     gen = torch.Generator().manual_seed(seed)
     wrapped = _Predictions(model)
@@ -322,7 +352,8 @@ def to_onnx(
             eager; on a mismatch :class:`ExportVerificationError` is raised and nothing is
             written (the export goes to a temp file beside ``path``, renamed over ``path`` once
             verified: an earlier file at ``path`` is kept as it was).
-        atol, rtol: tolerance of the comparison.
+        atol, rtol: tolerance of the comparison (finite numbers >= 0; ``batch_sizes`` must
+            hold at least one size >= 1).
         input_sampler: ``batch -> inputs``, to verify on your own data instead of random inputs
             shaped like the example (see :func:`fresh_inputs`).
         input_names, output_names: names in the graph (default ``input_i``, ``output_i``).
@@ -330,6 +361,7 @@ def to_onnx(
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
+    _check_tolerances(batch_sizes, atol, rtol)
     ort = _require_onnx()
     args = _as_tuple(example_inputs)
     path = Path(path)
@@ -457,6 +489,7 @@ def export_program(
     PyTorch eager; :class:`ExportVerificationError` on a mismatch. Arguments as
     :func:`to_onnx`.
     """
+    _check_tolerances(batch_sizes, atol, rtol)
     args = _as_tuple(example_inputs)
     wrapped = _Predictions(model)
     with _eval(model), torch.no_grad():

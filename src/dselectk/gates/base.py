@@ -70,6 +70,9 @@ class GateOutput(NamedTuple):
     """Scalar to add to the training loss (already multiplied by its weights λ, ξ, ...)."""
 
 
+_EXTRA_STATE = "_extra_state"  # torch's key of get_extra_state()
+
+
 class Gate(nn.Module):
     """Base class: parameter layout (static or per-example, single or bank) and input checks.
 
@@ -266,9 +269,18 @@ class Gate(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        # The state goes through the setters' checks before anything is copied: a
+        # hyperparameter that is not finite or out of range, or the state of a gate of another
+        # meaning (number of experts, k) with the same shapes, is refused and the gate is left
+        # as it was. A state saved before these entries existed loads without the check.
+        self._check_meaning(state_dict.get(prefix + _EXTRA_STATE), prefix)
+        hps = hyperparameters(self).values()
+        for hp in hps:
+            new = state_dict.get(prefix + hp.buffer_name)
+            if isinstance(new, Tensor) and not new.is_meta:
+                hp.check_state(new, prefix)
         # A hyperparameter saved in the other form (one value vs one per gate) replaces the
         # buffer's shape, as assigning it would; other mismatches are left to torch's checks.
-        hps = hyperparameters(self).values()
         for hp in hps:
             old, new = self._buffers.get(hp.buffer_name), state_dict.get(prefix + hp.buffer_name)
             if not (isinstance(old, Tensor) and isinstance(new, Tensor)) or new.shape == old.shape:
@@ -286,6 +298,43 @@ class Gate(nn.Module):
                 hp.refresh(self)
             elif hp.optional and key in missing_keys:
                 missing_keys.remove(key)
+        if prefix + _EXTRA_STATE in missing_keys:  # saved before the gate kept its meaning
+            missing_keys.remove(prefix + _EXTRA_STATE)
+
+    def _meaning(self) -> tuple[int, int]:
+        k = getattr(self, "k", None)
+        return self.num_experts, 0 if k is None else int(k)
+
+    def get_extra_state(self) -> Tensor:
+        """The gate's meaning, saved in its ``state_dict``: ``[num_experts, k]`` (k = 0 for a
+        gate without k). :meth:`load_state_dict` refuses the state of a gate of another meaning
+        (a 5-expert DSelect-k has the shapes of a 6-expert one); a state saved without this
+        entry loads without that check."""
+        # float64 (exact for these integers): a state cast as a whole, e.g. ``.double()`` of
+        # every value, still compares equal
+        return torch.tensor(self._meaning(), dtype=torch.float64)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Checked in :meth:`_load_from_state_dict` before anything loads; nothing to set."""
+
+    def _check_meaning(self, saved: Any, prefix: str) -> None:
+        if saved is None:
+            return
+        if not isinstance(saved, Tensor) or saved.is_meta or saved.numel() != 2:
+            raise ValueError(
+                f"{prefix}{_EXTRA_STATE}: expected a gate's [num_experts, k], got {saved!r}"
+            )
+        n, k = saved.detach().cpu().reshape(-1).tolist()
+        if (n, k) != self._meaning():  # (a float equals its int)
+            have, got = self._meaning(), (int(n), int(k)) if math.isfinite(n + k) else (n, k)
+            raise ValueError(
+                f"{prefix or 'state_dict'}: the state is that of a {type(self).__name__} with "
+                f"num_experts={got[0]}"
+                + (f", k={got[1]}" if got[1] else "")
+                + f"; this gate has num_experts={have[0]}"
+                + (f", k={have[1]}" if have[1] else "")
+                + " (same shapes, another meaning)"
+            )
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()

@@ -42,6 +42,7 @@ from dselectk.gates.base import (
     HyperParameter,
     format_hyperparameter,
 )
+from dselectk.gates.hyperparameter import GAMMA_MIN
 
 __all__ = ["COMETGate", "tree_leaf_probabilities"]
 
@@ -103,7 +104,7 @@ class COMETGate(Gate):
     binarizes = True
 
     _gamma: Tensor
-    gamma = HyperParameter(positive=True)
+    gamma = HyperParameter(positive=True, minimum=GAMMA_MIN)
     _entropy_reg: Tensor
     entropy_reg = HyperParameter(positive=False)
 

@@ -17,6 +17,7 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
+from dselectk.gates.hyperparameter import GAMMA_MIN
 from dselectk.kernels.aten import (
     _DSelectSmallGate,
     _DSelectSmallGateLinear,
@@ -111,7 +112,7 @@ class DSelectK(Gate):
     searchable = True
     binarizes = True
     _gamma: Tensor
-    gamma = HyperParameter(positive=True)
+    gamma = HyperParameter(positive=True, minimum=GAMMA_MIN)
     _entropy_reg: Tensor
     entropy_reg = HyperParameter(positive=False)
     _diversity: Tensor

@@ -131,6 +131,8 @@ Tested transformers versions: see ``pyproject.toml``'s ``transformers`` extra an
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -724,9 +726,11 @@ def replace_routers(
             ablations) when ``gate`` is a name; None: the model's ``num_experts_per_tok``.
             Each token still goes to ``num_experts_per_tok`` experts (the largest weights).
         aux_loss_weight: weight of the gates' own auxiliary losses (DSelect-k's entropy term,
-            ...) added to ``outputs.loss`` (0: not added; use :func:`router_aux_loss`); the
-            model's load-balancing loss keeps its own ``router_aux_loss_coef``.
-        renormalize: rescale each token's top-k weights to sum to 1 (as Mixtral's router does).
+            ...) added to ``outputs.loss`` (a finite number >= 0; 0: not added, use
+            :func:`router_aux_loss`); the model's load-balancing loss keeps its own
+            ``router_aux_loss_coef``.
+        renormalize: rescale each token's top-k weights to sum to 1 (as Mixtral's router does;
+            a bool).
         **gate_kwargs: arguments of the gate when ``gate`` is a name (gamma, entropy_reg, ...);
             numbers, bools or strings (they are saved in the config).
 
@@ -756,6 +760,14 @@ def _replace(
     gate_kwargs: dict[str, Any],
 ) -> list[GateRouter]:
     """:func:`replace_routers` with the gate's own arguments (``k`` included), as saved."""
+    if isinstance(aux_loss_weight, bool) or not isinstance(aux_loss_weight, numbers.Real):
+        raise TypeError(
+            f"aux_loss_weight must be a finite number >= 0, got {type(aux_loss_weight).__name__}"
+        )
+    if not (math.isfinite(aux_loss_weight) and aux_loss_weight >= 0):
+        raise ValueError(f"aux_loss_weight must be a finite number >= 0, got {aux_loss_weight}")
+    if not isinstance(renormalize, bool):  # 'no' would read as True
+        raise TypeError(f"renormalize must be True or False, got {renormalize!r}")
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError("model has no Mixtral-style MoE block (a module with .gate and .experts)")

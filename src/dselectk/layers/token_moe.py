@@ -144,10 +144,12 @@ def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
     Args:
         weights: (N, n) gate weights, any nonnegative numbers (normalised per token here).
         routed: (n,) number of (token, expert) pairs routed to each expert.
+
+    An empty batch (N = 0) gives 0, connected to ``weights`` (its gradient is 0).
     """
     n = weights.shape[-1]
     probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
-    p = probs.mean(0)
+    p = probs.sum(0) / max(probs.shape[0], 1)  # an empty batch: 0 (with gradients), not NaN
     f = routed.to(weights.dtype) / routed.sum().clamp_min(1).to(weights.dtype)
     return n * (f * p).sum()
 

@@ -29,7 +29,10 @@ parameter one can move).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
+from dselectk.gates.hyperparameter import check_positive_int
 from dselectk.models.bank import MoEBank
 from dselectk.models.moe import MoE, MultiGateMoE
 from dselectk.training.callbacks import Callback
@@ -98,6 +102,20 @@ def _check_binarize(gate: Gate, what: str) -> None:
         )
 
 
+def _check_search_args(sweeps: int, tol: float, scale: float) -> None:
+    """``sweeps`` an int >= 1, ``tol`` finite >= 0, ``scale`` finite >= 0.5 (errors name them)."""
+    check_positive_int("sweeps", sweeps)
+    for name, value in (("tol", tol), ("scale", scale)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a finite number, got {type(value).__name__}")
+    if not (math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol must be a finite number >= 0, got {tol}")
+    if not (math.isfinite(scale) and scale >= 0.5):
+        raise ValueError(
+            f"scale must be a finite number >= 0.5 (a move must be binary and finite), got {scale}"
+        )
+
+
 def _losses(member_loss: MemberLoss, groups: int) -> Tensor:
     out = torch.as_tensor(member_loss()).detach().float().reshape(-1)
     if out.numel() != groups:
@@ -138,8 +156,9 @@ def swap_search(
             of each gate's model at the gate's current parameters, shape (G,) (or a scalar for
             a single gate). Use a fixed batch so that scores are comparable.
         sweeps: at most this many passes over the selectors (a pass with no move stops).
-        tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss|.
-        scale: DSelect-k moves write ``±scale·γ`` per bit (binary needs ≥ 0.5).
+        tol: a move is kept when it lowers a gate's loss by more than ``tol`` × |loss| (a
+            finite number >= 0).
+        scale: DSelect-k moves write ``±scale·γ`` per bit (finite; binary needs ≥ 0.5).
         binarize: gates whose selection becomes binary in training (DSelect-k): in the first
             sweep a selector whose selection is not final, or is final on an expert another
             final selector holds, must move to its best free expert even when that raises the
@@ -150,12 +169,9 @@ def swap_search(
         A :class:`SearchResult`.
     """
     _check_gate(gate)
-    if sweeps < 1:
-        raise ValueError(f"sweeps must be >= 1, got {sweeps}")
-    if tol < 0:
-        raise ValueError(f"tol must be >= 0, got {tol}")
-    if scale < 0.5:
-        raise ValueError(f"scale must be >= 0.5 (a move must be binary), got {scale}")
+    if not callable(member_loss):
+        raise TypeError(f"member_loss must be callable, got {type(member_loss).__name__}")
+    _check_search_args(sweeps, tol, scale)
     groups = gate.num_gates or 1
     before = _losses(member_loss, groups)
     best = before.clone()
@@ -353,11 +369,21 @@ class SwapSearch(Callback):
 
     def __post_init__(self) -> None:
         _check_gate(self.gate)
-        self._at = {int(s) for s in self.at}
-        self._binarize_at = {int(s) for s in self.binarize_at}
-        for name, steps in (("at", self._at), ("binarize_at", self._binarize_at)):
-            if any(s < 1 for s in steps):
-                raise ValueError(f"{name}: steps must be >= 1, got {sorted(steps)}")
+        if not callable(self.member_loss):
+            raise TypeError(f"member_loss must be callable, got {type(self.member_loss).__name__}")
+        _check_search_args(self.sweeps, self.tol, self.scale)
+        for name, steps in (("at", self.at), ("binarize_at", self.binarize_at)):
+            if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+                raise TypeError(f"{name} must be a sequence of steps (ints >= 1), got {steps!r}")
+            for s in steps:
+                if isinstance(s, bool) or not hasattr(type(s), "__index__"):
+                    raise TypeError(f"{name}: steps must be ints >= 1, got {s!r}")
+                if operator.index(s) < 1:
+                    raise ValueError(f"{name}: steps must be >= 1, got {sorted(steps)}")
+        self._at = {operator.index(s) for s in self.at}
+        self._binarize_at = {operator.index(s) for s in self.binarize_at}
+        if not self._at and not self._binarize_at:
+            raise ValueError("at/binarize_at: give at least one step to search after")
         if self._binarize_at:
             _check_binarize(self.gate, "binarize_at")
 
@@ -398,10 +424,9 @@ class SwapSearch(Callback):
         ``at`` (and ``binarize``, if given) are fractions in (0, 1]; each becomes the step
         ``max(1, round(f · steps_total))``. ``kwargs`` are the other fields (``tol``, ...).
         """
-        if steps_total < 1:
-            raise ValueError(f"steps_total must be >= 1, got {steps_total}")
+        check_positive_int("steps_total", steps_total)
         fractions = [*at, *([] if binarize is None else [binarize])]
-        if any(not 0.0 < float(f) <= 1.0 for f in fractions):
+        if any(not 0.0 < float(f) <= 1.0 for f in fractions):  # NaN fails too
             raise ValueError(f"at/binarize: fractions must lie in (0, 1], got {fractions}")
 
         def step(f: float) -> int:
