@@ -150,7 +150,7 @@ def test_life_cycle(family: str, tmp_path: Path) -> None:
     with torch.device("meta"):
         model = _model_cls(family)(cfg)
         routers = hf.replace_routers(
-            model, "dselect_k", selectors=None, gamma=gamma, entropy_reg=0.01
+            model, "dselect_k", selectors=None, renormalize=False, gamma=gamma, entropy_reg=0.01
         )
     assert len(routers) == 2
     assert all(p.is_meta for p in model.parameters())
