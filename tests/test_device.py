@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import dselectk as dk
+from dselectk._testing import assert_same_step as _assert_same_step
+from dselectk._testing import cuda_pair as _pair
+from dselectk._testing import grads as _grads
 from dselectk.gates import gate_names
 from dselectk.layers import StackedMLP
 from dselectk.models import MultiGateMoE
@@ -39,33 +42,6 @@ def test_mmoe_step_on_cuda() -> None:
 
 
 # --- issue 25: the gate, the MoE layer and the training step on a GPU, each against the CPU ---
-
-
-def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The module on the CPU and an exact copy on CUDA (float64 both)."""
-    import copy
-
-    cpu = module.double()
-    return cpu, copy.deepcopy(cpu).to("cuda")
-
-
-def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
-
-
-def _assert_same_step(
-    cpu: torch.nn.Module, gpu: torch.nn.Module, loss_of, rel: float = 1e-9, **tol: float
-) -> None:  # type: ignore[no-untyped-def]
-    """``loss_of(module, device)`` on both copies, backward, then the losses (``rel``) and every
-    parameter's gradient (``tol``: assert_close's tolerances) compared."""
-    losses = []
-    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        loss = loss_of(mod, dev)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=rel)
-    for key, g in _grads(cpu).items():
-        torch.testing.assert_close(_grads(gpu)[key], g, msg=key, **tol)
 
 
 @pytest.mark.gpu

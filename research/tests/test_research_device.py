@@ -6,35 +6,10 @@ import pytest
 import torch
 
 import dselectk as dk
+from dselectk._testing import assert_same_step as _assert_same_step
+from dselectk._testing import cuda_pair as _pair
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The module on the CPU and an exact copy on CUDA (float64 both)."""
-    import copy
-
-    cpu = module.double()
-    return cpu, copy.deepcopy(cpu).to("cuda")
-
-
-def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
-
-
-def _assert_same_step(
-    cpu: torch.nn.Module, gpu: torch.nn.Module, loss_of, rel: float = 1e-9, **tol: float
-) -> None:  # type: ignore[no-untyped-def]
-    """``loss_of(module, device)`` on both copies, backward, then the losses (``rel``) and every
-    parameter's gradient (``tol``: assert_close's tolerances) compared."""
-    losses = []
-    for mod, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        loss = loss_of(mod, dev)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=rel)
-    for key, g in _grads(cpu).items():
-        torch.testing.assert_close(_grads(gpu)[key], g, msg=key, **tol)
 
 
 @pytest.mark.gpu
