@@ -49,6 +49,15 @@ class SoftmaxSelectorGate(Gate):
         init_std: β ~ N(0, init_std²) (distinct values avoid the paper's footnote case of ties
             that annealing cannot break); α starts at 0.
         in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+
+    Examples:
+        >>> from dselectk.gates import SoftmaxSelectorGate
+        >>> gate = SoftmaxSelectorGate(6, k=2, entropy_reg=0.1)  # "Ablation (Entropy)"
+        >>> w = gate.expert_weights()  # soft: every expert has a weight while training
+        >>> tuple(w.shape), bool((w > 0).all())
+        ((6,), True)
+        >>> int((gate.inference_weights() > 0).sum()) <= 2  # evaluation: argmax of each selector
+        True
     """
 
     posthoc_inference = True

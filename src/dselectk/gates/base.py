@@ -62,7 +62,14 @@ __all__ = [
 
 
 class GateOutput(NamedTuple):
-    """What a gate's forward returns."""
+    """What a gate's forward returns.
+
+    Examples:
+        >>> from dselectk.gates import SoftmaxGate
+        >>> weights, aux_loss = SoftmaxGate(4, in_features=8)(torch.randn(4, 8))
+        >>> tuple(weights.shape), float(aux_loss)
+        ((4, 4), 0.0)
+    """
 
     weights: Tensor
     """Expert weights, shape as in the table of :mod:`dselectk.gates.base`."""
@@ -86,6 +93,19 @@ class Gate(nn.Module):
         num_gates: number of gates held by this module (one per task), or None for one gate.
         bias: whether a per-example gate's affine map has a bias.
         check_finite: raise a ValueError on NaN/inf inputs (costs a device sync per call).
+
+    Examples:
+        Every gate is called the same way; its settings give the shape of the weights:
+
+        >>> from dselectk.gates import SoftmaxGate, TopKGate
+        >>> tuple(SoftmaxGate(4)().weights.shape)  # static: no input
+        (4,)
+        >>> gate = TopKGate(4, k=2, in_features=16, num_gates=3)  # per-example, 3 tasks
+        >>> out = gate(torch.randn(4, 16))  # (batch, in_features)
+        >>> tuple(out.weights.shape), out.aux_loss.dim()  # (batch, num_gates, experts), scalar
+        ((4, 3, 4), 0)
+        >>> (out.weights > 0).sum(-1).tolist()[0]  # k = 2 experts per example and task
+        [2, 2, 2]
     """
 
     #: whether outputs are promised to lie on the probability simplex

@@ -61,6 +61,17 @@ def tree_leaf_probabilities(split: Tensor, num_leaves: int) -> tuple[Tensor, Ten
     Returns:
         (..., n) leaf probabilities (they sum to 1) and (..., n − 1) the mass reaching each
         internal node.
+
+    Examples:
+        One tree with 4 leaves: the root splits half/half, node 1 sends everything left, node
+        2 everything right.
+
+        >>> leaves, reach = tree_leaf_probabilities(torch.tensor([0.5, 1.0, 0.0]), 4)
+        >>> leaves.tolist(), reach.tolist()
+        ([0.5, 0.0, 0.0, 0.5], [1.0, 0.5, 0.5])
+        >>> leaves, reach = tree_leaf_probabilities(torch.rand(4, 2, 5), 6)  # (batch, trees)
+        >>> tuple(leaves.shape), tuple(reach.shape)
+        ((4, 2, 6), (4, 2, 5))
     """
     internal = num_leaves - 1
     if split.shape[-1] != internal:
@@ -99,6 +110,18 @@ class COMETGate(Gate):
 
     Binarity: the gate's selection is final once every tree reaches exactly one leaf (its leaf
     probabilities are all 0 or 1; :meth:`binary_entries`, :meth:`is_binary`).
+
+    Examples:
+        >>> from dselectk import COMETGate
+        >>> gate = COMETGate(num_experts=6, k=2)  # static
+        >>> w = gate.expert_weights()  # (the weights, without gradients)
+        >>> tuple(w.shape), round(float(w.sum()), 4)
+        ((6,), 1.0)
+        >>> bool(gate.is_binary())  # the splits start strictly inside (0, 1)
+        False
+        >>> gate = COMETGate(6, k=2, in_features=16, num_gates=2)  # per-example, 2 tasks
+        >>> tuple(gate(torch.randn(4, 16)).weights.shape)
+        (4, 2, 6)
     """
 
     binarizes = True

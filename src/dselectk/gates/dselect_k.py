@@ -107,6 +107,19 @@ class DSelectK(Gate):
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
         num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+
+    Examples:
+        >>> from dselectk import DSelectK
+        >>> gate = DSelectK(num_experts=8, k=2)  # static: one weight vector, no input
+        >>> w = gate.expert_weights()  # (the weights, without gradients)
+        >>> tuple(w.shape), round(float(w.sum()), 4)
+        ((8,), 1.0)
+        >>> gate.set_selection(torch.tensor([3, 5]))  # what a swap search does: binary S(Z)
+        >>> gate().weights.nonzero().flatten().tolist(), bool(gate.is_binary())
+        ([3, 5], True)
+        >>> gate = DSelectK(8, k=2, in_features=16, num_gates=3)  # per-example, 3 tasks
+        >>> tuple(gate(torch.randn(4, 16)).weights.shape)  # (batch, num_gates, experts)
+        (4, 3, 8)
     """
 
     searchable = True

@@ -17,6 +17,16 @@ class FixedGate(Gate):
     Args:
         weights: (n,) for a single gate or (T, n) for a bank of T gates.
         bank: whether ``weights`` holds a bank (``num_gates=T``).
+
+    Examples:
+        >>> from dselectk.gates.fixed import FixedGate
+        >>> gate = FixedGate(torch.tensor([0.0, 0.7, 0.3, 0.0]))
+        >>> gate().weights.nonzero().flatten().tolist(), float(gate().aux_loss)
+        ([1, 2], 0.0)
+        >>> bool(gate.is_binary()), gate.max_nonzeros
+        (True, 2)
+        >>> tuple(FixedGate(torch.eye(3), bank=True)().weights.shape)  # a bank of 3 gates
+        (3, 3)
     """
 
     fixed_weights: Tensor

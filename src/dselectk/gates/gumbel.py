@@ -38,6 +38,15 @@ class GumbelSoftmaxGate(Gate):
         init_keep_logit: initial ℓ_i (ψ_i = σ(ℓ_i)); the default 2.0 keeps ~88 % of the experts
             at the start, as AdaShare initialises its policy towards executing every block.
         in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+
+    Examples:
+        >>> from dselectk import GumbelSoftmaxGate
+        >>> gate = GumbelSoftmaxGate(4, sparsity_reg=0.01).eval()  # eval: U_i = 1[ψ_i > 1/2]
+        >>> gate().weights.tolist()  # every expert kept at the start, σ(α) uniform
+        [0.25, 0.25, 0.25, 0.25]
+        >>> gate = GumbelSoftmaxGate(4, in_features=16)  # per-example; training mode samples U
+        >>> tuple(gate(torch.randn(4, 16)).weights.shape)
+        (4, 4)
     """
 
     on_simplex = False

@@ -19,6 +19,14 @@ class SoftmaxGate(Gate):
     Args:
         num_experts, in_features, num_gates, bias, check_finite: see
             :class:`~dselectk.gates.base.Gate`.
+
+    Examples:
+        >>> from dselectk import SoftmaxGate
+        >>> SoftmaxGate(4)().weights.tolist()  # static, logits start at 0
+        [0.25, 0.25, 0.25, 0.25]
+        >>> w = SoftmaxGate(4, in_features=16)(torch.randn(4, 16)).weights
+        >>> tuple(w.shape), bool((w > 0).all())  # (batch, experts), dense
+        ((4, 4), True)
     """
 
     def __init__(

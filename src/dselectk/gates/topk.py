@@ -13,7 +13,16 @@ __all__ = ["TopKGate", "cv_squared"]
 
 
 def cv_squared(x: Tensor) -> Tensor:
-    """Squared coefficient of variation along the last dim (Shazeer et al.'s balancing loss)."""
+    """Squared coefficient of variation along the last dim (Shazeer et al.'s balancing loss).
+
+    Examples:
+        >>> float(cv_squared(torch.tensor([1.0, 1.0, 1.0, 1.0])))  # balanced load
+        0.0
+        >>> round(float(cv_squared(torch.tensor([2.0, 0.0, 2.0, 0.0]))), 4)  # var / mean²
+        1.3333
+        >>> tuple(cv_squared(torch.rand(3, 8)).shape)  # one value per row
+        (3,)
+    """
     if x.shape[-1] < 2:
         return x.new_zeros(x.shape[:-1])
     return x.var(dim=-1) / (x.mean(dim=-1) ** 2 + 1e-10)
@@ -38,6 +47,15 @@ class TopKGate(Gate):
         noisy: noisy top-k gating (per-example only).
         balance_weight: weight of the balancing losses (per-example only).
         init_std: standard deviation of the initial static logits.
+
+    Examples:
+        >>> from dselectk import TopKGate
+        >>> gate = TopKGate(num_experts=8, k=2, in_features=16)
+        >>> w = gate(torch.randn(4, 16)).weights  # (batch, experts)
+        >>> tuple(w.shape), (w > 0).sum(-1).tolist(), w.sum(-1).allclose(torch.ones(4))
+        ((4, 8), [2, 2, 2, 2], True)
+        >>> int(TopKGate(8, k=2).num_selected())  # static: k experts from the start
+        2
     """
 
     searchable = True
