@@ -29,6 +29,13 @@ class MovieLensEmbedding(nn.Module):
         num_users, num_items: vocabulary sizes of the ids.
         side: (num_age_buckets, num_genders, num_occupations, num_genres), or None for ids only.
         dims: embedding sizes.
+
+    Examples:
+        >>> from dselectk.layers.embedding import MovieLensEmbedding
+        >>> bottom = MovieLensEmbedding(num_users=100, num_items=50)  # ids only
+        >>> ids = torch.stack([torch.randint(0, 100, (4,)), torch.randint(0, 50, (4,))], dim=1)
+        >>> tuple(bottom(ids).shape), bottom.out_features  # user (32) + item (32) embeddings
+        ((4, 64), 64)
     """
 
     def __init__(

@@ -109,6 +109,14 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Seque
         (N, b). Differentiable in ``x``, ``weight`` and ``bias``; members without rows get zero
         gradients. One matmul per used member forward, at most two (and a column sum) backward,
         each written into its block of one buffer.
+
+    Examples:
+        Rows 0-1 go through member 0, rows 2-4 through member 1:
+
+        >>> x, weight = torch.randn(5, 3), torch.randn(2, 3, 4)  # (N, a), (E, a, b)
+        >>> y = grouped_linear(x, weight, None, [2, 3])
+        >>> tuple(y.shape), torch.allclose(y[2:], x[2:] @ weight[1])
+        ((5, 4), True)
     """
     cs = _check_counts(x, weight, counts)
     if bias is not None and bias.shape != (weight.shape[0], weight.shape[2]):
@@ -135,6 +143,14 @@ class StackedMLP(nn.Module):
             as its task towers then warns, since a tower ending in ReLU predicts nothing below
             0 (negative targets stall, with no error). Towers: ``final_activation=False``, or
             :func:`make_towers`.
+
+    Examples:
+        >>> from dselectk.layers import StackedMLP
+        >>> experts = StackedMLP(3, 16, [32, 8])  # 3 MLPs 16 -> 32 -> 8
+        >>> tuple(experts(torch.randn(4, 16)).shape)  # (members, batch, out)
+        (3, 4, 8)
+        >>> tuple(experts(torch.randn(4, 16), torch.tensor([0, 2])).shape)  # members 0 and 2
+        (2, 4, 8)
     """
 
     def __init__(
@@ -281,6 +297,12 @@ class GatedMLP(nn.Module):
         hidden_features: hidden size of each expert (Hugging Face's ``intermediate_size``).
         out_features: output size (default: ``in_features``).
         activation: the gate's activation ("silu": SwiGLU, "gelu": GeGLU, "relu", ...).
+
+    Examples:
+        >>> from dselectk.layers import GatedMLP
+        >>> experts = GatedMLP(3, 16, 32)  # 3 SwiGLU experts 16 -> 32 -> 16
+        >>> tuple(experts(torch.randn(4, 16)).shape)  # (members, batch, out)
+        (3, 4, 16)
     """
 
     def __init__(
@@ -387,6 +409,14 @@ class ExpertList(nn.Module):
 
     Args:
         experts: E modules mapping the same input to outputs of the same shape.
+
+    Examples:
+        >>> from dselectk.layers import ExpertList
+        >>> experts = ExpertList([nn.Linear(16, 8) for _ in range(3)])
+        >>> tuple(experts(torch.randn(4, 16)).shape)  # (members, batch, out)
+        (3, 4, 8)
+        >>> tuple(experts(torch.randn(4, 16), torch.tensor([1])).shape)  # expert 1 only
+        (1, 4, 8)
     """
 
     def __init__(self, experts: Sequence[nn.Module]) -> None:
@@ -407,5 +437,11 @@ def make_towers(num_tasks: int, in_features: int, sizes: Sequence[int]) -> Stack
 
     For regression targets of any sign (the last layer has no activation); e.g. a
     multi-class head ``sizes=(50, 50, 10)`` with the softmax folded into the cross-entropy.
+
+    Examples:
+        >>> from dselectk.layers import make_towers
+        >>> towers = make_towers(2, 8, [16, 1])  # 2 tasks: 8 -> 16 -> 1, last layer linear
+        >>> tuple(towers(torch.randn(4, 8)).shape)  # (tasks, batch, out)
+        (2, 4, 1)
     """
     return StackedMLP(num_tasks, in_features, list(sizes), final_activation=False)

@@ -35,6 +35,10 @@ def exporting() -> bool:
     ``torch.onnx.export(..., dynamo=False)``), ``torch.onnx.export`` of either kind, and
     ``torch.export`` (which the dynamo ONNX exporter uses). Plain ``torch.compile`` is not
     included: it guards on the data-dependent values (graph breaks), so routing stays correct.
+
+    Examples:
+        >>> exporting()  # eager code
+        False
     """
     if torch.jit.is_scripting():
         return True
@@ -47,6 +51,12 @@ def active_experts(weights: Tensor, num_experts: int) -> Tensor | None:
     """Indices of the experts some gate weight uses, or None when all are used.
 
     Always None while :func:`exporting` (the choice would depend on the example's values).
+
+    Examples:
+        >>> active_experts(torch.tensor([[0.0, 0.6, 0.4, 0.0], [0.0, 1.0, 0.0, 0.0]]), 4)
+        tensor([1, 2])
+        >>> active_experts(torch.full((2, 4), 0.25), 4) is None  # every expert used
+        True
     """
     if exporting():
         return None
@@ -57,7 +67,15 @@ def active_experts(weights: Tensor, num_experts: int) -> Tensor | None:
 
 
 def mix(expert_out: Tensor, weights: Tensor) -> Tensor:
-    """Combine (E, B, D) expert outputs with (T, E) or (B, T, E) weights into (T, B, D)."""
+    """Combine (E, B, D) expert outputs with (T, E) or (B, T, E) weights into (T, B, D).
+
+    Examples:
+        >>> expert_out = torch.randn(4, 8, 5)  # (experts, batch, out)
+        >>> tuple(mix(expert_out, torch.full((2, 4), 0.25)).shape)  # static weights, 2 tasks
+        (2, 8, 5)
+        >>> tuple(mix(expert_out, torch.rand(8, 2, 4)).shape)  # per-example weights
+        (2, 8, 5)
+    """
     if weights.dim() == 2:  # static: one matmul for all tasks
         e, b, d = expert_out.shape
         if not exporting() and b == 0:  # an empty batch (the reshape below would be ambiguous)
@@ -67,7 +85,15 @@ def mix(expert_out: Tensor, weights: Tensor) -> Tensor:
 
 
 class ExpertMixer(nn.Module):
-    """Experts + gates → mixed expert outputs, with automatic conditional computation."""
+    """Experts + gates → mixed expert outputs, with automatic conditional computation.
+
+    Examples:
+        >>> from dselectk.layers import ExpertMixer, StackedMLP
+        >>> mixer = ExpertMixer(StackedMLP(4, 16, [8]), conditional=True)
+        >>> weights = torch.tensor([[0.0, 0.5, 0.5, 0.0]])  # (tasks, experts): 2 used
+        >>> tuple(mixer.mix(torch.randn(3, 16), weights).shape)  # only experts 1, 2 run
+        (1, 3, 8)
+    """
 
     def __init__(self, experts: nn.Module, conditional: bool) -> None:
         super().__init__()

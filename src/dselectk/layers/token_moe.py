@@ -76,7 +76,14 @@ __all__ = ["Routing", "SparseMoEFeedForward", "TokenMoEOutput", "balance_loss"]
 
 
 class TokenMoEOutput(NamedTuple):
-    """What :class:`SparseMoEFeedForward` returns."""
+    """What :class:`SparseMoEFeedForward` returns.
+
+    Examples:
+        >>> from dselectk import SparseMoEFeedForward
+        >>> output, aux_loss = SparseMoEFeedForward(16, 32, num_experts=4)(torch.randn(4, 10, 16))
+        >>> tuple(output.shape), aux_loss.dim()
+        ((4, 10, 16), 0)
+    """
 
     output: Tensor
     """(..., d_model), shaped like the input."""
@@ -85,7 +92,15 @@ class TokenMoEOutput(NamedTuple):
 
 
 class Routing(NamedTuple):
-    """The routing of a batch of N tokens (see :meth:`SparseMoEFeedForward.route`)."""
+    """The routing of a batch of N tokens (see :meth:`SparseMoEFeedForward.route`).
+
+    Examples:
+        >>> from dselectk import SparseMoEFeedForward
+        >>> layer = SparseMoEFeedForward(16, 32, num_experts=4, gate="topk", k=2)
+        >>> r = layer.route(torch.randn(12, 16))  # 12 tokens, 2 experts each
+        >>> tuple(r.weights.shape), tuple(r.token.shape), sum(r.counts), r.dropped
+        ((12, 4), (24,), 24, 0)
+    """
 
     weights: Tensor
     """(N, n) the gate's weights (all of them, before the top-k cut)."""
@@ -146,6 +161,13 @@ def balance_loss(weights: Tensor, routed: Tensor) -> Tensor:
         routed: (n,) number of (token, expert) pairs routed to each expert.
 
     An empty batch (N = 0) gives 0, connected to ``weights`` (its gradient is 0).
+
+    Examples:
+        >>> float(balance_loss(torch.full((6, 4), 0.25), torch.tensor([3, 3, 3, 3])))  # balanced
+        1.0
+        >>> one_expert = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).expand(6, 4)
+        >>> float(balance_loss(one_expert, torch.tensor([6, 0, 0, 0])))  # collapsed: n
+        4.0
     """
     n = weights.shape[-1]
     probs = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
