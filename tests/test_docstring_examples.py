@@ -38,8 +38,6 @@ PENDING: set[str] = {
     "dselectk.integrations.hf",
     "dselectk.io",
     "dselectk.members",
-    "dselectk.models.bank",
-    "dselectk.models.moe",
     "dselectk.optim",
     "dselectk.runtime",
     "dselectk.schedules",

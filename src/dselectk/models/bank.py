@@ -46,7 +46,16 @@ LOSS_BLOCK_WEIGHTS = 40_960
 
 
 class BankOutput(NamedTuple):
-    """Output of :class:`MoEBank`."""
+    """Output of :class:`MoEBank`.
+
+    Examples:
+        >>> from dselectk import DSelectK, MoEBank
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = MoEBank(StackedMLP(3 * 4, 10, [4]), DSelectK(4, k=2, num_gates=3 * 2), 3)
+        >>> outputs, aux_loss = bank(torch.randn(5, 10))
+        >>> tuple(outputs.shape), aux_loss.dim()  # (members, tasks, batch), scalar
+        ((3, 2, 5), 0)
+    """
 
     outputs: Tensor
     """(R, T, B): member r's prediction of task t for each example."""
@@ -65,6 +74,18 @@ class MoEBank(nn.Module):
         experts: a :class:`~dselectk.layers.StackedMLP` of R·E members.
         gates: a bank of R·T static gates choosing among E experts.
         members: R.
+
+    Examples:
+        Three members, each with 4 experts and 2 tasks:
+
+        >>> from dselectk import DSelectK, MoEBank
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = MoEBank(StackedMLP(3 * 4, 10, [4]), DSelectK(4, k=2, num_gates=3 * 2), members=3)
+        >>> x, y = torch.randn(5, 10), torch.randn(5, 2)  # (batch, in), (batch, tasks)
+        >>> tuple(bank(x).outputs.shape), bank.loss(x, y).dim()  # (R, T, B), summed loss
+        ((3, 2, 5), 0)
+        >>> tuple(bank.inference_weights().shape)  # (R, T, E)
+        (3, 2, 4)
     """
 
     def __init__(self, experts: StackedMLP, gates: Gate, members: int) -> None:

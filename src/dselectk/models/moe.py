@@ -35,7 +35,16 @@ def _warn_activated_towers(towers: object, stacklevel: int) -> None:
 
 
 class MoEOutput(NamedTuple):
-    """Output of :class:`MoE`."""
+    """Output of :class:`MoE`.
+
+    Examples:
+        >>> from dselectk import MoE, SoftmaxGate
+        >>> from dselectk.layers import StackedMLP
+        >>> moe = MoE(StackedMLP(4, 16, [8]), SoftmaxGate(4, in_features=16))
+        >>> output, aux_loss, weights = moe(torch.randn(4, 16))
+        >>> tuple(output.shape), aux_loss.dim(), tuple(weights.shape)
+        ((4, 8), 0, (4, 4))
+    """
 
     output: Tensor
     """(B, D) mixture Σ_i f_i(x) g(x)_i."""
@@ -46,7 +55,16 @@ class MoEOutput(NamedTuple):
 
 
 class MultiTaskOutput(NamedTuple):
-    """Output of the multi-task models."""
+    """Output of the multi-task models.
+
+    Examples:
+        >>> from dselectk import DSelectK, MultiGateMoE
+        >>> from dselectk.layers import StackedMLP
+        >>> model = MultiGateMoE(StackedMLP(4, 16, [8]), DSelectK(4, k=2, num_gates=2))
+        >>> outputs, aux_loss, gate_weights = model(torch.randn(4, 16))
+        >>> [tuple(o.shape) for o in outputs], aux_loss.dim(), tuple(gate_weights.shape)
+        ([(4, 8), (4, 8)], 0, (2, 4))
+    """
 
     outputs: list[Tensor]
     """One (B, out_t) tensor per task."""
@@ -65,6 +83,14 @@ class MoE(nn.Module):
         gate: a single gate (``num_gates=None``) over E experts.
         conditional: skip experts the gate gives exactly zero weight (exact; see
             :meth:`~dselectk.layers.ExpertMixer.mix`).
+
+    Examples:
+        >>> from dselectk import MoE, TopKGate
+        >>> from dselectk.layers import StackedMLP
+        >>> moe = MoE(StackedMLP(4, 16, [8]), TopKGate(4, k=2, in_features=16))  # 4 experts
+        >>> out = moe(torch.randn(4, 16))  # (batch, in_features)
+        >>> tuple(out.output.shape), tuple(out.weights.shape), out.aux_loss.dim()
+        ((4, 8), (4, 4), 0)
     """
 
     def __init__(self, experts: nn.Module, gate: Gate, *, conditional: bool = True) -> None:
@@ -100,6 +126,16 @@ class MultiGateMoE(nn.Module):
         bottom: optional module applied to the input first (e.g. embeddings); experts and
             per-example gates see its output.
         conditional: skip experts no task uses (exact; automatic once gates are sparse).
+
+    Examples:
+        >>> from dselectk import DSelectK, MultiGateMoE
+        >>> from dselectk.layers import StackedMLP, make_towers
+        >>> experts = StackedMLP(4, 16, [8])  # 4 experts 16 -> 8
+        >>> gates = DSelectK(4, k=2, num_gates=2)  # one static gate per task
+        >>> model = MultiGateMoE(experts, gates, make_towers(2, 8, [1]))  # 2 towers 8 -> 1
+        >>> out = model(torch.randn(4, 16))
+        >>> [tuple(o.shape) for o in out.outputs], tuple(out.gate_weights.shape)
+        ([(4, 1), (4, 1)], (2, 4))
     """
 
     def __init__(
@@ -191,6 +227,14 @@ class SharedBottom(nn.Module):
         towers: T towers, a StackedMLP with T members, or a sequence of modules.
         num_tasks: T (checked against ``towers``).
         bottom: optional module applied before ``shared`` (e.g. embeddings).
+
+    Examples:
+        >>> from dselectk.layers import make_towers
+        >>> from dselectk.models import SharedBottom
+        >>> model = SharedBottom(nn.Sequential(nn.Linear(16, 8), nn.ReLU()), make_towers(2, 8, [1]))
+        >>> out = model(torch.randn(4, 16))
+        >>> [tuple(o.shape) for o in out.outputs], out.gate_weights, float(out.aux_loss)
+        ([(4, 1), (4, 1)], None, 0.0)
     """
 
     def __init__(
