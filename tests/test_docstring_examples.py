@@ -43,12 +43,8 @@ PENDING: set[str] = {
     "dselectk.schedules",
     "dselectk.telemetry",
     "dselectk.training.callbacks",
-    "dselectk.training.checkpoint",
     "dselectk.training.config",
-    "dselectk.training.guards",
     "dselectk.training.search",
-    "dselectk.training.state",
-    "dselectk.training.tasks",
     "dselectk.variants",
 }
 

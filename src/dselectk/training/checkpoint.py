@@ -28,12 +28,45 @@ __all__ = ["CheckpointError", "CheckpointMismatchError", "data_digest"]
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: unreadable, not a training checkpoint, or holding
-    NaN/inf weights or optimizer state (the run it saved had diverged)."""
+    NaN/inf weights or optimizer state (the run it saved had diverged).
+
+    Examples:
+        >>> import tempfile
+        >>> from dselectk.training import TaskData, TrainConfig, train
+        >>> data = TaskData(torch.randn(8, 4), [torch.randn(8, 1)])
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = Path(tmp) / "run.pt"
+        ...     _ = path.write_text("not a checkpoint")
+        ...     cfg = TrainConfig(epochs=1, progress=False, checkpoint=path)
+        ...     try:
+        ...         train(nn.Linear(4, 1), data, "mse", cfg)
+        ...     except CheckpointError as e:  # any refused checkpoint
+        ...         print(e)
+        checkpoint ...run.pt cannot be read (...); delete it to start over
+    """
 
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint was written with another training configuration than the one resuming it
-    (or cannot be read at all)."""
+    (or cannot be read at all).
+
+    Examples:
+        >>> import tempfile
+        >>> from dselectk.training import TaskData, TrainConfig, train
+        >>> data, model = TaskData(torch.randn(8, 4), [torch.randn(8, 1)]), nn.Linear(4, 1)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = Path(tmp) / "run.pt"
+        ...     cfg = TrainConfig(epochs=1, checkpoint=path, progress=False)
+        ...     hist = train(model, data, "mse", cfg)  # writes the checkpoint
+        ...     cfg = TrainConfig(epochs=1, lr=0.01, checkpoint=path, progress=False)
+        ...     try:  # the same run with another learning rate
+        ...         train(model, data, "mse", cfg)
+        ...     except CheckpointMismatchError as e:
+        ...         print(e)
+        checkpoint ...run.pt was written by a run with another configuration: optimizer.lr: 0.001
+        in the checkpoint, 0.01 now. Delete it to start over, or pass TrainConfig(resume='force')
+        to resume it anyway
+    """
 
 
 def _plain(v: Any) -> Any:
@@ -112,7 +145,17 @@ def run_config(
 
 def data_digest(data: TaskData | None) -> str | None:
     """A digest of a dataset's content (inputs and every target: shapes, dtypes and bytes), so
-    that a checkpoint is never resumed on other data of the same size."""
+    that a checkpoint is never resumed on other data of the same size.
+
+    Examples:
+        >>> from dselectk.training import TaskData
+        >>> x = torch.arange(12.0).view(4, 3)
+        >>> digest = data_digest(TaskData(x, [x.sum(1)]))
+        >>> len(digest), digest == data_digest(TaskData(x.clone(), [x.sum(1)]))  # same content
+        (32, True)
+        >>> data_digest(TaskData(x + 1, [x.sum(1)])) == digest  # other values, same shapes
+        False
+    """
     if data is None:
         return None
     h = hashlib.blake2b(digest_size=16)

@@ -76,6 +76,18 @@ class TrainingDivergedError(FloatingPointError):
         epoch: the 1-based epoch.
         tasks: the tasks whose loss was non-finite (empty when unknown: ``loss_fn`` gives only
             the total, or the failure was in the gradients or parameters).
+
+    Examples:
+        >>> from dselectk.training import TaskData, TrainConfig, train
+        >>> data = TaskData(torch.randn(16, 4), [torch.full((16, 1), float("nan"))])  # NaN targets
+        >>> try:
+        ...     train(nn.Linear(4, 1), data, "mse", TrainConfig(epochs=1, progress=False))
+        ... except TrainingDivergedError as e:
+        ...     print(e.step, e.epoch, e.tasks)
+        ...     print(e)
+        1 1 [0]
+        training diverged at step 1 (epoch 1): the loss of task 0 (ys[0]) is nan; the targets
+        ys[0] of this batch hold NaN/inf
     """
 
     def __init__(self, message: str, *, step: int, epoch: int, tasks: Sequence[int] = ()) -> None:

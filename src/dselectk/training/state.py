@@ -17,7 +17,16 @@ __all__ = ["History", "RunState"]
 
 @dataclass
 class History:
-    """What :func:`train` measured."""
+    """What :func:`train` measured.
+
+    Examples:
+        >>> from dselectk.training import TaskData, TrainConfig, train
+        >>> x = torch.randn(32, 4)
+        >>> data = TaskData(x, [x.sum(1, keepdim=True)])  # 32 examples, one task
+        >>> hist = train(nn.Linear(4, 1), data, "mse", TrainConfig(epochs=2, progress=False))
+        >>> len(hist.train_loss), hist.steps, hist.stopped_early, hist.diverged
+        (2, 2, False, False)
+    """
 
     train_loss: list[float] = field(default_factory=list)
     """Mean total training loss (summed task losses + auxiliary) per epoch."""
@@ -53,7 +62,17 @@ class History:
 @dataclass
 class RunState:
     """Everything of a run that changes as it trains (what a checkpoint holds, with the run's
-    configuration ``config``)."""
+    configuration ``config``).
+
+    Examples:
+        A fresh state, before its first epoch (:func:`~dselectk.training.train` builds it):
+
+        >>> model = nn.Linear(4, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> state = RunState(model, opt, schedulers=[], generator=torch.Generator(), config={})
+        >>> state.best, state.bad_epochs, state.history.steps, state.best_state
+        (inf, 0, 0, None)
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer

@@ -105,7 +105,17 @@ def _resolve_losses(losses: str | LossFn | Sequence[str | LossFn], num_tasks: in
 
 
 class TaskOutputs(NamedTuple):
-    """A model's output read as one prediction per task (see :func:`task_outputs`)."""
+    """A model's output read as one prediction per task (see :func:`task_outputs`).
+
+    Examples:
+        >>> from dselectk import MultiGateMoE, SoftmaxGate
+        >>> from dselectk.layers import StackedMLP, make_towers
+        >>> experts, towers = StackedMLP(4, 8, [16]), make_towers(2, 16, [1])  # 4 experts, 2 tasks
+        >>> model = MultiGateMoE(experts, SoftmaxGate(4, num_gates=2), towers)
+        >>> preds, aux_loss, members = task_outputs(model, model(torch.randn(5, 8)))
+        >>> [tuple(p.shape) for p in preds], members  # one (B, 1) prediction per task
+        ([(5, 1), (5, 1)], None)
+    """
 
     preds: list[Tensor]
     """One (B, ...) prediction per task; of a :class:`~dselectk.models.MoEBank`, (B, R): the
@@ -126,6 +136,16 @@ def task_outputs(model: nn.Module, out: Any) -> TaskOutputs:
     * a :class:`~dselectk.models.MoEBank`'s (R, T, B) predictions: task t's is (B, R);
     * a plain Tensor: one task, no auxiliary loss (a model whose inner layers have auxiliary
       losses adds them through ``loss_fn``).
+
+    Examples:
+        >>> from dselectk import DSelectK, MoEBank
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = MoEBank(StackedMLP(3 * 4, 8, [4]), DSelectK(4, k=2, num_gates=3 * 2), members=3)
+        >>> preds, aux_loss, members = task_outputs(bank, bank(torch.randn(5, 8)))
+        >>> [tuple(p.shape) for p in preds], members  # task t: (B, R), R = 3 members
+        ([(5, 3), (5, 3)], 3)
+        >>> task_outputs(nn.Linear(8, 1), torch.randn(5, 1)).aux_loss  # a tensor: one task
+        0.0
     """
     inner = getattr(model, "module", model)  # DistributedDataParallel wraps the model
     if isinstance(inner, MoEBank):
@@ -209,6 +229,18 @@ def evaluate(
 
     Returns:
         ``{"loss": [...], "accuracy": [...]}`` (accuracy is NaN for regression tasks).
+
+    Examples:
+        >>> from dselectk import MultiGateMoE, SoftmaxGate
+        >>> from dselectk.layers import StackedMLP, make_towers
+        >>> experts, towers = StackedMLP(4, 8, [16]), make_towers(2, 16, [1])  # 4 experts, 2 tasks
+        >>> model = MultiGateMoE(experts, SoftmaxGate(4, num_gates=2), towers)
+        >>> x = torch.randn(32, 8)
+        >>> data = TaskData(x, [x[:, :1], (x[:, 1:2] > 0).float()])  # regression, binary
+        >>> metrics = evaluate(model, data, ["mse", "bce"])
+        >>> loss, accuracy = metrics["loss"], metrics["accuracy"]  # one entry per task
+        >>> len(loss), math.isnan(accuracy[0]), 0.0 <= accuracy[1] <= 1.0  # NaN: regression
+        (2, True, True)
     """
     if not isinstance(data, TaskData):
         raise TypeError(f"data must be a TaskData, got {type(data).__name__}")
