@@ -44,7 +44,6 @@ PENDING: set[str] = {
     "dselectk.telemetry",
     "dselectk.training.callbacks",
     "dselectk.training.config",
-    "dselectk.training.search",
     "dselectk.variants",
 }
 

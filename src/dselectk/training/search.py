@@ -65,7 +65,19 @@ MemberLoss = Callable[[], Tensor]
 
 @dataclass
 class SearchResult:
-    """What one :func:`swap_search` did."""
+    """What one :func:`swap_search` did.
+
+    Examples:
+        >>> from dselectk import DSelectK
+        >>> gate = DSelectK(8, k=2)
+        >>> gate.set_selection(torch.tensor([0, 1]))
+        >>> target = torch.tensor([0.0, 0, 0, 0.5, 0, 0.5, 0, 0])  # experts 3 and 5, half each
+        >>> result = swap_search(gate, lambda: (gate().weights - target).square().sum())
+        >>> result.moves.tolist(), result.sweeps, result.evaluations  # (G,) moves, G = 1
+        ([2], 2, 33)
+        >>> bool(result.loss_after < result.loss_before)
+        True
+    """
 
     moves: Tensor
     """(G,) accepted moves per gate."""
@@ -167,6 +179,17 @@ def swap_search(
 
     Returns:
         A :class:`SearchResult`.
+
+    Examples:
+        A DSelect-k gate set on experts 0 and 1 whose loss wants experts 3 and 5:
+
+        >>> from dselectk import DSelectK
+        >>> gate = DSelectK(8, k=2)
+        >>> gate.set_selection(torch.tensor([0, 1]))
+        >>> target = torch.tensor([0.0, 0, 0, 0.5, 0, 0.5, 0, 0])
+        >>> result = swap_search(gate, lambda: (gate().weights - target).square().sum())
+        >>> sorted(gate.selection().tolist()), round(float(result.loss_after), 4)
+        ([3, 5], 0.0)
     """
     _check_gate(gate)
     if not callable(member_loss):
@@ -256,7 +279,13 @@ class RefitStats:
     """Second moments of R models' expert outputs and task targets on a probe batch: all that
     :func:`selector_refit_mse` needs (float64). The experts do not change during a search, so
     one set serves every candidate a search scores: a candidate then costs O(T·K·E²) per model
-    instead of a pass over the probe."""
+    instead of a pass over the probe.
+
+    Examples:
+        >>> stats = RefitStats.of(torch.randn(2, 4, 16), torch.randn(3, 16))  # (R, E, B), (T, B)
+        >>> tuple(stats.gram.shape), tuple(stats.cross.shape), tuple(stats.target.shape)
+        ((2, 4, 4), (2, 4, 3), (1, 3))
+    """
 
     gram: Tensor
     """(R, E, E) ``f fᵀ / B``."""
@@ -302,6 +331,18 @@ def selector_refit_mse(gate: Gate, stats: RefitStats, ridge: float = 1e-4) -> Te
 
     Returns:
         (G,) the refitted MSE of each gate (float32).
+
+    Examples:
+        A target that is a mix of the two selected experts refits exactly:
+
+        >>> from dselectk import DSelectK
+        >>> f = torch.randn(4, 64)  # (E, B) outputs of 4 experts
+        >>> gate = DSelectK(4, k=2)
+        >>> gate.set_selection(torch.tensor([1, 2]))
+        >>> round(float(selector_refit_mse(gate, RefitStats.of(f, (2 * f[1] - f[2])[None]))), 4)
+        0.0
+        >>> bool(selector_refit_mse(gate, RefitStats.of(f, f[3:])) > 0.1)  # expert 3 not selected
+        True
     """
     _check_gate(gate)
     r, e, t = stats.cross.shape
@@ -326,7 +367,15 @@ def logistic_refit_bce(h: Tensor, y: Tensor, w: Tensor, iters: int = 8, l2: floa
     """(R,) mean BCE of logistic regressions of y (B,) on h (R, B, d), each refitted from w
     (R, d) by ``iters`` Newton steps on BCE + l2·|w|² (a tiny ridge keeps separable data
     finite): the classification counterpart of :func:`selector_refit_mse`, for a search's
-    ``member_loss`` when a logistic head was fitted to the old selection."""
+    ``member_loss`` when a logistic head was fitted to the old selection.
+
+    Examples:
+        >>> h = torch.randn(2, 64, 3)  # (R, B, d) features of 2 models
+        >>> y = (h[0, :, 0] > 0).float()  # (B,) separable by model 0's first feature
+        >>> bce = logistic_refit_bce(h, y, torch.zeros(2, 3))  # refitted from w = 0
+        >>> tuple(bce.shape), bool(bce[0] < bce[1] < math.log(2))
+        ((2,), True)
+    """
     eye = torch.eye(h.shape[-1], dtype=h.dtype)
     for _ in range(iters):
         p = torch.sigmoid(torch.einsum("rbd,rd->rb", h, w))
@@ -354,6 +403,18 @@ class SwapSearch(Callback):
             ``TrainConfig(nonfinite="warn")``, which warns about the divergence itself) is
             skipped, its step recorded in :attr:`skipped`, instead of raising (what
             ``TrainConfig.search`` uses).
+
+    Examples:
+        >>> from dselectk import DSelectK, MoE, TaskData, TrainConfig, train
+        >>> from dselectk.layers import StackedMLP
+        >>> x = torch.randn(64, 4)
+        >>> model = MoE(StackedMLP(4, 4, [1]), DSelectK(4, k=2))
+        >>> data = TaskData(x, [x[:, :1]])
+        >>> search = SwapSearch(model.gate, lambda: F.mse_loss(model(x).output, data.ys[0]), at=[1])
+        >>> config = TrainConfig(epochs=1, progress=False)
+        >>> hist = train(model, data, "mse", config, callbacks=[search])
+        >>> len(search.results), tuple(search.total_moves.shape)  # one search after step 1
+        (1, (1,))
     """
 
     gate: Gate
@@ -472,6 +533,15 @@ class SearchPlan:
         refit: score a move after refitting the read-out of the selection (the study supplies
             the refitted loss); False: with the model as it is.
         probe: examples of the training set the moves are scored on.
+
+    Examples:
+        >>> from dselectk import DSelectK, TrainConfig
+        >>> plan = SearchPlan(at=(0.25, 0.7), binarize=0.5)
+        >>> config = TrainConfig(search=plan)  # what train() runs on a static sparse gate
+        >>> gate = DSelectK(8, k=2)
+        >>> search = plan.callback(gate, lambda: gate().weights.square().sum(), total_steps=100)
+        >>> search.at, search.binarize_at  # steps of a 100-step run
+        ([25, 70], [50])
     """
 
     at: tuple[float, ...]
@@ -531,7 +601,15 @@ SWAP_PLAN = SearchPlan(at=(0.25, 0.5, 0.7, 0.85))
 
 def default_plan(gate: Gate) -> SearchPlan:
     """The search ``TrainConfig(search="auto")`` runs on ``gate``: :data:`BINARIZING_PLAN` for
-    a gate whose selection becomes binary in training (DSelect-k), else :data:`SWAP_PLAN`."""
+    a gate whose selection becomes binary in training (DSelect-k), else :data:`SWAP_PLAN`.
+
+    Examples:
+        >>> from dselectk import DSelectK, TopKGate
+        >>> default_plan(DSelectK(8, k=2))
+        SearchPlan(at=(0.25, 0.7, 0.85), binarize=0.5, refit=False, probe=2048)
+        >>> default_plan(TopKGate(8, k=2)).at
+        (0.25, 0.5, 0.7, 0.85)
+    """
     return BINARIZING_PLAN if gate.binarizes else SWAP_PLAN
 
 
@@ -587,6 +665,17 @@ def model_searches(
     Raises:
         ValueError: ``plan`` is a :class:`SearchPlan` and ``model`` has no searchable static
             gate, or the plan asks for ``refit``.
+
+    Examples:
+        >>> from dselectk import DSelectK, MultiGateMoE, TaskData
+        >>> from dselectk.layers import StackedMLP, make_towers
+        >>> experts, towers = StackedMLP(4, 4, [8]), make_towers(2, 8, [1])
+        >>> model = MultiGateMoE(experts, DSelectK(4, k=2, num_gates=2), towers)
+        >>> x = torch.randn(64, 4)
+        >>> data = TaskData(x, [x[:, :1], x[:, 1:2]])
+        >>> searches = model_searches(model, data, [F.mse_loss] * 2, "auto", total_steps=100)
+        >>> len(searches), searches[0].at, searches[0].binarize_at  # one for the gate bank
+        (1, [25, 70, 85], [50])
     """
     if plan is None:
         return []
