@@ -37,7 +37,6 @@ PENDING: set[str] = {
     "dselectk.gates.registry",
     "dselectk.integrations.hf",
     "dselectk.io",
-    "dselectk.members",
     "dselectk.optim",
     "dselectk.runtime",
     "dselectk.schedules",

@@ -94,6 +94,17 @@ def build_bank(
     Raises:
         ValueError: no seeds, or the members' parameters do not add up to the bank's.
         TypeError: a seed is not an integer.
+
+    Examples:
+        >>> from dselectk import DSelectK, MoEBank
+        >>> from dselectk.layers import StackedMLP
+        >>> def make(r):  # member r alone (4 experts, 2 tasks), or the bank of 3 (r None)
+        ...     n = 3 if r is None else 1
+        ...     return MoEBank(StackedMLP(n * 4, 10, [4]), DSelectK(4, k=2, num_gates=n * 2), n)
+        >>> bank = build_bank(make, seeds=[0, 1, 2])
+        >>> _ = torch.manual_seed(1)
+        >>> torch.equal(bank.gates.logits[2:4], make(1).gates.logits)  # member 1: gates 2, 3
+        True
     """
     if len(seeds) == 0:
         raise ValueError("build_bank: seeds must hold at least one seed")
@@ -120,6 +131,14 @@ def per_gate_hparams(
 
     Raises:
         ValueError: a member lacks a value another member sets, or a value is not a number.
+
+    Examples:
+        >>> from dselectk import DSelectK
+        >>> members = [{"lr": 0.01, "gamma": 1.0}, {"lr": 0.1, "gamma": 2.0}]
+        >>> hp = per_gate_hparams(members, gates_per_member=3)  # 2 members of 3 gates
+        >>> sorted(hp), hp["gamma"].tolist()
+        (['gamma', 'lr'], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+        >>> gates = DSelectK(4, k=2, num_gates=6, gamma=hp["gamma"])  # member r's γ, its gates
     """
     if gates_per_member < 1:
         raise ValueError(f"gates_per_member must be >= 1, got {gates_per_member}")
@@ -142,7 +161,17 @@ def per_gate_hparams(
 
 def bank_loss(model: nn.Module, batch: TaskData) -> tuple[Tensor, None]:
     """The training loss of a :class:`~dselectk.models.MoEBank`: :meth:`MoEBank.loss` of the
-    batch (``batch.ys[0]``: the (B, T) targets), the members' losses summed."""
+    batch (``batch.ys[0]``: the (B, T) targets), the members' losses summed.
+
+    Examples:
+        >>> from dselectk import DSelectK, MoEBank, TaskData
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = MoEBank(StackedMLP(3 * 4, 10, [4]), DSelectK(4, k=2, num_gates=3 * 2), members=3)
+        >>> batch = TaskData(torch.randn(8, 10), [torch.randn(8, 2)])  # ys[0]: (B, T)
+        >>> loss, output = bank_loss(bank, batch)
+        >>> loss.dim(), output
+        (0, None)
+    """
     if not isinstance(model, MoEBank):
         raise TypeError(f"bank_loss needs a MoEBank, got {type(model).__name__}")
     return model.loss(batch.x, batch.ys[0]), None
@@ -222,6 +251,20 @@ def train_bank(
         ValueError: a missing or invalid ``lr``/``epochs``, a ``member_hparams`` whose length is
             not the bank's member count, or a search without a ``search_loss`` on a bank that
             is not a MoEBank.
+
+    Examples:
+        Three members of 2 tasks and 4 experts, each with its own learning rate:
+
+        >>> from dselectk import DSelectK, MoEBank, TaskData
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = MoEBank(StackedMLP(3 * 4, 10, [4]), DSelectK(4, k=2, num_gates=3 * 2), members=3)
+        >>> x, y = torch.randn(64, 10), torch.randn(64, 2)  # y: (N, T)
+        >>> members = [{"lr": 0.01}, {"lr": 0.03}, {"lr": 0.1}]
+        >>> data = TaskData(x, [y])
+        >>> hist = train_bank(bank, data, {"epochs": 1}, member_hparams=members, batch_size=32,
+        ...                   shuffle_seed=0)
+        >>> hist.steps, tuple(bank.mse(x, y, bank.inference_weights()).shape)  # (R,) MSEs
+        (2, (3,))
     """
     members = None if member_hparams is None else [{**hparams, **m} for m in member_hparams]
     if members is not None:
