@@ -80,9 +80,10 @@ class TokenMoEOutput(NamedTuple):
 
     Examples:
         >>> from dselectk import SparseMoEFeedForward
-        >>> output, aux_loss = SparseMoEFeedForward(16, 32, num_experts=4)(torch.randn(4, 10, 16))
+        >>> layer = SparseMoEFeedForward(8, 16, num_experts=4)  # d_model 8, d_ff 16
+        >>> output, aux_loss = layer(torch.randn(4, 6, 8))  # (batch, seq, d_model)
         >>> tuple(output.shape), aux_loss.dim()
-        ((4, 10, 16), 0)
+        ((4, 6, 8), 0)
     """
 
     output: Tensor
