@@ -32,7 +32,6 @@ NOT_API = {
 PENDING: set[str] = {
     "dselectk.demo",
     "dselectk.export",
-    "dselectk.functional",
     "dselectk.gates.ablation",
     "dselectk.gates.base",
     "dselectk.gates.comet",
