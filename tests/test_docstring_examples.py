@@ -43,7 +43,6 @@ PENDING: set[str] = {
     "dselectk.gates.softmax",
     "dselectk.gates.topk",
     "dselectk.integrations.hf",
-    "dselectk.io",
     "dselectk.layers.embedding",
     "dselectk.layers.experts",
     "dselectk.layers.mixer",
