@@ -51,7 +51,6 @@ PENDING: set[str] = {
     "dselectk.models.bank",
     "dselectk.models.moe",
     "dselectk.optim",
-    "dselectk.runtime",
     "dselectk.schedules",
     "dselectk.telemetry",
     "dselectk.training.callbacks",
