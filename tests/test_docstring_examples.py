@@ -39,7 +39,6 @@ PENDING: set[str] = {
     "dselectk.gates.fixed",
     "dselectk.gates.gumbel",
     "dselectk.gates.hyperparameter",
-    "dselectk.gates.registry",
     "dselectk.gates.softmax",
     "dselectk.gates.topk",
     "dselectk.integrations.hf",
