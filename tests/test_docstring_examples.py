@@ -38,7 +38,6 @@ PENDING: set[str] = {
     "dselectk.gates.dselect_k",
     "dselectk.gates.fixed",
     "dselectk.gates.gumbel",
-    "dselectk.gates.hyperparameter",
     "dselectk.gates.softmax",
     "dselectk.gates.topk",
     "dselectk.integrations.hf",
