@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 
@@ -39,7 +40,6 @@ PENDING: set[str] = {
     "dselectk.gates.gumbel",
     "dselectk.gates.softmax",
     "dselectk.gates.topk",
-    "dselectk.integrations.hf",
     "dselectk.layers.embedding",
     "dselectk.layers.experts",
     "dselectk.layers.mixer",
@@ -58,6 +58,12 @@ PENDING: set[str] = {
     "dselectk.training.state",
     "dselectk.training.tasks",
     "dselectk.variants",
+}
+
+#: optional extras whose examples are skipped when the extra is not installed:
+#: object-name prefix -> the modules the examples import
+NEEDS: dict[str, tuple[str, ...]] = {
+    "dselectk.integrations.": ("transformers",),
 }
 
 
@@ -107,6 +113,10 @@ def test_examples_run(name: str, obj: object) -> None:
     tests = _examples(obj, name)
     if not tests:
         pytest.skip("no example yet (module in PENDING)")
+    for prefix, needs in NEEDS.items():
+        absent = [m for m in needs if importlib.util.find_spec(m) is None]
+        if name.startswith(prefix) and absent:
+            pytest.skip(f"needs {', '.join(absent)} (an optional extra), not installed")
     runner = doctest.DocTestRunner(
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
     )
