@@ -52,7 +52,7 @@ from dselectk.runtime import intra_op_threads
 from dselectk.training import TaskData
 from dselectk.variants import SearchPlan, Variant
 
-__all__ = ["Sharing", "add_arguments", "make_data", "run", "sharing"]
+__all__ = ["Sharing", "make_data", "sharing"]
 
 BATCH = 256
 LR = 0.03
@@ -107,7 +107,16 @@ def make_data(
     num_tasks: int, examples: int, seed: int
 ) -> tuple[TaskData, TaskData, list[set[int]]]:
     """Tasks 2g and 2g+1 mix ground-truth experts {2g, 2g+1} (g mod 4) with shares drawn from
-    :data:`MIX`; returns train, test and each task's true set."""
+    :data:`MIX`; returns train, test and each task's true set.
+
+    Examples:
+        >>> from dselectk.demo import make_data
+        >>> train, test, true_sets = make_data(num_tasks=4, examples=100, seed=0)  # 80/20 split
+        >>> train.x.shape, len(train.ys), train.ys[0].shape, test.x.shape
+        (torch.Size([80, 10]), 4, torch.Size([80, 1]), torch.Size([20, 10]))
+        >>> true_sets  # tasks 2g and 2g+1 mix experts 2g and 2g+1
+        [{0, 1}, {0, 1}, {2, 3}, {2, 3}]
+    """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(examples, 10, generator=g)
     w = torch.randn(8, 10, 4, generator=g)
@@ -131,7 +140,16 @@ def make_data(
 @dataclass(frozen=True)
 class Sharing:
     """What :func:`sharing` measured; tasks 2g and 2g+1 form group g (an odd last task has no
-    partner and is in no pair)."""
+    partner and is in no pair).
+
+    Examples:
+        >>> from dselectk.demo import sharing
+        >>> s = sharing([{0, 1}, {0, 1}, {2, 3}, {3, 5}])  # groups: tasks (0, 1) and (2, 3)
+        >>> s.identical, s.overlapping, s.pairs
+        (1, 2, 2)
+        >>> s.every_group_overlaps, s.every_group_identical
+        (True, False)
+    """
 
     identical: int
     """Same-group pairs whose selected expert sets are equal."""
@@ -160,7 +178,14 @@ def _jaccard(a: set[int], b: set[int]) -> float:
 
 
 def sharing(selected: Sequence[set[int]]) -> Sharing:
-    """Compare the experts selected by each task (``selected[t]``) within and across groups."""
+    """Compare the experts selected by each task (``selected[t]``) within and across groups.
+
+    Examples:
+        >>> from dselectk.demo import sharing
+        >>> s = sharing([{0, 1}, {0, 1}, {2, 3}, {3, 5}])  # selected[t]: task t's experts
+        >>> s.identical, s.pairs, round(s.jaccard_within, 3), round(s.jaccard_across, 3)
+        (1, 2, 0.667, 0.0)
+    """
     same: list[float] = []
     other: list[float] = []
     identical = overlapping = 0

@@ -71,7 +71,18 @@ Sampler = Callable[[int], Sequence[Tensor]]
 
 
 class ExportVerificationError(RuntimeError):
-    """The exported model does not compute what the PyTorch model computes."""
+    """The exported model does not compute what the PyTorch model computes.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.export import ExportVerificationError, verify
+        >>> model = torch.nn.Linear(4, 2)
+        >>> wrong = lambda xs: [torch.zeros(len(xs[0]), 2)]  # an "export" that lost the weights
+        >>> verify(wrong, model, torch.randn(8, 4))
+        Traceback (most recent call last):
+            ...
+        dselectk.export.ExportVerificationError: batch 16: output 0 differs from PyTorch ...
+    """
 
 
 # -- inputs and outputs -------------------------------------------------------------------------
@@ -271,6 +282,18 @@ def verify(
     ``run`` fails). The inputs are finite: a non-finite example input or sampled input is
     refused with :class:`ValueError`, and so are ``atol``/``rtol`` that are not finite numbers
     >= 0 and ``batch_sizes`` without a size >= 1 (a check that would check nothing).
+
+    Examples:
+        >>> import copy
+        >>> import torch
+        >>> from torch import nn
+        >>> from dselectk.export import verify
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> double = copy.deepcopy(model).double()  # stands in for an exported copy of the model
+        >>> run = lambda xs: [double(xs[0].double()).float()]  # inputs (B, 4) -> outputs [(B, 2)]
+        >>> worst = verify(run, model, torch.randn(3, 4))  # at batch sizes 16, 7, 1, 1024
+        >>> worst < 1e-5
+        True
     """
     batch_sizes = _check_tolerances(batch_sizes, atol, rtol)
     args = _as_tuple(example_inputs)
@@ -360,6 +383,24 @@ def to_onnx(
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import onnxruntime
+        >>> import torch
+        >>> from dselectk import DSelectK, MultiGateMoE
+        >>> from dselectk.export import freeze, to_onnx
+        >>> from dselectk.layers import StackedMLP
+        >>> gates = DSelectK(num_experts=8, k=2, num_gates=2)
+        >>> towers = StackedMLP(2, 32, [1], final_activation=False)
+        >>> model = MultiGateMoE(StackedMLP(8, 16, [32]), gates, towers)
+        >>> gates.set_selection(torch.tensor([[0, 3], [3, 5]]))  # as training leaves it
+        >>> with tempfile.TemporaryDirectory() as d:  # the file is verified with onnxruntime
+        ...     path = to_onnx(freeze(model), torch.randn(4, 16), Path(d) / "model.onnx")
+        ...     session = onnxruntime.InferenceSession(path)
+        ...     [y.shape for y in session.run(None, {"input_0": torch.randn(5, 16).numpy()})]
+        [(5, 1), (5, 1)]
     """
     _check_tolerances(batch_sizes, atol, rtol)
     ort = _require_onnx()
@@ -488,6 +529,19 @@ def export_program(
     The program's ``module()`` is run on fresh inputs at ``batch_sizes`` and compared with
     PyTorch eager; :class:`ExportVerificationError` on a mismatch. Arguments as
     :func:`to_onnx`.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk import DSelectK, MultiGateMoE
+        >>> from dselectk.export import export_program, freeze
+        >>> from dselectk.layers import StackedMLP
+        >>> gates = DSelectK(num_experts=8, k=2, num_gates=2)
+        >>> towers = StackedMLP(2, 32, [1], final_activation=False)
+        >>> model = MultiGateMoE(StackedMLP(8, 16, [32]), gates, towers)
+        >>> gates.set_selection(torch.tensor([[0, 3], [3, 5]]))  # as training leaves it
+        >>> program = export_program(freeze(model), torch.randn(4, 16))  # verified against eager
+        >>> [y.shape for y in program.module()(torch.randn(5, 16))]  # any batch: 2 tasks' (B, 1)
+        [torch.Size([5, 1]), torch.Size([5, 1])]
     """
     _check_tolerances(batch_sizes, atol, rtol)
     args = _as_tuple(example_inputs)
@@ -513,6 +567,16 @@ class SelectedExperts(nn.Module):
 
     Used by :func:`freeze` for banks it cannot slice (e.g. CNN banks): the full bank's
     parameters stay, only the selected members are computed.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.export import SelectedExperts
+        >>> from dselectk.layers import StackedMLP
+        >>> bank = StackedMLP(8, 4, [16])  # 8 experts: (B, 4) -> (8, B, 16)
+        >>> kept = SelectedExperts(bank, torch.tensor([1, 5]))  # experts 1 and 5 as a bank of 2
+        >>> x = torch.randn(3, 4)
+        >>> kept(x).shape, torch.equal(kept(x), bank(x, torch.tensor([1, 5])))
+        (torch.Size([2, 3, 16]), True)
     """
 
     members: Tensor
@@ -570,6 +634,22 @@ def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
 
     Raises:
         ValueError: a static gate has not converged and ``force`` is False.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk import DSelectK, MultiGateMoE
+        >>> from dselectk.export import freeze
+        >>> from dselectk.layers import StackedMLP
+        >>> gates = DSelectK(num_experts=8, k=2, num_gates=2)
+        >>> towers = StackedMLP(2, 32, [1], final_activation=False)
+        >>> model = MultiGateMoE(StackedMLP(8, 16, [32]), gates, towers).eval()
+        >>> gates.set_selection(torch.tensor([[0, 3], [3, 5]]))  # as training leaves it
+        >>> frozen = freeze(model)  # experts 0, 3, 5 kept; the gates fixed
+        >>> frozen.mixer.num_experts, type(frozen.gates).__name__
+        (3, 'FixedGate')
+        >>> x = torch.randn(4, 16)  # (B, 16) -> 2 tasks' (B, 1)
+        >>> all(torch.allclose(a, b) for a, b in zip(frozen(x).outputs, model(x).outputs))
+        True
     """
     if not isinstance(model, MoE | MultiGateMoE):
         raise TypeError(f"freeze takes a MoE or MultiGateMoE, got {type(model).__name__}")

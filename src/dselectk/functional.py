@@ -40,7 +40,13 @@ __all__ = [
 
 
 def num_bits(num_experts: int) -> int:
-    """m = ceil(log2 n): bits a single expert selector needs for n experts (Appendix B.2)."""
+    """m = ceil(log2 n): bits a single expert selector needs for n experts (Appendix B.2).
+
+    Examples:
+        >>> from dselectk.functional import num_bits
+        >>> num_bits(2), num_bits(5), num_bits(8), num_bits(9)
+        (1, 3, 3, 4)
+    """
     if isinstance(num_experts, bool) or not hasattr(type(num_experts), "__index__"):
         raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
     n = operator.index(num_experts)  # also NumPy integers
@@ -80,6 +86,14 @@ def smooth_step(t: Tensor, gamma: float | Tensor = 1.0) -> Tensor:
 
     Returns:
         Tensor of the shape of ``t``.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import smooth_step
+        >>> smooth_step(torch.tensor([-1.0, -0.25, 0.0, 0.25, 1.0]), gamma=1.0)
+        tensor([0.0000, 0.1562, 0.5000, 0.8438, 1.0000])
+        >>> smooth_step(torch.randn(4, 3, 2), gamma=torch.tensor(0.5)).shape  # any shape
+        torch.Size([4, 3, 2])
     """
     _check_gamma(gamma)
     return _smooth(t, gamma)
@@ -102,6 +116,16 @@ def code_table(num_experts: int, *, device: torch.device | None = None) -> Tenso
 
     Returns:
         bool tensor of shape (n, M).
+
+    Examples:
+        >>> from dselectk.functional import code_table
+        >>> code_table(4)  # (n, M): expert 2 (0-based) has code 01, bit 0 first
+        tensor([[False, False],
+                [ True, False],
+                [False,  True],
+                [ True,  True]])
+        >>> code_table(5).shape
+        torch.Size([5, 3])
     """
     m = num_bits(num_experts)
     idx = torch.arange(num_experts, device=device)
@@ -122,6 +146,16 @@ def selector(p: Tensor, num_experts: int | None = None) -> Tensor:
 
     Returns:
         (..., n) selector outputs.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import selector
+        >>> selector(torch.tensor([0.0, 1.0]))  # binary bits (0, 1): expert 2 (0-based)
+        tensor([0., 0., 1., 0.])
+        >>> selector(torch.tensor([0.5, 1.0]), num_experts=3)  # (M,) -> (n,)
+        tensor([0.0000, 0.0000, 0.5000])
+        >>> selector(torch.rand(8, 4, 3)).shape  # (..., M) -> (..., 2**M)
+        torch.Size([8, 4, 8])
     """
     out = _expand_bits(p, p.new_ones(()).expand(*p.shape[:-1], 1))
     return out if num_experts is None else out[..., :num_experts]
@@ -140,6 +174,13 @@ def selector_naive(p: Tensor, num_experts: int | None = None) -> Tensor:
     """Reference formulation of r(p): the paper's product formula over an (N, M) code table.
 
     This is the way a reader would first code Eq. (r(z)_i); kept for tests and benchmarks.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import selector, selector_naive
+        >>> p = torch.rand(6, 3)  # (..., M)
+        >>> selector_naive(p).shape, torch.allclose(selector_naive(p), selector(p))
+        (torch.Size([6, 8]), True)
     """
     m = p.shape[-1]
     table = code_table(2**m, device=p.device)  # (N, M)
@@ -168,6 +209,16 @@ def dselect_k_weights(
 
     Returns:
         (..., n) expert weights; on the simplex when n = 2**M (Proposition 2).
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import dselect_k_weights
+        >>> alpha, z = torch.randn(4, 2), torch.randn(4, 2, 3)  # B=4, K=2 selectors, M=3 bits
+        >>> w = dselect_k_weights(alpha, z, gamma=1.0)
+        >>> w.shape, torch.allclose(w.sum(-1), torch.ones(4))  # (B, 2**M), on the simplex
+        (torch.Size([4, 8]), True)
+        >>> dselect_k_weights(alpha, z, num_experts=5).shape
+        torch.Size([4, 5])
     """
     _check_gamma(gamma)
     w = _dselect_k_composed(alpha, z, gamma)[0]  # (..., N)
@@ -193,14 +244,35 @@ def _dselect_k_composed(alpha: Tensor, z: Tensor, gamma: float | Tensor) -> tupl
 
 
 def binary_entropy(p: Tensor) -> Tensor:
-    """h(p) = -p log p - (1-p) log(1-p), exactly 0 with a finite gradient at p in {0, 1}."""
+    """h(p) = -p log p - (1-p) log(1-p), exactly 0 with a finite gradient at p in {0, 1}.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import binary_entropy
+        >>> binary_entropy(torch.tensor([0.1, 0.5, 0.9]))
+        tensor([0.3251, 0.6931, 0.3251])
+        >>> p = torch.tensor([0.0, 1.0], requires_grad=True)
+        >>> h = binary_entropy(p)
+        >>> h.sum().backward()
+        >>> bool((h == 0).all()), bool(p.grad.isfinite().all())
+        (True, True)
+    """
     tiny = torch.finfo(p.dtype).tiny
     q = 1.0 - p
     return -(p * torch.log(p.clamp_min(tiny)) + q * torch.log(q.clamp_min(tiny)))
 
 
 def entropy(prob: Tensor, dim: int = -1) -> Tensor:
-    """Shannon entropy (nats) of probability vectors along ``dim``; safe at exact zeros."""
+    """Shannon entropy (nats) of probability vectors along ``dim``; safe at exact zeros.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import entropy
+        >>> entropy(torch.tensor([[0.5, 0.5], [0.25, 0.75]]))  # (B, n) -> (B,)
+        tensor([0.6931, 0.5623])
+        >>> entropy(torch.tensor([[0.5, 0.25], [0.5, 0.75]]), dim=0)  # (n, B) -> (B,)
+        tensor([0.6931, 0.5623])
+    """
     tiny = torch.finfo(prob.dtype).tiny
     return -(prob * torch.log(prob.clamp_min(tiny))).sum(dim=dim)
 
@@ -217,6 +289,13 @@ def selector_entropy(p: Tensor) -> Tensor:
 
     Returns:
         (...,) entropies.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import entropy, selector, selector_entropy
+        >>> p = torch.rand(5, 3)  # (..., M) bit probabilities
+        >>> selector_entropy(p).shape, torch.allclose(selector_entropy(p), entropy(selector(p)))
+        (torch.Size([5]), True)
     """
     return binary_entropy(p).sum(dim=-1)
 
@@ -235,6 +314,15 @@ def unused_code_penalty(p: Tensor, num_experts: int, xi: float) -> Tensor:
 
     Returns:
         (...,) penalties (zeros when n = 2**M).
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import unused_code_penalty
+        >>> p = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 0.5]])  # (K, M): code 0; uniform over 8
+        >>> unused_code_penalty(p, num_experts=5, xi=0.1)  # xi / P(code < 5)
+        tensor([0.1000, 0.1600])
+        >>> unused_code_penalty(p, num_experts=8, xi=0.1)  # n = 2**M: no unused codes
+        tensor([0., 0.])
     """
     m = p.shape[-1]
     if num_experts >= 2**m:
@@ -260,6 +348,13 @@ def code_collisions(codes: Tensor, num_experts: int) -> Tensor:
 
     Returns:
         (T,) float: the number of colliding pairs of each gate, averaged over the N examples.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import code_collisions
+        >>> codes = torch.tensor([[[1, 1, 2], [0, 1, 2]], [[3, 3, 3], [0, 1, 4]]])  # (N, T, K)
+        >>> code_collisions(codes, num_experts=4)  # gate 0: 1 pair, then 3 pairs; gate 1: none
+        tensor([2., 0.])
     """
     k = codes.shape[-1]
     same = codes.unsqueeze(-1) == codes.unsqueeze(-2)  # (N, T, K, K)
@@ -292,6 +387,16 @@ def distinct_codes(z: Tensor, num_experts: int) -> Tensor:
 
     Returns:
         (..., K, M), ``z`` times a ±1 mask (no gradient through the mask).
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import distinct_codes
+        >>> z = torch.tensor([[2.0, 1.0], [1.5, 0.5]])  # (K, M): both selectors on code 3
+        >>> distinct_codes(z, num_experts=4)  # the second moves to code 1, flipping its weakest bit
+        tensor([[ 2.0000,  1.0000],
+                [ 1.5000, -0.5000]])
+        >>> distinct_codes(torch.randn(8, 3, 2, 3), num_experts=6).shape  # (..., K, M)
+        torch.Size([8, 3, 2, 3])
     """
     k, m = z.shape[-2], z.shape[-1]
     if k > num_experts:
@@ -317,7 +422,16 @@ def distinct_codes(z: Tensor, num_experts: int) -> Tensor:
 
 
 def keep_topk(logits: Tensor, k: int) -> Tensor:
-    """KeepTopK(v)_i = v_i if v_i is among the k largest entries of v, else -inf (Section 2)."""
+    """KeepTopK(v)_i = v_i if v_i is among the k largest entries of v, else -inf (Section 2).
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import keep_topk
+        >>> keep_topk(torch.tensor([1.0, 3.0, 2.0, 0.0]), k=2)
+        tensor([-inf, 3., 2., -inf])
+        >>> keep_topk(torch.randn(5, 8), k=2).isfinite().sum(-1)  # (..., n), k kept per row
+        tensor([2, 2, 2, 2, 2])
+    """
     vals, idx = logits.topk(k, dim=-1)
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
 
@@ -326,6 +440,15 @@ def topk_softmax(logits: Tensor, k: int) -> Tensor:
     """Top-k gate σ(KeepTopK(v)) along the last dim, computed as a softmax over the k kept logits.
 
     Equals ``softmax(keep_topk(v, k))`` (tested) without an n-wide softmax over -inf entries.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.functional import topk_softmax
+        >>> topk_softmax(torch.tensor([1.0, 3.0, 2.0, 0.0]), k=2)
+        tensor([0.0000, 0.7311, 0.2689, 0.0000])
+        >>> w = topk_softmax(torch.randn(5, 8), k=2)  # (..., n)
+        >>> w.shape, (w > 0).sum(-1).tolist()
+        (torch.Size([5, 8]), [2, 2, 2, 2, 2])
     """
     vals, idx = logits.topk(k, dim=-1)
     return torch.zeros_like(logits).scatter(-1, idx, F.softmax(vals, dim=-1))

@@ -62,22 +62,58 @@ def _atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
 
 def write_stream(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write`` on a binary file object whose content replaces ``path`` atomically once
-    ``write`` returns (a figure's ``savefig``, say); returns the path."""
+    ``write`` returns (a figure's ``savefig``, say); returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from dselectk.io import write_stream
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = write_stream(Path(d) / "blob.bin", lambda f: f.write(b"ab"))
+        ...     out.name, out.read_bytes()
+        ('blob.bin', b'ab')
+    """
     return _atomic(path, write)
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically; returns the path."""
+    """Write ``data`` to ``path`` atomically; returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from dselectk.io import write_bytes
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = write_bytes(Path(d) / "sub" / "a.bin", b"abc")  # parent folders are created
+        ...     out.read_bytes(), [p.name for p in out.parent.iterdir()]  # no temp file left behind
+        (b'abc', ['a.bin'])
+    """
     return _atomic(path, lambda f: f.write(data))
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8, newlines as given) to ``path`` atomically; returns the path."""
+    """Write ``text`` (UTF-8, newlines as given) to ``path`` atomically; returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from dselectk.io import write_text
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     write_text(Path(d) / "note.txt", "été").read_text(encoding="utf-8")
+        'été'
+    """
     return write_bytes(path, text.encode("utf-8"))
 
 
 def json_safe(obj: Any) -> Any:
-    """``obj`` made strict-JSON-ready: NaN/inf as None, keys as str, tuples and tensors as lists."""
+    """``obj`` made strict-JSON-ready: NaN/inf as None, keys as str, tuples and tensors as lists.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.io import json_safe
+        >>> json_safe({1: float("nan"), "t": (1, 2.5), "x": torch.tensor([[1, 2]])})
+        {'1': None, 't': [1, 2.5], 'x': [[1, 2]]}
+    """
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, Mapping):
@@ -94,18 +130,50 @@ def write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> Path:
 
     NaN/inf are written as null and tensors as lists (see :func:`json_safe`), so the file is
     strict JSON. Returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from dselectk.io import write_json
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = write_json(Path(d) / "r.json", {"b": float("inf"), "a": (1, 2)}, indent=None)
+        ...     print(out.read_text(), end="")  # sorted keys, strict JSON, a final newline
+        {"a": [1, 2], "b": null}
     """
     return write_text(path, json.dumps(json_safe(obj), indent=indent, sort_keys=True) + "\n")
 
 
 def save_torch(path: str | Path, obj: Any) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically (e.g. a checkpoint); returns the path."""
+    """``torch.save(obj)`` to ``path`` atomically (e.g. a checkpoint); returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from pathlib import Path
+        >>> from dselectk.io import save_torch
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = save_torch(Path(d) / "ckpt.pt", {"w": torch.ones(2, 3)})
+        ...     torch.load(out)["w"].shape
+        torch.Size([2, 3])
+    """
     return _atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_npz(path: str | Path, **arrays: Any) -> Path:
     """``numpy.savez(**arrays)`` to ``path`` atomically (the name is used as given: no ``.npz`` is
-    appended); returns the path."""
+    appended); returns the path.
+
+    Examples:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> from pathlib import Path
+        >>> from dselectk.io import save_npz
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = save_npz(Path(d) / "arrays.npz", x=np.zeros((2, 3)), y=np.arange(4))
+        ...     with np.load(out) as f:
+        ...         sorted(f.files), f["x"].shape
+        (['x', 'y'], (2, 3))
+    """
     import numpy as np
 
     return _atomic(path, lambda f: np.savez(f, **arrays))

@@ -64,6 +64,20 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
 
     Yields:
         The number of threads in effect inside the block.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.runtime import intra_op_threads
+        >>> before = torch.get_num_threads()
+        >>> with intra_op_threads(1) as n:
+        ...     y = torch.randn(64, 32) @ torch.randn(32, 8)  # (64, 8), on one thread
+        ...     n, torch.get_num_threads(), y.shape
+        (1, 1, torch.Size([64, 8]))
+        >>> with intra_op_threads(1, elements=2**24) as n:  # a large problem keeps its threads
+        ...     n == before
+        True
+        >>> torch.get_num_threads() == before
+        True
     """
     before = torch.get_num_threads()
     limit = threads if elements is None or elements < PARALLEL_MIN_ELEMENTS else before
@@ -115,6 +129,12 @@ def tune_allocator() -> bool:
     Returns:
         True if the settings were applied; False on systems without glibc (macOS, Windows,
         musl), where nothing changes.
+
+    Examples:
+        >>> from dselectk.runtime import tune_allocator
+        >>> applied = tune_allocator()  # once, at the start of a training script
+        >>> tune_allocator() == applied  # safe to call again
+        True
     """
     global _tuned
     if _tuned is not None:
@@ -148,6 +168,15 @@ def exit_with_parent(parent_pid: int) -> bool:
 
     Returns:
         True if set; False where ``prctl`` is unavailable (not Linux), where nothing changes.
+
+    Examples:
+        >>> import os
+        >>> from concurrent.futures import ProcessPoolExecutor
+        >>> from dselectk.runtime import exit_with_parent
+        >>> init = dict(initializer=exit_with_parent, initargs=(os.getpid(),))
+        >>> with ProcessPoolExecutor(1, **init) as pool:
+        ...     pool.submit(pow, 2, 10).result()  # the workers stop if this process dies
+        1024
     """
     if os.getppid() != parent_pid:
         os._exit(1)

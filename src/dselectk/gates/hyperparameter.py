@@ -35,7 +35,18 @@ GAMMA_MIN = 1e-10
 
 
 def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int >= minimum, else raise a TypeError/ValueError naming it."""
+    """Return ``value`` if it is an int >= minimum, else raise a TypeError/ValueError naming it.
+
+    Examples:
+        >>> import numpy as np
+        >>> from dselectk.gates.hyperparameter import check_positive_int
+        >>> check_positive_int("num_experts", 8, minimum=2), check_positive_int("k", np.int64(3))
+        (8, 3)
+        >>> check_positive_int("k", 0)
+        Traceback (most recent call last):
+            ...
+        ValueError: k must be >= 1, got 0
+    """
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     as_int = operator.index(cast(SupportsIndex, value))  # also NumPy and 0-d integer tensors
@@ -45,7 +56,17 @@ def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 def check_nonnegative(name: str, value: float) -> float:
-    """Return ``float(value)`` if it is a finite number >= 0, else raise a ValueError naming it."""
+    """Return ``float(value)`` if it is a finite number >= 0, else raise a ValueError naming it.
+
+    Examples:
+        >>> from dselectk.gates.hyperparameter import check_nonnegative
+        >>> check_nonnegative("xi", 1)
+        1.0
+        >>> check_nonnegative("xi", float("inf"))
+        Traceback (most recent call last):
+            ...
+        ValueError: xi must be a finite number >= 0, got inf
+    """
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -90,6 +111,26 @@ class HyperParameter:
             before it existed), keeping its own value.
         minimum: values below it are refused as well (γ: see
             :data:`~dselectk.gates.dselect_k.GAMMA_MIN`).
+
+    Examples:
+        >>> from torch import nn
+        >>> from dselectk.gates.hyperparameter import HyperParameter
+        >>> class Bank(nn.Module):
+        ...     temperature = HyperParameter(positive=True)
+        ...     def __init__(self, num_gates):
+        ...         super().__init__()
+        ...         self.num_gates = num_gates
+        ...         self.temperature = 1.0  # scalar: a 0-d buffer ``_temperature``
+        >>> m = Bank(num_gates=3)
+        >>> m.temperature, m._temperature.shape, list(m.state_dict())
+        (1.0, torch.Size([]), ['_temperature'])
+        >>> m.temperature = [0.5, 1.0, 2.0]  # one value per gate: a (T,) buffer
+        >>> m.temperature.tolist(), m._temperature.shape
+        ([0.5, 1.0, 2.0], torch.Size([3]))
+        >>> m.temperature = 0.0
+        Traceback (most recent call last):
+            ...
+        ValueError: temperature must be a finite number > 0, got 0.0
     """
 
     def __init__(self, *, positive: bool, optional: bool = False, minimum: float = 0.0) -> None:
@@ -310,7 +351,17 @@ def _is_sequence(value: object) -> bool:
 
 
 def hyperparameters(module: nn.Module) -> dict[str, HyperParameter]:
-    """The :class:`HyperParameter` descriptors of ``module``'s class, by name."""
+    """The :class:`HyperParameter` descriptors of ``module``'s class, by name.
+
+    Examples:
+        >>> from dselectk.gates import COMETGate
+        >>> from dselectk.gates.hyperparameter import hyperparameters
+        >>> gate = COMETGate(8, k=2, num_gates=3, gamma=[0.5, 1.0, 2.0])
+        >>> sorted(hyperparameters(gate))
+        ['entropy_reg', 'gamma']
+        >>> hyperparameters(gate)["gamma"].is_per_gate(gate), gate.gamma.shape
+        (True, torch.Size([3]))
+    """
     out: dict[str, HyperParameter] = {}
     for cls in reversed(type(module).__mro__):
         for key, attr in vars(cls).items():
@@ -320,7 +371,16 @@ def hyperparameters(module: nn.Module) -> dict[str, HyperParameter]:
 
 
 def format_hyperparameter(value: float | Tensor) -> str:
-    """``value`` as ``extra_repr`` shows it: ``0.5``, or ``[0.5, 1, 2]`` for one value per gate."""
+    """``value`` as ``extra_repr`` shows it: ``0.5``, or ``[0.5, 1, 2]`` for one value per gate.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.gates.hyperparameter import format_hyperparameter
+        >>> format_hyperparameter(0.5), format_hyperparameter(torch.tensor([0.5, 1.0, 2.0]))
+        ('0.5', '[0.5, 1, 2]')
+        >>> format_hyperparameter(torch.arange(1.0, 9.0))  # a bank of 8 gates
+        '[1, 2, 3, ..., 8] (8 gates)'
+    """
     if not isinstance(value, Tensor):
         return f"{value:g}"
     vals = [f"{v:g}" for v in value.tolist()]

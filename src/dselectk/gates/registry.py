@@ -48,6 +48,16 @@ class HParam:
         choices: the allowed values of a ``str``.
         schedulable: a schedule may change it during training (it is a buffer of the gate).
         doc: one line for ``--help`` and reports.
+
+    Examples:
+        >>> from dselectk.gates.registry import HParam
+        >>> h = HParam("gamma", float, 1.0, low=0.0, positive=True, doc="smooth-step width")
+        >>> h.range_text(), h.check(2), h.check([0.5, 1])  # one value, or one per gate of a bank
+        ('a number > 0', 2.0, [0.5, 1.0])
+        >>> h.check(0.0, where="--gamma")
+        Traceback (most recent call last):
+            ...
+        ValueError: --gamma: expected a number > 0, got 0.0
     """
 
     name: str
@@ -118,6 +128,16 @@ class GateSpec:
         hparams: the declared hyperparameters by name.
         takes_k: the gate selects at most ``k`` experts (its constructor takes ``k``).
         summary: one line for listings.
+
+    Examples:
+        >>> from dselectk.gates.registry import gate_spec
+        >>> spec = gate_spec("comet")
+        >>> spec.name, spec.takes_k, spec.schedulable()
+        ('comet', True, ['gamma', 'entropy_reg'])
+        >>> spec.check({"gamma": 2})
+        {'gamma': 2.0}
+        >>> spec.build(8, k=2, num_gates=3)().weights.shape  # a bank of 3 static gates: (T, n)
+        torch.Size([3, 8])
     """
 
     name: str
@@ -164,7 +184,19 @@ def register_gate(
     summary: str = "",
 ) -> GateSpec:
     """Register ``factory(num_experts, **kwargs) -> Gate`` under ``name`` with its declared
-    hyperparameters; returns the spec."""
+    hyperparameters; returns the spec.
+
+    Examples:
+        >>> from dselectk.gates import TopKGate
+        >>> from dselectk.gates.registry import GATES, HParam, make_gate, register_gate
+        >>> def top1(num_experts, **kwargs):  # factory(num_experts, **kwargs) -> Gate
+        ...     return TopKGate(num_experts, k=1, **kwargs)
+        >>> init_std = HParam("init_std", float, 0.01, low=0.0, doc="std of the initial logits")
+        >>> spec = register_gate("top1", top1, [init_std], takes_k=False, summary="Top-1")
+        >>> make_gate("top1", 4, num_gates=2, init_std=0.1)().weights.shape  # static bank: (T, n)
+        torch.Size([2, 4])
+        >>> _ = GATES.pop("top1")  # unregister again (this example only)
+    """
     if name in GATES:
         raise ValueError(f"a gate named {name!r} is already registered")
     spec = GateSpec(name, factory, {h.name: h for h in hparams}, takes_k, summary)
@@ -173,12 +205,29 @@ def register_gate(
 
 
 def gate_names() -> list[str]:
-    """Registered gate names, sorted."""
+    """Registered gate names, sorted.
+
+    Examples:
+        >>> from dselectk.gates.registry import gate_names
+        >>> gate_names()
+        ['ablation_annealing', 'ablation_entropy', 'comet', 'dselect_k', 'gumbel_softmax',
+         'softmax', 'topk']
+    """
     return sorted(GATES)
 
 
 def gate_spec(name: str) -> GateSpec:
-    """The spec registered as ``name`` (ValueError listing the names when unknown)."""
+    """The spec registered as ``name`` (ValueError listing the names when unknown).
+
+    Examples:
+        >>> from dselectk.gates.registry import gate_spec
+        >>> gate_spec("topk").hparams["balance_weight"].default
+        0.0
+        >>> gate_spec("dselectk")
+        Traceback (most recent call last):
+            ...
+        ValueError: unknown gate 'dselectk'; expected one of [...]
+    """
     if name not in GATES:
         raise ValueError(f"unknown gate {name!r}; expected one of {gate_names()}")
     return GATES[name]
@@ -192,6 +241,20 @@ def make_gate(name: str, num_experts: int, **kwargs: Any) -> Gate:
         num_experts: n.
         **kwargs: passed to the gate's constructor (``k``, ``in_features``, ``num_gates``, ...);
             declared hyperparameters are checked against their declarations first.
+
+    Examples:
+        >>> import torch
+        >>> from dselectk.gates.registry import make_gate
+        >>> gate = make_gate("topk", 8, k=2, in_features=16)  # per-example: (B, 16) -> (B, 8)
+        >>> out = gate(torch.randn(4, 16))
+        >>> out.weights.shape, (out.weights > 0).sum(-1).tolist(), out.aux_loss.shape
+        (torch.Size([4, 8]), [2, 2, 2, 2], torch.Size([]))
+        >>> make_gate("dselect_k", 8, k=2, num_gates=3).num_gates  # a bank of 3 static gates
+        3
+        >>> make_gate("dselect_k", 8, k=2, gamma=-1)
+        Traceback (most recent call last):
+            ...
+        ValueError: gamma: expected a number > 0, got -1
     """
     return gate_spec(name).build(num_experts, **kwargs)
 

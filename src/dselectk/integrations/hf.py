@@ -191,6 +191,20 @@ class GateRouter(nn.Module):
     Build it with :func:`replace_routers` (which makes it an instance of the replaced router's
     class too). ``forward(hidden_states)`` takes ``(..., hidden)`` tokens and returns
     ``(router_logits, top_k_weights, top_k_index)`` as described in the module docstring.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> router = hf.replace_routers(MixtralForCausalLM(config))[0]
+        >>> isinstance(router, hf.GateRouter), router.num_experts, router.top_k
+        (True, 4, 2)
+        >>> logits, top_w, top_i = router(torch.randn(3, 16))  # (tokens, hidden)
+        >>> logits.shape, top_w.shape, top_i.shape  # (tokens, n), (tokens, top_k), (tokens, top_k)
+        (torch.Size([3, 4]), torch.Size([3, 2]), torch.Size([3, 2]))
     """
 
     aux_loss: Tensor | None
@@ -576,7 +590,17 @@ def _weight_hidden(router: nn.Module) -> int | None:
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, block)`` of every Mixtral-style sparse MoE block of ``model``: a module with
-    ``.experts`` and a top-k router in ``.gate`` or ``.router`` (:data:`ROUTER_ATTRIBUTES`)."""
+    ``.experts`` and a top-k router in ``.gate`` or ``.router`` (:data:`ROUTER_ATTRIBUTES`).
+
+    Examples:
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> [name for name, block in hf.find_moe_blocks(MixtralForCausalLM(config))]
+        ['model.layers.0.mlp', 'model.layers.1.mlp']
+    """
     return [(name, m) for name, m in model.named_modules() if _router_attribute(m) is not None]
 
 
@@ -587,7 +611,22 @@ def _block_router(block: nn.Module) -> Any:
 
 
 def router_aux_loss(model: nn.Module) -> Tensor:
-    """Sum of the gates' auxiliary losses of the last forward (0 if none ran)."""
+    """Sum of the gates' auxiliary losses of the last forward (0 if none ran).
+
+    Examples:
+        >>> import torch
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> model = MixtralForCausalLM(config)
+        >>> _ = hf.replace_routers(model, entropy_reg=0.1, aux_loss_weight=0)  # you add it
+        >>> out = model(torch.randint(0, 32, (2, 5)))  # (batch, seq) token ids
+        >>> aux = hf.router_aux_loss(model)  # add it to your own loss
+        >>> aux.shape, aux.item() > 0
+        (torch.Size([]), True)
+    """
     losses = [
         m.aux_loss for m in model.modules() if isinstance(m, GateRouter) and m.aux_loss is not None
     ]
@@ -682,7 +721,21 @@ def with_routers(
     (model type ``dselectk_<model_type>``) with ``config.dselectk_router`` set, so that
     ``AutoModelForCausalLM.from_config(...)`` (or any auto class of the family) builds the model
     with this package's routers, initialised through transformers' ``init_weights``. Arguments
-    as for :func:`replace_routers` (a gate name only)."""
+    as for :func:`replace_routers` (a gate name only).
+
+    Examples:
+        >>> from transformers import AutoModelForCausalLM, MixtralConfig
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> new = hf.with_routers(config, "dselect_k", gamma=0.5)
+        >>> type(new).__name__, new.model_type, new.dselectk_router["gate_kwargs"]
+        ('DSelectKMixtralConfig', 'dselectk_mixtral', {'gamma': 0.5, 'k': 3})
+        >>> model = AutoModelForCausalLM.from_config(new)
+        >>> type(model).__name__, isinstance(model.model.layers[0].mlp.gate, hf.GateRouter)
+        ('DSelectKMixtralForCausalLM', True)
+    """
     import copy
 
     new = copy.deepcopy(config)
@@ -737,11 +790,24 @@ def replace_routers(
     Returns:
         The new routers, in module order.
 
-    Example::
-
-        model = transformers.MixtralForCausalLM(config)
-        hf.replace_routers(model)  # DSelect-k, λ = 0, 3 selectors, renormalised
-        hf.replace_routers(model, "topk")  # transformers' routing, our gate
+    Examples:
+        >>> import torch
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> model = MixtralForCausalLM(config)  # tiny and random: 2 MoE blocks of 4 experts, top-2
+        >>> routers = hf.replace_routers(model)  # DSelect-k, λ = 0, 3 selectors, renormalised
+        >>> len(routers), type(model).__name__, model.config.dselectk_router["gate_kwargs"]
+        (2, 'DSelectKMixtralForCausalLM', {'k': 3})
+        >>> ids = torch.randint(0, 32, (2, 5))  # (batch, seq)
+        >>> out = model(ids, labels=ids)  # the gates' auxiliary losses are added to out.loss
+        >>> out.logits.shape, out.loss.shape
+        (torch.Size([2, 5, 32]), torch.Size([]))
+        >>> _ = hf.replace_routers(model, "topk")  # transformers' routing, our gate
+        >>> model.config.dselectk_router["gate"]
+        'topk'
     """
     _check_renamed("replace_routers", gate_kwargs)
     if not isinstance(gate, str) and gate_kwargs:
@@ -882,6 +948,25 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **
         The model, with the routers its config names (``config.dselectk_router``), every tensor
         loaded from the checkpoint. A folder without ``dselectk_router`` loads as transformers
         would load it (plain routers).
+
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> model = MixtralForCausalLM(config)
+        >>> _ = hf.replace_routers(model, gamma=0.5)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     model.save_pretrained(d)
+        ...     loaded = hf.from_pretrained(AutoModelForCausalLM, d)
+        >>> type(loaded).__name__, loaded.config.dselectk_router["gate_kwargs"]
+        ('DSelectKMixtralForCausalLM', {'gamma': 0.5, 'k': 3})
+        >>> saved = loaded.state_dict()  # every tensor as saved, the routers' included
+        >>> all(torch.equal(t, saved[name]) for name, t in model.state_dict().items())
+        True
     """
     config = kwargs.pop("config", None)
     if config is None:
@@ -925,7 +1010,15 @@ def register() -> None:
     """Register the ``DSelectK<Config>`` of every supported family (:data:`SUPPORTED_CONFIGS`)
     with ``AutoConfig`` (and, once such a config is built, the ``DSelectK<Model>`` classes with
     the auto model classes). Importing this module calls it when transformers is installed;
-    calling it again does nothing."""
+    calling it again does nothing.
+
+    Examples:
+        >>> from transformers import AutoConfig
+        >>> from dselectk.integrations import hf
+        >>> hf.register()  # done when this module is imported; calling it again does nothing
+        >>> type(AutoConfig.for_model("dselectk_mixtral")).__name__
+        'DSelectKMixtralConfig'
+    """
     import transformers
 
     for name in SUPPORTED_CONFIGS:
@@ -937,6 +1030,22 @@ def register() -> None:
 def check_loaded(model: nn.Module) -> None:
     """Raise a ValueError if ``model``'s config names DSelect-k routers that it does not have
     (it was loaded by plain transformers: its routers are freshly initialised softmax routers).
+
+    Examples:
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from dselectk.integrations import hf
+        >>> config = MixtralConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)
+        >>> model = MixtralForCausalLM(config)
+        >>> _ = hf.replace_routers(model)
+        >>> hf.check_loaded(model)  # the routers its config names: nothing to say
+        >>> plain = MixtralForCausalLM(hf.with_routers(config))  # as plain transformers builds it
+        >>> hf.check_loaded(plain)
+        Traceback (most recent call last):
+            ...
+        ValueError: this model was saved with 'dselect_k' routers ... Load it with
+        dselectk.integrations.hf.from_pretrained(cls, path).
     """
     spec = _spec(getattr(model, "config", None))
     if spec is None:
