@@ -8,9 +8,10 @@ elementwise, so one optimizer over the stacked parameters follows the same traje
 separate ``torch.optim.Adam`` runs — as long as each member can have its own learning rate,
 which is what :class:`RowwiseAdam` adds.
 
-The reference optimizers (:func:`make_reference_optimizer`): the paper's models were trained
-with TensorFlow 2 / Keras, whose optimizer defaults differ from torch's. TF2's Keras
-``Adagrad`` (``ResourceApplyAdagradV2``) updates ``accum ← accum + g²``,
+One factory builds every other optimizer: :func:`make_optimizer` (Adam, Adagrad or SGD, the
+``foreach`` implementations), with torch's default constants or TF2 Keras' (``defaults="tf"``).
+The paper's models were trained with TensorFlow 2 / Keras, whose optimizer defaults differ from
+torch's. TF2's Keras ``Adagrad`` (``ResourceApplyAdagradV2``) updates ``accum ← accum + g²``,
 ``θ ← θ − lr · g / (√accum + ε)`` with ``initial_accumulator_value = 0.1`` and ``ε = 1e-7``;
 ``torch.optim.Adagrad`` (no ``lr_decay``, no weight decay) applies exactly this update, with
 defaults 0 and 1e-10: the TF-compatible Adagrad is ``torch.optim.Adagrad`` with TF's values
@@ -29,60 +30,105 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "OPTIMIZERS",
     "OPTIMIZER_DEFAULTS",
     "TF_ADAGRAD_DEFAULTS",
     "TF_ADAM_DEFAULTS",
     "RowwiseAdam",
-    "make_reference_optimizer",
-    "tf_adagrad",
+    "make_optimizer",
 ]
 
 #: TF2 Keras ``Adagrad``'s defaults, as ``torch.optim.Adagrad`` keywords.
 TF_ADAGRAD_DEFAULTS: dict[str, float] = {"initial_accumulator_value": 0.1, "eps": 1e-7}
 #: TF2 Keras ``Adam``'s defaults, as ``torch.optim.Adam`` keywords (β's are torch's too).
 TF_ADAM_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-7}
-#: names accepted by :func:`make_reference_optimizer`'s ``defaults``
+#: names accepted by :func:`make_optimizer`'s ``name`` (and ``TrainConfig.optimizer``)
+OPTIMIZERS = ("adam", "adagrad", "sgd")
+#: names accepted by :func:`make_optimizer`'s ``defaults``
 OPTIMIZER_DEFAULTS = ("tf", "torch")
 
+_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+}
+_TF_DEFAULTS: dict[str, dict[str, Any]] = {"adam": TF_ADAM_DEFAULTS, "adagrad": TF_ADAGRAD_DEFAULTS}
 
-def tf_adagrad(
+
+def _finite_number(name: str, value: Any, *, positive: bool) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` (finite, > 0 or >= 0)."""
+    bound = "> 0" if positive else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return v
+
+
+def make_optimizer(
+    name: str,
     params: Iterable[Tensor] | Iterable[dict[str, Any]],
-    lr: float = 1e-3,
+    lr: float,
+    weight_decay: float = 0.0,
     *,
-    initial_accumulator_value: float = 0.1,
-    eps: float = 1e-7,
-) -> torch.optim.Adagrad:
-    """TF2 Keras' Adagrad: ``torch.optim.Adagrad`` (same update) with TF's default values.
-
-    ``accum₀ = initial_accumulator_value``; each step ``accum ← accum + g²`` and
-    ``θ ← θ − lr · g / (√accum + eps)``.
-    """
-    return torch.optim.Adagrad(
-        params, lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=True
-    )
-
-
-def make_reference_optimizer(
-    name: str, params: Iterable[Tensor], lr: float, defaults: str = "tf"
+    defaults: str = "torch",
 ) -> torch.optim.Optimizer:
-    """ "adagrad" or "adam" with TF2 Keras' defaults (``defaults="tf"``) or torch's ("torch").
+    """Adam, Adagrad or SGD over ``params`` (torch's ``foreach`` implementations).
+
+    The optimizer :func:`~dselectk.training.train` builds from ``TrainConfig.optimizer``, and
+    the TF2-Keras-compatible ones of the paper's setup (``defaults="tf"``): Adagrad with
+    :data:`TF_ADAGRAD_DEFAULTS` (accumulator 0.1, ε = 1e-7; the same update as TF2's, see the
+    module doc), Adam with :data:`TF_ADAM_DEFAULTS` (ε = 1e-7).
 
     Args:
-        name: "adagrad" or "adam".
-        params: the parameters.
-        lr: learning rate.
-        defaults: "tf" (:data:`TF_ADAGRAD_DEFAULTS` / :data:`TF_ADAM_DEFAULTS`) or "torch".
+        name: "adam", "adagrad" or "sgd" (:data:`OPTIMIZERS`).
+        params: the parameters (or parameter groups).
+        lr: learning rate, a finite number > 0.
+        weight_decay: L2 weight decay added to the gradient (torch's), a finite number >= 0.
+        defaults: "torch" (torch's constants) or "tf" (TF2 Keras', for adam and adagrad; Keras
+            decouples its weight decay, so "tf" takes ``weight_decay=0`` only).
+
+    Returns:
+        ``torch.optim.Adam``, ``torch.optim.Adagrad`` or ``torch.optim.SGD``.
+
+    Raises:
+        ValueError: an unknown ``name`` or ``defaults``, ``lr`` not finite and > 0,
+            ``weight_decay`` not finite and >= 0, or ``defaults="tf"`` with sgd or with weight
+            decay.
+
+    Examples:
+        >>> p = torch.nn.Parameter(torch.zeros(3))
+        >>> opt = make_optimizer("adagrad", [p], 0.1, defaults="tf")
+        >>> type(opt).__name__, opt.param_groups[0]["eps"], opt.state[p]["sum"]
+        ('Adagrad', 1e-07, tensor([0.1000, 0.1000, 0.1000]))
+        >>> p.grad = torch.tensor([1.0, -1.0, 0.0])
+        >>> opt.step()
+        >>> [round(v, 4) for v in p.tolist()]  # -0.1 * g / sqrt(0.1 + g**2)
+        [-0.0953, 0.0953, 0.0]
+        >>> make_optimizer("sgd", [p], 0.01, weight_decay=1e-4).param_groups[0]["weight_decay"]
+        0.0001
     """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"name must be one of {OPTIMIZERS}, got {name!r}")
     if defaults not in OPTIMIZER_DEFAULTS:
         raise ValueError(f"defaults must be one of {OPTIMIZER_DEFAULTS}, got {defaults!r}")
-    tf = defaults == "tf"
-    if name == "adagrad":
-        kw: dict[str, Any] = dict(TF_ADAGRAD_DEFAULTS) if tf else {}
-        return torch.optim.Adagrad(params, lr=lr, foreach=True, **kw)
-    if name == "adam":
-        kw = dict(TF_ADAM_DEFAULTS) if tf else {}
-        return torch.optim.Adam(params, lr=lr, foreach=True, **kw)
-    raise ValueError(f"name must be adagrad or adam, got {name!r}")
+    lr = _finite_number("lr", lr, positive=True)
+    weight_decay = _finite_number("weight_decay", weight_decay, positive=False)
+    kw: dict[str, Any] = {}
+    if defaults == "tf":
+        if name not in _TF_DEFAULTS:
+            raise ValueError(
+                f"defaults='tf' holds TF2 Keras' constants for adagrad or adam, not {name!r} "
+                "(Keras' SGD has torch's: use defaults='torch')"
+            )
+        if weight_decay:
+            raise ValueError(
+                f"weight_decay must be 0 with defaults='tf' (Keras decouples weight decay from "
+                f"the gradient, torch adds it), got {weight_decay}; use defaults='torch'"
+            )
+        kw = dict(_TF_DEFAULTS[name])
+    return _CLASSES[name](params, lr=lr, weight_decay=weight_decay, foreach=True, **kw)
 
 
 class RowwiseAdam(torch.optim.Optimizer):
@@ -98,6 +144,14 @@ class RowwiseAdam(torch.optim.Optimizer):
         params: parameters whose leading dimension is a multiple of R (member-major rows).
         lr: one learning rate for all members (float) or one per member (R values).
         betas, eps: as ``torch.optim.Adam``.
+
+    Examples:
+        >>> w = torch.nn.Parameter(torch.zeros(2 * 3, 4))  # R = 2 members of 3 rows each
+        >>> opt = RowwiseAdam([w], lr=[0.1, 0.01])
+        >>> w.grad = torch.ones(6, 4)
+        >>> opt.step()
+        >>> opt.num_members, [round(v, 4) for v in w[:, 0].tolist()]  # each row moves by its lr
+        (2, [-0.1, -0.1, -0.1, -0.01, -0.01, -0.01])
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """A plain, reusable multi-task training loop, split by responsibility:
 
 * :mod:`~dselectk.training.loop`: :func:`train`, the loop itself;
-* :mod:`~dselectk.training.config`: :class:`TrainConfig`, :func:`make_optimizer`,
-  :func:`seed_everything`;
+* :mod:`~dselectk.training.config`: :class:`TrainConfig`, :func:`seed_everything` (the optimizer
+  a config names is built by :func:`~dselectk.optim.make_optimizer`, re-exported here);
 * :mod:`~dselectk.training.tasks`: :class:`TaskData`, the named losses (:data:`LOSSES`), how each
   model family's output becomes per-task predictions, :func:`evaluate`;
 * :mod:`~dselectk.training.guards`: the data checks and the divergence guard
@@ -36,9 +36,10 @@ its run's configuration, and resuming it with another one is a :class:`Checkpoin
 (see ``TrainConfig.checkpoint``), resuming one with NaN/inf weights a :class:`CheckpointError`.
 """
 
+from dselectk.optim import make_optimizer
 from dselectk.training.callbacks import Callback, GateRecorder
 from dselectk.training.checkpoint import CheckpointError, CheckpointMismatchError, data_digest
-from dselectk.training.config import BatchLossFn, TrainConfig, make_optimizer, seed_everything
+from dselectk.training.config import BatchLossFn, TrainConfig, seed_everything
 from dselectk.training.guards import DIVERGENCE_FACTOR, TrainingDivergedError, loss_diverged
 from dselectk.training.loop import train
 from dselectk.training.state import History

@@ -1,6 +1,6 @@
 """The settings of :func:`~dselectk.training.train`: :class:`TrainConfig` (checked when it is
-built), the optimizer it names (:func:`make_optimizer`) and the seeding
-(:func:`seed_everything`)."""
+built; the optimizer it names is built by :func:`dselectk.optim.make_optimizer`) and the
+seeding (:func:`seed_everything`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
+from dselectk.optim import OPTIMIZERS
 from dselectk.training.guards import DIVERGENCE_FACTOR
 from dselectk.training.search import SearchPlan
 
@@ -26,7 +27,6 @@ __all__ = [
     "PARALLEL_MIN_WORK",
     "BatchLossFn",
     "TrainConfig",
-    "make_optimizer",
     "seed_everything",
     "train_threads",
 ]
@@ -48,7 +48,9 @@ class TrainConfig:
     """Settings of :func:`~dselectk.training.train`.
 
     Attributes:
-        optimizer: "adam", "adagrad" or "sgd".
+        optimizer: "adam", "adagrad" or "sgd" with torch's constants
+            (:func:`dselectk.optim.make_optimizer`; pass ``train(..., optimizer=...)`` for
+            another, e.g. ``make_optimizer("adagrad", params, lr, defaults="tf")``).
         lr: learning rate.
         batch_size: examples per step.
         epochs: passes over the training data.
@@ -178,8 +180,8 @@ class TrainConfig:
         )
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "adagrad", "sgd"):
-            raise ValueError(f"optimizer must be adam, adagrad or sgd, got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if self.progress_unit not in ("step", "epoch"):
@@ -221,19 +223,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds code that uses the global NumPy RNG
     torch.manual_seed(seed)
-
-
-def make_optimizer(
-    name: str, params: Any, lr: float, weight_decay: float = 0.0
-) -> torch.optim.Optimizer:
-    """Adam, Adagrad or SGD (``foreach`` implementations, fused where torch offers it)."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay, foreach=True)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, foreach=True)
-    raise ValueError(f"optimizer must be adam, adagrad or sgd, got {name!r}")
 
 
 def train_threads(cfg: TrainConfig, model: nn.Module) -> int | None:

@@ -17,13 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.io import save_torch
+from dselectk.optim import make_optimizer
 from dselectk.progress import tqdm
 from dselectk.training import checkpoint
 from dselectk.training.callbacks import Callback, step_hooks
 from dselectk.training.config import (
     BatchLossFn,
     TrainConfig,
-    make_optimizer,
     seed_everything,
     train_threads,
 )

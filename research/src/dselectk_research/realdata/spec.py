@@ -142,7 +142,7 @@ class Experiment:
     # (run config, data) → metrics of non-neural predictors, cached per data configuration
     reference: Callable[[Any, Splits], dict[str, Any]] | None = None
     init: str = "keras"  # :func:`~dselectk_research.keras_init.keras_init_` or torch's
-    optimizer_defaults: str = "tf"  # :func:`~dselectk.optim.make_reference_optimizer`
+    optimizer_defaults: str = "tf"  # ``defaults`` of :func:`~dselectk.optim.make_optimizer`
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dselectk.optim import make_reference_optimizer
+from dselectk.optim import make_optimizer
 from dselectk.telemetry import RoutingTelemetry
 from dselectk.training import (
     Callback,
@@ -94,9 +94,7 @@ def train_one(
         search=None,  # the study's own settings: no swap search
     )
     t0 = time.perf_counter()
-    opt = make_reference_optimizer(
-        exp.optimizer, model.parameters(), cfg.lr, exp.optimizer_defaults
-    )
+    opt = make_optimizer(exp.optimizer, model.parameters(), cfg.lr, defaults=exp.optimizer_defaults)
     try:
         hist = train(model, data.train, list(exp.losses), cfg, optimizer=opt, callbacks=callbacks)
     except TrainingDivergedError as e:  # recorded as diverged: counted, never averaged
