@@ -14,9 +14,9 @@ from dselectk.models import MultiGateMoE
 from dselectk.schedules import (
     AttributeScheduler,
     ConstantSchedule,
+    DelayedSchedule,
     GeometricSchedule,
     LinearSchedule,
-    WarmupSchedule,
 )
 from dselectk.training import GateRecorder, History, TaskData, TrainConfig, evaluate, train
 
@@ -162,8 +162,8 @@ def test_schedules() -> None:
     assert geo(100) == pytest.approx(1e-16)
     lin = LinearSchedule(1.0, 3.0, steps=4)
     assert [lin(i) for i in range(6)] == [1.0, 1.5, 2.0, 2.5, 3.0, 3.0]
-    assert WarmupSchedule(ConstantSchedule(2.0), delay=3)(2) == 0.0
-    assert WarmupSchedule(ConstantSchedule(2.0), delay=3)(3) == 2.0
+    assert DelayedSchedule(ConstantSchedule(2.0), delay=3)(2) == 0.0
+    assert DelayedSchedule(ConstantSchedule(2.0), delay=3)(3) == 2.0
     with pytest.raises(ValueError, match="log-scale"):
         GeometricSchedule(0.0, 1.0, steps=3)
 

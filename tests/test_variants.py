@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from dselectk.gates import GATES, DSelectK, gate_names, gate_spec, make_gate
-from dselectk.schedules import GeometricSchedule, LinearSchedule, WarmupSchedule
-from dselectk.variants import Held, Ramp, SearchPlan, Variant, variant_table
+from dselectk.schedules import DelayedSchedule, GeometricSchedule, LinearSchedule
+from dselectk.variants import Ramp, SearchPlan, Variant, variant_table
 
 
 @pytest.mark.parametrize("name", gate_names())
@@ -50,16 +52,16 @@ def test_ramp_reproduces_the_study_schedules_it_replaces() -> None:
     steps = 1000
     # recovery's λ warm-up: 0 for 40 %, linear 0 -> λ over 20 %
     warm = Ramp("entropy_reg", start=0.0, delay=0.4, span=0.2).schedule(0.1, steps)
-    old = WarmupSchedule(LinearSchedule(0.0, 0.1, 200), 400)
+    old = DelayedSchedule(LinearSchedule(0.0, 0.1, 200), 400)
     assert [warm(s) for s in range(0, steps, 7)] == [old(s) for s in range(0, steps, 7)]
     # recovery's γ anneal: γ for 60 %, geometric to γ·1e-3 over 30 %
     ann = Ramp("gamma", end_factor=1e-3, delay=0.6, span=0.3, shape="geometric")
     sched = ann.schedule(10.0, steps)
-    held = Held(GeometricSchedule(10.0, 10.0 * 1e-3, 300), 600, 10.0)
+    held = DelayedSchedule(GeometricSchedule(10.0, 10.0 * 1e-3, 300), 600, 10.0)
     assert [sched(s) for s in range(0, steps, 7)] == [held(s) for s in range(0, steps, 7)]
     # synthetic's λ ramp after a warm-up with λ = 0: λ -> λ_end over the rest
     ramp = Ramp("entropy_reg", end=1.0, delay=0.25, before=0.0).schedule(0.1, steps)
-    old = WarmupSchedule(LinearSchedule(0.1, 1.0, 750), 250)
+    old = DelayedSchedule(LinearSchedule(0.1, 1.0, 750), 250)
     assert [ramp(s) for s in range(steps + 5)] == [old(s) for s in range(steps + 5)]
     # the annealing ablation's temperature, one start per member
     starts = torch.tensor([1e-2, 1e-4], dtype=torch.float64)
@@ -193,3 +195,76 @@ def test_with_ramps_adds_only_the_ramps_a_variant_takes() -> None:
     abl = Variant("abl", "ablation_annealing", "annealing")
     assert abl.with_ramps([lam, temp]).schedules == (lam, temp)
     assert abl.with_ramps([lam, temp], params=["temperature"]).schedules == (temp,)
+
+
+def test_a_ramp_schedules_a_gate_in_train_and_resumes_from_a_checkpoint(tmp_path: Path) -> None:
+    """Ramp.scheduler is the one way to move a gate hyperparameter in train(): γ annealed
+    geometrically over the run ends at its end value, and a resumed run ends where an
+    uninterrupted one does (the scheduler's step count is in the checkpoint)."""
+    from dselectk.gates import DSelectK
+    from dselectk.layers import StackedMLP
+    from dselectk.models import MultiGateMoE
+    from dselectk.schedules import total_steps
+    from dselectk.training import TaskData, TrainConfig, train
+
+    def run(epochs: int, ckpt: object) -> tuple[float, float]:
+        torch.manual_seed(0)
+        gates = DSelectK(4, 2, num_gates=2, gamma=2.0)
+        model = MultiGateMoE(StackedMLP(4, 3, [4]), gates, StackedMLP(2, 4, [1]))
+        x = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
+        data = TaskData(x, [x[:, :1], x[:, 1:2]])
+        cfg = TrainConfig(
+            epochs=epochs, batch_size=16, progress=False, checkpoint=ckpt, search=None
+        )
+        steps = total_steps(4, len(data), cfg.batch_size)
+        anneal = Ramp("gamma", end_factor=1e-2, shape="geometric").scheduler(gates, steps)
+        train(model, data, "mse", cfg, schedulers=[anneal])
+        return float(gates.gamma), float(next(model.parameters()).sum())
+
+    gamma, weights = run(4, None)
+    assert gamma == pytest.approx(0.02, rel=1e-6)  # a float32 buffer
+    ckpt = tmp_path / "run.pt"
+    run(2, ckpt)
+    assert run(4, ckpt) == (gamma, weights)
+
+
+def test_a_ramp_by_steps_and_its_checks() -> None:
+    gate = make_gate("dselect_k", 4, k=2, entropy_reg=0.5)
+    # by steps: 0 for 3 steps, then 0.5 -> 1.5 over 4 steps; no run length needed
+    s = Ramp("entropy_reg", end=1.5, delay_steps=3, span_steps=4, before=0.0).scheduler(gate)
+    seen = []
+    for _ in range(9):
+        seen.append(float(gate.entropy_reg))
+        s.step()
+    assert seen == [0.0, 0.0, 0.0, 0.5, 0.75, 1.0, 1.25, 1.5, 1.5]
+    # the same ramp by fractions of a 10-step run
+    by_frac = Ramp("entropy_reg", end=1.5, delay=0.3, span=0.4, before=0.0).schedule(0.5, 10)
+    assert [by_frac(t) for t in range(9)] == seen
+    with pytest.raises(ValueError, match="total_steps is needed"):
+        Ramp("gamma", end=1.0).scheduler(gate)
+    with pytest.raises(ValueError, match="no attribute 'gamma2'"):
+        Ramp("gamma2", end=1.0).scheduler(gate, 10)
+    with pytest.raises(ValueError, match="modules must name"):
+        Ramp("gamma", end=1.0).scheduler([], 10)
+    for bad, match in [
+        ({"param": ""}, "Ramp.param"),
+        ({"start": math.nan}, "Ramp.start must be a finite number"),
+        ({"end": math.inf}, "Ramp.end must be a finite"),
+        ({"before": "0"}, "Ramp.before"),
+        ({"end_factor": math.nan}, "Ramp.end_factor"),
+        ({"end": 0.0, "shape": "geometric"}, "Ramp.end must be > 0 for a geometric"),
+        ({"start": -1.0, "shape": "geometric"}, "Ramp.start must be > 0"),
+        ({"end_factor": 0.0, "shape": "geometric"}, "Ramp.end_factor must be > 0"),
+        ({"delay": -0.1}, "Ramp.delay must be in"),
+        ({"delay": math.nan}, "Ramp.delay must be in"),
+        ({"span": 1.5}, "Ramp.span must be in"),
+        ({"delay": 0.2, "delay_steps": 3}, "delay or delay_steps"),
+        ({"span": 0.2, "span_steps": 3}, "span or span_steps"),
+        ({"span_steps": 0}, "Ramp.span_steps must be >= 1"),
+        ({"delay_steps": -1}, "Ramp.delay_steps must be >= 0"),
+    ]:
+        kw = {"param": "gamma", **bad}
+        with pytest.raises(ValueError, match=match):
+            Ramp(**kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="total_steps must be >= 0"):
+        Ramp("gamma", end=1.0).schedule(1.0, -5)

@@ -13,8 +13,9 @@ new code::
     gate = annealed.build(16, k=4, num_gates=8, hparams={"gamma": 10.0, "entropy_reg": 0.1})
     scheds = annealed.schedulers(gate, {"gamma": 10.0}, total_steps=2000)
 
-One vocabulary describes every schedule (:class:`Ramp`): a value held for a fraction of the
-steps, then moved linearly or geometrically to another over a fraction of the steps. The
+One vocabulary describes every schedule (:class:`~dselectk.schedules.Ramp`, re-exported here
+with :func:`~dselectk.schedules.total_steps` and :class:`~dselectk.search.SearchPlan`): a value
+held for part of the run, then moved linearly or geometrically to another. The
 hyperparameters a variant may take, their types and ranges come from the gate registry
 (:func:`dselectk.gates.registry.gate_spec`); :meth:`Variant.check_hparams` validates a tuned file
 or the command line against them.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -35,13 +36,13 @@ from dselectk.gates.registry import GateSpec, gate_spec
 from dselectk.schedules import (
     AttributeScheduler,
     GeometricSchedule,
-    LinearSchedule,
+    Ramp,
     Schedule,
+    total_steps,
 )
 from dselectk.search import SearchPlan
 
 __all__ = [
-    "Held",
     "Ramp",
     "SearchPlan",
     "Variant",
@@ -54,74 +55,6 @@ M = TypeVar("M", bound=nn.Module)
 
 #: hyperparameters of a run that are not the gate's (trainer settings every variant accepts)
 TRAINER_HPARAMS = ("lr", "epochs")
-
-
-class Held(Schedule):
-    """``before`` for the first ``delay`` steps, then ``inner`` shifted by ``delay``."""
-
-    def __init__(self, inner: Schedule, delay: int, before: Any) -> None:
-        self.inner, self.delay, self.before = inner, int(delay), before
-
-    def __call__(self, step: int) -> Any:
-        return self.before if step < self.delay else self.inner(step - self.delay)
-
-
-@dataclass(frozen=True)
-class Ramp:
-    """How one schedulable hyperparameter moves during training.
-
-    The value is ``before`` for the first ``delay`` of the steps, then moves from ``start`` to
-    ``end`` over ``span`` of the steps (linearly, or evenly on a log scale), then stays at
-    ``end``. Fractions are of the run's total optimizer steps.
-
-    Attributes:
-        param: the gate's hyperparameter (``gamma``, ``entropy_reg``, ``temperature``, ...).
-        start: the first value; None: the run's own (tuned) value.
-        end: the last value; None: the run's own value.
-        end_factor: the last value as a multiple of ``start`` (instead of ``end``).
-        delay: the fraction of the steps before the move.
-        span: the fraction of the steps the move takes; None: the rest of the run.
-        shape: ``"linear"`` or ``"geometric"``.
-        before: the value during the delay; None: ``start``.
-    """
-
-    param: str
-    start: float | None = None
-    end: float | None = None
-    end_factor: float | None = None
-    delay: float = 0.0
-    span: float | None = None
-    shape: Literal["linear", "geometric"] = "linear"
-    before: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.shape not in ("linear", "geometric"):
-            raise ValueError(f"Ramp.shape must be 'linear' or 'geometric', got {self.shape!r}")
-        if self.end is not None and self.end_factor is not None:
-            raise ValueError("Ramp: give end or end_factor, not both")
-        if not 0.0 <= self.delay < 1.0:
-            raise ValueError(f"Ramp.delay must be in [0, 1), got {self.delay}")
-        if self.span is not None and not 0.0 < self.span <= 1.0:
-            raise ValueError(f"Ramp.span must be in (0, 1], got {self.span}")
-
-    def schedule(self, value: float | Tensor, total_steps: int) -> Schedule:
-        """The schedule for a run whose own value is ``value`` and that takes ``total_steps``."""
-        start = value if self.start is None else self.start
-        if self.end_factor is not None:
-            end: Any = start * self.end_factor
-        else:
-            end = value if self.end is None else self.end
-        delay = int(self.delay * total_steps)
-        steps = total_steps - delay if self.span is None else int(self.span * total_steps)
-        steps = max(1, steps)
-        inner: Schedule
-        if self.shape == "geometric":
-            inner = GeometricSchedule(start, float(end), steps)
-        else:
-            inner = LinearSchedule(start, end, steps)
-        if delay == 0:
-            return inner
-        return Held(inner, delay, start if self.before is None else self.before)
 
 
 def _freeze(options: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
@@ -235,15 +168,13 @@ class Variant:
     def schedulers(
         self, gate: Gate, hparams: Mapping[str, Any], total_steps: int
     ) -> list[AttributeScheduler]:
-        """One :class:`~dselectk.schedules.AttributeScheduler` per ramp of this variant; a
-        ramp's own value is ``hparams[param]`` (else the gate's current value)."""
-        out = []
-        for ramp in self.schedules:
-            value = hparams.get(ramp.param)
-            if value is None:
-                value = getattr(gate, ramp.param)
-            out.append(AttributeScheduler(gate, ramp.param, ramp.schedule(value, total_steps)))
-        return out
+        """One :class:`~dselectk.schedules.AttributeScheduler` per ramp of this variant
+        (:meth:`Ramp.scheduler <dselectk.schedules.Ramp.scheduler>`); a ramp's own value is
+        ``hparams[param]`` (else the gate's current value)."""
+        return [
+            ramp.scheduler(gate, total_steps, value=hparams.get(ramp.param))
+            for ramp in self.schedules
+        ]
 
     def member_schedulers(
         self,
@@ -270,7 +201,8 @@ class Variant:
         for r in self.schedules:
             start = values(r.param) if r.start is None else r.start
             sched: Schedule
-            if r.shape == "geometric" and not r.delay and r.span is None and r.end is not None:
+            annealing = not r.delay and r.span is None and r.end is not None
+            if annealing and r.shape == "geometric" and r.delay_steps is r.span_steps is None:
                 sched = GeometricSchedule(start, r.end, totals)
             elif bool((totals == totals[0]).all()):
                 sched = r.schedule(start, int(totals[0]))
@@ -303,11 +235,6 @@ def variant_table(*variants: Variant) -> dict[str, Variant]:
             raise ValueError(f"two variants named {v.name!r}")
         table[v.name] = v
     return table
-
-
-def total_steps(epochs: int, examples: int, batch_size: int) -> int:
-    """Optimizer steps of a run (the ramps' and the search plan's fractions are of these)."""
-    return epochs * math.ceil(examples / batch_size)
 
 
 @torch.no_grad()
