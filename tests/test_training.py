@@ -72,7 +72,9 @@ def test_early_stopping_restores_best_and_records_trajectories() -> None:
     model, data = make_problem()
     val = TaskData(data.x[:100], [y[:100] + 5.0 * torch.randn(100, 1) for y in data.ys])
     cfg = TrainConfig(lr=0.5, epochs=30, batch_size=50, progress=False, early_stopping_patience=2)
-    hist = train(model, data, "mse", cfg, val_data=val, callbacks=[GateRecorder(data.x[:1024], 4)])
+    hist = train(
+        model, data, "mse", cfg, val_data=val, callbacks=[GateRecorder(4, probe=data.x[:1024])]
+    )
     assert hist.best_epoch is not None
     if hist.stopped_early:
         best = sum(hist.val_losses[hist.best_epoch])
@@ -91,7 +93,7 @@ def test_gate_recorder_runs_in_callback_order() -> None:
         model, data = make_problem(n=200)
         cfg = TrainConfig(lr=0.05, epochs=2, batch_size=40, progress=False)
         cbs: list = [lambda _m, h: seen.append(len(h.recorded_steps))]
-        cbs.insert(0 if recorder_first else 1, GateRecorder(data.x[:1024], 3))
+        cbs.insert(0 if recorder_first else 1, GateRecorder(3, probe=data.x[:1024]))
         hist = train(model, data, "mse", cfg, callbacks=cbs)
         return hist, [p.detach().clone() for p in model.parameters()]
 
@@ -106,7 +108,41 @@ def test_gate_recorder_runs_in_callback_order() -> None:
     for a, b in zip(params_a, params_b):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="every"):
-        GateRecorder(torch.zeros(1, 4), 0)
+        GateRecorder(0, probe=torch.zeros(1, 4))
+
+
+def test_gate_observers_do_not_change_the_run() -> None:
+    """The gate observers (GateRecorder, RoutingTelemetry) run the probe in eval mode: with
+    dropout experts, a run observed every step ends with the weights of a run not observed (no
+    RNG draws), and the modules are back in training mode after each observation."""
+    from dselectk.telemetry import RoutingTelemetry
+
+    def run(observe: bool) -> tuple[list[torch.Tensor], History]:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(120, 4, generator=g)
+        data = TaskData(x, [x[:, :1], x[:, 1:2]])
+        model = MultiGateMoE(
+            StackedMLP(4, 4, [8], dropout=0.5),
+            DSelectK(4, 2, num_gates=2, gamma=2.0),
+            StackedMLP(2, 8, [1], activation="identity"),
+        )
+        modes: list[bool] = []
+        cbs: list = []
+        if observe:
+            cbs = [GateRecorder(1, probe_size=16), RoutingTelemetry(None, every=2)]
+            cbs.append(lambda m, _h: modes.append(all(s.training for s in m.modules())))
+        cfg = TrainConfig(lr=0.05, epochs=2, batch_size=40, progress=False, search=None)
+        hist = train(model, data, "mse", cfg, callbacks=cbs)
+        assert all(modes)
+        return [p.detach().clone() for p in model.parameters()], hist
+
+    plain, _ = run(False)
+    observed, hist = run(True)
+    for a, b in zip(plain, observed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert hist.recorded_steps == [1, 2, 3, 4, 5, 6]
+    assert hist.recorded_weights[0].shape == (2, 4)
 
 
 def test_schedulers_are_stepped_by_the_loop() -> None:

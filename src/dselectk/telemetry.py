@@ -1,9 +1,11 @@
 """Routing telemetry: a training callback that logs what every gate of a model does.
 
-:class:`RoutingTelemetry` is a :class:`~dselectk.training.Callback`. Every ``every`` optimizer
-steps (and on no other step) it finds the :class:`~dselectk.gates.base.Gate` modules of the
-model, measures them under ``torch.no_grad`` and writes one record: to TensorBoard (the
-``tensorboard`` extra), to a JSON-lines file (no extra needed; the automatic fallback), or both.
+:class:`RoutingTelemetry` is a :class:`~dselectk.training.GateObserver`, the training callbacks
+that observe the gates (the other one, :class:`~dselectk.training.GateRecorder`, keeps the raw
+gate weights in the run's history). Every ``every`` optimizer steps (and on no other step) it
+finds the :class:`~dselectk.gates.base.Gate` modules of the model, measures them under
+``torch.no_grad`` and writes one record: to TensorBoard (the ``tensorboard`` extra), to a
+JSON-lines file (no extra needed; the automatic fallback), or both.
 
 Gates are named after their module path, with ``/`` for ``.``; a bank of T gates
 (``num_gates=T``) is T gates ``<path>/task<t>``, and the single gates of a ``gates`` list
@@ -78,9 +80,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates.base import Gate, check_positive_int, hyperparameters
+from dselectk.gates.base import Gate, hyperparameters
 from dselectk.io import HOST, json_safe
-from dselectk.training import Callback, History
+from dselectk.training import GateObserver, History
 
 __all__ = [
     "JsonlWriter",
@@ -276,27 +278,14 @@ class TensorBoardWriter:
 # --------------------------------------------------------------------------------------------
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP/DataParallel and torch.compile wrappers (hooks must see it)."""
-    for _ in range(4):
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(
-            model, (nn.parallel.DistributedDataParallel, nn.DataParallel)
-        ):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-    return model
-
-
 def _is_rank0() -> bool:
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-class RoutingTelemetry(Callback):
-    """Logs the routing of every gate of the model every ``every`` steps (see the module doc).
+class RoutingTelemetry(GateObserver):
+    """Logs the routing of every gate of the model every ``every`` steps (see the module doc):
+    the :class:`~dselectk.training.GateObserver` that writes statistics.
 
     Args:
         log_dir: directory of the TensorBoard event files and/or of ``routing.jsonl``; None
@@ -318,11 +307,28 @@ class RoutingTelemetry(Callback):
 
     Under DDP only rank 0 measures and writes (the probe runs on the unwrapped module, no
     collectives). :meth:`log` measures and writes one record now (e.g. after training).
+
+    Examples:
+        >>> from dselectk.gates import DSelectK
+        >>> from dselectk.layers import StackedMLP
+        >>> from dselectk.models import MultiGateMoE
+        >>> from dselectk.training import TaskData, TrainConfig, train
+        >>> model = MultiGateMoE(StackedMLP(4, 3, [8]), DSelectK(4, 2, num_gates=2),
+        ...                      StackedMLP(2, 8, [1], final_activation=False))
+        >>> x = torch.randn(64, 3)
+        >>> tel = RoutingTelemetry(None, every=4)  # in memory; a folder: TensorBoard/JSON lines
+        >>> _ = train(model, TaskData(x, [x[:, :1], x[:, 1:2]]), "mse",
+        ...           TrainConfig(epochs=2, batch_size=16, progress=False, search=None),
+        ...           callbacks=[tel])
+        >>> [r["step"] for r in tel.records], sorted(tel.records[-1]["gates"])
+        ([4, 8], ['gates/task0', 'gates/task1'])
+        >>> tel.records[-1]["gates"]["gates/task0"]["load"]  # mean weight per expert
+        [...]
     """
 
     def __init__(
         self,
-        log_dir: str | Path | None,
+        log_dir: str | Path | None = None,
         every: int = 100,
         *,
         backend: str = "auto",
@@ -333,7 +339,7 @@ class RoutingTelemetry(Callback):
         module: nn.Module | None = None,
         run_id: str | None = None,
     ) -> None:
-        self.every = check_positive_int("every", every)
+        super().__init__(every, probe=probe, probe_size=probe_size, forward=forward, module=module)
         if run_id is None:
             run_id = new_run_id()
         elif not isinstance(run_id, str) or not run_id or run_id != run_id.strip():
@@ -343,13 +349,9 @@ class RoutingTelemetry(Callback):
                 f"run_id must not hold '/', '\\' or NUL (a file name part): {run_id!r}"
             )
         self.run_id: str = run_id
-        self.probe_size = check_positive_int("probe_size", probe_size)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.probe = probe
-        self.forward = forward
         self.keep_records = bool(keep_records)
-        self.module = module
         self.records: list[dict[str, Any]] = []
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.writers: list[JsonlWriter | TensorBoardWriter] = []
@@ -383,9 +385,8 @@ class RoutingTelemetry(Callback):
         return None
 
     # -- Callback ---------------------------------------------------------------------------
-    def on_step(self, model: nn.Module, batch: Any, out: Any, history: History) -> None:
-        if history.steps % self.every:
-            return
+    def observe(self, model: nn.Module, history: History, batch: Any) -> None:
+        """Log one record at ``history.steps`` (:meth:`log`)."""
         self.log(model, history.steps, batch=batch, epoch=len(history.train_loss) + 1)
 
     def on_epoch(self, model: nn.Module, epoch: int, history: History) -> None:
@@ -403,7 +404,7 @@ class RoutingTelemetry(Callback):
         """Measure every gate now and write one record (returned; None on ranks > 0)."""
         if not _is_rank0():
             return None
-        module = _unwrap(model if self.module is None else self.module)
+        module = self.target(model)
         found = find_gates(module)
         if not found:
             self._warn_once("nogates", "RoutingTelemetry: the model holds no dselectk Gate")
@@ -449,14 +450,7 @@ class RoutingTelemetry(Callback):
 
     def _probe_inputs(self, module: nn.Module, gates: list[Gate], batch: Any) -> dict[int, Tensor]:
         """What each per-example gate sees when the model runs on the probe (eval, no grad)."""
-        if self.probe is None:
-            x = getattr(batch, "x", batch)
-            if not isinstance(x, Tensor):
-                raise ValueError(
-                    "RoutingTelemetry needs a probe for the per-example gates: pass probe= "
-                    "(model inputs) or log from a step whose batch has a tensor .x"
-                )
-            self.probe = x[: self.probe_size].detach().clone()
+        probe = self.probe_for(batch)
         seen: dict[int, list[Tensor]] = {}
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -465,19 +459,11 @@ class RoutingTelemetry(Callback):
                 seen.setdefault(id(mod), []).append(x.detach().reshape(-1, x.shape[-1]))
 
         handles = [g.register_forward_pre_hook(hook, with_kwargs=True) for g in gates]
-        modes = [(m, m.training) for m in module.modules()]
         try:
-            module.eval()
-            with torch.no_grad():
-                if self.forward is not None:
-                    self.forward(module, self.probe)
-                else:
-                    module(self.probe)
+            self.run_probe(module, probe)
         finally:
             for h in handles:
                 h.remove()
-            for m, mode in modes:
-                m.training = mode
         return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in seen.items()}
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -8,7 +8,9 @@
 * :mod:`~dselectk.training.guards`: the data checks and the divergence guard
   (:class:`TrainingDivergedError`, :func:`loss_diverged`);
 * :mod:`~dselectk.training.checkpoint`: what a checkpoint holds and the checks on resuming it;
-* :mod:`~dselectk.training.callbacks`: :class:`Callback`, :class:`GateRecorder`;
+* :mod:`~dselectk.training.callbacks`: :class:`Callback` and the callbacks that observe the
+  gates on a probe batch, :class:`GateObserver` (:class:`GateRecorder`, and
+  :class:`~dselectk.telemetry.RoutingTelemetry`);
 * :mod:`~dselectk.training.state`: :class:`History` and the run's mutable state.
 
 Per-task losses are combined as a weighted **sum** Σ_t w_t ℓ_t, as in the reference Keras setup
@@ -37,7 +39,7 @@ its run's configuration, and resuming it with another one is a :class:`Checkpoin
 """
 
 from dselectk.optim import make_optimizer
-from dselectk.training.callbacks import Callback, GateRecorder
+from dselectk.training.callbacks import Callback, GateObserver, GateRecorder
 from dselectk.training.checkpoint import CheckpointError, CheckpointMismatchError, data_digest
 from dselectk.training.config import BatchLossFn, TrainConfig, seed_everything
 from dselectk.training.guards import DIVERGENCE_FACTOR, TrainingDivergedError, loss_diverged
@@ -52,6 +54,7 @@ __all__ = [
     "Callback",
     "CheckpointError",
     "CheckpointMismatchError",
+    "GateObserver",
     "GateRecorder",
     "History",
     "LossFn",
