@@ -30,14 +30,7 @@ NOT_API = {
 }
 
 #: modules whose public objects do not all carry an example yet (shrinks to empty)
-PENDING: set[str] = {
-    "dselectk.optim",
-    "dselectk.schedules",
-    "dselectk.telemetry",
-    "dselectk.training.callbacks",
-    "dselectk.training.config",
-    "dselectk.variants",
-}
+PENDING: set[str] = set()
 
 #: optional extras whose examples are skipped when the extra is not installed:
 #: object-name prefix -> the modules the examples import

@@ -113,6 +113,15 @@ def find_gates(model: nn.Module) -> list[tuple[str, Gate]]:
     A gate that is an entry of a ``gates`` list is named ``.../gates/task<i>``; the model itself,
     when it is a gate, is ``gate``. A bank's T gates are ``<name>/task<t>`` (see
     :func:`gate_names`).
+
+    Examples:
+        >>> from dselectk.gates import DSelectK
+        >>> from dselectk.layers import StackedMLP
+        >>> from dselectk.models import MultiGateMoE
+        >>> model = MultiGateMoE(StackedMLP(4, 3, [8]), [DSelectK(4, 2), DSelectK(4, 2)],
+        ...                      StackedMLP(2, 8, [1], final_activation=False))
+        >>> [name for name, gate in find_gates(model)]
+        ['gates/task0', 'gates/task1']
     """
     out = []
     for path, mod in model.named_modules():
@@ -126,7 +135,15 @@ def find_gates(model: nn.Module) -> list[tuple[str, Gate]]:
 
 
 def gate_names(name: str, gate: Gate) -> list[str]:
-    """One name per gate of ``gate``: ``[name]``, or ``name/task<t>`` for a bank."""
+    """One name per gate of ``gate``: ``[name]``, or ``name/task<t>`` for a bank.
+
+    Examples:
+        >>> from dselectk.gates import DSelectK
+        >>> gate_names("gates", DSelectK(4, 2, num_gates=3))
+        ['gates/task0', 'gates/task1', 'gates/task2']
+        >>> gate_names("gate", DSelectK(4, 2))
+        ['gate']
+    """
     if gate.num_gates is None:
         return [name]
     return [f"{name}/task{t}" for t in range(gate.num_gates)]
@@ -145,6 +162,16 @@ def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
             mode first for deterministic routing, e.g. of a Gumbel-softmax gate).
         x: the input reaching a per-example gate, ``(B, p)`` or tokens ``(..., p)``; ignored by
             static gates.
+
+    Examples:
+        >>> from dselectk.gates import DSelectK, SoftmaxGate
+        >>> bank = gate_stats(DSelectK(4, 2, num_gates=2))  # static: one dict per gate of the bank
+        >>> len(bank), len(bank[0]["load"]), bank[0]["gamma"]
+        (2, 4, 1.0)
+        >>> router = SoftmaxGate(4, in_features=3)  # per-example: needs its input (B, 3)
+        >>> stats = gate_stats(router, torch.randn(5, 3))[0]
+        >>> stats["experts"], round(sum(stats["load"]), 4)
+        (4.0, 1.0)
     """
     if gate.static:
         x = None
@@ -186,7 +213,12 @@ def gate_stats(gate: Gate, x: Tensor | None = None) -> list[dict[str, Any]]:
 
 
 def flatten_record(record: Mapping[str, Any]) -> dict[str, float]:
-    """A record's scalars by TensorBoard tag: ``<gate>/<metric>``, ``<gate>/load/expert<i>``."""
+    """A record's scalars by TensorBoard tag: ``<gate>/<metric>``, ``<gate>/load/expert<i>``.
+
+    Examples:
+        >>> flatten_record({"step": 3, "gates": {"gate": {"experts": 2.0, "load": [0.5, 0.5]}}})
+        {'gate/experts': 2.0, 'gate/load/expert0': 0.5, 'gate/load/expert1': 0.5}
+    """
     out: dict[str, float] = {}
     for gname, metrics in record["gates"].items():
         for key, val in metrics.items():
@@ -199,14 +231,32 @@ def flatten_record(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def new_run_id() -> str:
-    """A run id unique across runs, hosts and processes: ``<UTC start>-<host>-<pid>-<random>``."""
+    """A run id unique across runs, hosts and processes: ``<UTC start>-<host>-<pid>-<random>``.
+
+    Examples:
+        >>> run = new_run_id()  # e.g. 20260101T120000Z-host-4242-1a2b3c4d
+        >>> run[8], run.endswith("Z", 0, 16), len(run.rsplit("-", 1)[1]), run == new_run_id()
+        ('T', True, 8, False)
+    """
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return f"{stamp}-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def read_jsonl(path: str | Path) -> dict[str | None, list[dict[str, Any]]]:
     """The records of a ``routing.jsonl`` grouped by run id, in file order (runs in order of
-    their first record; records written before run ids existed under ``None``)."""
+    their first record; records written before run ids existed under ``None``).
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     w = JsonlWriter(Path(d) / "routing.jsonl")
+        ...     for run, step in (("a", 1), ("b", 1), ("a", 2)):
+        ...         w.write({"run": run, "step": step, "gates": {}})
+        ...     w.close()
+        ...     runs = read_jsonl(Path(d) / "routing.jsonl")
+        >>> {run: [r["step"] for r in recs] for run, recs in runs.items()}
+        {'a': [1, 2], 'b': [1]}
+    """
     runs: dict[str | None, list[dict[str, Any]]] = {}
     with Path(path).open(encoding="utf-8") as f:
         for line in f:
@@ -217,7 +267,18 @@ def read_jsonl(path: str | Path) -> dict[str | None, list[dict[str, Any]]]:
 
 
 class JsonlWriter:
-    """Appends one JSON object per record to ``path`` (line-buffered, flushed at every record)."""
+    """Appends one JSON object per record to ``path`` (line-buffered, flushed at every record;
+    non-finite numbers as ``null``).
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     w = JsonlWriter(Path(d) / "logs" / "routing.jsonl")  # folders are made
+        ...     w.write({"run": "r", "step": 1, "gates": {"gate": {"load": [1.0, float("nan")]}}})
+        ...     w.close()
+        ...     print(w.path.read_text().strip())
+        {"run": "r", "step": 1, "gates": {"gate": {"load": [1.0, null]}}}
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -244,7 +305,13 @@ def _summary_writer_class() -> Any:
 
 
 def tensorboard_available() -> bool:
-    """Whether TensorBoard logging works here (the ``tensorboard`` extra is installed)."""
+    """Whether TensorBoard logging works here (the ``tensorboard`` extra is installed).
+
+    Examples:
+        >>> backend = "tensorboard" if tensorboard_available() else "jsonl"
+        >>> backend in ("tensorboard", "jsonl")
+        True
+    """
     try:
         _summary_writer_class()
     except ImportError:
@@ -253,7 +320,22 @@ def tensorboard_available() -> bool:
 
 
 class TensorBoardWriter:
-    """Writes each record's scalars (:func:`flatten_record`) to TensorBoard event files."""
+    """Writes each record's scalars (:func:`flatten_record`) to TensorBoard event files, one
+    file per writer whose name ends in ``.<run_id>`` (needs the ``tensorboard`` extra).
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     if tensorboard_available():
+        ...         w = TensorBoardWriter(d, run_id="seed0")
+        ...         w.write({"step": 1, "gates": {"gate": {"experts": 2.0}}})
+        ...         w.close()
+        ...         names = [p.name for p in Path(d).iterdir()]
+        ...     else:  # without the extra nothing is written
+        ...         names = ["events.out.tfevents.seed0"]
+        >>> [n.startswith("events.out.tfevents") and n.endswith(".seed0") for n in names]
+        [True]
+    """
 
     def __init__(self, log_dir: str | Path, run_id: str | None = None) -> None:
         self.log_dir = Path(log_dir)

@@ -77,6 +77,20 @@ class Variant:
         routing: who chooses in a sparse MoE layer of this gate
             (:class:`~dselectk.layers.SparseMoEFeedForward`): "token" (each token its k
             experts) or "expert" (expert choice: each expert its k·N/n tokens of the batch).
+
+    Examples:
+        >>> annealed = Variant(
+        ...     "dselect_k_anneal", "dselect_k", "DSelect-k, γ annealed",
+        ...     schedules=(Ramp("gamma", end_factor=1e-2, delay=0.5, shape="geometric"),),
+        ... )
+        >>> gate = annealed.build(8, k=2, num_gates=3, hparams={"gamma": 4.0, "lr": 0.1})
+        >>> (sched,) = annealed.schedulers(gate, {"gamma": 4.0}, total_steps=100)
+        >>> for _ in range(100):
+        ...     sched.step()
+        >>> gate.num_gates, round(float(gate.gamma), 6)
+        (3, 0.04)
+        >>> annealed.identity()["schedules"]
+        [{'param': 'gamma', 'end_factor': 0.01, 'delay': 0.5, 'shape': 'geometric'}]
     """
 
     name: str
@@ -228,7 +242,14 @@ class Variant:
 
 
 def variant_table(*variants: Variant) -> dict[str, Variant]:
-    """Variants by name (a ValueError on a repeated name)."""
+    """Variants by name (a ValueError on a repeated name).
+
+    Examples:
+        >>> table = variant_table(Variant("dk", "dselect_k", "DSelect-k"),
+        ...                       Variant("topk", "topk", "Top-k"))
+        >>> list(table), table["dk"].gate
+        (['dk', 'topk'], 'dselect_k')
+    """
     table: dict[str, Variant] = {}
     for v in variants:
         if v.name in table:
@@ -251,6 +272,13 @@ def stack_members(bank: M, members: Sequence[nn.Module], *, buffers: Iterable[st
     Raises:
         ValueError: a member lacks a parameter (or named buffer) of the bank, or the sizes do
             not add up.
+
+    Examples:
+        >>> from dselectk.gates import DSelectK
+        >>> a, b = DSelectK(4, 2), DSelectK(4, 2)  # two members, logits (6,) each
+        >>> bank = stack_members(DSelectK(4, 2, num_gates=2), [a, b])  # logits (2, 6)
+        >>> tuple(bank.logits.shape), torch.equal(bank.logits[1], b.logits)
+        ((2, 6), True)
     """
     if not members:
         raise ValueError("stack_members needs at least one member")

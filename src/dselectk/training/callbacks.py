@@ -31,13 +31,14 @@ class Callback:
     like :meth:`on_step` (the batch and output are not passed to it).
 
     Examples:
-        >>> from dselectk.models import MoE
+        >>> from dselectk.gates import SoftmaxGate
         >>> from dselectk.layers import StackedMLP
+        >>> from dselectk.models import MoE
         >>> from dselectk.training import TaskData, TrainConfig, train
         >>> class LossPrinter(Callback):
         ...     def on_epoch(self, model, epoch, history):
         ...         print(epoch, len(history.train_loss))
-        >>> model = MoE(StackedMLP(4, 3, [1], final_activation=False), "softmax")
+        >>> model = MoE(StackedMLP(4, 3, [1], final_activation=False), SoftmaxGate(4))
         >>> x = torch.randn(32, 3)
         >>> _ = train(model, TaskData(x, [x[:, :1]]), "mse",
         ...           TrainConfig(epochs=2, progress=False), callbacks=[LossPrinter()])
@@ -92,15 +93,17 @@ class GateObserver(Callback):
             ``torch.compile`` wrappers are looked through either way.
 
     Examples:
-        >>> from dselectk.models import MoE
+        >>> from dselectk.gates import SoftmaxGate
         >>> from dselectk.layers import StackedMLP
+        >>> from dselectk.models import MoE
         >>> from dselectk.training import History, TaskData
-        >>> class CountExperts(GateObserver):
+        >>> class PrintWeights(GateObserver):  # per-example gate: (probe rows, experts)
         ...     def observe(self, model, history, batch):
-        ...         w = self.run_probe(model, self.probe_for(batch)).weights
+        ...         w = self.run_probe(self.target(model), self.probe_for(batch)).weights
         ...         print(history.steps, tuple(w.shape))
-        >>> model = MoE(StackedMLP(4, 3, [1], final_activation=False), "softmax")
-        >>> obs, hist = CountExperts(every=2, probe_size=8), History(steps=2)
+        >>> experts = StackedMLP(4, 3, [1], final_activation=False)
+        >>> model = MoE(experts, SoftmaxGate(4, in_features=3))
+        >>> obs, hist = PrintWeights(every=2, probe_size=8), History(steps=2)
         >>> obs.on_step(model, TaskData(torch.randn(16, 3), [torch.zeros(16, 1)]), None, hist)
         2 (8, 4)
     """

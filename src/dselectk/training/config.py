@@ -125,6 +125,15 @@ class TrainConfig:
             ``4·(1 + 2·k·E)`` probe passes per run (k = 2, E = 8: 132), whatever the epochs.
             A :class:`~dselectk.search.SearchPlan`: that schedule instead. None: no search
             (the selection is what gradient descent leaves).
+
+    Examples:
+        >>> cfg = TrainConfig(optimizer="adagrad", lr=0.05, batch_size=128, epochs=3)
+        >>> cfg.optimizer, cfg.weight_decay, cfg.search
+        ('adagrad', 0.0, 'auto')
+        >>> TrainConfig(lr=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: lr must be a finite number > 0, got 0.0
     """
 
     optimizer: str = "adam"
@@ -219,7 +228,15 @@ class TrainConfig:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch."""
+    """Seed Python, NumPy and torch.
+
+    Examples:
+        >>> seed_everything(7)
+        >>> a = torch.rand(2)
+        >>> seed_everything(7)
+        >>> torch.equal(a, torch.rand(2))
+        True
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds code that uses the global NumPy RNG
     torch.manual_seed(seed)
@@ -227,7 +244,15 @@ def seed_everything(seed: int) -> None:
 
 def train_threads(cfg: TrainConfig, model: nn.Module) -> int | None:
     """The intra-op thread count :func:`~dselectk.training.train` sets for ``cfg.threads``
-    (None: torch's setting stays)."""
+    (None: torch's setting stays).
+
+    Examples:
+        >>> small = nn.Linear(8, 2)  # 18 parameters x 256 examples: below PARALLEL_MIN_WORK
+        >>> train_threads(TrainConfig(), small), train_threads(TrainConfig(threads=3), small)
+        (1, 3)
+        >>> train_threads(TrainConfig(threads=None), small) is None
+        True
+    """
     if cfg.threads is None:
         return None
     if cfg.threads != "auto":
