@@ -86,9 +86,12 @@ def train(
         config: the settings; default :class:`TrainConfig()`.
         val_data: evaluated after every epoch (needed for early stopping); checked before
             training (examples, one target tensor per task, no NaN/inf).
-        schedulers: stepped after every optimizer step (anything with ``step()``; with a
+        schedulers: stepped after every optimizer step: the schedules of gate
+            hyperparameters, ``Ramp(...).scheduler(gates, steps)``
+            (:class:`~dselectk.schedules.Ramp`), or anything with ``step()`` (with a
             checkpoint, also ``state_dict``/``load_state_dict``).
-        optimizer: overrides ``config.optimizer``/``lr``.
+        optimizer: overrides ``config.optimizer``/``lr`` (e.g.
+            :func:`~dselectk.optim.make_optimizer` with ``defaults="tf"``).
         callbacks: :class:`Callback` objects (``on_step`` after every step, after the
             schedulers; ``on_epoch`` after every epoch), or callables ``f(model, history)``
             called after every step, e.g. to track when the gates become binary.
