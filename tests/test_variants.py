@@ -268,3 +268,29 @@ def test_a_ramp_by_steps_and_its_checks() -> None:
             Ramp(**kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="total_steps must be >= 0"):
         Ramp("gamma", end=1.0).schedule(1.0, -5)
+
+
+def test_the_curves_and_the_scheduler_check_their_arguments() -> None:
+    from dselectk.schedules import AttributeScheduler, ConstantSchedule, total_steps
+
+    gate = make_gate("dselect_k", 4, k=2)
+    for make, match in [
+        (lambda: LinearSchedule(math.nan, 1.0, 3), "start must be a finite"),
+        (lambda: LinearSchedule(0.0, torch.tensor([1.0, math.inf]), 3), "end must be finite"),
+        (lambda: LinearSchedule(0.0, torch.tensor([]), 3), "end must hold at least one"),
+        (lambda: GeometricSchedule(1.0, math.inf, 3), "end must be a finite"),
+        (lambda: ConstantSchedule(math.nan), "value must be a finite"),
+        (lambda: DelayedSchedule(ConstantSchedule(1.0), 2, before=math.nan), "before must be"),
+        (lambda: DelayedSchedule(ConstantSchedule(1.0), -1), "delay must be >= 0"),
+        (lambda: AttributeScheduler(gate, "", ConstantSchedule(1.0)), "attribute must be"),
+        (lambda: AttributeScheduler([], "gamma", ConstantSchedule(1.0)), "modules must name"),
+        (lambda: total_steps(2, 100, 0), "batch_size must be >= 1"),
+        (lambda: total_steps(-1, 100, 10), "epochs must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            make()
+    with pytest.raises(TypeError, match="schedule must be a Schedule"):
+        AttributeScheduler(gate, "gamma", 0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="modules must be torch modules"):
+        AttributeScheduler([object()], "gamma", ConstantSchedule(1.0))  # type: ignore[list-item]
+    assert total_steps(3, 1000, 128) == 24 and total_steps(0, 10, 4) == 0

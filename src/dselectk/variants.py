@@ -215,8 +215,8 @@ class Variant:
         for r in self.schedules:
             start = values(r.param) if r.start is None else r.start
             sched: Schedule
-            annealing = not r.delay and r.span is None and r.end is not None
-            if annealing and r.shape == "geometric" and r.delay_steps is r.span_steps is None:
+            whole_run = not r.delay and r.delay_steps is None and r.span is None
+            if whole_run and r.span_steps is None and r.shape == "geometric" and r.end is not None:
                 sched = GeometricSchedule(start, r.end, totals)
             elif bool((totals == totals[0]).all()):
                 sched = r.schedule(start, int(totals[0]))
