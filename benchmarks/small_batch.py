@@ -36,7 +36,7 @@ import torch
 from benchmarks.common import Report, dselect_out, fwd_bwd, topk_out
 from benchmarks.timing import compare
 from dselectk.gates import DSelectK, TopKGate
-from dselectk.runtime import intra_op_threads
+from dselectk.runtime import exit_with_parent, intra_op_threads
 
 P, N, K = 64, 128, 4
 BATCHES = (1, 16, 256, 4096)
@@ -44,7 +44,9 @@ BUSY_PROCESSES = 3
 CONTENTION_BLOCKS = 3
 
 
-def _spin(stop: Any) -> None:  # pragma: no cover - runs in a child process
+def _spin(stop: Any, ready: Any, parent: int) -> None:  # pragma: no cover - a child process
+    exit_with_parent(parent)  # never an orphan spinning on a shared machine (even after kill -9)
+    ready.release()
     x = 0
     while not stop.is_set():
         for _ in range(100_000):
@@ -52,29 +54,40 @@ def _spin(stop: Any) -> None:  # pragma: no cover - runs in a child process
 
 
 class Busy:
-    """Context manager: ``n`` processes spinning on the CPU while the block runs."""
+    """Context manager: ``n`` processes spinning on the CPU while the block runs. They are
+    stopped when the block ends (also on Ctrl-C or an error) and die with this process (Linux
+    ``prctl``, even when it is killed); the block starts once all of them spin."""
 
     def __init__(self, n: int = BUSY_PROCESSES) -> None:
         self.n = n
         self.ctx = mp.get_context("spawn")
         self.stop = self.ctx.Event()
+        self.ready = self.ctx.Semaphore(0)
         self.procs: list[Any] = []
 
     def __enter__(self) -> Busy:
-        for _ in range(self.n):
-            proc = self.ctx.Process(target=_spin, args=(self.stop,), daemon=True)
-            proc.start()
-            self.procs.append(proc)
-        time.sleep(0.5)  # let them start spinning
+        try:
+            for _ in range(self.n):
+                args = (self.stop, self.ready, os.getpid())
+                proc = self.ctx.Process(target=_spin, args=args, daemon=True)
+                proc.start()
+                self.procs.append(proc)
+            for _ in range(self.n):
+                self.ready.acquire(timeout=60)
+        except BaseException:
+            self.__exit__()
+            raise
+        time.sleep(0.2)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for proc in self.procs:
-            proc.join(timeout=5)
+            proc.join(timeout=2)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
                 proc.join(timeout=5)
+        self.procs.clear()
 
 
 def _guarded(step: Any) -> Any:

@@ -6,6 +6,9 @@ Items (``--only`` takes these names; each is a module of this package with a
 - ``small_batch``: per-example DSelect-k vs Top-k forward + backward at B = 1, 16, 256, 4096 on
   1 and 2 threads, side by side; then (table ``contention``) on 2 threads in blocks of idle
   then beside 3 busy processes, busy / idle (``--no-contention`` skips that part).
+- ``contention``: the per-example gate's forward + backward at B = 1, 16, 256, 4096 and a small
+  MMoE training step, idle and beside 3 busy processes the item starts itself, on 2 threads and
+  under the package's thread policy (``dselectk.runtime.thread_policy``); busy / idle per row.
 - ``gate``: per-example DSelect-k forward + backward (B = 4096, p = 64, n = 128, k = 4) against
   the product-table formulation of the paper's formulas and against a Top-k gate, at
   initialisation and in a sparse regime (~30 % of the bits exactly 0 or 1).
@@ -52,6 +55,7 @@ from dselectk_research.args import out_dir as out_folder
 
 REGISTRY: dict[str, str] = {
     "small_batch": "benchmarks.small_batch",
+    "contention": "benchmarks.contention",
     "gate": "benchmarks.gate",
     "bank": "benchmarks.bank",
     "mmoe": "benchmarks.mmoe",

@@ -28,13 +28,23 @@ def test_registry_modules_import_and_define_run() -> None:
     suite = importlib.import_module("benchmarks.suite")
     assert tuple(suite.REGISTRY) == suite.ITEMS
     assert set(suite.ITEMS) == {
-        "small_batch", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "moe",
+        "small_batch", "contention", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "moe",
         "train_step", "synthetic",
     }  # fmt: skip
     for item, module in suite.REGISTRY.items():
         mod = importlib.import_module(module)
         assert callable(getattr(mod, "run", None)), item
     assert callable(suite.main)
+
+
+def test_busy_processes_spin_during_the_block_and_stop_after_it_even_on_an_error() -> None:
+    busy_mod = importlib.import_module("benchmarks.small_batch")
+    busy = busy_mod.Busy(2)
+    with pytest.raises(KeyboardInterrupt), busy:
+        procs = list(busy.procs)
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)
+        raise KeyboardInterrupt
+    assert not any(p.is_alive() for p in procs) and not busy.procs
 
 
 def test_cli_options_parse() -> None:

@@ -3,11 +3,16 @@ exit with their parent."""
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
+import pytest
 import torch
 
+from dselectk import runtime
 from dselectk.runtime import tune_allocator
 
 
@@ -54,3 +59,121 @@ def test_exit_with_parent_exits_when_the_parent_is_not_the_expected_one() -> Non
         text=True,
     )
     assert gone.returncode == 1 and "alive" not in gone.stdout
+
+
+# ---------------------------------------------------------------- the thread policy
+
+
+@pytest.fixture
+def policy() -> Iterator[None]:
+    """Restore the thread policy, the CPU quota and torch's count after a test."""
+    before_setting = runtime.thread_policy_setting()
+    before_threads = torch.get_num_threads()
+    before_quota = runtime._cpu_quota
+    try:
+        yield
+    finally:
+        runtime.set_thread_policy(before_setting)
+        runtime._cpu_quota = before_quota
+        torch.set_num_threads(before_threads)
+
+
+def test_policy_setting_parses_and_refuses_bad_values(policy: None) -> None:
+    runtime.set_thread_policy("auto")
+    assert runtime.set_thread_policy("torch") == "auto"
+    assert runtime.thread_policy_setting() == "torch"
+    assert runtime.set_thread_policy(" 3 ") == "torch"
+    assert runtime.thread_policy_setting() == 3
+    assert runtime.set_thread_policy("AUTO") == 3 and runtime.thread_policy_setting() == "auto"
+    for bad in ("0", "two", "-1", 0, -2, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="thread policy"):
+            runtime.set_thread_policy(bad)  # type: ignore[arg-type]
+    assert runtime.thread_policy_setting() == "auto"  # a refused value changes nothing
+
+
+def test_auto_policy_is_one_thread_below_the_work_threshold_else_the_cpu_quota(
+    policy: None,
+) -> None:
+    runtime.set_thread_policy("auto")
+    torch.set_num_threads(2)
+    small, big = runtime.PARALLEL_MIN_WORK - 1, runtime.PARALLEL_MIN_WORK
+    assert runtime.policy_threads(small) == 1
+    runtime._cpu_quota = 8  # more CPUs than torch's count: torch's count stays (None)
+    assert runtime.policy_threads(big) is None and runtime.policy_threads() is None
+    runtime._cpu_quota = 1  # a quota of one CPU caps the pool
+    assert runtime.policy_threads(big) == 1
+    with runtime.thread_policy(big) as n:
+        assert n == 1 == torch.get_num_threads()
+    assert torch.get_num_threads() == 2
+    runtime._cpu_quota = 8
+    with runtime.thread_policy(small) as n:
+        assert n == 1 == torch.get_num_threads()
+    with runtime.thread_policy(big) as n:
+        assert n == 2 == torch.get_num_threads()
+    with pytest.raises(RuntimeError), runtime.thread_policy(small):
+        raise RuntimeError
+    assert torch.get_num_threads() == 2
+
+
+def test_int_and_torch_policies_override_every_rule(policy: None) -> None:
+    torch.set_num_threads(2)
+    runtime._cpu_quota = 8
+    runtime.set_thread_policy(3)
+    assert runtime.policy_threads(1) == 3 and runtime.policy_threads(None) == 3
+    with runtime.intra_op_threads(1, elements=10):  # the kernels' small problems: n as well
+        assert torch.get_num_threads() == 3
+    with runtime._OneThread():
+        assert torch.get_num_threads() == 3
+    assert torch.get_num_threads() == 2
+    runtime.set_thread_policy("torch")
+    assert runtime.policy_threads(1) is None
+    with runtime.intra_op_threads(1, elements=10), runtime._OneThread(), runtime.thread_policy(1):
+        assert torch.get_num_threads() == 2  # the package never changes torch's count
+    with runtime.intra_op_threads(1):  # an explicit limit still holds
+        assert torch.get_num_threads() == 1
+    runtime.set_thread_policy("auto")
+    with runtime._OneThread(), runtime.intra_op_threads(1, elements=10):
+        assert torch.get_num_threads() == 1
+    runtime._cpu_quota = 1  # large kernel problems: capped to the quota
+    with runtime.intra_op_threads(1, elements=runtime.PARALLEL_MIN_ELEMENTS):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+
+
+def test_train_threads_follows_the_policy(policy: None) -> None:
+    from dselectk.training.config import TrainConfig, train_threads
+
+    model = torch.nn.Linear(100, 100)  # 10100 parameters
+    torch.set_num_threads(2)
+    runtime._cpu_quota = 1
+    big = TrainConfig(batch_size=runtime.PARALLEL_MIN_WORK // 10100 + 1)
+    assert train_threads(TrainConfig(batch_size=32), model) == 1
+    assert train_threads(big, model) == 1  # capped to the one CPU the process may use
+    runtime._cpu_quota = 2
+    assert train_threads(big, model) is None
+    runtime.set_thread_policy("torch")
+    assert train_threads(TrainConfig(batch_size=32), model) is None
+    assert train_threads(TrainConfig(batch_size=32, threads=3), model) == 3  # explicit wins
+
+
+def test_cpu_quota_is_within_the_affinity() -> None:
+    runtime._cpu_quota = None
+    n = runtime.cpu_quota()
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert 1 <= n <= (affinity or 1)
+    quota = runtime._cgroup_cpus()
+    if quota is not None:
+        assert n <= max(1, math.ceil(quota))
+
+
+def test_threads_env_is_read_at_import_and_checked() -> None:
+    code = "from dselectk import runtime; print(runtime.thread_policy_setting())"
+    env = dict(os.environ, DSELECTK_THREADS="torch")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "torch"
+    env["DSELECTK_THREADS"] = "4"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "4"
+    env["DSELECTK_THREADS"] = "many"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "DSELECTK_THREADS" in out.stderr and "ValueError" in out.stderr

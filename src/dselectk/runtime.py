@@ -9,16 +9,37 @@ the per-example gate benchmark 11.2 -> 7.8 ms fwd+bwd). PyTorch's CPU tuning gui
 swapping the allocator (jemalloc, tcmalloc) for the same reason; :func:`tune_allocator` gets most
 of the gain with glibc's own ``mallopt``, without a dependency.
 
-This module holds the process's threads (:func:`intra_op_threads`, one intra-op thread for small
-products) and the allocator (:func:`tune_allocator`), and :func:`exit_with_parent` for worker
-processes. DSelect-k's kernels and the ``DSELECTK_KERNEL`` setting live in
-:mod:`dselectk.kernels`.
+This module holds the process's thread policy (below), the allocator (:func:`tune_allocator`),
+and :func:`exit_with_parent` for worker processes. DSelect-k's kernels and the
+``DSELECTK_KERNEL`` setting live in :mod:`dselectk.kernels`.
+
+The thread policy. torch runs an op's parallel region on its OpenMP pool, and every region ends
+in a barrier that waits for the slowest thread. Beside other busy processes one of the pool's
+threads is often descheduled, and a step of small ops then takes 4-40x its idle time, while
+idle two threads gain little on small ops. So the package decides, by the size of the work:
+
+* the DSelect-k kernels (:mod:`dselectk.kernels`: the numba and NumPy nodes, the gate's linear
+  layer inside them, the ATen kernels below :data:`PARALLEL_MIN_ELEMENTS` selector entries) run
+  on one intra-op thread (the calling thread);
+* :func:`~dselectk.training.train` with ``TrainConfig(threads="auto")`` and
+  :func:`thread_policy` (for a loop of your own) run a step of less than
+  :data:`PARALLEL_MIN_WORK` (batch x trainable parameters) on one thread;
+* larger work runs on torch's count capped to the CPUs this process may use
+  (:func:`cpu_quota`: its CPU affinity and its cgroup's CPU quota; torch's default pool counts
+  the affinity, not a container's quota).
+
+The system load average is not used: it lags a minute and, in a container, counts the whole
+host's processes. Override with the environment variable ``DSELECTK_THREADS`` (read when
+``dselectk.runtime`` is imported) or :func:`set_thread_policy` at run time: ``auto`` (the
+default, the rules above), an int ``n`` (every one of the rules uses ``n`` threads) or ``torch``
+(the package never changes torch's thread count; you choose it with ``torch.set_num_threads``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import signal
 import sys
@@ -29,8 +50,15 @@ import torch
 
 __all__ = [
     "PARALLEL_MIN_ELEMENTS",
+    "PARALLEL_MIN_WORK",
+    "THREADS_ENV",
+    "cpu_quota",
     "exit_with_parent",
     "intra_op_threads",
+    "policy_threads",
+    "set_thread_policy",
+    "thread_policy",
+    "thread_policy_setting",
     "tune_allocator",
 ]
 
@@ -41,6 +69,169 @@ __all__ = [
 #: that thread is often descheduled, and a step of tiny ops then takes 10-40x its idle time
 #: (measured: the per-example gate at B = 1, 2 threads, load 7.7: 28 ms vs 2.1 ms on 1 thread).
 PARALLEL_MIN_ELEMENTS = 2**22
+
+#: :func:`thread_policy` and ``TrainConfig(threads="auto")`` run a step on one intra-op thread
+#: below this much work (batch size x trainable parameters, about the multiply-adds of a forward
+#: pass). Measured with ``scripts/measure_train_threads.py`` (a 2-task MMoE of 8 experts, 2-core
+#: CPU beside busy processes, load 12-14), ms per step on 2 threads / on 1: 25x at work 8e4, 26x
+#: at 1.1e6, 15x at 8.7e6, 8.2x at 6.8e7, 2.8x at 5.4e8, 1.3x at 2.2e9. Idle, two threads gain
+#: at most ~1.1-1.6x, and only on large steps; so below 2**28 (2.7e8) one thread.
+PARALLEL_MIN_WORK = 2**28
+
+#: the environment variable that overrides the thread policy (module docstring)
+THREADS_ENV = "DSELECTK_THREADS"
+
+
+def _parse_policy(value: object, name: str) -> int | str:
+    """``"auto"``, ``"torch"`` or an int >= 1 from a setting's value (a ValueError otherwise)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be 'auto', 'torch' or an int >= 1, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{name} must be 'auto', 'torch' or an int >= 1, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be 'auto', 'torch' or an int >= 1, got {type(value).__name__}"
+        )
+    text = value.strip().lower()
+    if text in ("", "auto"):
+        return "auto"
+    if text == "torch":
+        return "torch"
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"{name} must be 'auto', 'torch' or an int >= 1, got {value!r}")
+
+
+_policy: int | str = _parse_policy(os.environ.get(THREADS_ENV, "auto"), THREADS_ENV)
+#: the thread count of the kernels' small problems (``_OneThread``): 1 under "auto", n under an
+#: int n, 0 under "torch" (no change)
+_small_threads = 1 if _policy == "auto" else (0 if _policy == "torch" else int(_policy))
+
+
+def set_thread_policy(value: int | str = "auto") -> int | str:
+    """Set the package's thread policy at run time (module docstring): ``"auto"``, ``"torch"``
+    or an int n >= 1 (``"2"`` too). Overrides ``DSELECTK_THREADS``.
+
+    Returns:
+        The previous setting (to restore it).
+
+    Raises:
+        ValueError, TypeError: any other value.
+    """
+    global _policy, _small_threads
+    new = _parse_policy(value, "thread policy")
+    old, _policy = _policy, new
+    _small_threads = 1 if new == "auto" else (0 if new == "torch" else int(new))
+    return old
+
+
+def thread_policy_setting() -> int | str:
+    """The current thread policy: ``"auto"``, ``"torch"`` or an int n."""
+    return _policy
+
+
+def _cgroup_cpus() -> float | None:
+    """This process's cgroup CPU quota in CPUs (cgroup v2 ``cpu.max``, v1 ``cfs_quota_us``),
+    None without a quota or off Linux."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        rel = parts[2].lstrip("/")
+        if parts[0] == "0":  # v2
+            candidates = [f"/sys/fs/cgroup/{rel}/cpu.max", "/sys/fs/cgroup/cpu.max"]
+            for path in candidates:
+                try:
+                    quota, period = open(path).read().split()[:2]
+                except (OSError, ValueError):
+                    continue
+                return None if quota == "max" else int(quota) / int(period)
+        elif "cpu" in parts[1].split(","):  # v1
+            for base in (f"/sys/fs/cgroup/cpu,cpuacct/{rel}", "/sys/fs/cgroup/cpu,cpuacct"):
+                try:
+                    quota_us = int(open(f"{base}/cpu.cfs_quota_us").read())
+                    period_us = int(open(f"{base}/cpu.cfs_period_us").read())
+                except (OSError, ValueError):
+                    continue
+                return None if quota_us <= 0 else quota_us / period_us
+    return None
+
+
+_cpu_quota: int | None = None
+
+
+def cpu_quota() -> int:
+    """The CPUs this process may use: its CPU affinity (``os.sched_getaffinity``, else
+    ``os.cpu_count()``), capped by its cgroup's CPU quota rounded up (a container limited to
+    2.5 CPUs: 3). Read once per process."""
+    global _cpu_quota
+    if _cpu_quota is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        quota = _cgroup_cpus()
+        if quota is not None and quota > 0:
+            cpus = min(cpus, max(1, math.ceil(quota)))
+        _cpu_quota = max(1, cpus)
+    return _cpu_quota
+
+
+def policy_threads(work: int | None = None) -> int | None:
+    """The intra-op thread count the policy gives a step of ``work`` (batch x trainable
+    parameters; None: large work), or None where torch's current count stays.
+
+    ``"auto"``: 1 below :data:`PARALLEL_MIN_WORK`; else torch's count capped to
+    :func:`cpu_quota` (None when that is the current count). An int n: n. ``"torch"``: None.
+    """
+    if _policy == "torch":
+        return None
+    if isinstance(_policy, int):
+        return _policy
+    if work is not None and work < PARALLEL_MIN_WORK:
+        return 1
+    current = torch.get_num_threads()
+    capped = min(current, cpu_quota())
+    return None if capped == current else capped
+
+
+class thread_policy:
+    """``with thread_policy(work):`` runs the enclosed step on :func:`policy_threads` (work)
+    intra-op threads, then restores torch's count (what :func:`~dselectk.training.train` does
+    with ``TrainConfig(threads="auto")``, for a training loop of your own). Costs ~1 µs when
+    nothing changes.
+
+    Example:
+        >>> import torch
+        >>> from dselectk.runtime import thread_policy
+        >>> with thread_policy(work=128 * 10_000):  # a small step: one thread
+        ...     torch.get_num_threads()
+        1
+    """
+
+    __slots__ = ("before", "threads")
+
+    def __init__(self, work: int | None = None) -> None:
+        self.threads = policy_threads(work)
+        self.before = 0
+
+    def __enter__(self) -> int:
+        self.before = before = torch.get_num_threads()
+        if self.threads is not None and self.threads != before:
+            torch.set_num_threads(self.threads)
+            return self.threads
+        return before
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.get_num_threads() != self.before:
+            torch.set_num_threads(self.before)
 
 
 # What to set on a shared or busy machine (measured with ``python -m benchmarks --only
@@ -58,7 +249,9 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
     """Run the enclosed torch ops on at most ``threads`` intra-op threads, then restore.
 
     With ``elements``, the limit applies only below :data:`PARALLEL_MIN_ELEMENTS` (larger
-    problems keep the current thread count). The switch costs a few microseconds
+    problems take :func:`policy_threads`: the current thread count capped to
+    :func:`cpu_quota`), and follows the thread policy (module docstring): an int policy n
+    gives n threads at every size, ``"torch"`` changes nothing. The switch costs a few microseconds
     (``torch.set_num_threads``); it is skipped when nothing changes. It holds for the calling
     thread, which on the CPU is also the thread that runs the backward pass of its graph.
 
@@ -80,13 +273,23 @@ def intra_op_threads(threads: int = 1, *, elements: int | None = None) -> Iterat
         True
     """
     before = torch.get_num_threads()
-    limit = threads if elements is None or elements < PARALLEL_MIN_ELEMENTS else before
-    if limit >= before:
+    if elements is None:
+        limit = min(threads, before)
+    elif _policy == "torch":
+        limit = before
+    elif isinstance(_policy, int):
+        limit = _policy
+    elif elements < PARALLEL_MIN_ELEMENTS:
+        limit = min(threads, before)
+    else:
+        limit = policy_threads() or before
+    limit = max(1, limit)
+    if limit == before:
         yield before
         return
-    torch.set_num_threads(max(1, limit))
+    torch.set_num_threads(limit)
     try:
-        yield max(1, limit)
+        yield limit
     finally:
         torch.set_num_threads(before)
 
@@ -102,11 +305,14 @@ class _OneThread:
 
     def __enter__(self) -> None:
         self.before = before = torch.get_num_threads()
-        if before > 1:
-            torch.set_num_threads(1)
+        small = _small_threads  # the policy's count for small problems (0: leave torch's)
+        if small and before != small:
+            torch.set_num_threads(small)
+        else:
+            self.before = 0
 
     def __exit__(self, *exc: object) -> None:
-        if self.before > 1:
+        if self.before:
             torch.set_num_threads(self.before)
 
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dselectk.gates.base import check_nonnegative, check_positive_int
 from dselectk.optim import OPTIMIZERS
+from dselectk.runtime import PARALLEL_MIN_WORK, policy_threads
 from dselectk.training.guards import DIVERGENCE_FACTOR
 from dselectk.training.search import SearchPlan
 
@@ -31,13 +32,6 @@ __all__ = [
     "train_threads",
 ]
 
-#: ``TrainConfig(threads="auto")`` trains on one intra-op thread below this much work per step
-#: (``batch_size`` x trainable parameters, about the multiply-adds of a forward pass). Measured
-#: with ``scripts/measure_train_threads.py`` (a 2-task MMoE of 8 experts, 2-core CPU beside
-#: busy processes, load 12-14), ms per step on 2 threads / on 1: 25x at work 8e4, 26x at 1.1e6,
-#: 15x at 8.7e6, 8.2x at 6.8e7, 2.8x at 5.4e8, 1.3x at 2.2e9. Idle, two threads gain at most
-#: ~1.1-1.6x, and only on large steps; so below 2**28 (2.7e8) one thread.
-PARALLEL_MIN_WORK = 2**28
 
 #: ``loss_fn(model, batch) -> (total loss, model output or None)``: replaces the summed task losses
 BatchLossFn = Callable[[nn.Module, "TaskData"], tuple[Tensor, Any]]
@@ -104,11 +98,14 @@ class TrainConfig:
             :data:`~dselectk.training.DIVERGENCE_FACTOR` (1e6); None: only non-finite losses
             diverge.
         threads: torch's intra-op threads while training (restored afterwards). "auto"
-            (default): one thread when a step's work, ``batch_size`` times the trainable
-            parameters, is below :data:`~dselectk.training.config.PARALLEL_MIN_WORK`, else
-            torch's current count: small steps gain nothing from a parallel region and, beside
-            other busy processes, lose 4-40x waiting at its barrier for a descheduled thread.
-            An int n >= 1: n threads; None: leave torch's setting alone.
+            (default): the package's thread policy (:mod:`dselectk.runtime`, overridable with
+            ``DSELECTK_THREADS`` or :func:`~dselectk.runtime.set_thread_policy`): one thread
+            when a step's work, ``batch_size`` times the trainable parameters, is below
+            :data:`~dselectk.runtime.PARALLEL_MIN_WORK`, else torch's current count capped to
+            the CPUs the process may use (:func:`~dselectk.runtime.cpu_quota`): small steps
+            gain nothing from a parallel region and, beside other busy processes, lose 4-40x
+            waiting at its barrier for a descheduled thread. An int n >= 1: n threads; None:
+            leave torch's setting alone.
         search: the swap local search (:mod:`dselectk.search`) that makes a static sparse gate
             end on k distinct experts: gradient descent cannot move a DSelect-k selector once
             its bits are binary, nor a Top-k gate's unselected experts, so a selection that
@@ -258,4 +255,4 @@ def train_threads(cfg: TrainConfig, model: nn.Module) -> int | None:
     if cfg.threads != "auto":
         return int(cfg.threads)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return 1 if cfg.batch_size * params < PARALLEL_MIN_WORK else None
+    return policy_threads(cfg.batch_size * params)
