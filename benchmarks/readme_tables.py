@@ -14,9 +14,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite import HISTORY
+__all__ = ["entry_with", "item_table", "latest_document", "load_entry", "main", "tables"]
 
-__all__ = ["load_entry", "main", "tables"]
+HISTORY = Path(__file__).resolve().parent / "results" / "history.jsonl"
+"""The suite's history (``benchmarks.suite.HISTORY``; this module imports no torch, so that the
+documentation's build can render the tables)."""
+
+
+def _normalise(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the small_batch item's contention table under its present name
+    (``small_batch_contention``; older runs called it ``contention``, rows keyed by ``gate``)."""
+    items = entry.get("items", {})
+    old = items.get("contention")
+    if old and old.get("rows") and "gate" in old["rows"][0]:
+        items = {
+            ("small_batch_contention" if k == "contention" else k): v for k, v in items.items()
+        }
+        entry = {**entry, "items": items}
+    return entry
 
 
 def load_entry(path: Path, index: int = -1) -> dict[str, Any]:
@@ -24,7 +39,7 @@ def load_entry(path: Path, index: int = -1) -> dict[str, Any]:
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     if not lines:
         raise SystemExit(f"{path} holds no benchmark run yet: run python -m benchmarks first")
-    return dict(json.loads(lines[index]))
+    return _normalise(dict(json.loads(lines[index])))
 
 
 def _ms(v: Any) -> str:
@@ -49,6 +64,20 @@ def _small_batch(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _contention(rows: list[dict[str, Any]]) -> list[str]:
+    if rows and "way" in rows[0]:  # the contention item: 2 threads vs the thread policy
+        out = [
+            "| step | threads | idle | beside busy processes | busy / idle | blocks' range |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            ratios = r.get("ratios") or []
+            span = f"{min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)})" if ratios else "–"
+            step = r["case"].removesuffix(" " + str(r["way"]))
+            out.append(
+                f"| {step} | {r['way']} | {_ms(r.get('base_ms'))} | {_ms(r['ours_ms'])} "
+                f"| {_ratio(r.get('ratio'))} | {span} |"
+            )
+        return out
     out = [
         "| gate | batch | idle | beside busy processes | busy / idle | blocks' range |",
         "|---|---|---|---|---|---|",
@@ -93,34 +122,72 @@ def _train_step(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def tables(entry: dict[str, Any]) -> str:
-    """The Markdown of one history entry: a facts line, then one table per item."""
+_FORMATS = {
+    "small_batch": _small_batch,
+    "contention": _contention,
+    "small_batch_contention": _contention,
+    "train_step": _train_step,
+}
+
+
+def facts(entry: dict[str, Any]) -> str:
+    """One line of a run's provenance: command, machine, threads, load, torch, commit, time."""
     m = entry.get("machine", {})
     load = m.get("load_avg_1m", "?")
     load = f"{load:.2f}" if isinstance(load, (int, float)) else load
     gpu = f"{m['gpu']} GPU, " if m.get("gpu") else ""
-    facts = (
+    end = entry.get("load_avg_end") or []
+    end_s = f" ({end[0]:.2f} at the end)" if end and isinstance(end[0], (int, float)) else ""
+    return (
         f"_{entry.get('command', 'python -m benchmarks')}_ on {gpu}{m.get('cpu', '?')} "
         f"({m.get('cpu_count', '?')} cores), {m.get('torch_threads', '?')} torch threads, "
-        f"load average {load} at the start, torch {m.get('torch', '?')}, "
+        f"load average {load} at the start{end_s}, torch {m.get('torch', '?')}, "
         f"commit {entry.get('commit') or '?'}, {entry.get('time', '')}"
     )
-    parts = [facts, ""]
-    for item, table in entry.get("items", {}).items():
-        rows = table.get("rows", [])
+
+
+def item_table(entry: dict[str, Any], item: str, heading: bool = True) -> str:
+    """The Markdown table of ``item`` in ``entry`` (a history line or a result document)."""
+    table = entry["items"][item]
+    parts = []
+    if heading:
         parts.append(f"**{item}**: {table.get('title', '')}")
         if table.get("note"):
             parts.append(f"({table['note']})")
         parts.append("")
-        formats = {
-            "small_batch": _small_batch,
-            "contention": _contention,
-            "train_step": _train_step,
-        }
-        fmt = formats.get(item, _generic)
-        parts.extend(fmt(rows))
-        parts.append("")
+    parts.extend(_FORMATS.get(item, _generic)(table.get("rows", [])))
+    return "\n".join(parts) + "\n"
+
+
+def tables(entry: dict[str, Any]) -> str:
+    """The Markdown of one history entry: a facts line, then one table per item."""
+    parts = [facts(entry), ""]
+    for item in entry.get("items", {}):
+        parts.append(item_table(entry, item))
     return "\n".join(parts)
+
+
+def entry_with(path: Path, item: str, skip: int = 0) -> dict[str, Any]:
+    """The newest line of the history at ``path`` that holds ``item`` (``skip``: that many
+    such lines newer than it are passed over). A LookupError when there is none."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    seen = 0
+    for line in reversed(lines):
+        entry = _normalise(json.loads(line))
+        if item in entry.get("items", {}):
+            if seen == skip:
+                return dict(entry)
+            seen += 1
+    raise LookupError(f"{path} holds no run of the benchmark item {item!r}")
+
+
+def latest_document(path: Path, commit: str = "") -> dict[str, Any]:
+    """A result document (``--record PATH``) as a history entry: its ``commit`` is the given
+    one (the commit that recorded the file) when the document has none."""
+    doc = dict(json.loads(path.read_text()))
+    if not doc.get("commit"):
+        doc["commit"] = commit
+    return doc
 
 
 def gpu_gate_table(doc: dict[str, Any]) -> str:
@@ -140,6 +207,51 @@ def gpu_gate_table(doc: dict[str, Any]) -> str:
             f"| {r['kernels']} |"
         )
     return "\n".join(out) + "\n"
+
+
+def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
+    """The Markdown a documentation page's ``<!-- bench-tables key=value ... -->`` line stands
+    for (``docs/hooks.py`` renders them when the site is built), paths relative to ``root``:
+
+    - ``item=NAME``: the newest run of the history holding item NAME: its facts line and table;
+    - ``history=PATH`` (default ``benchmarks/results/history.jsonl``) with ``entry=N`` (the
+      N-th line, negative from the end): that run's facts line and all its tables (``items=a,b``:
+      only those);
+    - ``record=PATH``: a result document written by ``--record`` (its commit is
+      ``commit_of(PATH)``, the commit that recorded the file, when it holds none);
+    - ``gpu-gate=PATH``: also ``python -m benchmarks.gpu_gate``'s table.
+
+    Raises:
+        ValueError: an unknown key, a missing file, or an item no run holds.
+    """
+    known = {"item", "history", "entry", "items", "record", "gpu-gate"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"bench-tables: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    history = root / options.get("history", "benchmarks/results/history.jsonl")
+    if "record" in options:
+        path = root / options["record"]
+        entry = latest_document(path, commit_of(path) if commit_of else "")
+    elif "item" in options:
+        try:
+            entry = entry_with(history, options["item"])
+        except (LookupError, OSError) as err:
+            raise ValueError(f"bench-tables: {err}") from err
+        return f"{facts(entry)}\n\n{item_table(entry, options['item'])}"
+    else:
+        try:
+            entry = load_entry(history, int(options.get("entry", "-1")))
+        except (IndexError, OSError, SystemExit) as err:
+            raise ValueError(f"bench-tables: no entry {options.get('entry')} in {history}") from err
+    names = options["items"].split(",") if "items" in options else list(entry.get("items", {}))
+    missing = [n for n in names if n not in entry.get("items", {})]
+    if missing:
+        raise ValueError(f"bench-tables: the run holds no item {missing}")
+    parts = [facts(entry), ""] + [item_table(entry, n) for n in names]
+    if "gpu-gate" in options:
+        doc = json.loads((root / options["gpu-gate"]).read_text())
+        parts += ["**gpu_gate**", "", gpu_gate_table(doc)]
+    return "\n".join(parts)
 
 
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"

@@ -187,7 +187,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         return
     blocks = getattr(args, "contention_blocks", 0) or CONTENTION_BLOCKS
     rep.table(
-        "contention",
+        "small_batch_contention",
         f"2 threads beside {BUSY_PROCESSES} busy processes, {blocks} blocks of idle then busy: "
         "ours ms = busy, base ms = idle (medians over the blocks), ratio = the blocks' median "
         "busy/idle (range in the config)",

@@ -4,8 +4,8 @@ Items (``--only`` takes these names; each is a module of this package with a
 ``run(rep, dev, args)`` function):
 
 - ``small_batch``: per-example DSelect-k vs Top-k forward + backward at B = 1, 16, 256, 4096 on
-  1 and 2 threads, side by side; then (table ``contention``) on 2 threads in blocks of idle
-  then beside 3 busy processes, busy / idle (``--no-contention`` skips that part).
+  1 and 2 threads, side by side; then (table ``small_batch_contention``) on 2 threads in blocks
+  of idle then beside 3 busy processes, busy / idle (``--no-contention`` skips that part).
 - ``contention``: the per-example gate's forward + backward at B = 1, 16, 256, 4096 and a small
   MMoE training step, idle and beside 3 busy processes the item starts itself, on 2 threads and
   under the package's thread policy (``dselectk.runtime.thread_policy``); busy / idle per row.

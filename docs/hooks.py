@@ -4,16 +4,24 @@ The API reference has one page per name of ``dselectk.__all__`` and one per publ
 (every module or package of ``dselectk`` whose name has no leading underscore, except the
 command line), so a new public name gets its page without editing the docs. The research part's
 notes and committed results are served under ``research/`` so that pages can link to them.
+A page's ``<!-- bench-tables key=value ... -->`` line is replaced by the benchmark tables it names,
+rendered from ``benchmarks/results`` (the suite's history and records) when the site is built
+(``benchmarks.readme_tables.render``), so that no page copies a timing by hand; each table
+states the run's command, machine, threads, load and commit.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,10 +138,43 @@ def _research_link(page_src: str, match: re.Match[str]) -> str:
     return match.group(0)
 
 
+_BENCH = re.compile(r"^<!-- bench-tables((?:\s+[\w-]+=\S+)*)\s*-->$", re.MULTILINE)
+
+
+def _recorded_at(path: Path) -> str:
+    """The short hash of the last commit that changed ``path`` ("" outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%h", "--", str(path)],
+            capture_output=True, text=True, cwd=ROOT, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
+def bench_tables(markdown: str, page: str) -> str:
+    """``markdown`` with each ``<!-- bench-tables ... -->`` line replaced by its tables."""
+    if "<!-- bench-tables" not in markdown:
+        return markdown
+    if str(ROOT) not in sys.path:  # benchmarks/ is a top-level folder of the checkout
+        sys.path.insert(0, str(ROOT))
+    tables = importlib.import_module("benchmarks.readme_tables")
+
+    def one(m: re.Match[str]) -> str:
+        options = dict(kv.split("=", 1) for kv in m.group(1).split())
+        try:
+            return str(tables.render(options, ROOT, _recorded_at))
+        except (ValueError, OSError) as err:
+            raise PluginError(f"{page}: {m.group(0)}: {err}") from err
+
+    return _BENCH.sub(one, markdown)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     src = page.file.src_uri
     if not src.startswith("research/"):
-        return markdown
+        return bench_tables(markdown, src)
     return _LINK.sub(lambda m: _research_link(src, m), markdown)
 
 

@@ -6,6 +6,7 @@ No timings are checked here; the suite itself runs with ``python -m benchmarks [
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -28,8 +29,8 @@ def test_registry_modules_import_and_define_run() -> None:
     suite = importlib.import_module("benchmarks.suite")
     assert tuple(suite.REGISTRY) == suite.ITEMS
     assert set(suite.ITEMS) == {
-        "small_batch", "contention", "gate", "bank", "mmoe", "conditional", "memory", "scaling", "moe",
-        "train_step", "synthetic",
+        "small_batch", "contention", "gate", "bank", "mmoe", "conditional", "memory", "scaling",
+        "moe", "train_step", "synthetic",
     }  # fmt: skip
     for item, module in suite.REGISTRY.items():
         mod = importlib.import_module(module)
@@ -298,3 +299,63 @@ def test_gpu_gate_rows_and_readme_gpu_block(
         readme.write_text("no markers")
         readme_tables.main([*argv, "--readme", str(readme)])
     capsys.readouterr()
+
+
+def _history_line(commit: str, items: dict[str, list[dict[str, object]]]) -> str:
+    return json.dumps(
+        {
+            "commit": commit,
+            "command": "python -m benchmarks",
+            "machine": {"cpu": "CPU X", "cpu_count": 2, "torch_threads": 2, "load_avg_1m": 0.5},
+            "load_avg_end": [0.7],
+            "time": "T",
+            "items": {k: {"title": k, "rows": rows} for k, rows in items.items()},
+        }
+    )
+
+
+def test_page_tables_are_rendered_from_the_history_with_their_provenance(tmp_path: Path) -> None:
+    tables = importlib.import_module("benchmarks.readme_tables")
+    row = {"case": "c", "ours_ms": 1.0, "base_ms": 2.0, "ratio": 2.0, "config": ""}
+    old_contention = {**row, "gate": "dselect", "B": 1, "ratios": [1.5]}
+    hist = tmp_path / "h.jsonl"
+    hist.write_text(
+        _history_line("aaa", {"moe": [row], "contention": [old_contention]})
+        + "\n"
+        + _history_line("bbb", {"gate": [{**row, "ratio": 3.0}]})
+        + "\n"
+    )
+    opts = {"history": "h.jsonl"}
+    moe = tables.render({**opts, "item": "moe"}, tmp_path)
+    assert "commit aaa" in moe and "CPU X (2 cores), 2 torch threads" in moe
+    assert "load average 0.50 at the start (0.70 at the end)" in moe and "| 2.00× |" in moe
+    last = tables.render(opts, tmp_path)  # the last line, every table
+    assert "commit bbb" in last and "3.00×" in last and "moe" not in last
+    # an older run's small_batch contention table is found under its present name
+    sbc = tables.render({**opts, "item": "small_batch_contention"}, tmp_path)
+    assert "commit aaa" in sbc and "| dselect | 1 |" in sbc
+    record = tmp_path / "r.json"
+    record.write_text(_history_line("", {"bank": [row]}))
+    rec = tables.render({"record": "r.json"}, tmp_path, lambda path: "ccc")
+    assert "commit ccc" in rec and "**bank**" in rec
+    for bad, match in (
+        ({**opts, "item": "nothing"}, "no run of the benchmark item"),
+        ({**opts, "colour": "red"}, "unknown keys"),
+        ({**opts, "items": "moe"}, "holds no item"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tables.render(bad, tmp_path)
+
+
+def test_docs_hook_replaces_bench_tables_lines() -> None:
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO_ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = "before\n<!-- bench-tables item=moe -->\nafter\n"
+    out = hooks.bench_tables(page, "p.md")
+    assert out.startswith("before\n_python -m benchmarks") and "bench-tables" not in out
+    assert "| case | ours | baseline |" in out and out.endswith("after\n")
+    with pytest.raises(hooks.PluginError, match="no run of the benchmark item"):
+        hooks.bench_tables("<!-- bench-tables item=no_such_item -->\n", "p.md")
