@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,39 @@ def test_threads_env_is_read_at_import_and_checked() -> None:
     env["DSELECTK_THREADS"] = "many"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode != 0 and "DSELECTK_THREADS" in out.stderr and "ValueError" in out.stderr
+
+
+def test_cgroup_quota_is_read_from_v2_and_v1_files(tmp_path: Path) -> None:
+    def write(path: Path, text: str) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return str(path)
+
+    root = tmp_path / "fs"
+    v2 = write(tmp_path / "v2", "0::/box/job\n")
+    write(root / "box/job/cpu.max", "150000 100000\n")
+    assert runtime._cgroup_cpus(v2, str(root)) == 1.5
+    write(root / "box/job/cpu.max", "max 100000\n")
+    assert runtime._cgroup_cpus(v2, str(root)) is None
+    v2_root = write(tmp_path / "v2root", "0::/\n")
+    write(root / "cpu.max", "50000 100000\n")
+    assert runtime._cgroup_cpus(v2_root, str(root)) == 0.5
+    v1 = write(tmp_path / "v1", "5:memory:/x\n4:cpu,cpuacct:/docker/c1\n")
+    write(root / "cpu,cpuacct/docker/c1/cpu.cfs_quota_us", "300000\n")
+    write(root / "cpu,cpuacct/docker/c1/cpu.cfs_period_us", "100000\n")
+    assert runtime._cgroup_cpus(v1, str(root)) == 3.0
+    write(root / "cpu,cpuacct/docker/c1/cpu.cfs_quota_us", "-1\n")
+    assert runtime._cgroup_cpus(v1, str(root)) is None
+    assert runtime._cgroup_cpus(str(tmp_path / "missing"), str(root)) is None
+    write(root / "box/job/cpu.max", "lots 100000\n")
+    assert runtime._cgroup_cpus(v2, str(root)) is None  # unreadable: no quota assumed
+
+
+def test_cpu_quota_rounds_a_fractional_quota_up_and_caps_the_affinity(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    for quota, cpus in ((None, 4), (1.5, 2), (0.2, 1), (16.0, 4)):
+        monkeypatch.setattr(runtime, "_cgroup_cpus", lambda q=quota: q)
+        runtime._cpu_quota = None
+        assert runtime.cpu_quota() == cpus

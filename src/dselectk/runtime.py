@@ -132,11 +132,22 @@ def thread_policy_setting() -> int | str:
     return _policy
 
 
-def _cgroup_cpus() -> float | None:
-    """This process's cgroup CPU quota in CPUs (cgroup v2 ``cpu.max``, v1 ``cfs_quota_us``),
-    None without a quota or off Linux."""
+def _read_words(path: str) -> list[str]:
+    """The whitespace-separated words of a small text file ([] when it cannot be read)."""
     try:
-        with open("/proc/self/cgroup") as fh:
+        with open(path) as fh:
+            return fh.read().split()
+    except OSError:
+        return []
+
+
+def _cgroup_cpus(
+    cgroup_file: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> float | None:
+    """This process's cgroup CPU quota in CPUs (cgroup v2 ``cpu.max``, v1 ``cfs_quota_us`` /
+    ``cfs_period_us``), None without a quota or where it cannot be read (not Linux)."""
+    try:
+        with open(cgroup_file) as fh:
             lines = fh.read().splitlines()
     except OSError:
         return None
@@ -144,23 +155,30 @@ def _cgroup_cpus() -> float | None:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        rel = parts[2].lstrip("/")
-        if parts[0] == "0":  # v2
-            candidates = [f"/sys/fs/cgroup/{rel}/cpu.max", "/sys/fs/cgroup/cpu.max"]
-            for path in candidates:
-                try:
-                    quota, period = open(path).read().split()[:2]
-                except (OSError, ValueError):
-                    continue
-                return None if quota == "max" else int(quota) / int(period)
-        elif "cpu" in parts[1].split(","):  # v1
-            for base in (f"/sys/fs/cgroup/cpu,cpuacct/{rel}", "/sys/fs/cgroup/cpu,cpuacct"):
-                try:
-                    quota_us = int(open(f"{base}/cpu.cfs_quota_us").read())
-                    period_us = int(open(f"{base}/cpu.cfs_period_us").read())
-                except (OSError, ValueError):
-                    continue
-                return None if quota_us <= 0 else quota_us / period_us
+        rel = parts[2].strip("/")
+        if parts[0] == "0":  # v2: "quota period", or "max period"
+            dirs = [f"{root}/{rel}", root] if rel else [root]
+            for folder in dirs:
+                words = _read_words(f"{folder}/cpu.max")
+                if len(words) >= 2:
+                    if words[0] == "max":
+                        return None
+                    try:
+                        return int(words[0]) / int(words[1])
+                    except (ValueError, ZeroDivisionError):
+                        return None
+        elif "cpu" in parts[1].split(","):  # v1: quota -1 means none
+            base = f"{root}/{parts[1]}"
+            for folder in ([f"{base}/{rel}"] if rel else []) + [base]:
+                quota, period = (
+                    _read_words(f"{folder}/cpu.cfs_{n}_us") for n in ("quota", "period")
+                )
+                if quota and period:
+                    try:
+                        q, t = int(quota[0]), int(period[0])
+                    except ValueError:
+                        return None
+                    return q / t if q > 0 and t > 0 else None
     return None
 
 
