@@ -119,6 +119,13 @@ def set_thread_policy(value: int | str = "auto") -> int | str:
 
     Raises:
         ValueError, TypeError: any other value.
+
+    Example:
+        >>> from dselectk.runtime import set_thread_policy, thread_policy_setting
+        >>> before = set_thread_policy("torch")  # the package leaves torch's threads alone
+        >>> thread_policy_setting()
+        'torch'
+        >>> _ = set_thread_policy(before)
     """
     global _policy, _small_threads
     new = _parse_policy(value, "thread policy")
@@ -128,7 +135,13 @@ def set_thread_policy(value: int | str = "auto") -> int | str:
 
 
 def thread_policy_setting() -> int | str:
-    """The current thread policy: ``"auto"``, ``"torch"`` or an int n."""
+    """The current thread policy: ``"auto"``, ``"torch"`` or an int n.
+
+    Example:
+        >>> from dselectk.runtime import thread_policy_setting
+        >>> thread_policy_setting() in ("auto", "torch") or thread_policy_setting() >= 1
+        True
+    """
     return _policy
 
 
@@ -188,7 +201,14 @@ _cpu_quota: int | None = None
 def cpu_quota() -> int:
     """The CPUs this process may use: its CPU affinity (``os.sched_getaffinity``, else
     ``os.cpu_count()``), capped by its cgroup's CPU quota rounded up (a container limited to
-    2.5 CPUs: 3). Read once per process."""
+    2.5 CPUs: 3). Read once per process.
+
+    Example:
+        >>> import os
+        >>> from dselectk.runtime import cpu_quota
+        >>> 1 <= cpu_quota() <= (os.cpu_count() or 1)
+        True
+    """
     global _cpu_quota
     if _cpu_quota is None:
         try:
@@ -208,6 +228,13 @@ def policy_threads(work: int | None = None) -> int | None:
 
     ``"auto"``: 1 below :data:`PARALLEL_MIN_WORK`; else torch's count capped to
     :func:`cpu_quota` (None when that is the current count). An int n: n. ``"torch"``: None.
+
+    Example:
+        >>> from dselectk.runtime import PARALLEL_MIN_WORK, policy_threads, set_thread_policy
+        >>> before = set_thread_policy("auto")
+        >>> policy_threads(work=256 * 50_000)  # a small step: one thread
+        1
+        >>> _ = set_thread_policy(before)
     """
     if _policy == "torch":
         return None
