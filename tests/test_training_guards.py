@@ -256,6 +256,34 @@ def test_checkpoint_with_another_config_is_refused(tmp_path: Path) -> None:
         _run(ckpt, seed=3, lr=0.01, task_weights=[1.0, 2.0])
 
 
+def test_checkpoint_with_another_search_setting_is_refused(tmp_path: Path) -> None:
+    from dselectk.search import SearchPlan
+
+    ckpt = tmp_path / "run.pt"
+    _run(ckpt, search=None)
+    saved = torch.load(ckpt, weights_only=False)["config"]
+    assert saved["search"] is None
+    with pytest.raises(CheckpointMismatchError, match="search: None in the checkpoint, 'auto' now"):
+        _run(ckpt)
+    plan = SearchPlan(at=(0.5,), binarize=0.25)
+    with pytest.raises(CheckpointMismatchError, match=r"search: None in the checkpoint, \{'plan'"):
+        _run(ckpt, search=plan)
+    _run(ckpt, search=None)  # the same setting resumes
+    planned = tmp_path / "plan.pt"
+    _run(planned, search=plan)
+    assert torch.load(planned, weights_only=False)["config"]["search"] == {
+        "plan": "SearchPlan", "at": [0.5], "binarize": 0.25, "refit": False, "probe": 2048,
+    }  # fmt: skip
+    with pytest.raises(CheckpointMismatchError, match="'binarize': 0.25.*'binarize': 0.5"):
+        _run(planned, search=SearchPlan(at=(0.5,), binarize=0.5))
+    _run(planned, search=SearchPlan(at=(0.5,), binarize=0.25))
+    # a checkpoint written before the setting was recorded resumes under any setting
+    old = torch.load(planned, weights_only=False)
+    del old["config"]["search"]
+    torch.save(old, planned)
+    _run(planned, search=None)
+
+
 def test_checkpoint_with_another_model_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "run.pt"
     _run(ckpt)

@@ -7,6 +7,7 @@ weights or optimizer state a :class:`CheckpointError` naming the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
@@ -139,8 +140,23 @@ def run_config(
         "parameters": {k: list(v.shape) for k, v in model.state_dict().items()},
         "hyperparameters": _gate_hyperparameters(model),
         "epochs": cfg.epochs,
+        "search": _search_setting(cfg.search, loss_fn),
         **({"data": data} if data is not None else {}),
     }
+
+
+def _search_setting(search: Any, loss_fn: Any) -> Any:
+    """``TrainConfig.search`` as a checkpoint records it: None, "auto", or the plan's fields.
+    "auto" with ``loss_fn`` runs no search (the loop searches by the named losses only), so it
+    is recorded as None: resuming such a run with ``search=None`` is the same run."""
+    if search == "auto" and loss_fn is not None:
+        return None
+    if dataclasses.is_dataclass(search) and not isinstance(search, type):
+        return {
+            "plan": type(search).__qualname__,
+            **{f.name: _plain(getattr(search, f.name)) for f in dataclasses.fields(search)},
+        }
+    return _plain(search)
 
 
 def data_digest(data: TaskData | None) -> str | None:
@@ -194,7 +210,7 @@ _RETIRED_KEYS = ("record_every",)
 
 
 #: keys newer than some checkpoints: a checkpoint without them cannot be checked on them
-_ADDED_KEYS = ("hyperparameters", "data")
+_ADDED_KEYS = ("hyperparameters", "data", "search")
 
 
 def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
