@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 torch.manual_seed(0)  # the same initial weights and the same data on every rank
 model = MultiGateMoE(
-    StackedMLP(4, 8, [16]),
+    StackedMLP(4, 8, [16], final_activation=True),
     DSelectK(num_experts=4, k=2, num_gates=2, entropy_reg=0.01),
     StackedMLP(2, 16, [1], final_activation=False),
 )

@@ -21,7 +21,9 @@ from dselectk.layers import StackedMLP
 torch.manual_seed(0)
 gates = DSelectK(num_experts=8, k=2, num_gates=2, gamma=1.0)
 model = MultiGateMoE(
-    StackedMLP(8, 16, [32]), gates, StackedMLP(2, 32, [16, 1], final_activation=False)
+    StackedMLP(8, 16, [32], final_activation=True),
+    gates,
+    StackedMLP(2, 32, [16, 1], final_activation=False),
 )
 # Stand-in for a trained model: make each task's selection final (S(Z) binary) on 2 experts,
 # as training with the entropy regulariser or the swap search leaves it.

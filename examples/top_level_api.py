@@ -32,7 +32,9 @@ config = TrainConfig(epochs=3, batch_size=64, progress=False)
 
 # 1. The recommended call: 8 experts, one k = 2 DSelect-k gate per task, linear-output towers.
 gates = DSelectK(num_experts=8, k=2, num_gates=3)
-model = MultiGateMoE(StackedMLP(8, 6, [16]), gates, make_towers(3, 16, [8, 1]))
+model = MultiGateMoE(
+    StackedMLP(8, 6, [16], final_activation=True), gates, make_towers(3, 16, [8, 1])
+)
 history = train(model, data, "mse", config)
 print("selected experts per task:", gates.selection().tolist())
 assert all(len(set(row)) == 2 for row in gates.selection().tolist())
@@ -45,7 +47,9 @@ for gate in (
     GumbelSoftmaxGate(8, num_gates=3),
     make_gate("dselect_k", 8, k=2, num_gates=3),
 ):
-    out = MultiGateMoE(StackedMLP(8, 6, [16]), gate, make_towers(3, 16, [8, 1]))(x[:4])
+    out = MultiGateMoE(
+        StackedMLP(8, 6, [16], final_activation=True), gate, make_towers(3, 16, [8, 1])
+    )(x[:4])
     print(type(gate).__name__, [tuple(o.shape) for o in out.outputs])
 
 # 3. A single-gate MoE with an explicit search schedule (SwapSearch as a callback).

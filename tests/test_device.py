@@ -34,7 +34,9 @@ def test_gate_on_cuda_matches_cpu(name: str) -> None:
 @cuda
 def test_mmoe_step_on_cuda() -> None:
     model = MultiGateMoE(
-        StackedMLP(8, 6, [16]), dk.DSelectK(8, 2, num_gates=2), StackedMLP(2, 16, [1])
+        StackedMLP(8, 6, [16], final_activation=True),
+        dk.DSelectK(8, 2, num_gates=2),
+        StackedMLP(2, 16, [1], final_activation=True),
     ).to("cuda")
     out = model(torch.randn(4, 6, device="cuda"))
     (sum(o.sum() for o in out.outputs) + out.aux_loss).backward()
@@ -126,9 +128,9 @@ def test_training_loop_on_cuda_matches_cpu() -> None:
         torch.manual_seed(5)
         model = (
             MultiGateMoE(
-                StackedMLP(4, 6, [8]),
+                StackedMLP(4, 6, [8], final_activation=True),
                 dk.DSelectK(4, 2, in_features=6, num_gates=2),
-                StackedMLP(2, 8, [1]),
+                StackedMLP(2, 8, [1], final_activation=True),
             )
             .double()
             .to(device)
@@ -201,9 +203,9 @@ def test_export_on_cuda_matches_eager() -> None:
 
     torch.manual_seed(10)
     model = MultiGateMoE(
-        StackedMLP(4, 6, [8]),
+        StackedMLP(4, 6, [8], final_activation=True),
         dk.DSelectK(4, 2, in_features=6, num_gates=2),
-        StackedMLP(2, 8, [1]),
+        StackedMLP(2, 8, [1], final_activation=True),
     ).to("cuda")
     program = export_program(model, (torch.randn(5, 6, device="cuda"),))
     x = torch.randn(9, 6, device="cuda")

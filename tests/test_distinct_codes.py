@@ -181,7 +181,7 @@ def test_export_equals_eager(tmp_path: Path, binary: bool, onnx: bool) -> None:
     g = make_gate("dselect_k", 8, k=3, in_features=6, distinct=True)
     with torch.no_grad():
         g.proj.weight.mul_(1e4 if binary else 30.0)
-    model = MoE(StackedMLP(8, 6, [5]), g, conditional=True).eval()
+    model = MoE(StackedMLP(8, 6, [5], final_activation=True), g, conditional=True).eval()
     if onnx:
         pytest.importorskip("onnxruntime")
         import onnxruntime as ort

@@ -28,7 +28,7 @@ def _free_port() -> int:
 def _model() -> MultiGateMoE:
     torch.manual_seed(0)
     return MultiGateMoE(
-        StackedMLP(4, 3, [8]),
+        StackedMLP(4, 3, [8], final_activation=True),
         DSelectK(4, 2, num_gates=2, entropy_reg=0.01),
         StackedMLP(2, 8, [1], activation="identity"),
     )

@@ -43,7 +43,7 @@ def _gate(name: str, per_example: bool, bank: bool, binary: bool) -> Any:
 def _model(name: str, per_example: bool, multi: bool, binary: bool) -> nn.Module:
     torch.manual_seed(0)
     g = _gate(name, per_example, multi, binary)
-    experts = StackedMLP(N, P, [5])
+    experts = StackedMLP(N, P, [5], final_activation=True)
     if multi:
         towers = StackedMLP(2, 5, [4, 1], final_activation=False)
         return MultiGateMoE(experts, g, towers, conditional=True)
@@ -129,7 +129,9 @@ def _issue_model() -> MultiGateMoE:
     with torch.no_grad():
         gate.proj.weight.mul_(1e4)
     towers = StackedMLP(2, 5, [4, 1], final_activation=False)
-    return MultiGateMoE(StackedMLP(N, P, [5]), gate, towers, conditional=True).eval()
+    return MultiGateMoE(
+        StackedMLP(N, P, [5], final_activation=True), gate, towers, conditional=True
+    ).eval()
 
 
 class _Outputs(nn.Module):
@@ -233,7 +235,7 @@ def test_integer_inputs_with_an_embedding_bottom(tmp_path: Path) -> None:
     torch.manual_seed(0)
     gate = DSelectK(N, 2, in_features=P, num_gates=2)
     towers = StackedMLP(2, 5, [1], final_activation=False)
-    model = MultiGateMoE(StackedMLP(N, P, [5]), gate, towers, bottom=Embed())
+    model = MultiGateMoE(StackedMLP(N, P, [5], final_activation=True), gate, towers, bottom=Embed())
     x = torch.stack([torch.randint(0, 20, (32,)), torch.randint(0, 30, (32,))], 1)
     to_onnx(model, x, tmp_path / "ml.onnx", exporter="torchscript")
     export_program(model, x)

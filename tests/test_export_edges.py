@@ -30,7 +30,9 @@ def _model(binary: bool = True) -> MultiGateMoE:
         with torch.no_grad():
             gate.proj.weight.mul_(1e4)
     towers = StackedMLP(2, 5, [4, 1], final_activation=False)
-    return MultiGateMoE(StackedMLP(N, P, [5]), gate, towers, conditional=True).eval()
+    return MultiGateMoE(
+        StackedMLP(N, P, [5], final_activation=True), gate, towers, conditional=True
+    ).eval()
 
 
 def _leftovers(folder: Path) -> list[str]:

@@ -161,7 +161,7 @@ def _binary_per_example_gate(num_gates: int | None, n: int = 8, k: int = 2) -> D
 
 def _mtl(gates, conditional: bool) -> MultiGateMoE:
     torch.manual_seed(3)
-    experts = StackedMLP(8, 6, [5]).double()
+    experts = StackedMLP(8, 6, [5], final_activation=True).double()
     towers = StackedMLP(2, 5, [4, 1], final_activation=False).double()
     return MultiGateMoE(experts, gates, towers, conditional=conditional)
 
@@ -185,7 +185,7 @@ def test_inference_dispatch_matches_dense(bank: bool) -> None:
 
 def test_inference_dispatch_single_gate_topk_and_dense_fallback() -> None:
     torch.manual_seed(0)
-    experts = StackedMLP(8, 6, [5]).double()
+    experts = StackedMLP(8, 6, [5], final_activation=True).double()
     x = torch.randn(50, 6, dtype=F64)
     gate = TopKGate(8, 2, in_features=6).double()
     fast = MoE(experts, gate).eval()

@@ -32,7 +32,7 @@ def _binary_static(codes: list[list[int]], bank: bool = True) -> DSelectK:
 
 def _mtl(gates: object, experts: nn.Module | None = None) -> MultiGateMoE:
     torch.manual_seed(1)
-    experts = experts if experts is not None else StackedMLP(N, P, [5])
+    experts = experts if experts is not None else StackedMLP(N, P, [5], final_activation=True)
     towers = StackedMLP(2, 5, [4, 1], final_activation=False)
     return MultiGateMoE(experts, gates, towers)  # type: ignore[arg-type]
 
@@ -76,7 +76,7 @@ def test_frozen_list_of_gates_and_single_gate_moe() -> None:
     assert all(isinstance(g, FixedGate) for g in frozen.gates)
     _assert_same(frozen, model)
     torch.manual_seed(0)
-    moe = MoE(StackedMLP(N, P, [5]), single[0])
+    moe = MoE(StackedMLP(N, P, [5], final_activation=True), single[0])
     frozen_moe = freeze(moe)
     assert frozen_moe.mixer.num_experts == 2
     _assert_same(frozen_moe, moe)
@@ -86,7 +86,7 @@ def test_single_expert_left() -> None:
     gate = DSelectK(N, 1)
     with torch.no_grad():
         gate.z.copy_(torch.tensor([[1.0, -1.0, 1.0]]) * gate.gamma)  # expert 5
-    moe = MoE(StackedMLP(N, P, [5]), gate)
+    moe = MoE(StackedMLP(N, P, [5], final_activation=True), gate)
     frozen = freeze(moe)
     assert frozen.mixer.num_experts == 1
     _assert_same(frozen, moe)
@@ -160,7 +160,7 @@ def test_expert_list_and_other_banks() -> None:
     class Bank(nn.Module):  # a bank freeze cannot slice: wrapped as a static gather
         def __init__(self) -> None:
             super().__init__()
-            self.inner = StackedMLP(N, P, [5])
+            self.inner = StackedMLP(N, P, [5], final_activation=True)
             self.num_members = N
 
         def forward(self, x: Tensor, members: Tensor | None = None) -> Tensor:

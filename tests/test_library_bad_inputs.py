@@ -80,12 +80,16 @@ def test_models_on_an_empty_batch(static: bool, training: bool, conditional: boo
     from dselectk.layers import StackedMLP
 
     kw = {} if static else {"in_features": 4}
-    moe = MoE(StackedMLP(8, 4, [6]), DSelectK(8, 2, **kw), conditional=conditional)
+    moe = MoE(
+        StackedMLP(8, 4, [6], final_activation=True), DSelectK(8, 2, **kw), conditional=conditional
+    )
     moe.train(training)
     out = moe(torch.zeros(0, 4))
     assert out.output.shape == (0, 6) and float(out.aux_loss.detach()) == 0.0
     towers = StackedMLP(2, 6, [1], final_activation=False)
     gates = DSelectK(8, 2, num_gates=2, **kw)
-    mmoe = MultiGateMoE(StackedMLP(8, 4, [6]), gates, towers, conditional=conditional)
+    mmoe = MultiGateMoE(
+        StackedMLP(8, 4, [6], final_activation=True), gates, towers, conditional=conditional
+    )
     mmoe.train(training)
     assert [tuple(o.shape) for o in mmoe(torch.zeros(0, 4)).outputs] == [(0, 1), (0, 1)]

@@ -24,7 +24,9 @@ def _model() -> MultiGateMoE:
     torch.manual_seed(0)
     gate = DSelectK(8, 2, in_features=6, num_gates=2)
     towers = StackedMLP(2, 5, [4, 1], final_activation=False)
-    return MultiGateMoE(StackedMLP(8, 6, [5]), gate, towers, conditional=True).eval()
+    return MultiGateMoE(
+        StackedMLP(8, 6, [5], final_activation=True), gate, towers, conditional=True
+    ).eval()
 
 
 def _wrong(model: MultiGateMoE):  # a deliberately wrong "exported graph"
@@ -166,7 +168,9 @@ def test_a_state_saved_without_the_meaning_still_loads() -> None:
     five, six = DSelectK(5, 2), DSelectK(6, 2)
     old = {k: v for k, v in five.state_dict().items() if not k.endswith("_extra_state")}
     assert six.load_state_dict(old, strict=True).missing_keys == []  # no check: skipped
-    nested = MultiGateMoE(StackedMLP(8, 6, [5]), DSelectK(8, 2, num_gates=2), None)
+    nested = MultiGateMoE(
+        StackedMLP(8, 6, [5], final_activation=True), DSelectK(8, 2, num_gates=2), None
+    )
     state = {k: v for k, v in nested.state_dict().items() if not k.endswith("_extra_state")}
     assert nested.load_state_dict(state, strict=True).missing_keys == []
 

@@ -35,7 +35,7 @@ def _maker(v: Variant, hps: list[dict[str, Any]]) -> Any:
     def make(r: int | None) -> MoEBank:
         n = len(hps) if r is None else 1
         hp = per_gate_hparams(hps, T) if r is None else hps[r]
-        experts = StackedMLP(n * E, P, [U])
+        experts = StackedMLP(n * E, P, [U], final_activation=True)
         return MoEBank(experts, v.build(E, hparams=hp, k=2, num_gates=n * T), members=n)
 
     return make

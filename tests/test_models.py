@@ -26,7 +26,7 @@ def test_stacked_mlp_equals_separate_linears() -> None:
 
 
 def test_moe_is_weighted_sum_of_experts() -> None:
-    experts = StackedMLP(4, P, [3])
+    experts = StackedMLP(4, P, [3], final_activation=True)
     gate = SoftmaxGate(4, in_features=P)
     moe = MoE(experts, gate)
     x = torch.randn(5, P)
@@ -38,7 +38,7 @@ def test_moe_is_weighted_sum_of_experts() -> None:
 
 def test_gate_bank_equals_list_of_gates() -> None:
     torch.manual_seed(0)
-    experts = StackedMLP(8, P, [4])
+    experts = StackedMLP(8, P, [4], final_activation=True)
     bank = DSelectK(8, 2, num_gates=3, gamma=2.0, entropy_reg=0.1)
     singles = [DSelectK(8, 2, gamma=2.0, entropy_reg=0.1) for _ in range(3)]
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_gate_bank_equals_list_of_gates() -> None:
 
 
 def test_mixed_static_and_per_example_gates() -> None:
-    experts = StackedMLP(4, P, [3])
+    experts = StackedMLP(4, P, [3], final_activation=True)
     gates = [TopKGate(4, 2, in_features=P), DSelectK(4, 2)]
     towers = [nn.Linear(3, 1), nn.Linear(3, 2)]
     model = MultiGateMoE(experts, gates, towers)
@@ -80,7 +80,7 @@ def _binary_bank() -> DSelectK:
 
 def test_conditional_computation_is_exact() -> None:
     torch.manual_seed(0)
-    experts = StackedMLP(8, P, [4])
+    experts = StackedMLP(8, P, [4], final_activation=True)
     towers = StackedMLP(2, 4, [1], activation="identity")
     gate = _binary_bank()
     sparse = MultiGateMoE(experts, gate, towers, conditional=True)
@@ -121,7 +121,7 @@ def test_conditional_computation_skips_unused_experts() -> None:
 
 def test_shared_bottom() -> None:
     shared = nn.Sequential(nn.Linear(P, 8), nn.ReLU())
-    model = SharedBottom(shared, StackedMLP(3, 8, [2]))
+    model = SharedBottom(shared, StackedMLP(3, 8, [2], final_activation=True))
     out = model(torch.randn(4, P))
     assert len(out.outputs) == 3 and out.outputs[0].shape == (4, 2)
     assert out.gate_weights is None and out.aux_loss.item() == 0.0
@@ -130,14 +130,16 @@ def test_shared_bottom() -> None:
 def test_bottom_module_feeds_experts_and_gates() -> None:
     bottom = nn.Embedding(10, P)
     model = MultiGateMoE(
-        StackedMLP(4, P, [3]), TopKGate(4, 2, in_features=P, num_gates=2), bottom=bottom
+        StackedMLP(4, P, [3], final_activation=True),
+        TopKGate(4, 2, in_features=P, num_gates=2),
+        bottom=bottom,
     )
     out = model(torch.tensor([1, 2, 3]))
     assert out.outputs[0].shape == (3, 3)
 
 
 def test_model_argument_errors() -> None:
-    experts = StackedMLP(4, P, [3])
+    experts = StackedMLP(4, P, [3], final_activation=True)
     with pytest.raises(ValueError, match="num_experts=8"):
         MultiGateMoE(experts, DSelectK(8, 2, num_gates=2))
     with pytest.raises(ValueError, match="num_gates=T"):
@@ -145,7 +147,9 @@ def test_model_argument_errors() -> None:
     with pytest.raises(ValueError, match="towers must hold 2"):
         MultiGateMoE(experts, DSelectK(4, 2, num_gates=2), [nn.Linear(3, 1)])
     with pytest.raises(ValueError, match="one member per task"):
-        MultiGateMoE(experts, DSelectK(4, 2, num_gates=2), StackedMLP(3, 3, [1]))
+        MultiGateMoE(
+            experts, DSelectK(4, 2, num_gates=2), StackedMLP(3, 3, [1], final_activation=True)
+        )
     with pytest.raises(TypeError, match="gates\\[1\\]"):
         MultiGateMoE(experts, [DSelectK(4, 2), nn.Linear(2, 2)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="single gate"):
@@ -153,7 +157,7 @@ def test_model_argument_errors() -> None:
     with pytest.raises(TypeError, match="expert bank"):
         MoE(nn.Linear(3, 3), DSelectK(4, 2))
     with pytest.raises(ValueError, match="dropout"):
-        StackedMLP(2, 3, [4], dropout=1.0)
+        StackedMLP(2, 3, [4], dropout=1.0, final_activation=True)
     with pytest.raises(ValueError, match="features"):
         experts(torch.randn(2, P + 1))
 
@@ -169,7 +173,9 @@ def test_compiled_per_example_gate_and_mmoe_step() -> None:
     torch.testing.assert_close(compiled(x).weights, gate(x).weights)
 
     model = MultiGateMoE(
-        StackedMLP(8, P, [16]), DSelectK(8, 2, num_gates=2), StackedMLP(2, 16, [1])
+        StackedMLP(8, P, [16], final_activation=True),
+        DSelectK(8, 2, num_gates=2),
+        StackedMLP(2, 16, [1], final_activation=True),
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -194,7 +200,7 @@ def test_padded_and_per_expert_routing_equal_dense(tasks: int) -> None:
     gate = DSelectK(8, 2, in_features=P, num_gates=tasks, init="spread")
     with torch.no_grad():
         gate.proj.weight.mul_(1e3)  # binary bits: each example uses <= 2 experts per task
-    experts = StackedMLP(8, P, [5])
+    experts = StackedMLP(8, P, [5], final_activation=True)
     routed = MultiGateMoE(experts, gate).eval()
     dense = MultiGateMoE(experts, gate, conditional=False).eval()
     x = torch.randn(64, P)
@@ -242,7 +248,7 @@ def test_stacked_mlp_forward_grouped_equals_member_forward(grad: bool, sizes: li
 def test_stacked_mlp_forward_grouped_with_no_rows(grad: bool) -> None:
     """No row routed to any member (e.g. an empty batch of tokens): an empty output, and under
     autograd zero gradients instead of torch.cat on an empty list."""
-    bank = StackedMLP(3, P, [5, 2])
+    bank = StackedMLP(3, P, [5, 2], final_activation=True)
     with torch.set_grad_enabled(grad):
         out = bank.forward_grouped(torch.zeros(0, P), [0, 0, 0])
     assert out.shape == (0, 2)

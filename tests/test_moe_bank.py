@@ -19,7 +19,7 @@ def _members(seeds: list[int], gate: str = "dselect_k", layers: list[int] | None
     experts, gates = [], []
     for s in seeds:
         torch.manual_seed(s)
-        experts.append(StackedMLP(E, P, layers or [U]))
+        experts.append(StackedMLP(E, P, layers or [U], final_activation=True))
         gates.append(make_gate(gate, E, k=2, num_gates=T))
     return experts, gates
 
@@ -28,7 +28,7 @@ def _bank(seeds: list[int], gate: str = "dselect_k", layers: list[int] | None = 
     experts, gates = _members(seeds, gate, layers)
     r = len(seeds)
     return MoEBank(
-        stack_members(StackedMLP(r * E, P, layers or [U]), experts),
+        stack_members(StackedMLP(r * E, P, layers or [U], final_activation=True), experts),
         stack_members(make_gate(gate, E, k=2, num_gates=r * T), gates),
         members=r,
     )
@@ -111,13 +111,17 @@ def test_deeper_experts_take_the_composed_loss() -> None:
 def test_bad_banks_are_refused() -> None:
     gates = make_gate("dselect_k", E, k=2, num_gates=2 * T)
     with pytest.raises(ValueError, match="multiple of members"):
-        MoEBank(StackedMLP(2 * E + 1, P, [U]), gates, members=2)
+        MoEBank(StackedMLP(2 * E + 1, P, [U], final_activation=True), gates, members=2)
     with pytest.raises(ValueError, match="static gates"):
-        MoEBank(StackedMLP(2 * E, P, [U]), make_gate("dselect_k", E, k=2), members=2)
+        MoEBank(
+            StackedMLP(2 * E, P, [U], final_activation=True),
+            make_gate("dselect_k", E, k=2),
+            members=2,
+        )
     with pytest.raises(ValueError, match="choose among"):
-        MoEBank(StackedMLP(4 * E, P, [U]), gates, members=2)
+        MoEBank(StackedMLP(4 * E, P, [U], final_activation=True), gates, members=2)
     with pytest.raises(ValueError, match="members must be"):
-        MoEBank(StackedMLP(E, P, [U]), gates, members=0)
+        MoEBank(StackedMLP(E, P, [U], final_activation=True), gates, members=0)
 
 
 def test_member_schedulers_start_at_each_members_value_and_span_its_epochs() -> None:

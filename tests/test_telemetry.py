@@ -80,7 +80,7 @@ def test_per_example_gates_in_multigate_moe_see_the_bottom_output():
         g0.proj.bias[2] = BIG
     g1 = SoftmaxGate(4)  # static, uniform
     bottom = nn.Linear(3, 5)  # the gate sees the bottom's 5 features, not x's 3
-    model = MultiGateMoE(StackedMLP(4, 5, [3]), [g0, g1], bottom=bottom)
+    model = MultiGateMoE(StackedMLP(4, 5, [3], final_activation=True), [g0, g1], bottom=bottom)
     with torch.no_grad():
         model.bottom.weight.zero_()
         model.bottom.bias.zero_()
@@ -106,7 +106,9 @@ def test_per_example_gates_in_multigate_moe_see_the_bottom_output():
 
 
 def test_bank_names_tokens_and_other_gates():
-    model = MultiGateMoE(StackedMLP(4, 3, [2]), TopKGate(4, 2, in_features=3, num_gates=2))
+    model = MultiGateMoE(
+        StackedMLP(4, 3, [2], final_activation=True), TopKGate(4, 2, in_features=3, num_gates=2)
+    )
     names = [n for n, _ in find_gates(model)]
     assert names == ["gates"]
     rec = RoutingTelemetry(None).log(model, 5, batch=TaskData(torch.randn(7, 3), [torch.ones(7)]))
@@ -125,7 +127,7 @@ def test_bank_names_tokens_and_other_gates():
 def _tiny_model() -> tuple[MultiGateMoE, TaskData]:
     torch.manual_seed(0)
     gates = DSelectK(4, 2, num_gates=2, in_features=6, gamma=1.0, entropy_reg=0.1)
-    experts = StackedMLP(4, 6, [8])
+    experts = StackedMLP(4, 6, [8], final_activation=True)
     towers = StackedMLP(2, 8, [4, 1], final_activation=False)
     model = MultiGateMoE(experts, gates, towers)
     x = torch.randn(64, 6)

@@ -19,7 +19,7 @@ from dselectk.training import TaskData, TrainConfig, train
 def _tiny(seed: int) -> tuple[nn.Module, TaskData]:
     torch.manual_seed(seed)
     model = MultiGateMoE(
-        StackedMLP(4, 6, [5]),
+        StackedMLP(4, 6, [5], final_activation=True),
         DSelectK(4, 2, num_gates=2),
         StackedMLP(2, 5, [1], final_activation=False),
     )

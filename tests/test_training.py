@@ -26,7 +26,7 @@ def make_problem(num_tasks: int = 2, n: int = 400) -> tuple[MultiGateMoE, TaskDa
     x = torch.randn(n, 4, generator=g)
     ys = [(x[:, t] * 2 + x[:, (t + 1) % 4]).unsqueeze(-1) for t in range(num_tasks)]
     model = MultiGateMoE(
-        StackedMLP(4, 4, [8]),
+        StackedMLP(4, 4, [8], final_activation=True),
         DSelectK(4, 2, num_gates=num_tasks, gamma=2.0, entropy_reg=0.01),
         StackedMLP(num_tasks, 8, [1], activation="identity"),
     )
@@ -164,7 +164,9 @@ def test_schedulers_are_stepped_by_the_loop() -> None:
 
 def test_evaluate_reports_accuracy_for_classification() -> None:
     x = torch.randn(50, 4)
-    model = MultiGateMoE(StackedMLP(4, 4, [3]), SoftmaxSelectorGate(4, 2, num_gates=1))
+    model = MultiGateMoE(
+        StackedMLP(4, 4, [3], final_activation=True), SoftmaxSelectorGate(4, 2, num_gates=1)
+    )
     res = evaluate(model, TaskData(x, [torch.randint(0, 3, (50,))]), "ce")
     assert 0.0 <= res["accuracy"][0] <= 1.0 and res["loss"][0] > 0
     res = evaluate(model, TaskData(x, [torch.randn(50, 3)]), "mse")

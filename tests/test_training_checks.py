@@ -34,7 +34,7 @@ def make_problem(n: int = 128) -> tuple[MultiGateMoE, TaskData]:
     ys = [(x[:, t] * 2 + x[:, (t + 1) % 4]).unsqueeze(-1) for t in range(2)]
     torch.manual_seed(0)
     model = MultiGateMoE(
-        StackedMLP(4, 4, [8]),
+        StackedMLP(4, 4, [8], final_activation=True),
         DSelectK(4, 2, num_gates=2, gamma=2.0, entropy_reg=0.01),
         StackedMLP(2, 8, [1], activation="identity"),
     )

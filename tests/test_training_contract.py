@@ -33,7 +33,9 @@ def _moe() -> tuple[nn.Module, TaskData]:
 def _mmoe() -> tuple[nn.Module, TaskData]:
     x = _inputs()
     gates = make_gate("dselect_k", 4, k=2, num_gates=2)
-    model = MultiGateMoE(StackedMLP(4, 4, [8]), gates, make_towers(2, 8, [1]))
+    model = MultiGateMoE(
+        StackedMLP(4, 4, [8], final_activation=True), gates, make_towers(2, 8, [1])
+    )
     return model, TaskData(x, [x[:, :1] * 2, (x[:, 1:2] > 0).float()])
 
 
@@ -47,7 +49,7 @@ def _bank() -> tuple[nn.Module, TaskData]:
     x = _inputs()
     members, tasks, experts = 3, 2, 4
     bank = MoEBank(
-        StackedMLP(members * experts, 4, [5]),
+        StackedMLP(members * experts, 4, [5], final_activation=True),
         make_gate("softmax", experts, num_gates=members * tasks),
         members=members,
     )

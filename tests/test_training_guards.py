@@ -29,7 +29,7 @@ def make_problem(num_tasks: int = 2, n: int = 128) -> tuple[MultiGateMoE, TaskDa
     ys = [(x[:, t] * 2 + x[:, (t + 1) % 4]).unsqueeze(-1) for t in range(num_tasks)]
     torch.manual_seed(0)
     model = MultiGateMoE(
-        StackedMLP(4, 4, [8]),
+        StackedMLP(4, 4, [8], final_activation=True),
         DSelectK(4, 2, num_gates=num_tasks, gamma=2.0, entropy_reg=0.01),
         StackedMLP(num_tasks, 8, [1], activation="identity"),
     )
@@ -186,7 +186,9 @@ def test_nonfinite_and_resume_options_are_validated() -> None:
 
 
 def _classifier(classes: int) -> MultiGateMoE:
-    return MultiGateMoE(StackedMLP(4, 4, [classes]), SoftmaxSelectorGate(4, 2, num_gates=1))
+    return MultiGateMoE(
+        StackedMLP(4, 4, [classes], final_activation=True), SoftmaxSelectorGate(4, 2, num_gates=1)
+    )
 
 
 @pytest.mark.parametrize(
@@ -288,7 +290,7 @@ def test_checkpoint_with_another_model_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "run.pt"
     _run(ckpt)
     model = MultiGateMoE(
-        StackedMLP(4, 4, [16]),
+        StackedMLP(4, 4, [16], final_activation=True),
         DSelectK(4, 2, num_gates=2),
         StackedMLP(2, 16, [1], activation="identity"),
     )

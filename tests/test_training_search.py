@@ -23,7 +23,9 @@ def _toy(seed: int = 0) -> TaskData:
 
 def _mmoe(gates: object, seed: int = 0) -> MultiGateMoE:
     torch.manual_seed(seed)
-    return MultiGateMoE(StackedMLP(8, 6, [16]), gates, make_towers(3, 16, [8, 1]))
+    return MultiGateMoE(
+        StackedMLP(8, 6, [16], final_activation=True), gates, make_towers(3, 16, [8, 1])
+    )
 
 
 def _cfg(**kw: object) -> TrainConfig:

@@ -145,8 +145,10 @@ def test_stack_members_equals_members_built_alone() -> None:
     singles = []
     for seed in (3, 4):
         torch.manual_seed(seed)
-        singles.append((StackedMLP(4, 5, [3]), DSelectK(4, 2, num_gates=3, gamma=2.0)))
-    experts = stack_members(StackedMLP(8, 5, [3]), [e for e, _ in singles])
+        singles.append(
+            (StackedMLP(4, 5, [3], final_activation=True), DSelectK(4, 2, num_gates=3, gamma=2.0))
+        )
+    experts = stack_members(StackedMLP(8, 5, [3], final_activation=True), [e for e, _ in singles])
     gates = stack_members(DSelectK(4, 2, num_gates=6, gamma=2.0), [g for _, g in singles])
     x = torch.randn(7, 5)
     for r, (e, g) in enumerate(singles):

@@ -107,7 +107,7 @@ def model():
     torch.manual_seed(0)
     g = DSelectK(8, 2, in_features=6, num_gates=2)
     t = StackedMLP(2, 5, [4, 1], final_activation=False)
-    return MultiGateMoE(StackedMLP(8, 6, [5]), g, t, conditional=True).eval()
+    return MultiGateMoE(StackedMLP(8, 6, [5], final_activation=True), g, t, conditional=True).eval()
 def wrong(m):
     return lambda xs: [o + 1.0 for o in m(*xs).outputs]
 """

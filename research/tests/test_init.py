@@ -49,7 +49,7 @@ def test_embedding_and_linear() -> None:
 
 def test_stacked_mlp_uses_one_members_fans() -> None:
     torch.manual_seed(0)
-    m = StackedMLP(6, 120, [256, 40])
+    m = StackedMLP(6, 120, [256, 40], final_activation=True)
     keras_init_(m)
     for w, b, (fi, fo) in zip(m.weights, m.biases, ((120, 256), (256, 40))):
         for e in range(6):
@@ -79,7 +79,11 @@ def test_conv_receptive_field_fans() -> None:
 def test_gates_keep_their_initialisation_unless_asked() -> None:
     torch.manual_seed(0)
     gate = make_gate("dselect_k", 8, k=2, num_gates=2, in_features=20)
-    model = MultiGateMoE(StackedMLP(8, 20, [16]), gate, StackedMLP(2, 16, [1]))
+    model = MultiGateMoE(
+        StackedMLP(8, 20, [16], final_activation=True),
+        gate,
+        StackedMLP(2, 16, [1], final_activation=True),
+    )
     before = {k: v.clone() for k, v in gate.state_dict().items()}
     keras_init_(model)
     assert all(torch.equal(before[k], v) for k, v in gate.state_dict().items())

@@ -14,7 +14,7 @@ from dselectk_research.monitor import GateMonitor, gate_metrics
 
 def test_monitor_measures_a_training_run() -> None:
     torch.manual_seed(0)
-    experts = StackedMLP(4, 6, [8])
+    experts = StackedMLP(4, 6, [8], final_activation=True)
     gates = make_gate("dselect_k", 4, k=2, num_gates=2)
     model = MultiGateMoE(experts, gates, make_towers(2, 8, (8, 1)))
     data = TaskData(torch.randn(64, 6), [torch.randn(64, 1), torch.randn(64, 1)])

@@ -37,7 +37,7 @@ learning rate and γ, searched after half of the steps::
         n = len(members) if r is None else 1
         hp = per_gate_hparams(members, T) if r is None else members[r]
         gates = v.build(E, hparams=hp, k=2, num_gates=n * T)
-        return MoEBank(StackedMLP(n * E, 10, [4]), gates, members=n)
+        return MoEBank(StackedMLP(n * E, 10, [4], final_activation=True), gates, members=n)
 
     bank = build_bank(make, seeds=[0, 1, 2])
     x, y = torch.randn(512, 10), torch.randn(512, T)  # y: (N, T), one column per task

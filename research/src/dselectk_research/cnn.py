@@ -88,7 +88,9 @@ class BatchedCNNExperts(nn.Module):
         if side_h < 1 or side_w < 1:
             raise ValueError(f"image_shape {tuple(image_shape)} is too small for two conv+pool")
         self.flat_features = c2 * side_h * side_w
-        self.dense = StackedMLP(e, self.flat_features, [dense_units] * dense_layers)
+        self.dense = StackedMLP(
+            e, self.flat_features, [dense_units] * dense_layers, final_activation=True
+        )
         self.out_features = int(dense_units)
         self.reset_parameters()
 

@@ -96,7 +96,7 @@ def build_model(gate: str, hp: Mapping[str, Any], meta: Mapping[str, Any]) -> nn
         shared = nn.Sequential(nn.Linear(d, int(hp["units"])), nn.ReLU(), nn.Dropout(0.5))
         return SharedBottom(shared, towers, bottom=bottom)
     towers = make_towers(2, 256, (256, 1))
-    experts = StackedMLP(NUM_EXPERTS, d, [256], dropout=0.5)
+    experts = StackedMLP(NUM_EXPERTS, d, [256], dropout=0.5, final_activation=True)
     gates = choice.build(NUM_EXPERTS, hp, num_gates=2, in_features=d)
     return MultiGateMoE(experts, gates, towers, bottom=bottom)
 

@@ -130,7 +130,7 @@ class StackedMLP(nn.Module):
     """E identical-shape MLPs with stacked weights, evaluated as batched matmuls.
 
     Used both as the experts of an MoE and as T task towers. Every layer is Dense + activation
-    (+ dropout), except that ``final_activation=False`` leaves the last layer linear.
+    (+ dropout), except the last layer, which is linear unless ``final_activation=True``.
 
     Args:
         num_members: E, the number of MLPs.
@@ -138,11 +138,10 @@ class StackedMLP(nn.Module):
         layer_sizes: output size of each layer (e.g. ``[256]`` for the paper's MovieLens expert).
         activation: "relu", "gelu", "silu", "tanh" or "identity".
         dropout: dropout rate after each activated layer.
-        final_activation: apply the activation (and dropout) after the last layer too. None
-            (default): True, as the paper's experts end in ReLU; a model that takes this module
-            as its task towers then warns, since a tower ending in ReLU predicts nothing below
-            0 (negative targets stall, with no error). Towers: ``final_activation=False``, or
-            :func:`make_towers`.
+        final_activation: apply the activation (and dropout) after the last layer too.
+            Default False: the last layer is linear, so task towers can predict any real value
+            (a tower ending in ReLU predicts nothing below 0). The paper's experts end in their
+            activation: pass True for them.
 
     Examples:
         >>> from dselectk.layers import StackedMLP
@@ -161,7 +160,7 @@ class StackedMLP(nn.Module):
         *,
         activation: str = "relu",
         dropout: float = 0.0,
-        final_activation: bool | None = None,
+        final_activation: bool = False,
     ) -> None:
         super().__init__()
         self.num_members = check_positive_int("num_members", num_members)
@@ -177,9 +176,7 @@ class StackedMLP(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.activation = activation
         self.dropout = float(dropout)
-        #: whether ``final_activation`` was left to its default (towers warn about it)
-        self.final_activation_defaulted = final_activation is None
-        self.final_activation = True if final_activation is None else bool(final_activation)
+        self.final_activation = bool(final_activation)
         self.out_features = sizes[-1]
         dims = [in_features, *sizes]  # consecutive pairs give each layer's shape
         self.weights = nn.ParameterList(

@@ -17,10 +17,10 @@ initialisation it gets alone when the bank is loaded with
     experts, gates = [], []
     for seed in seeds:  # member r: the parameters a model built under this seed gets alone
         torch.manual_seed(seed)
-        experts.append(StackedMLP(8, 10, [4]))
+        experts.append(StackedMLP(8, 10, [4], final_activation=True))
         gates.append(make_gate("dselect_k", 8, k=4, num_gates=32))
     bank = MoEBank(
-        stack_members(StackedMLP(len(seeds) * 8, 10, [4]), experts),
+        stack_members(StackedMLP(len(seeds) * 8, 10, [4], final_activation=True), experts),
         stack_members(make_gate("dselect_k", 8, k=4, num_gates=len(seeds) * 32), gates),
         members=len(seeds),
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -14,24 +13,6 @@ from dselectk.layers.experts import StackedMLP
 from dselectk.layers.mixer import ExpertMixer
 
 __all__ = ["MoE", "MoEOutput", "MultiGateMoE", "MultiTaskOutput", "SharedBottom"]
-
-
-def _warn_activated_towers(towers: object, stacklevel: int) -> None:
-    """Warn when task towers end in an activation only because StackedMLP defaults to it."""
-    if (
-        isinstance(towers, StackedMLP)
-        and towers.final_activation
-        and towers.final_activation_defaulted
-        and towers.activation != "identity"
-    ):
-        warnings.warn(
-            f"towers: this StackedMLP ends in {towers.activation} (final_activation defaults to "
-            "True, as experts do), so no task output can go below 0 (relu) and negative targets "
-            "cannot be fitted; build towers with make_towers(...) or "
-            "StackedMLP(..., final_activation=False), or pass final_activation=True to keep it",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
 
 
 class MoEOutput(NamedTuple):
@@ -176,7 +157,6 @@ class MultiGateMoE(nn.Module):
     def _check_towers(self, towers: Sequence[nn.Module] | nn.Module | None) -> nn.Module | None:
         if towers is None:
             return None
-        _warn_activated_towers(towers, stacklevel=4)
         if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
             count = getattr(towers, "num_members", None)
             if count != self.num_tasks:
@@ -247,7 +227,6 @@ class SharedBottom(nn.Module):
         super().__init__()
         self.shared = shared
         self.bottom = bottom
-        _warn_activated_towers(towers, stacklevel=3)
         if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
             count = getattr(towers, "num_members", None)
             if not isinstance(count, int):

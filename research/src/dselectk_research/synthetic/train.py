@@ -65,7 +65,7 @@ def build_model(
 
     def make(r: int | None) -> MoEBank:  # member r alone, or the bank (r None)
         n, hp = (reps, bank_hp) if r is None else (1, own[r])
-        experts = StackedMLP(n * e, FEATURES, [UNITS])
+        experts = StackedMLP(n * e, FEATURES, [UNITS], final_activation=True)
         return MoEBank(experts, v.build(e, hparams=hp, k=k, num_gates=n * num_tasks), n)
 
     return build_bank(make, init_seeds)
