@@ -305,17 +305,23 @@ def test_bad_types_raise_type_error() -> None:
 
 @pytest.mark.parametrize("name", gate_names())
 def test_bad_inputs(name: str) -> None:
-    gate = build(name, P, None, check_finite=True)
+    gate = build(name, P, None)
     with pytest.raises(ValueError, match=r"shape \(batch, 5\)"):
         gate(torch.randn(3, P + 1))
     with pytest.raises(ValueError, match=r"shape \(batch, 5\)"):
         gate(torch.randn(P))
     with pytest.raises(ValueError, match="needs an input"):
         gate(None)
-    bad = torch.randn(3, P)
-    bad[1, 2] = math.nan
-    with pytest.raises(ValueError, match="NaN or inf"):
-        gate(bad)
+
+
+@pytest.mark.parametrize("name", gate_names())
+def test_removed_check_finite_keyword_says_what_to_use(name: str) -> None:
+    # the debug switch is gone from every gate; train() names NaN/inf inputs of a batch itself
+    # (tests/test_training_guards.py)
+    with pytest.raises(TypeError, match=r"no argument 'check_finite'.*torch\.isfinite.*nonfinite"):
+        build(name, P, None, check_finite=True)
+    with pytest.raises(TypeError, match="check_finite"):
+        dk.DSelectK(N, 2, check_finite=False)
 
 
 def test_static_gate_ignores_no_input_and_deepcopies() -> None:

@@ -48,7 +48,7 @@ class SoftmaxSelectorGate(Gate):
         entropy_reg: λ >= 0, or one per gate.
         init_std: β ~ N(0, init_std²) (distinct values avoid the paper's footnote case of ties
             that annealing cannot break); α starts at 0.
-        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        in_features, num_gates, bias: see :class:`~dselectk.gates.base.Gate`.
 
     Examples:
         >>> from dselectk.gates import SoftmaxSelectorGate
@@ -77,14 +77,12 @@ class SoftmaxSelectorGate(Gate):
         init_std: float = 0.01,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self._set_k(k)
         self.temperature = temperature

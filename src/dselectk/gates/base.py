@@ -37,7 +37,8 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +93,6 @@ class Gate(nn.Module):
         in_features: input size p of a per-example gate, or None for a static gate.
         num_gates: number of gates held by this module (one per task), or None for one gate.
         bias: whether a per-example gate's affine map has a bias.
-        check_finite: raise a ValueError on NaN/inf inputs (costs a device sync per call).
 
     Examples:
         Every gate is called the same way; its settings give the shape of the weights:
@@ -125,6 +125,22 @@ class Gate(nn.Module):
     #: softmax-selector ablations' argmax), so that the own, soft weights are a second model
     posthoc_inference: bool = False
 
+    #: constructor keywords of earlier versions, each with what replaced it: passing one is a
+    #: TypeError that says so (subclasses extend it)
+    _removed_keywords: ClassVar[Mapping[str, str]] = {
+        "check_finite": "it was a debug switch; check the input yourself "
+        "(torch.isfinite(x).all()), and train() already stops on a non-finite loss or "
+        "gradient (TrainConfig(nonfinite=...))",
+    }
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Gate:
+        for key in kwargs:
+            if key in cls._removed_keywords:
+                raise TypeError(
+                    f"{cls.__name__}() takes no argument {key!r}: {cls._removed_keywords[key]}"
+                )
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_experts: int,
@@ -132,7 +148,6 @@ class Gate(nn.Module):
         in_features: int | None = None,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts, 2)
@@ -140,7 +155,6 @@ class Gate(nn.Module):
             None if in_features is None else check_positive_int("in_features", in_features)
         )
         self.num_gates = None if num_gates is None else check_positive_int("num_gates", num_gates)
-        self.check_finite = bool(check_finite)
         self._bias = bool(bias)
 
     def _set_k(self, k: object) -> int:
@@ -227,8 +241,6 @@ class Gate(nn.Module):
                 f"x must have shape (batch, {self.in_features}) or (..., {self.in_features}) "
                 f"(tokens), got {tuple(x.shape)}"
             )
-        if self.check_finite and not torch.isfinite(x).all():
-            raise ValueError("x contains NaN or inf (check_finite=True)")
         return x
 
     @staticmethod

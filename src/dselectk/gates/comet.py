@@ -103,7 +103,7 @@ class COMETGate(Gate):
         in_features: None (static) or input size p (per-example).
         gamma: smooth-step width γ > 0, or one per gate. Settable (schedules may anneal it).
         entropy_reg: λ >= 0 of the trees' leaf entropies, or one per gate. Settable.
-        num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        num_gates, bias: see :class:`~dselectk.gates.base.Gate`.
 
     Initialisation (the reference's): split logits U(±γ/100) (every split starts strictly
     inside (0, 1)), leaf scores U(±0.05); per-example, the layer's weights and biases.
@@ -141,14 +141,12 @@ class COMETGate(Gate):
         entropy_reg: float | Sequence[float] | Tensor = 0.0,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self._set_k(k)
         self.max_nonzeros = self.k  # once the splits are binary

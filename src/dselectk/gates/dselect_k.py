@@ -106,7 +106,7 @@ class DSelectK(Gate):
             expert (:func:`~dselectk.functional.distinct_codes`). Once S(Z) is binary the gate
             selects exactly k distinct experts (per example: for every input). Default False
             (the paper's gate).
-        num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        num_gates, bias: see :class:`~dselectk.gates.base.Gate`.
 
     Examples:
         >>> from dselectk import DSelectK
@@ -145,14 +145,12 @@ class DSelectK(Gate):
         distinct: bool = False,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self._set_k(k)
         if init not in _INITS:
@@ -324,7 +322,7 @@ class DSelectK(Gate):
         self, x: Tensor | None
     ) -> tuple[Tensor, Tensor | None, tuple[int, ...], int] | None:
         """(weight, bias, lead, selector entries) of a per-example gate whose layer is a plain
-        ``nn.Linear`` (no hooks, no autocast, no input check, this class's
+        ``nn.Linear`` (no hooks, no autocast, this class's
         :meth:`compute_logits`) on a (B, p) CPU float32/float64 input in eager mode; None
         otherwise."""
         proj = self._modules.get("proj")
@@ -333,7 +331,6 @@ class DSelectK(Gate):
             or not isinstance(x, Tensor)
             or x.dim() != 2
             or x.shape[1] != self.in_features
-            or self.check_finite
             or type(self).compute_logits is not DSelectK.compute_logits
             or _has_hooks(proj)
             or torch.is_autocast_enabled("cpu")

@@ -37,7 +37,7 @@ class GumbelSoftmaxGate(Gate):
         hard: straight-through hard samples in training (AdaShare) or soft relaxed samples.
         init_keep_logit: initial ℓ_i (ψ_i = σ(ℓ_i)); the default 2.0 keeps ~88 % of the experts
             at the start, as AdaShare initialises its policy towards executing every block.
-        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        in_features, num_gates, bias: see :class:`~dselectk.gates.base.Gate`.
 
     Examples:
         >>> from dselectk import GumbelSoftmaxGate
@@ -66,14 +66,12 @@ class GumbelSoftmaxGate(Gate):
         init_keep_logit: float = 2.0,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self.hard = bool(hard)
         self.temperature = temperature

@@ -17,7 +17,7 @@ class SoftmaxGate(Gate):
     A = 0), in which case the logits b are parameters initialised at zero (uniform weights).
 
     Args:
-        num_experts, in_features, num_gates, bias, check_finite: see
+        num_experts, in_features, num_gates, bias: see
             :class:`~dselectk.gates.base.Gate`.
 
     Examples:
@@ -36,14 +36,12 @@ class SoftmaxGate(Gate):
         in_features: int | None = None,
         num_gates: int | None = None,
         bias: bool = True,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self._build_logits()
         self._init_parameters()

@@ -43,7 +43,7 @@ class TopKGate(Gate):
     Args:
         num_experts: n >= 2.
         k: 1 <= k <= n.
-        in_features, num_gates, bias, check_finite: see :class:`~dselectk.gates.base.Gate`.
+        in_features, num_gates, bias: see :class:`~dselectk.gates.base.Gate`.
         noisy: noisy top-k gating (per-example only).
         balance_weight: weight of the balancing losses (per-example only).
         init_std: standard deviation of the initial static logits.
@@ -71,14 +71,12 @@ class TopKGate(Gate):
         noisy: bool = False,
         balance_weight: float = 0.0,
         init_std: float = 0.01,
-        check_finite: bool = False,
     ) -> None:
         super().__init__(
             num_experts,
             in_features=in_features,
             num_gates=num_gates,
             bias=bias,
-            check_finite=check_finite,
         )
         self._set_k(k)
         self.max_nonzeros = self.k
