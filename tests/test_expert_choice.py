@@ -55,7 +55,7 @@ def test_output_is_the_masked_dense_mixture_and_gradients_flow() -> None:
     assert torch.allclose(out.output, want, atol=1e-6)
     out.output.square().sum().backward()
     assert x.grad is not None
-    assert all(p.grad is not None for p in moe.router.parameters())
+    assert all(p.grad is not None for p in moe.gate.parameters())
     assert all(p.grad is not None for p in moe.experts.parameters())
 
 

@@ -50,8 +50,8 @@ def test_gate_bank_on_tokens_and_errors() -> None:
 def _binary_dselect(block: SparseMoEFeedForward) -> None:
     """Scale the router so that S(Wx) is binary on every token (≤ k experts)."""
     with torch.no_grad():
-        block.router.proj.weight.mul_(1e4)
-        block.router.proj.bias.mul_(1e4)
+        block.gate.proj.weight.mul_(1e4)
+        block.gate.proj.bias.mul_(1e4)
 
 
 @pytest.mark.parametrize("router", ["topk", "dselect_k"])
@@ -66,7 +66,7 @@ def test_block_equals_dense_mixture(router: str) -> None:
     torch.testing.assert_close(out, block.dense_reference(x), rtol=0, atol=1e-12)
     assert block.last_stats is not None and block.last_stats["dropped"] == 0
     if router == "dselect_k":
-        assert block.router.binary_fraction(x.reshape(-1, D)) == 1.0
+        assert block.gate.binary_fraction(x.reshape(-1, D)) == 1.0
     # the sparse path evaluates each token on <= k experts
     assert int(block.last_stats["load"].sum()) <= 2 * 15
 
@@ -76,7 +76,7 @@ def test_nonbinary_dselect_keeps_top_k() -> None:
     block = SparseMoEFeedForward(D, 8, 8, "dselect_k", k=2, renormalize=True).double()
     x = torch.randn(10, D, dtype=torch.float64)
     out, _ = block(x)
-    w = block.router(x).weights
+    w = block.gate(x).weights
     top_w, top_e = w.topk(2, dim=-1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
     every = block.experts(x)  # (n, N, d)
@@ -210,20 +210,20 @@ def test_readme_late_binarization_recipe_trains_soft_then_ends_binary() -> None:
         gate_kwargs={"distinct": True, "entropy_reg": 0.0},
     )  # fmt: skip
     ramp = Ramp("entropy_reg", end=0.1, delay=0.5, before=0.0).schedule(0.0, steps)
-    sched = AttributeScheduler([layer.router], "entropy_reg", ramp)
+    sched = AttributeScheduler([layer.gate], "entropy_reg", ramp)
     opt = torch.optim.Adam(layer.parameters(), lr=0.05)
     x, lam = torch.randn(64, 8), []
     for _ in range(steps):
-        lam.append(float(layer.router.entropy_reg))
+        lam.append(float(layer.gate.entropy_reg))
         out = layer(x)
         ((out.output - x.flip(0)) ** 2).mean().add(out.aux_loss).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
     assert lam[:21] == [0.0] * 21 and lam[-1] == pytest.approx(0.1 * 19 / 20)
-    assert float(layer.router.entropy_reg) == pytest.approx(0.1)
-    w = layer.router(x).weights.detach()  # (tokens, n)
-    binary = layer.router.binary_entries(x).all(-1)  # (tokens,)
+    assert float(layer.gate.entropy_reg) == pytest.approx(0.1)
+    w = layer.gate(x).weights.detach()  # (tokens, n)
+    binary = layer.gate.binary_entries(x).all(-1)  # (tokens,)
     assert binary.any()  # λ = 0.1 at the end binarizes some tokens within 40 steps
     assert ((w[binary] > 0).sum(-1) == 2).all()  # distinct codes: exactly 2 experts each
 
@@ -240,14 +240,14 @@ def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
         gate_kwargs={"entropy_reg": 0.0},
     )  # fmt: skip
     default = SparseMoEFeedForward(8, 16, 8)  # the defaults are this recipe
-    assert isinstance(default.router, DSelectK) and default.router.k == 3 and default.k == 2
+    assert isinstance(default.gate, DSelectK) and default.gate.k == 3 and default.k == 2
     assert default.renormalize and default.balance_weight == 0.01
-    assert float(default.router.entropy_reg) == 0.0
-    assert layer.router.k == 3 and layer.k == 2
+    assert float(default.gate.entropy_reg) == 0.0
+    assert layer.gate.k == 3 and layer.k == 2
     x = torch.randn(200, 8)
     out = layer(x)
     assert layer.last_stats is not None and int(layer.last_stats["load"].sum()) == 2 * 200
-    w = layer.router(x).weights.detach()
+    w = layer.gate(x).weights.detach()
     assert ((w > 0).sum(-1) > 2).all()  # soft at initialisation: the cut picks the two
     top = w.topk(2, dim=-1)  # the mixture's two largest weights, rescaled to sum to 1
     kept = torch.zeros_like(w).scatter(-1, top.indices, top.values)
@@ -256,8 +256,8 @@ def test_readme_three_selector_recipe_dispatches_two_learned_experts() -> None:
     ref = torch.einsum("tn,ntd->td", kept, every)
     torch.testing.assert_close(out.output, ref, atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # all three selectors binary on one code for every token
-        layer.router.proj.weight.zero_()
-        layer.router.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0] + [5.0, -5.0, 5.0] * 3))
+        layer.gate.proj.weight.zero_()
+        layer.gate.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0] + [5.0, -5.0, 5.0] * 3))
     layer(x)
     assert layer.last_stats is not None and int(layer.last_stats["load"].sum()) == 200
     assert int(layer.last_stats["load"][0b101]) == 200
@@ -277,9 +277,52 @@ def test_old_keyword_names_get_a_type_error_naming_the_new_one() -> None:
 
 
 def test_selectors_size_selector_gates_and_k_sizes_topk() -> None:
-    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2, selectors=None).router.k == 2
-    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=1, selectors=4).router.k == 4
-    assert SparseMoEFeedForward(D, 8, 4, "topk", k=1, selectors=3).router.k == 1
-    assert SparseMoEFeedForward(D, 8, 4, "comet", k=2).router.k == 3
+    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2, selectors=None).gate.k == 2
+    assert SparseMoEFeedForward(D, 8, 4, "dselect_k", k=1, selectors=4).gate.k == 4
+    assert SparseMoEFeedForward(D, 8, 4, "topk", k=1, selectors=3).gate.k == 1
+    assert SparseMoEFeedForward(D, 8, 4, "comet", k=2).gate.k == 3
     ec = SparseMoEFeedForward(D, 8, 4, "softmax", routing="expert")
     assert not ec.renormalize  # None: renormalised for token routing only
+
+
+def test_gate_attribute_and_states_saved_under_router_load(tmp_path: object) -> None:
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    layer = SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2)
+    assert isinstance(layer.gate, DSelectK)
+    state = layer.state_dict()
+    assert any(k.startswith("gate.") for k in state) and not any("router" in k for k in state)
+    assert next(iter(state)).startswith("gate.")  # registered before the experts, as it was
+    with pytest.raises(AttributeError, match=r"\.router is now \.gate"):
+        layer.router  # noqa: B018
+    # a state (and a file) written when the attribute was ``router``: keys router.*
+    old = {k.replace("gate.", "router.", 1) if k.startswith("gate.") else k: v
+           for k, v in state.items()}  # fmt: skip
+    path = Path(str(tmp_path)) / "old.pt"
+    torch.save(old, path)
+    x = torch.randn(2, 5, D)
+    for saved in (old, torch.load(path)):
+        torch.manual_seed(1)
+        fresh = SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2)
+        res = fresh.load_state_dict(saved, strict=True)
+        assert not res.missing_keys and not res.unexpected_keys
+        for a, b in zip(fresh.state_dict().values(), state.values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(fresh(x).output, layer(x).output, rtol=0, atol=0)
+    assert set(old) == {k.replace("gate.", "router.", 1) if k.startswith("gate.") else k
+                        for k in state}  # the caller's dict is left as it was  # fmt: skip
+    # nested in a model (the keys carry the layer's prefix)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Identity(), SparseMoEFeedForward(D, 8, 4, "topk", k=2))
+    nested = {k.replace("1.gate.", "1.router."): v for k, v in model.state_dict().items()}
+    assert any(k.startswith("1.router.") for k in nested)
+    torch.manual_seed(3)
+    again = torch.nn.Sequential(torch.nn.Identity(), SparseMoEFeedForward(D, 8, 4, "topk", k=2))
+    again.load_state_dict(nested)
+    torch.testing.assert_close(again(x).output, model(x).output, rtol=0, atol=0)
+    # a state holding both names is not guessed at: router.* are unexpected keys
+    both = {**state, **{k.replace("gate.", "router.", 1): v for k, v in state.items()
+                        if k.startswith("gate.")}}  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"Unexpected key.*router"):
+        SparseMoEFeedForward(D, 8, 4, "dselect_k", k=2).load_state_dict(both)

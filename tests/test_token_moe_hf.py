@@ -97,13 +97,13 @@ def _check_same(block: nn.Module, ours: SparseMoEFeedForward, extra: object = No
         ours.experts.gate_up.grad.transpose(1, 2), hf.gate_up_proj.grad, **GTOL
     )
     torch.testing.assert_close(ours.experts.down.grad.transpose(1, 2), hf.down_proj.grad, **GTOL)
-    torch.testing.assert_close(ours.router.proj.weight.grad, block.gate.weight.grad, **GTOL)
+    torch.testing.assert_close(ours.gate.proj.weight.grad, block.gate.weight.grad, **GTOL)
 
 
 def test_mixtral_block_is_hosted_exactly() -> None:
     block = _mixtral()
     ours = SparseMoEFeedForward.from_hf_block(block, balance_weight=0.0)
-    assert isinstance(ours.router, TopKGate) and ours.router.proj.bias is None
+    assert isinstance(ours.gate, TopKGate) and ours.gate.proj.bias is None
     assert ours.gated and ours.k == K and ours.experts.activation == "silu"
     assert ours.experts.gate_up.dtype == F64
     _check_same(block, ours)
@@ -113,7 +113,7 @@ def test_mixtral_block_is_hosted_exactly() -> None:
 def test_olmoe_block_is_hosted_exactly(norm: bool) -> None:
     block = _olmoe(norm)
     ours = SparseMoEFeedForward.from_hf_block(block, balance_weight=0.0)
-    assert isinstance(ours.router, TopKGate if norm else SoftmaxGate)
+    assert isinstance(ours.gate, TopKGate if norm else SoftmaxGate)
     _check_same(block, ours)
 
 

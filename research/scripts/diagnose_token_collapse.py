@@ -52,7 +52,7 @@ def router_io(model: nn.Module, probe: Tensor) -> list[tuple[Tensor, Any]]:
     ``probe``; the model's training mode is restored."""
     seen: list[tuple[Tensor, Any]] = []
     layers = model.moe_layers  # type: ignore[attr-defined]
-    hooks = [m.router.register_forward_hook(lambda m, a, o: seen.append((a[0], o))) for m in layers]
+    hooks = [m.gate.register_forward_hook(lambda m, a, o: seen.append((a[0], o))) for m in layers]
     was = model.training
     model.eval()
     try:
@@ -76,11 +76,11 @@ class Diagnosis(Callback):
         if history.steps % self.every and history.steps != 1:
             return
         layers = model.moe_layers  # type: ignore[attr-defined]
-        grads = [self._grad_ratio(m.router) for m in layers]
+        grads = [self._grad_ratio(m.gate) for m in layers]
         seen = [x for x, _ in router_io(model, self.probe)]
         rec: dict[str, Any] = {"step": history.steps, "layers": []}
         for m, x, g in zip(layers, seen, grads, strict=True):
-            rec["layers"].append({**self._measure(m.router, x), "grad_ratio": g})
+            rec["layers"].append({**self._measure(m.gate, x), "grad_ratio": g})
         self.records.append(rec)
 
     @staticmethod

@@ -48,8 +48,8 @@ def _dense_forward(self: SparseMoEFeedForward, x: Tensor) -> TokenMoEOutput:
     flat = x.reshape(-1, self.d_model)
     r = self.route(flat)  # the gate's weights, its aux loss and the top-k dispatch counts
     w = r.weights
-    if isinstance(self.router, TopKGate):  # the softmax over all n logits, not the top k
-        w = torch.softmax(self.router.compute_logits(flat), dim=-1)
+    if isinstance(self.gate, TopKGate):  # the softmax over all n logits, not the top k
+        w = torch.softmax(self.gate.compute_logits(flat), dim=-1)
     out = torch.einsum("tn,ntd->td", w, self.experts(flat))
     aux = r.gate_aux
     if self.balance_weight > 0:

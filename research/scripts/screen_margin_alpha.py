@@ -52,9 +52,9 @@ def main() -> None:
         def swapped(variant: Any, hp: Any, kappa: float = kappa) -> Any:
             model = build(variant, hp)
             for layer in model.moe_layers:
-                assert type(layer.router) is DSelectK
-                layer.router.__class__ = MarginDSelectK
-                layer.router.kappa = kappa
+                assert type(layer.gate) is DSelectK
+                layer.gate.__class__ = MarginDSelectK
+                layer.gate.kappa = kappa
             return model
 
         tm.build_model = swapped

@@ -32,7 +32,7 @@ class Resmooth(Callback):
         if history.steps in self.steps:
             with torch.no_grad():
                 for layer in model.moe_layers:
-                    for p in layer.router.parameters():
+                    for p in layer.gate.parameters():
                         p.mul_(self.factor)
 
 

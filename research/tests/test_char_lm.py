@@ -29,7 +29,7 @@ def test_shapes_aux_and_one_router_per_layer() -> None:
     model = _model(layers=3)
     logits, aux = model(torch.randint(0, VOCAB, (3, 8)))
     assert logits.shape == (3, 8, VOCAB) and aux.dim() == 0 and float(aux.detach()) > 0
-    routers = [m.router for m in model.moe_layers]
+    routers = [m.gate for m in model.moe_layers]
     assert len(routers) == 3 and len({id(r) for r in routers}) == 3
     (logits.square().mean() + aux).backward()
     assert all(p.grad is not None for p in routers[0].parameters())
@@ -106,8 +106,8 @@ def test_from_settings_is_the_constructor_of_a_settings_mapping() -> None:
         "expert",
     )
     assert [m.routing for m in c.moe_layers] == ["expert", "expert"]
-    assert [m.router.in_features for m in c.moe_layers] == [16, 16]
-    routers = [p for m in c.moe_layers for p in m.router.parameters()]
+    assert [m.gate.in_features for m in c.moe_layers] == [16, 16]
+    routers = [p for m in c.moe_layers for p in m.gate.parameters()]
     assert [id(p) for p in c.router_parameters()] == [id(p) for p in routers]
     # activations per token: 4 bytes × (layers × (16 d + 3 k d_ff + 3 heads L) + 3 × 256)
     assert train_bytes_per_token(hp) == 4.0 * (2 * (16 * 16 + 3 * 2 * 16 + 3 * 2 * 8) + 768)

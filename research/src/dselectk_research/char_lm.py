@@ -174,7 +174,7 @@ class CharMoETransformer(nn.Module):
 
     def router_parameters(self) -> list[nn.Parameter]:
         """The parameters of every MoE layer's router, layer after layer."""
-        return [p for m in self.moe_layers for p in m.router.parameters()]
+        return [p for m in self.moe_layers for p in m.gate.parameters()]
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits (B, L, 256) of the next byte after each of the (B, L) bytes ``x``, and the
@@ -240,7 +240,7 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
     binary = [0.0 for _ in layers]
     nonzero = dispatched = dropped = 0.0
     inputs: list[Tensor] = []
-    hooks = [m.router.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for m in layers]
+    hooks = [m.gate.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for m in layers]
     total, tokens = 0.0, 0
     try:
         for i in range(0, len(x), batch):
@@ -253,16 +253,16 @@ def evaluate(model: CharMoETransformer, x: Tensor, y: Tensor, batch: int = 256) 
                 assert moe.last_stats is not None
                 loads[j] += moe.last_stats["load"].float()
                 dropped += float(moe.last_stats["dropped"])
-                w = moe.router(inputs[j]).weights
+                w = moe.gate(inputs[j]).weights
                 nonzero += float((w > 0).sum())
                 dispatched += float((w.topk(min(moe.k, n), -1).values > 0).sum())
-                if moe.router.binarizes:  # tokens whose bits are all 0 or 1
-                    binary[j] += float(moe.router.binary_entries(inputs[j]).all(-1).sum())
+                if moe.gate.binarizes:  # tokens whose bits are all 0 or 1
+                    binary[j] += float(moe.gate.binary_entries(inputs[j]).all(-1).sum())
     finally:
         for h in hooks:
             h.remove()
     model.train()
-    binarizes = bool(layers[0].router.binarizes)
+    binarizes = bool(layers[0].gate.binarizes)
     fractions = [(ld / ld.sum()).tolist() for ld in loads]
     capped = any(m.routing == "token" and m.capacity_factor is not None for m in layers)
     extra = {"dropped_pairs_per_token": dropped / (tokens * len(loads))} if capped else {}

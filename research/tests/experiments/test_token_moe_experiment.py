@@ -82,18 +82,18 @@ def test_routers_are_variants() -> None:
                                 "expert_choice"]  # fmt: skip
     assert TM.DEFAULT_ROUTERS == ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
     hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0)
-    dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].router
+    dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].gate
     assert (
         dk.binarizes
         and float(dk.gamma) == 2.0
         and math.isclose(float(dk.entropy_reg), 0.01, rel_tol=1e-6)
     )
-    top = TM.build_model(TM.ROUTERS["topk"], hp).moe_layers[1].router
+    top = TM.build_model(TM.ROUTERS["topk"], hp).moe_layers[1].gate
     assert not top.binarizes and top.k == 2 and top.num_experts == 4
     assert not dk.distinct and float(dk.diversity) == 0.0  # the paper's gate
-    distinct = TM.build_model(TM.ROUTERS["dselect_k_distinct"], hp).moe_layers[0].router
+    distinct = TM.build_model(TM.ROUTERS["dselect_k_distinct"], hp).moe_layers[0].gate
     assert distinct.distinct and float(distinct.gamma) == 2.0
-    diverse = TM.build_model(TM.ROUTERS["dselect_k_diversity"], hp).moe_layers[0].router
+    diverse = TM.build_model(TM.ROUTERS["dselect_k_diversity"], hp).moe_layers[0].gate
     assert math.isclose(float(diverse.diversity), 0.1, rel_tol=1e-6) and not diverse.distinct
 
 
@@ -213,7 +213,7 @@ def test_a_routers_ramps_move_its_hyperparameter_in_every_layer() -> None:
 
     class Watch(Callback):
         def on_step(self, model, batch, out, history):  # type: ignore[no-untyped-def]
-            seen.append([float(m.router.gamma) for m in model.moe_layers])
+            seen.append([float(m.gate.gamma) for m in model.moe_layers])
 
     m = train_run(
         variant, hp, load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()]
@@ -254,7 +254,7 @@ def test_lambda_ramp_soft_then_binary_applies_to_dselect_k_routers_only(tmp_path
 
     class Watch(Callback):
         def on_step(self, model, batch, out, history):  # type: ignore[no-untyped-def]
-            seen.append([float(m.router.entropy_reg) for m in model.moe_layers])
+            seen.append([float(m.gate.entropy_reg) for m in model.moe_layers])
 
     hp = dict(cfg.hparams(), heads=2)
     m = train_run(ramped, hp, load_corpus(40_000), 0, progress=False, desc="t", callbacks=[Watch()])
@@ -279,10 +279,10 @@ def test_router_k_gives_dselect_k_routers_more_selectors_than_dispatched_experts
     hp = dict(cfg.hparams(), heads=2)
     for name in ("dselect_k", "dselect_k_distinct"):
         model = build_model(cfg.variant(name), hp)
-        assert all(m.router.k == 3 and m.k == 2 for m in model.moe_layers)
+        assert all(m.gate.k == 3 and m.k == 2 for m in model.moe_layers)
     topk = build_model(cfg.variant("topk"), hp)
-    assert all(m.router.k == 2 and m.k == 2 for m in topk.moe_layers)
+    assert all(m.gate.k == 2 and m.k == 2 for m in topk.moe_layers)
     plain = build_model(cfg.variant("dselect_k"), dict(hp, router_k=None))
-    assert all(m.router.k == 2 for m in plain.moe_layers)
+    assert all(m.gate.k == 2 for m in plain.moe_layers)
     m = train_run(cfg.variant("dselect_k"), hp, load_corpus(40_000), 0, progress=False, desc="t")
     assert math.isfinite(m["val_bpc"]) and m["dispatched_experts_per_token"] <= 2.0

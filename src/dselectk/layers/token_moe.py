@@ -244,8 +244,9 @@ class SparseMoEFeedForward(nn.Module):
         (torch.Size([4, 10, 16]), 0)
     """
 
-    router: Gate
-    """The per-token gate (the ``gate`` argument, built)."""
+    gate: Gate
+    """The per-token gate (the ``gate`` argument, built). State-dict keys ``gate.*``; a state
+    saved with the earlier attribute name (``router.*``) loads as well."""
 
     last_stats: dict[str, Any] | None
     """Routing statistics of the last forward (detached): ``load`` (n,) pairs per expert after
@@ -315,8 +316,7 @@ class SparseMoEFeedForward(nn.Module):
             )
         if gate.num_experts != num_experts:
             raise ValueError(f"gate has {gate.num_experts} experts, expected {num_experts}")
-        # The attribute keeps its name (state-dict keys ``router.*`` of saved layers load).
-        self.router = gate
+        self.gate = gate
         self.gated = bool(gated)
         self.experts: StackedMLP | GatedMLP
         if self.gated:
@@ -326,6 +326,32 @@ class SparseMoEFeedForward(nn.Module):
                 num_experts, d_model, [d_ff, d_model], activation=activation, final_activation=False
             )
         self.last_stats = None
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A state saved when the gate was the attribute ``router`` (keys ``router.*``) loads:
+        # its keys are renamed in place (torch hands each child the keys of this dict after
+        # this call), unless the state also holds ``gate.*`` keys.
+        old, new = prefix + "router.", prefix + "gate."
+        if not any(key.startswith(new) for key in state_dict):
+            for key in [key for key in state_dict if key.startswith(old)]:
+                state_dict[new + key[len(old) :]] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "router":
+            raise AttributeError(f"{type(self).__name__}.router is now .gate")
+        return super().__getattr__(name)
 
     @classmethod
     def from_hf_block(cls, block: nn.Module, **kwargs: Any) -> SparseMoEFeedForward:
@@ -388,7 +414,7 @@ class SparseMoEFeedForward(nn.Module):
             **kwargs,
         ).to(dtype=gate_up.dtype, device=gate_up.device)
         with torch.no_grad():
-            proj = layer.router.proj
+            proj = layer.gate.proj
             assert proj is not None
             proj.weight.copy_(weight)
         assert isinstance(layer.experts, GatedMLP)
@@ -422,7 +448,7 @@ class SparseMoEFeedForward(nn.Module):
 
     def route(self, x: Tensor) -> Routing:
         """Gate the (N, d_model) tokens and build the dispatch (sorted by expert)."""
-        out = self.router(x)
+        out = self.gate(x)
         weights = out.weights  # (N, n)
         if self.routing == "expert":
             return self._expert_choice(weights, out.aux_loss)
@@ -486,7 +512,7 @@ class SparseMoEFeedForward(nn.Module):
     def dense_reference(self, x: Tensor) -> Tensor:
         """``Σ_i w_i E_i(x)`` with every expert evaluated on every token (tests, debugging)."""
         flat = x.reshape(-1, self.d_model)
-        w = self.router(flat).weights  # (N, n)
+        w = self.gate(flat).weights  # (N, n)
         every = self.experts(flat)  # (n, N, d)
         return torch.einsum("tn,ntd->td", w, every).reshape(x.shape)
 

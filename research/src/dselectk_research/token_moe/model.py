@@ -93,9 +93,7 @@ def train_run(
     timer = StepTimer(WARMUP_STEPS)
     callbacks = [timer, *(callbacks or [])]
     # the variant's ramps (γ, λ, ...), one scheduler per MoE layer's router
-    scheds: list[Any] = [
-        s for m in model.moe_layers for s in variant.schedulers(m.router, hp, steps)
-    ]
+    scheds: list[Any] = [s for m in model.moe_layers for s in variant.schedulers(m.gate, hp, steps)]
     if telemetry_dir is not None:
         callbacks.append(RoutingTelemetry(telemetry_dir, every=max(1, steps // 20), probe_size=16))
     cfg = TrainConfig(
