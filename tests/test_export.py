@@ -14,7 +14,7 @@ from torch import Tensor, nn
 import dselectk.layers.mixer as mixer_mod
 from dselectk import DSelectK, MoE, MultiGateMoE
 from dselectk.export import ExportVerificationError, export_program, to_onnx
-from dselectk.gates import gate_names, make_gate
+from dselectk.gates import DSelectKExtended, gate_names, make_gate
 from dselectk.layers import StackedMLP
 
 N, P = 8, 6
@@ -125,7 +125,7 @@ def test_dynamo_onnx_equals_eager_on_fresh_inputs(
 def _issue_model() -> MultiGateMoE:
     """The issue's reproduction: per-example DSelect-k with binary S(Wx), conditional=True."""
     torch.manual_seed(0)
-    gate = DSelectK(N, 2, in_features=P, num_gates=2, init="spread")
+    gate = DSelectKExtended(N, 2, in_features=P, num_gates=2, init="spread")
     with torch.no_grad():
         gate.proj.weight.mul_(1e4)
     towers = StackedMLP(2, 5, [4, 1], final_activation=False)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import dselectk.layers.mixer as mixer_mod
-from dselectk import DSelectK, MultiGateMoE
+from dselectk import MultiGateMoE
 from dselectk.export import (
     VERIFY_BATCH_SIZES,
     ExportVerificationError,
@@ -17,6 +17,7 @@ from dselectk.export import (
     to_onnx,
     verify,
 )
+from dselectk.gates import DSelectKExtended
 from dselectk.layers import StackedMLP
 
 N, P = 8, 6
@@ -25,7 +26,7 @@ N, P = 8, 6
 def _model(binary: bool = True) -> MultiGateMoE:
     """Per-example DSelect-k, two tasks (binary S(Wx): the mixer's routing matters)."""
     torch.manual_seed(0)
-    gate = DSelectK(N, 2, in_features=P, num_gates=2, init="spread")
+    gate = DSelectKExtended(N, 2, in_features=P, num_gates=2, init="spread")
     if binary:
         with torch.no_grad():
             gate.proj.weight.mul_(1e4)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dselectk import functional as DF
-from dselectk.gates import DSelectK, TopKGate
+from dselectk.gates import DSelectK, DSelectKExtended, TopKGate
 from dselectk.kernels import dispatch
 from dselectk.layers import StackedMLP
 from dselectk.models import MoE, MultiGateMoE
@@ -120,7 +120,7 @@ def test_dselect_k_weights_uses_same_numbers() -> None:
 @pytest.mark.parametrize("num_gates", [None, 3])
 def test_gate_module_matches_naive(num_experts: int, per_example: bool, num_gates) -> None:
     torch.manual_seed(0)
-    gate = DSelectK(
+    gate = DSelectKExtended(
         num_experts,
         2,
         in_features=5 if per_example else None,
@@ -153,7 +153,7 @@ def test_gate_module_matches_naive(num_experts: int, per_example: bool, num_gate
 
 
 def _binary_per_example_gate(num_gates: int | None, n: int = 8, k: int = 2) -> DSelectK:
-    gate = DSelectK(n, k, in_features=6, num_gates=num_gates, init="spread").double()
+    gate = DSelectKExtended(n, k, in_features=6, num_gates=num_gates, init="spread").double()
     with torch.no_grad():
         gate.proj.weight.mul_(300.0)  # |Wx| >> γ/2: S(Wx) binary for (almost) every example
     return gate

@@ -10,7 +10,13 @@ from torch import Tensor, nn
 
 from dselectk import DSelectK, MoE, MultiGateMoE
 from dselectk.export import FixedGate, SelectedExperts, export_program, freeze, to_onnx
-from dselectk.gates import GumbelSoftmaxGate, SoftmaxGate, SoftmaxSelectorGate, TopKGate
+from dselectk.gates import (
+    DSelectKExtended,
+    GumbelSoftmaxGate,
+    SoftmaxGate,
+    SoftmaxSelectorGate,
+    TopKGate,
+)
 from dselectk.layers import ExpertList, StackedMLP
 
 N, P = 8, 6
@@ -135,7 +141,7 @@ def test_ablation_gate_needs_k_sparse_weights() -> None:
 
 def test_per_example_gates_keep_routing_exactly() -> None:
     torch.manual_seed(0)
-    per_example = DSelectK(N, 2, in_features=P, init="spread")
+    per_example = DSelectKExtended(N, 2, in_features=P, init="spread")
     with torch.no_grad():
         per_example.proj.weight.mul_(1e4)
     model = _mtl([_binary_static([[1, 2]], bank=False), per_example])

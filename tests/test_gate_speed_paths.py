@@ -18,7 +18,7 @@ import torch
 from torch.autograd import gradcheck
 
 from dselectk import functional as DF
-from dselectk.gates import DSelectK
+from dselectk.gates import DSelectK, DSelectKExtended
 from dselectk.kernels import aten as _kernels
 from dselectk.kernels import dispatch, host_numpy
 from dselectk.kernels.aten import _DSelectSmall, _DSelectSmallGate, _DSelectSmallGateLinear
@@ -157,8 +157,11 @@ def test_gate_host_path_matches_composed_path(
 ) -> None:
     n, k, p, t, lam, gamma, mu, xi, *batch = case
     torch.manual_seed(0)
-    gate = DSelectK(n, k, in_features=p, num_gates=t, xi=xi).to(dtype)
-    gate.entropy_reg, gate.gamma, gate.diversity = lam, gamma, mu
+    cls = DSelectK if mu == 0.0 else DSelectKExtended  # (the diversity μ is the latter's)
+    gate = cls(n, k, in_features=p, num_gates=t, xi=xi).to(dtype)
+    gate.entropy_reg, gate.gamma = lam, gamma
+    if cls is DSelectKExtended:
+        gate.diversity = mu
     with torch.no_grad():
         for par in gate.parameters():
             par.mul_(30.0)  # a mix of binary and fractional bits

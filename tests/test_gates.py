@@ -13,6 +13,7 @@ from torch.autograd import gradcheck
 import dselectk as dk
 from dselectk.gates import (
     DSelectK,
+    DSelectKExtended,
     Gate,
     GateOutput,
     GumbelSoftmaxGate,
@@ -130,7 +131,9 @@ def test_dselect_k_parameter_count_is_k_plus_k_log_n() -> None:
 def test_dselect_k_initial_bits_strictly_fractional(layout: tuple[Any, Any]) -> None:
     in_features, num_gates = layout
     for init in ("paper", "spread"):
-        gate = DSelectK(16, 4, in_features=in_features, num_gates=num_gates, gamma=5.0, init=init)
+        gate = DSelectKExtended(
+            16, 4, in_features=in_features, num_gates=num_gates, gamma=5.0, init=init
+        )
         x = None if in_features is None else torch.randn(64, P)
         s = gate.bits(x)
         assert ((s > 0) & (s < 1)).all()

@@ -1,4 +1,5 @@
-"""Per-gate hyperparameters of gate banks, and DSelect-k's selector-diversity penalty.
+"""Per-gate hyperparameters of gate banks, and the selector-diversity penalty of DSelect-k
+(:class:`~dselectk.gates.DSelectKExtended`).
 
 A bank (``num_gates=T``) may hold one γ, λ, τ, μ per gate. Checked here: the bank computes,
 gate for gate, what T single gates with those values compute (static and per-example banks);
@@ -19,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dselectk import functional as DF
-from dselectk.gates import DSelectK, GumbelSoftmaxGate, SoftmaxSelectorGate
+from dselectk.gates import DSelectK, DSelectKExtended, GumbelSoftmaxGate, SoftmaxSelectorGate
 from dselectk.gates.base import GateOutput, HyperParameter
 from dselectk.kernels import dispatch as KD
 from dselectk.kernels.aten import _SelectorGate
@@ -207,13 +208,13 @@ def _bank_vs_singles(bank: Any, singles: list[Any], x: torch.Tensor | None) -> N
 def test_dselect_k_bank_equals_single_gates(dispatch: str, in_features: int | None, n: int) -> None:
     per_gate = {"gamma": GAMMAS, "entropy_reg": LAMBDAS, "diversity": [0.0, 0.5, 2.0, 0.1]}
     torch.manual_seed(0)
-    bank = DSelectK(n, 3, in_features=in_features, num_gates=T, xi=0.2).double()
+    bank = DSelectKExtended(n, 3, in_features=in_features, num_gates=T, xi=0.2).double()
     for key, vals in per_gate.items():  # set after .double(): exact float64 values
         setattr(bank, key, vals)
     _spread(bank, 20.0)
     singles = []
     for t in range(T):
-        single = DSelectK(n, 3, in_features=in_features, xi=0.2).double()
+        single = DSelectKExtended(n, 3, in_features=in_features, xi=0.2).double()
         for key, vals in per_gate.items():
             setattr(single, key, vals[t])
         singles.append(single)
@@ -294,9 +295,9 @@ def test_dselect_k_init_equal_per_gate_values_draw_like_a_scalar(
     """Equal per-gate values draw the very numbers of the scalar bank (row by row, same order)."""
     kw: dict[str, Any] = {"in_features": in_features, "num_gates": T, "init": init}
     torch.manual_seed(0)
-    scalar = DSelectK(8, 2, gamma=0.5, **kw)
+    scalar = DSelectKExtended(8, 2, gamma=0.5, **kw)
     torch.manual_seed(0)
-    per_gate = DSelectK(8, 2, gamma=[0.5] * T, **kw)
+    per_gate = DSelectKExtended(8, 2, gamma=[0.5] * T, **kw)
     for a, b in zip(scalar.parameters(), per_gate.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -355,7 +356,7 @@ def test_per_gate_buffers_keep_dtype_and_follow_to() -> None:
 
 
 def test_per_gate_in_constructors_and_repr() -> None:
-    gate = DSelectK(8, 2, num_gates=3, gamma=(0.5, 1, 2), entropy_reg=[0, 0.1, 0.2])
+    gate = DSelectKExtended(8, 2, num_gates=3, gamma=(0.5, 1, 2), entropy_reg=[0, 0.1, 0.2])
     assert gate.gamma.tolist() == [0.5, 1.0, 2.0]
     assert "gamma=[0.5, 1, 2]" in repr(gate) and "entropy_reg=[0, 0.1, 0.2]" in repr(gate)
     assert "diversity" not in repr(gate)
@@ -399,11 +400,11 @@ def test_per_gate_in_constructors_and_repr() -> None:
             r"entropy_reg must be a finite number >= 0 for every gate, got -0.1 \(gate 0\)",
         ),
         (
-            lambda: DSelectK(8, 2, num_gates=2, diversity=[0.0, -1.0]),
+            lambda: DSelectKExtended(8, 2, num_gates=2, diversity=[0.0, -1.0]),
             ValueError,
             "diversity must be a finite number >= 0",
         ),
-        (lambda: DSelectK(8, 2, diversity=-1.0), ValueError, "diversity"),
+        (lambda: DSelectKExtended(8, 2, diversity=-1.0), ValueError, "diversity"),
         (
             lambda: DSelectK(8, 2, gamma=[1.0, 2.0]),
             ValueError,
@@ -450,15 +451,15 @@ def test_failed_assignment_leaves_the_value() -> None:
 
 
 def test_hyperparameter_descriptor_introspection() -> None:
-    gate = DSelectK(8, 2, num_gates=2, gamma=[1.0, 2.0])
+    gate = DSelectKExtended(8, 2, num_gates=2, gamma=[1.0, 2.0])
     hp = DSelectK.gamma
     assert isinstance(hp, HyperParameter) and hp.buffer_name == "_gamma"
     assert hp.is_per_gate(gate) and not DSelectK.entropy_reg.is_per_gate(gate)
-    assert not DSelectK.diversity.is_nonzero(gate)
+    assert not DSelectKExtended.diversity.is_nonzero(gate)
     gate.diversity = [0.0, 0.1]
-    assert DSelectK.diversity.is_nonzero(gate)
+    assert DSelectKExtended.diversity.is_nonzero(gate)
     gate.diversity = 0.0
-    assert not DSelectK.diversity.is_nonzero(gate)
+    assert not DSelectKExtended.diversity.is_nonzero(gate)
 
 
 # -- state_dict, schedules, copies ----------------------------------------------------------------
@@ -468,29 +469,31 @@ def test_hyperparameter_descriptor_introspection() -> None:
 def test_state_dict_round_trip_with_per_gate_buffers(in_features: int | None) -> None:
     torch.manual_seed(0)
     kw: dict[str, Any] = {"in_features": in_features, "num_gates": 3}
-    gate = DSelectK(8, 2, gamma=[0.5, 1.0, 2.0], entropy_reg=[0.0, 0.1, 1.0], diversity=0.3, **kw)
+    gate = DSelectKExtended(
+        8, 2, gamma=[0.5, 1.0, 2.0], entropy_reg=[0.0, 0.1, 1.0], diversity=0.3, **kw
+    )
     state = gate.state_dict()
     assert state["_gamma"].shape == (3,) and state["_diversity"].shape == ()
-    clone = DSelectK(8, 2, **kw)  # scalar hyperparameters: re-registered on load
+    clone = DSelectKExtended(8, 2, **kw)  # scalar hyperparameters: re-registered on load
     clone.load_state_dict(state)
     assert clone.gamma.tolist() == [0.5, 1.0, 2.0]
     assert clone.entropy_reg.tolist() == pytest.approx([0.0, 0.1, 1.0])
-    assert clone.diversity == pytest.approx(0.3) and DSelectK.diversity.is_nonzero(clone)
+    assert clone.diversity == pytest.approx(0.3) and DSelectKExtended.diversity.is_nonzero(clone)
     x = None if in_features is None else torch.randn(B, P)
     _assert_equal(list(clone(x)), list(gate(x)))
     # and back: a scalar state into a per-gate module
-    scalar = DSelectK(8, 2, gamma=0.7, **kw)
+    scalar = DSelectKExtended(8, 2, gamma=0.7, **kw)
     clone.load_state_dict(scalar.state_dict())
-    assert clone.gamma == pytest.approx(0.7) and not DSelectK.diversity.is_nonzero(clone)
+    assert clone.gamma == pytest.approx(0.7) and not DSelectKExtended.diversity.is_nonzero(clone)
     _assert_equal(list(clone(x)), list(scalar(x)))
     # a state saved before the diversity option existed still loads (strict)
     old = {k: v for k, v in gate.state_dict().items() if k != "_diversity"}
-    fresh = DSelectK(8, 2, **kw)
+    fresh = DSelectKExtended(8, 2, **kw)
     fresh.load_state_dict(old)
     assert fresh.diversity == 0.0
     # a wrong number of gates is still an error
     with pytest.raises(RuntimeError, match="_gamma"):
-        DSelectK(8, 2, **kw).load_state_dict({**state, "_gamma": torch.ones(5)})
+        DSelectKExtended(8, 2, **kw).load_state_dict({**state, "_gamma": torch.ones(5)})
     sel = SoftmaxSelectorGate(8, 2, num_gates=3, temperature=[1.0, 0.5, 0.1])
     sel2 = SoftmaxSelectorGate(8, 2, num_gates=3)
     sel2.load_state_dict(sel.state_dict())
@@ -536,9 +539,9 @@ def test_per_member_schedule_writes_per_gate_values() -> None:
 def test_deepcopy_keeps_per_gate_values() -> None:
     import copy
 
-    gate = DSelectK(8, 2, num_gates=2, gamma=[1.0, 2.0], diversity=[0.0, 1.0])
+    gate = DSelectKExtended(8, 2, num_gates=2, gamma=[1.0, 2.0], diversity=[0.0, 1.0])
     dup = copy.deepcopy(gate)
-    assert dup.gamma.tolist() == [1.0, 2.0] and DSelectK.diversity.is_nonzero(dup)
+    assert dup.gamma.tolist() == [1.0, 2.0] and DSelectKExtended.diversity.is_nonzero(dup)
     _assert_equal(list(dup()), list(gate()))
 
 
@@ -569,7 +572,7 @@ def test_diversity_bitwise_equals_diverse_dselect_k(
     kw: dict[str, Any] = {"in_features": in_features, "num_gates": num_gates, "gamma": 1.5}
     kw["entropy_reg"] = 0.2
     torch.manual_seed(0)
-    lib = DSelectK(16, 3, diversity=mu, **kw).to(dtype)
+    lib = DSelectKExtended(16, 3, diversity=mu, **kw).to(dtype)
     lib.diversity = mu  # exact in float64 too (the reference holds a Python float)
     torch.manual_seed(0)
     ref = RefDiverseDSelectK(16, 3, diversity=mu, **kw).to(dtype)
@@ -610,7 +613,7 @@ def test_diversity_equals_expanded_code_laws(
 ) -> None:
     n = 2**m
     k = min(k, n)
-    gate = DSelectK(n, k, gamma=gamma, diversity=mu).double()
+    gate = DSelectKExtended(n, k, gamma=gamma, diversity=mu).double()
     gate.gamma, gate.diversity = gamma, mu
     z = data.draw(
         st.lists(st.floats(-3.0, 3.0), min_size=k * m, max_size=k * m).map(
@@ -631,7 +634,7 @@ def test_diversity_equals_expanded_code_laws(
 def test_diversity_bank_per_gate_and_per_example() -> None:
     torch.manual_seed(0)
     mus = [0.0, 1.0, 0.5]
-    bank = DSelectK(8, 3, in_features=P, num_gates=3, gamma=[1.0, 2.0, 0.5]).double()
+    bank = DSelectKExtended(8, 3, in_features=P, num_gates=3, gamma=[1.0, 2.0, 0.5]).double()
     bank.gamma, bank.diversity = [1.0, 2.0, 0.5], mus
     _spread(bank, 10.0)
     x = torch.randn(B, P, dtype=F64)
@@ -648,7 +651,7 @@ def test_diversity_bank_per_gate_and_per_example() -> None:
 
 
 def test_diversity_gradient_vanishes_once_binary_and_separates_selectors() -> None:
-    gate = DSelectK(8, 2, gamma=1.0, diversity=1.0).double()
+    gate = DSelectKExtended(8, 2, gamma=1.0, diversity=1.0).double()
     with torch.no_grad():
         gate.logits[2:] = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, -1.0], dtype=F64)
     assert gate().aux_loss.item() == 0.0  # codes 7 and 3: distinct

@@ -12,16 +12,19 @@ from typing import Any
 import pytest
 import torch
 
-from dselectk.gates import gate_names
+from dselectk.gates import DSelectK, gate_names
 from dselectk.gates.registry import GATES, make_gate
 
 NUM_EXPERTS, IN_FEATURES, BANK = 5, 6, 3
 
 
-def _configs() -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every gate: static and per-example, single and bank, with per-gate hyperparameters."""
-    for name in gate_names():
-        spec = GATES[name]
+def _configs(before: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every gate: static and per-example, single and bank, with per-gate hyperparameters.
+    ``before``: the configs of the digests below, when "dselect_k" still took ``init`` and
+    ``diversity`` (now options of "dselect_k_extended")."""
+    names = sorted((set(gate_names()) - {"dselect_k_extended"}) if before else gate_names())
+    for name in names:
+        spec = GATES["dselect_k_extended" if before and name == "dselect_k" else name]
         for per_example in (False, True):
             for bank in (None, BANK):
                 per_gate = [0.5, 1.0, 2.0] if bank else None
@@ -32,7 +35,7 @@ def _configs() -> Iterator[tuple[str, dict[str, Any]]]:
                     variants.append({"temperature": per_gate or 0.7})
                 if "entropy_reg" in spec.hparams and name != "ablation_annealing":
                     variants.append({"entropy_reg": [0.0, 0.1, 0.2] if bank else 0.1})
-                if name == "dselect_k":
+                if name == ("dselect_k" if before else "dselect_k_extended"):
                     variants.append({"init": "spread", "gamma": per_gate or 0.3})
                     variants.append({"diversity": [0.0, 0.1, 0.2] if bank else 0.1})
                 if name == "topk" and per_example:
@@ -51,6 +54,7 @@ def _configs() -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 CONFIGS = list(_configs())
+_BEFORE = list(_configs(before=True))
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in sorted(kw.items()))}" for n, kw in CONFIGS]
 
 # sha256 (16 hex digits) of the sorted state_dict of each config, built with
@@ -84,7 +88,10 @@ def _x(kw: dict[str, Any]) -> torch.Tensor | None:
 
 def _digest(gate: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for key, t in sorted(gate.state_dict().items()):
+    state = gate.state_dict()
+    if type(gate) is DSelectK:  # the buffer of its former diversity option, then always 0 here
+        state["_diversity"] = torch.tensor(0.0)
+    for key, t in sorted(state.items()):
         if key.endswith("_extra_state"):  # the gate's meaning [n, k], not a constructed value
             continue
         h.update(key.encode())
@@ -92,16 +99,24 @@ def _digest(gate: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _old_digest(name: str, kw: dict[str, Any]) -> str:
+    """The digest of the same gate built by the code of 72f2fab (the DSelect-k research options
+    were then "dselect_k"'s)."""
+    return _OLD_DIGESTS[_BEFORE.index(("dselect_k" if name == "dselect_k_extended" else name, kw))]
+
+
 def test_configs_cover_every_gate() -> None:
     assert {n for n, _ in CONFIGS} == set(gate_names())
-    assert len(CONFIGS) == len(_OLD_DIGESTS)
+    assert len(_BEFORE) == len(_OLD_DIGESTS)
+    for name, kw in CONFIGS:
+        _old_digest(name, kw)  # each has its digest
 
 
 @pytest.mark.parametrize(("name", "kw"), CONFIGS, ids=IDS)
 def test_cpu_construction_unchanged(name: str, kw: dict[str, Any]) -> None:
     torch.manual_seed(0)
     gate = make_gate(name, NUM_EXPERTS, **kw)
-    assert _digest(gate) == _OLD_DIGESTS[CONFIGS.index((name, kw))]
+    assert _digest(gate) == _old_digest(name, kw)
 
 
 @pytest.mark.parametrize(("name", "kw"), CONFIGS, ids=IDS)
@@ -127,7 +142,7 @@ def test_meta_build_then_materialise(name: str, kw: dict[str, Any]) -> None:
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
-    assert _digest(gate) == _OLD_DIGESTS[CONFIGS.index((name, kw))]
+    assert _digest(gate) == _old_digest(name, kw)
     gate.eval()
     ref.eval()
     got_out, want_out = gate(_x(kw)), ref(_x(kw))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dselectk.gates import DSelectK, SoftmaxGate, TopKGate
+from dselectk.gates import DSelectK, DSelectKExtended, SoftmaxGate, TopKGate
 from dselectk.layers import ExpertList, StackedMLP
 from dselectk.models import MoE, MultiGateMoE, SharedBottom
 
@@ -197,7 +197,7 @@ def test_compiled_per_example_gate_and_mmoe_step() -> None:
 def test_padded_and_per_expert_routing_equal_dense(tasks: int) -> None:
     """Both routing paths (padded batched call: accelerators; per-expert calls: CPU) are exact."""
     torch.manual_seed(0)
-    gate = DSelectK(8, 2, in_features=P, num_gates=tasks, init="spread")
+    gate = DSelectKExtended(8, 2, in_features=P, num_gates=tasks, init="spread")
     with torch.no_grad():
         gate.proj.weight.mul_(1e3)  # binary bits: each example uses <= 2 experts per task
     experts = StackedMLP(8, P, [5], final_activation=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dselectk.gates import GATES, DSelectK, gate_names, gate_spec, make_gate
+from dselectk.gates import GATES, DSelectK, DSelectKExtended, gate_names, gate_spec, make_gate
 from dselectk.schedules import DelayedSchedule, GeometricSchedule, LinearSchedule
 from dselectk.variants import Ramp, SearchPlan, Variant, variant_table
 
@@ -36,10 +36,11 @@ def test_checks_name_the_argument_and_the_range() -> None:
     spec = gate_spec("dselect_k")
     with pytest.raises(ValueError, match=r"--gamma: expected a number > 0, got -1"):
         spec.hparams["gamma"].check(-1.0, "--gamma")
+    extended = gate_spec("dselect_k_extended")
     with pytest.raises(ValueError, match=r"init: expected one of 'paper', 'spread'"):
-        spec.check({"init": "distinct"})
+        extended.check({"init": "distinct"})
     with pytest.raises(ValueError, match=r"no hyperparameter 'lr'.*\['distinct', 'diversity'"):
-        spec.check({"lr": 0.1})
+        extended.check({"lr": 0.1})
     with pytest.raises(ValueError, match="entropy_reg"):
         make_gate("dselect_k", 8, k=2, entropy_reg=float("nan"))
     assert spec.hparams["gamma"].check([1, 2.5]) == [1.0, 2.5]  # one value per gate of a bank
@@ -75,7 +76,7 @@ def test_ramp_reproduces_the_study_schedules_it_replaces() -> None:
 def test_variant_builds_schedules_and_states_its_identity() -> None:
     v = Variant(
         "dk_anneal",
-        "dselect_k",
+        "dselect_k_extended",
         "DSelect-k, γ annealed",
         options={"init": "spread"},
         schedules=(Ramp("gamma", end_factor=1e-3, delay=0.5, shape="geometric"),),
@@ -84,14 +85,14 @@ def test_variant_builds_schedules_and_states_its_identity() -> None:
     torch.manual_seed(0)
     gate = v.build(16, k=4, num_gates=3, hparams={"gamma": 10.0, "entropy_reg": 0.1, "lr": 1.0})
     torch.manual_seed(0)
-    ref = DSelectK(16, 4, num_gates=3, gamma=10.0, entropy_reg=0.1, init="spread")
+    ref = DSelectKExtended(16, 4, num_gates=3, gamma=10.0, entropy_reg=0.1, init="spread")
     torch.testing.assert_close(gate.logits, ref.logits, rtol=0, atol=0)
     (sched,) = v.schedulers(gate, {"gamma": 10.0}, 100)
     for _ in range(100):
         sched.step()
     assert float(gate.gamma) == pytest.approx(1e-2)
     assert v.identity() == {
-        "gate": "dselect_k",
+        "gate": "dselect_k_extended",
         "options": {"init": "spread"},
         "schedules": [
             {

@@ -13,7 +13,7 @@ def test_hyperparameter_flags_come_from_the_declarations(
     from dselectk_research.args import add_hparam_arguments
 
     p = argparse.ArgumentParser()
-    names = add_hparam_arguments(p, ["dselect_k", "ablation_annealing"])
+    names = add_hparam_arguments(p, ["dselect_k", "dselect_k_extended", "ablation_annealing"])
     assert names == [
         "distinct",
         "diversity",

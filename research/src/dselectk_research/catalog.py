@@ -32,7 +32,6 @@ from dselectk_research.args import hparam_type, setting
 
 __all__ = ["CATALOG", "FrozenSelectionVariant", "hparam_setting", "select"]
 
-_PAPER = {"init": "paper"}
 #: the swap search (dselectk.search; ours) of DSelect-k: after 25, 70 and 85 % of the steps,
 #: fractional or colliding selectors forced onto their best free code after half; each move
 #: scored after refitting the read-out of the selection
@@ -66,9 +65,12 @@ class FrozenSelectionVariant(Variant):
 #: every named variant of the studies, by its catalog name
 CATALOG: dict[str, Variant] = variant_table(
     # the paper's gates, and ours (research/notes/collapse.md)
-    Variant("dselect_k", "dselect_k", "DSelect-k (paper init)", _PAPER),
-    Variant("dselect_k_spread", "dselect_k", "DSelect-k (spread init, ours)", {"init": "spread"}),
-    Variant("dselect_k_search", "dselect_k", "DSelect-k + swap local search (ours)", _PAPER,
+    # (DSelectK always starts as the paper does; the spread init and the diversity penalty,
+    # research options that measured no gain, are DSelectKExtended's: "dselect_k_extended")
+    Variant("dselect_k", "dselect_k", "DSelect-k (paper init)"),
+    Variant("dselect_k_spread", "dselect_k_extended", "DSelect-k (spread init, ours)",
+            {"init": "spread"}),
+    Variant("dselect_k_search", "dselect_k", "DSelect-k + swap local search (ours)",
             search=DSELECT_K_SEARCH, tuned_as="dselect_k"),
     Variant("topk", "topk", "Top-k"),
     Variant("topk_search", "topk", "Top-k + swap local search (ours)", search=TOPK_SEARCH,
@@ -84,13 +86,13 @@ CATALOG: dict[str, Variant] = variant_table(
     FrozenSelectionVariant(
         "search_only", "dselect_k",
         "search only (DSelect-k's selection frozen at init, shares trained) + swap search",
-        _PAPER, search=DSELECT_K_SEARCH, tuned_as="dselect_k",
+        search=DSELECT_K_SEARCH, tuned_as="dselect_k",
     ),
     # per-token routers of a sparse MoE layer (DSelect-k at its default init, no options)
     Variant("dselect_k_token", "dselect_k", "DSelect-k (per token)"),
     Variant("dselect_k_distinct", "dselect_k", "DSelect-k, distinct codes (ours)",
             {"distinct": True}),
-    Variant("dselect_k_diversity", "dselect_k", "DSelect-k, diversity μ = 0.1 (ours)",
+    Variant("dselect_k_diversity", "dselect_k_extended", "DSelect-k, diversity μ = 0.1 (ours)",
             {"diversity": 0.1}),
     Variant("expert_choice", "softmax",
             "Expert choice (Zhou et al. 2022; softmax router, capacity k·N/n)", routing="expert"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dselectk.cli import main
+from dselectk.gates import DSelectK, DSelectKExtended
 from dselectk_research import token_moe as TM
 from dselectk_research.char_lm import train_bytes_per_token
 from dselectk_research.data.text import load_corpus
@@ -90,11 +91,12 @@ def test_routers_are_variants() -> None:
     )
     top = TM.build_model(TM.ROUTERS["topk"], hp).moe_layers[1].gate
     assert not top.binarizes and top.k == 2 and top.num_experts == 4
-    assert not dk.distinct and float(dk.diversity) == 0.0  # the paper's gate
+    assert not dk.distinct and type(dk) is DSelectK  # the paper's gate (no diversity term)
     distinct = TM.build_model(TM.ROUTERS["dselect_k_distinct"], hp).moe_layers[0].gate
     assert distinct.distinct and float(distinct.gamma) == 2.0
     diverse = TM.build_model(TM.ROUTERS["dselect_k_diversity"], hp).moe_layers[0].gate
     assert math.isclose(float(diverse.diversity), 0.1, rel_tol=1e-6) and not diverse.distinct
+    assert type(diverse) is DSelectKExtended
 
 
 _TINY = ["reproduce", "token-moe", "--seeds", "1", "--steps", "15", "--batch-size", "8",

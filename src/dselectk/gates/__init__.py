@@ -1,7 +1,7 @@
 """Gates: DSelect-k and the competing gates of the paper, behind one interface (plus COMET's
 tree gate, a later gate by the same group)."""
 
-from dselectk.gates.ablation import SoftmaxSelectorGate
+from dselectk.gates.ablation import DSelectKExtended, SoftmaxSelectorGate
 from dselectk.gates.base import Gate, GateOutput
 from dselectk.gates.comet import COMETGate
 from dselectk.gates.dselect_k import DSelectK
@@ -22,6 +22,7 @@ __all__ = [
     "GATES",
     "COMETGate",
     "DSelectK",
+    "DSelectKExtended",
     "Gate",
     "GateOutput",
     "GateSpec",

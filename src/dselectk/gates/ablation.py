@@ -1,8 +1,11 @@
-"""Softmax-selector ablation gates of Appendix C.1."""
+"""Ablation and research gates: the softmax-selector ablations of Appendix C.1, and DSelect-k
+with the research options that measured no gain (:class:`DSelectKExtended`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +18,7 @@ from dselectk.gates.base import (
     check_nonnegative,
     format_hyperparameter,
 )
+from dselectk.gates.dselect_k import DSelectK
 
 # The autograd node lives in dselectk.kernels.aten; these names are re-exported for code that
 # imports them from this module.
@@ -22,7 +26,10 @@ from dselectk.kernels.aten import _FLUSH_TEMPERATURE as _FLUSH_TEMPERATURE
 from dselectk.kernels.aten import _SelectorGate as _SelectorGate
 from dselectk.kernels.aten import _softmax_small as _softmax_small
 
-__all__ = ["SoftmaxSelectorGate"]
+__all__ = ["DSelectKExtended", "SoftmaxSelectorGate"]
+
+#: the initialisations of :class:`DSelectKExtended`
+INITS = ("paper", "spread")
 
 
 class SoftmaxSelectorGate(Gate):
@@ -158,3 +165,116 @@ class SoftmaxSelectorGate(Gate):
             f"temperature={format_hyperparameter(self.temperature)}, "
             f"entropy_reg={format_hyperparameter(self.entropy_reg)}"
         )
+
+
+class DSelectKExtended(DSelectK):
+    """:class:`~dselectk.gates.DSelectK` with two research options of ours against selectors
+    collapsing onto one expert, kept for studies and ablations; both measured no gain.
+
+    Selector diversity: with ``diversity=μ > 0`` each gate's auxiliary loss gains
+    μ Σ_{i<j} P(selector i and selector j pick the same code). Because each selector
+    r(S(z⁽ⁱ⁾)) is the law of M independent bits (Section 3.1.1), this probability is
+    ⟨r_i, r_j⟩ = Π_m [p_im p_jm + (1 - p_im)(1 - p_jm)] (p = S(z), bit m of the two codes agrees
+    when both are 1 or both are 0), computed in O(K² M) without expanding the 2**M codes. It is 1
+    for two identical binary codes and 0 for distinct ones, and its gradient vanishes once S(Z)
+    is binary, like the entropy term. With μ = 0 (the default) the term is not computed at all.
+
+    Spread initialisation: ``init="spread"`` starts selector i leaning towards a distinct random
+    expert (an offset of ±γ/4 per bit of Z, S = 0.84 or 0.16).
+
+    Measured (``research/notes/per_token.md``; ``tuned_synthetic.json``): on the synthetic study
+    (Appendix C.1) the spread init gave MSE 0.13–0.18 at λ = 0.1, worse than the paper's init
+    (bits binarize early on random codes, then get no gradient), and the diversity penalty no
+    gain at μ ∈ {0.1, 1}; per token (char-LM) μ = 0.1 gives exactly 2 distinct experts but
+    +0.0112 ± 0.0065 bits per byte behind Top-k over 9 seeds, and spread with diversity
+    2.4762 ± 0.0017 against 2.4765 ± 0.0145 without spread (2 seeds). With ``diversity=0`` and
+    ``init="paper"`` the gate is :class:`~dselectk.gates.DSelectK` (the same parameters from the
+    same random state, the same outputs). Registered as ``"dselect_k_extended"``.
+
+    Args:
+        num_experts, k, in_features, gamma, entropy_reg, xi, distinct, num_gates, bias: as
+            :class:`~dselectk.gates.DSelectK`.
+        diversity: μ >= 0 of the selector-diversity penalty, or one per gate of a bank (a
+            sequence or a (T,) tensor). Settable; a schedule may move it.
+        init: "paper" (default): Z (static) or the Z rows of the layer (per-example)
+            ~ U(-γ/100, γ/100) (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every
+            S(Z_ij) starts strictly inside (0, 1); "spread": as "paper" plus the offset above.
+    """
+
+    _removed_keywords: ClassVar[Mapping[str, str]] = (
+        Gate._removed_keywords
+    )  # (DSelectK's adds diversity and init)
+    _diversity: Tensor
+    diversity = HyperParameter(positive=False, optional=True)  # states saved without it load
+
+    def __init__(
+        self,
+        num_experts: int,
+        k: int,
+        *,
+        in_features: int | None = None,
+        gamma: float | Sequence[float] | Tensor = 1.0,
+        entropy_reg: float | Sequence[float] | Tensor = 0.0,
+        xi: float = 1.0,
+        diversity: float | Sequence[float] | Tensor = 0.0,
+        init: str = "paper",
+        distinct: bool = False,
+        num_gates: int | None = None,
+        bias: bool = True,
+    ) -> None:
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        # read by _init_offset while DSelectK's constructor draws the parameters (a plain
+        # attribute may be set before nn.Module's constructor)
+        self.init = init
+        super().__init__(
+            num_experts,
+            k,
+            in_features=in_features,
+            gamma=gamma,
+            entropy_reg=entropy_reg,
+            xi=xi,
+            distinct=distinct,
+            num_gates=num_gates,
+            bias=bias,
+        )
+        self.diversity = diversity
+
+    def _init_offset(self, lead: tuple[int, ...]) -> Tensor | None:
+        """(*lead, K, M) offsets ±γ/4 towards a distinct random code per selector ("spread"),
+        or None ("paper")."""
+        if self.init == "paper":
+            return None
+        picks = [torch.randperm(self.num_experts)[: self.k] for _ in range(math.prod(lead))]
+        codes = torch.stack(picks)
+        bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
+        gamma = self.gamma
+        if isinstance(gamma, Tensor):  # one γ per gate; lead is (T,)
+            gamma = gamma.to(bits.device, torch.float32).view(-1, 1, 1)
+        return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
+
+    def _penalty_on(self) -> bool:
+        return type(self).diversity.is_nonzero(self)  # a Python flag: no sync, no graph break
+
+    def _penalty(self, z: Tensor) -> Tensor:
+        return self._reduce_aux(self.diversity_penalty(z))
+
+    def diversity_penalty(self, z: Tensor) -> Tensor:
+        """μ Σ_{i<j} ⟨r_i, r_j⟩ of each gate (see the class docstring), shape (*lead,).
+
+        Args:
+            z: (*lead, K, M) encoding variables.
+        """
+        p = (z / self._per_gate(self._gamma, 2)).clamp(-0.5, 0.5)
+        p = p * (1.5 - 2.0 * p * p) + 0.5  # S(z), (*lead, K, M)
+        pi, pj = p.unsqueeze(-2), p.unsqueeze(-3)  # (*lead, K, 1, M), (*lead, 1, K, M)
+        same = (pi * pj + (1 - pi) * (1 - pj)).prod(-1)  # (*lead, K, K)
+        k = p.shape[-2]
+        upper = torch.ones(k, k, dtype=torch.bool, device=p.device).triu(1)
+        return self._diversity * (same * upper).sum((-1, -2))
+
+    def extra_repr(self) -> str:
+        extra = ""  # DSelectK's repr when the diversity penalty is off
+        if type(self).diversity.is_nonzero(self):
+            extra = f", diversity={format_hyperparameter(self.diversity)}"
+        return f"{super().extra_repr()}{extra}, init={self.init!r}"

@@ -36,6 +36,8 @@ when each task's gate adds its own regulariser to a summed multi-task loss).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -60,6 +62,12 @@ __all__ = [
     "format_hyperparameter",
     "hyperparameters",
 ]
+
+
+@functools.cache
+def _init_arguments(cls: type) -> frozenset[str]:
+    """The names of the arguments of ``cls.__init__``."""
+    return frozenset(inspect.signature(cls.__init__).parameters)
 
 
 class GateOutput(NamedTuple):
@@ -135,11 +143,21 @@ class Gate(nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Gate:
         for key in kwargs:
-            if key in cls._removed_keywords:
+            # (a subclass whose constructor names such an argument takes it as its own)
+            if key in cls._removed_keywords and key not in _init_arguments(cls):
                 raise TypeError(
                     f"{cls.__name__}() takes no argument {key!r}: {cls._removed_keywords[key]}"
                 )
         return super().__new__(cls)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # an option of earlier versions is refused, not stored as an attribute nothing reads
+        if name in type(self)._removed_keywords:
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r}: "
+                f"{type(self)._removed_keywords[name]}"
+            )
+        super().__setattr__(name, value)
 
     def __init__(
         self,

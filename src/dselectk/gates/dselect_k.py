@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -29,9 +29,6 @@ from dselectk.kernels.dispatch import _dselect_k_parts, choose
 from dselectk.runtime import PARALLEL_MIN_ELEMENTS
 
 __all__ = ["DSelectK"]
-
-_INITS = ("paper", "spread")
-
 
 _STATIC_ONLY = "{name} is a parameter of static gates only (this gate is per-example); use bits(x)"
 
@@ -59,29 +56,17 @@ class DSelectK(Gate):
 
     The auxiliary loss is λ Σ_i h(r(S(z⁽ⁱ⁾))) (entropy regulariser, Section 3.1.3), computed as
     the sum of the bits' binary entropies, plus ξ Σ_i 1/Σ_{j<=n} r(S(z⁽ⁱ⁾))_j when n is not a
-    power of two (Appendix B.2), plus the optional selector-diversity penalty below.
-    Per-example, all terms are per example and averaged over the batch.
+    power of two (Appendix B.2). Per-example, all terms are per example and averaged over the
+    batch.
 
-    Selector diversity (ours, not the paper's): with ``diversity=μ > 0`` each gate's auxiliary
-    loss gains μ Σ_{i<j} P(selector i and selector j pick the same code). Because each selector
-    r(S(z⁽ⁱ⁾)) is the law of M independent bits (Section 3.1.1), this probability is
-    ⟨r_i, r_j⟩ = Π_m [p_im p_jm + (1 - p_im)(1 - p_jm)] (p = S(z), bit m of the two codes agrees
-    when both are 1 or both are 0), computed in O(K² M) without expanding the 2**M codes. It is 1
-    for two identical binary codes and 0 for distinct ones, and its gradient vanishes once S(Z)
-    is binary, like the entropy term. It targets the failure seen in Appendix C.1 runs:
-    selectors collapsing onto the same expert (fewer than k distinct). With μ = 0 (the default)
-    the term is not computed at all.
+    Differences from the paper: optional biases in the per-example gate (on by default) and the
+    optional ``distinct`` codes below (off by default). Two research options that measured no
+    gain, a "spread" initialisation and a selector-diversity penalty, are in
+    :class:`~dselectk.gates.ablation.DSelectKExtended`.
 
-    Differences from the paper: optional biases in the per-example gate (on by default); an
-    optional ``init="spread"`` (ours, not the paper's) that starts selector i leaning towards a
-    distinct random expert, to keep selectors from collapsing onto the same expert; the
-    diversity penalty above (off by default). (The other collapse remedies of
-    ``research/notes/collapse.md``, exclusive selectors, an α floor and a "distinct" init, were
-    retired; they live at commit ``a78ed56``.)
-
-    Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma``, ``entropy_reg`` and
-    ``diversity`` may each be one number (all gates) or T numbers (a sequence or a (T,) tensor,
-    gate t gets value t), in the constructor or by assignment; see
+    Per-gate hyperparameters: in a bank (``num_gates=T``) ``gamma`` and ``entropy_reg`` may each
+    be one number (all gates) or T numbers (a sequence or a (T,) tensor, gate t gets value t),
+    in the constructor or by assignment; see
     :class:`~dselectk.gates.base.HyperParameter` (reading a per-gate value returns a (T,)
     tensor, a copy). A bank with per-gate values computes, gate for gate, what T single gates
     with those values compute; per-example banks (B, T, ...) broadcast them over the gate axis.
@@ -94,12 +79,6 @@ class DSelectK(Gate):
             towards 0.
         entropy_reg: λ >= 0, or one per gate. Settable; a schedule may change it.
         xi: ξ >= 0, weight of the unused-code penalty (only when n is not a power of two).
-        diversity: μ >= 0 of the selector-diversity penalty (see above), or one per gate.
-            Settable.
-        init: "paper": Z (static) or the Z rows of the layer (per-example) ~ U(-γ/100, γ/100),
-            (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every S(Z_ij) starts
-            strictly inside (0, 1); "spread": as "paper" plus an offset of ±γ/4 per bit towards
-            a distinct random code per selector (S = 0.84 or 0.16).
         distinct: (ours) give the K selectors distinct expert codes by construction: before the
             smooth-step, a selector whose code (sign pattern of its z) an earlier selector holds,
             or that is no expert, has its least confident bits negated to reach the nearest free
@@ -128,8 +107,13 @@ class DSelectK(Gate):
     gamma = HyperParameter(positive=True, minimum=GAMMA_MIN)
     _entropy_reg: Tensor
     entropy_reg = HyperParameter(positive=False)
-    _diversity: Tensor
-    diversity = HyperParameter(positive=False, optional=True)  # old checkpoints lack it
+    _removed_keywords: ClassVar[Mapping[str, str]] = {
+        **Gate._removed_keywords,
+        "diversity": "the selector-diversity penalty is an option of "
+        "dselectk.gates.DSelectKExtended (registered as 'dselect_k_extended')",
+        "init": "DSelectK always starts as the paper does; the 'spread' init is an option of "
+        "dselectk.gates.DSelectKExtended (registered as 'dselect_k_extended')",
+    }
 
     def __init__(
         self,
@@ -140,8 +124,6 @@ class DSelectK(Gate):
         gamma: float | Sequence[float] | Tensor = 1.0,
         entropy_reg: float | Sequence[float] | Tensor = 0.0,
         xi: float = 1.0,
-        diversity: float | Sequence[float] | Tensor = 0.0,
-        init: str = "paper",
         distinct: bool = False,
         num_gates: int | None = None,
         bias: bool = True,
@@ -153,16 +135,12 @@ class DSelectK(Gate):
             bias=bias,
         )
         self._set_k(k)
-        if init not in _INITS:
-            raise ValueError(f"init must be one of {_INITS}, got {init!r}")
         self.max_nonzeros = self.k  # once S(Z) is binary
         self.num_bits = DF.num_bits(num_experts)
         self.xi = check_nonnegative("xi", xi)
         # Schedulable values live in buffers (see HyperParameter).
         self.gamma = gamma
         self.entropy_reg = entropy_reg
-        self.diversity = diversity
-        self.init = init
         if not isinstance(distinct, bool):
             raise TypeError(f"distinct must be a bool, got {distinct!r}")
         self.distinct = distinct
@@ -190,7 +168,7 @@ class DSelectK(Gate):
         k, m = self.k, self.num_bits
         if self.static:
             self.logits.uniform_(-bound, bound)
-            offset = self._spread_offset(self.logits.shape[:-1])
+            offset = self._init_offset(self.logits.shape[:-1])
             if offset is not None:
                 self.logits[..., k:] += offset.flatten(-2)
             return
@@ -201,7 +179,7 @@ class DSelectK(Gate):
         if self.proj.bias is not None:
             b = self.proj.bias.view(g, k * (1 + m))
             nn.init.uniform_(b, -bound, bound)
-            offset = self._spread_offset((g,))
+            offset = self._init_offset((g,))
             if offset is not None:
                 b[:, k:] += offset.flatten(-2)
 
@@ -211,7 +189,7 @@ class DSelectK(Gate):
         if self.static:
             for row, b in zip(self.logits, bounds):
                 row.uniform_(-b, b)
-            offset = self._spread_offset(self.logits.shape[:-1])
+            offset = self._init_offset(self.logits.shape[:-1])
             if offset is not None:
                 self.logits[..., k:] += offset.flatten(-2)
             return
@@ -224,22 +202,24 @@ class DSelectK(Gate):
             bias = self.proj.bias.view(g, k * (1 + m))
             for row, b in zip(bias, bounds):
                 row.uniform_(-b, b)
-            offset = self._spread_offset((g,))
+            offset = self._init_offset((g,))
             if offset is not None:
                 bias[:, k:] += offset.flatten(-2)
 
-    def _spread_offset(self, lead: tuple[int, ...]) -> Tensor | None:
-        """(*lead, K, M) offsets ±γ/4 towards a distinct random code per selector ("spread"),
-        or None ("paper")."""
-        if self.init == "paper":
-            return None
-        picks = [torch.randperm(self.num_experts)[: self.k] for _ in range(math.prod(lead))]
-        codes = torch.stack(picks)
-        bits = (codes.unsqueeze(-1) >> torch.arange(self.num_bits)) & 1  # (G, K, M)
-        gamma = self.gamma
-        if isinstance(gamma, Tensor):  # one γ per gate; lead is (T,)
-            gamma = gamma.to(bits.device, torch.float32).view(-1, 1, 1)
-        return ((bits.float() * 2 - 1) * (gamma / 4)).view(*lead, self.k, self.num_bits)
+    def _init_offset(self, lead: tuple[int, ...]) -> Tensor | None:
+        """(*lead, K, M) offsets a subclass adds to the initial Z (static) or the Z part of the
+        layer's bias (per-example), or None: the paper's initialisation (here)."""
+        return None
+
+    def _penalty_on(self) -> bool:
+        """Whether a subclass adds an auxiliary loss on Z (:meth:`_penalty`): a Python flag
+        (no device sync, no graph break). False here."""
+        return False
+
+    def _penalty(self, z: Tensor) -> Tensor:
+        """A subclass's auxiliary loss on Z (*lead, K, M), summed over the gates and averaged
+        over the batch like the others; called only when :meth:`_penalty_on`."""
+        raise NotImplementedError
 
     def split_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Split flat logits (..., K(1+M)) into α (..., K) and Z (..., K, M)."""
@@ -269,7 +249,15 @@ class DSelectK(Gate):
         # AttributeError (hasattr and torch.jit.trace rely on that), but one that says why.
         if name in ("alpha", "z") and self.__dict__.get("in_features") is not None:
             raise AttributeError(_STATIC_ONLY.format(name=name))
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            removed = type(self)._removed_keywords.get(name)  # diversity, init: say where
+            if removed is None:
+                raise
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r}: {removed}"
+            ) from None
 
     # -- math -----------------------------------------------------------------------------
     def _codes_z(self, z: Tensor) -> Tensor:
@@ -297,8 +285,8 @@ class DSelectK(Gate):
             p = DF._smooth(z, self._per_gate(self._gamma, 2))  # (*lead, K, M)
             per_gate = per_gate + DF.unused_code_penalty(p, self.num_experts, self.xi).sum(-1)
         aux = self._reduce_aux(per_gate)
-        if type(self).diversity.is_nonzero(self):  # a Python flag: no sync, no graph break
-            aux = aux + self._reduce_aux(self.diversity_penalty(z))
+        if self._penalty_on():
+            aux = aux + self._penalty(z)
         return GateOutput(weights, aux)
 
     def forward(self, x: Tensor | None = None) -> GateOutput:
@@ -385,9 +373,8 @@ class DSelectK(Gate):
             return None
         if n < 2**m:
             w = w[..., :n]
-        if type(self).diversity.is_nonzero(self):
-            z = self.split_logits(self.compute_logits(x))[1]
-            aux = aux + self._reduce_aux(self.diversity_penalty(z))
+        if self._penalty_on():
+            aux = aux + self._penalty(self.split_logits(self.compute_logits(x))[1])
         return GateOutput(w, aux)
 
     def _host_math(self) -> bool:
@@ -427,23 +414,9 @@ class DSelectK(Gate):
             w, aux = node.apply(flat, gamma, lam, k, lead, not self.static)
         if n < 2**m:
             w = w[..., :n]
-        if type(self).diversity.is_nonzero(self):
-            aux = aux + self._reduce_aux(self.diversity_penalty(self.split_logits(logits)[1]))
+        if self._penalty_on():
+            aux = aux + self._penalty(self.split_logits(logits)[1])
         return GateOutput(w, aux)
-
-    def diversity_penalty(self, z: Tensor) -> Tensor:
-        """μ Σ_{i<j} ⟨r_i, r_j⟩ of each gate (see the class docstring), shape (*lead,).
-
-        Args:
-            z: (*lead, K, M) encoding variables.
-        """
-        p = (z / self._per_gate(self._gamma, 2)).clamp(-0.5, 0.5)
-        p = p * (1.5 - 2.0 * p * p) + 0.5  # S(z), (*lead, K, M)
-        pi, pj = p.unsqueeze(-2), p.unsqueeze(-3)  # (*lead, K, 1, M), (*lead, 1, K, M)
-        same = (pi * pj + (1 - pi) * (1 - pj)).prod(-1)  # (*lead, K, K)
-        k = p.shape[-2]
-        upper = torch.ones(k, k, dtype=torch.bool, device=p.device).triu(1)
-        return self._diversity * (same * upper).sum((-1, -2))
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()
@@ -540,11 +513,38 @@ class DSelectK(Gate):
         return f"S(Z) is not binary yet ({self.binary_fraction():.1%} of its bits are)"
 
     def extra_repr(self) -> str:
-        extra = ""  # today's repr when the diversity penalty is off
-        if type(self).diversity.is_nonzero(self):
-            extra = f", diversity={format_hyperparameter(self.diversity)}"
-        extra += ", distinct=True" if self.distinct else ""
         return (
             f"{super().extra_repr()}, k={self.k}, gamma={format_hyperparameter(self.gamma)}, "
-            f"entropy_reg={format_hyperparameter(self.entropy_reg)}{extra}, init={self.init!r}"
+            f"entropy_reg={format_hyperparameter(self.entropy_reg)}"
+            + (", distinct=True" if self.distinct else "")
         )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A state saved when DSelectK had the diversity option carries its buffer ``_diversity``:
+        # at 0 (the default: the term was not computed) it loads and is dropped; a nonzero μ
+        # belongs to DSelectKExtended, and loading it here would silently change the loss.
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        key = prefix + "_diversity"
+        if key not in state_dict or "_diversity" in self._buffers:
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        mu = state_dict[key]
+        if isinstance(mu, Tensor) and not mu.is_meta and bool((mu != 0).any()):
+            shown = format_hyperparameter(float(mu) if mu.dim() == 0 else mu)
+            error_msgs.append(
+                f"{key}: the state has a selector-diversity weight μ = {shown}, an option "
+                "DSelectK no longer has; load it into dselectk.gates.DSelectKExtended (or set "
+                "the entry to 0 to drop it)"
+            )

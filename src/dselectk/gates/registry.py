@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from dselectk.gates.ablation import SoftmaxSelectorGate
+from dselectk.gates.ablation import INITS, DSelectKExtended, SoftmaxSelectorGate
 from dselectk.gates.base import Gate
 from dselectk.gates.comet import COMETGate
 from dselectk.gates.dselect_k import DSelectK
@@ -275,9 +275,22 @@ _TAU = HParam(
     "temperature", float, 1.0, low=0.0, positive=True, schedulable=True, doc="temperature τ"
 )
 
+_XI = HParam("xi", float, 1.0, low=0.0, doc="weight ξ of the unused-code penalty (App. B.2)")
+_DISTINCT = HParam(
+    "distinct",
+    bool,
+    False,
+    doc="selectors moved to distinct expert codes by their least confident bits (ours)",
+)
 register_gate(
     "dselect_k",
     DSelectK,
+    [_GAMMA, _LAMBDA, _XI, _DISTINCT],
+    summary="DSelect-k (Sec. 3): k binary-encoded selectors, cubic smooth-step",
+)
+register_gate(
+    "dselect_k_extended",
+    DSelectKExtended,
     [
         _GAMMA,
         _LAMBDA,
@@ -287,24 +300,19 @@ register_gate(
             0.0,
             low=0.0,
             schedulable=True,
-            doc="selector-diversity weight μ (ours)",
+            doc="selector-diversity weight μ (ours; measured: no gain)",
         ),
-        HParam("xi", float, 1.0, low=0.0, doc="weight ξ of the unused-code penalty (App. B.2)"),
+        _XI,
         HParam(
             "init",
             str,
             "paper",
-            choices=("paper", "spread"),
-            doc="initialisation (paper, or spread: selectors lean to distinct experts)",
+            choices=INITS,
+            doc="initialisation (paper, or spread: selectors lean to distinct experts; ours)",
         ),
-        HParam(
-            "distinct",
-            bool,
-            False,
-            doc="selectors moved to distinct expert codes by their least confident bits (ours)",
-        ),
+        _DISTINCT,
     ],
-    summary="DSelect-k (Sec. 3): k binary-encoded selectors, cubic smooth-step",
+    summary="DSelect-k with research options (spread init, selector diversity): no gain measured",
 )
 register_gate(
     "topk",

@@ -43,6 +43,8 @@ ROUTERS = select(
     "expert_choice",
     renamed={"dselect_k": "dselect_k_token"},
 )
+#: the registry names of the DSelect-k gates (``router_k`` sets their selector count)
+DSELECT_K_GATES = ("dselect_k", "dselect_k_extended")
 #: the routers a command runs without ``--gates`` (expert choice sees the whole batch, future
 #: tokens included: a competitor to run on purpose, not a default)
 DEFAULT_ROUTERS = tuple(name for name, v in ROUTERS.items() if v.routing == "token")
@@ -55,7 +57,7 @@ def build_model(variant: Variant, hp: Mapping[str, Any]) -> CharMoETransformer:
     gate's hyperparameters found in ``hp``). ``hp["router_k"]`` (when set): a DSelect-k
     router's number of selectors; the layer still dispatches ``hp["k"]`` experts a token."""
     gate: Callable[..., Gate] = partial(variant.build, hparams=hp)
-    if hp.get("router_k") is not None and variant.gate == "dselect_k":
+    if hp.get("router_k") is not None and variant.gate in DSELECT_K_GATES:
         gate = partial(_selectors, variant, hp)
     return CharMoETransformer.from_settings(gate, hp, routing=variant.routing)
 
