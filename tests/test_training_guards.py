@@ -276,7 +276,7 @@ def test_checkpoint_with_another_search_setting_is_refused(tmp_path: Path) -> No
     assert torch.load(planned, weights_only=False)["config"]["search"] == {
         "plan": "SearchPlan", "at": [0.5], "binarize": 0.25, "refit": False, "probe": 2048,
     }  # fmt: skip
-    with pytest.raises(CheckpointMismatchError, match="'binarize': 0.25.*'binarize': 0.5"):
+    with pytest.raises(CheckpointMismatchError, match=r"'binarize': 0.25.*'binarize': 0.5"):
         _run(planned, search=SearchPlan(at=(0.5,), binarize=0.5))
     _run(planned, search=SearchPlan(at=(0.5,), binarize=0.25))
     # a checkpoint written before the setting was recorded resumes under any setting
@@ -284,6 +284,30 @@ def test_checkpoint_with_another_search_setting_is_refused(tmp_path: Path) -> No
     del old["config"]["search"]
     torch.save(old, planned)
     _run(planned, search=None)
+
+
+def test_checkpoint_of_a_dselect_k_with_the_retired_diversity_option_resumes(
+    tmp_path: Path,
+) -> None:
+    # written when DSelectK had the diversity option: its μ in the configuration and its buffer
+    # _diversity in the model state, at 0 (the default: the term was not computed)
+    ckpt = tmp_path / "run.pt"
+    _, hist = _run(ckpt, epochs=1, search=None)
+    state = torch.load(ckpt, weights_only=False)
+    (name,) = [k for k in state["config"]["hyperparameters"] if k.endswith(".gamma")]
+    prefix = name[: -len("gamma")]
+    for mu in (0.0, [0.0, 0.0]):
+        state["config"]["hyperparameters"][prefix + "diversity"] = mu
+        state["model"][prefix + "_diversity"] = torch.tensor(mu)
+        torch.save(state, ckpt)
+        _, hist2 = _run(ckpt, epochs=2, search=None)  # resumes: one more epoch
+        assert hist2.steps == 2 * hist.steps
+    # a nonzero μ trained another loss: refused
+    state["config"]["hyperparameters"][prefix + "diversity"] = 0.3
+    state["model"][prefix + "_diversity"] = torch.tensor(0.3)
+    torch.save(state, ckpt)
+    with pytest.raises(CheckpointMismatchError, match=r"diversity: 0\.3 in the checkpoint"):
+        _run(ckpt, epochs=2, search=None)
 
 
 def test_checkpoint_with_another_model_is_refused(tmp_path: Path) -> None:

@@ -209,6 +209,12 @@ def _round7(v: Any) -> Any:
 _RETIRED_KEYS = ("record_every",)
 
 
+#: gate hyperparameters older checkpoints carry that the gate class no longer has, with the
+#: value at which they changed nothing (DSelectK's selector-diversity μ, now DSelectKExtended's):
+#: a checkpoint with that value resumes, another value is a difference
+_RETIRED_HPARAMS = {"diversity": 0.0}
+
+
 #: keys newer than some checkpoints: a checkpoint without them cannot be checked on them
 _ADDED_KEYS = ("hyperparameters", "data", "search")
 
@@ -222,6 +228,11 @@ def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if key == "hyperparameters" and isinstance(a, dict) and isinstance(b, dict):
             for name in sorted(set(a) | set(b)):
                 va, vb = a.get(name, "<absent>"), b.get(name, "<absent>")
+                retired = name.rsplit(".", 1)[-1]
+                if vb == "<absent>" and retired in _RETIRED_HPARAMS:
+                    off = _RETIRED_HPARAMS[retired]
+                    if va == off or (isinstance(va, list) and all(v == off for v in va)):
+                        continue
                 if va != vb:
                     diffs.append(f"{name}: {va!r} in the checkpoint, {vb!r} now")
             continue
