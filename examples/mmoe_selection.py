@@ -23,9 +23,8 @@ data = TaskData(x, [y_a, y_b])
 train_data, val_data = data.batch(torch.arange(0, 896)), data.batch(torch.arange(896, 1024))
 
 model = MultiGateMoE(
-    StackedMLP(
-        8, 16, [32], final_activation=True
-    ),  # 8 experts, each 16 -> 32, evaluated as one batched matmul
+    # 8 experts, each 16 -> 32 and ReLU, evaluated as one batched matmul
+    StackedMLP(8, 16, [32], final_activation=True),
     DSelectK(num_experts=8, k=2, num_gates=2, gamma=10.0, entropy_reg=0.1),  # one gate per task
     StackedMLP(2, 32, [16, 1], final_activation=False),  # one tower per task
 )
