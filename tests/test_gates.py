@@ -282,7 +282,7 @@ def test_ablation_gate_formula_and_annealing_limit() -> None:
         (lambda: DSelectK(8, 2, gamma=-1.0), "gamma"),
         (lambda: DSelectK(8, 2, entropy_reg=-0.1), "entropy_reg"),
         (lambda: DSelectK(8, 2, xi=-1.0), "xi"),
-        (lambda: DSelectK(8, 2, init="zeros"), "init"),
+        (lambda: DSelectKExtended(8, 2, init="zeros"), "init"),
         (lambda: DSelectK(8, 2, in_features=0), "in_features"),
         (lambda: DSelectK(8, 2, num_gates=0), "num_gates"),
         (lambda: TopKGate(4, 5), "k must be <= num_experts"),

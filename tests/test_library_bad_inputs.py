@@ -14,7 +14,14 @@ import torch
 from dselectk import DSelectK, io
 from dselectk.gates import gate_names, make_gate
 
-K_GATES = {"dselect_k", "topk", "ablation_annealing", "ablation_entropy", "comet"}
+K_GATES = {
+    "dselect_k",
+    "dselect_k_extended",
+    "topk",
+    "ablation_annealing",
+    "ablation_entropy",
+    "comet",
+}
 
 
 def _kw(name: str) -> dict[str, object]:

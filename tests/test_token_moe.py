@@ -16,7 +16,15 @@ D = 6
 def _gate(name: str, **kw: object) -> torch.nn.Module:
     extra = (
         {"k": 2}
-        if name in ("dselect_k", "topk", "ablation_entropy", "ablation_annealing", "comet")
+        if name
+        in (
+            "dselect_k",
+            "dselect_k_extended",
+            "topk",
+            "ablation_entropy",
+            "ablation_annealing",
+            "comet",
+        )
         else {}
     )
     return make_gate(name, 5, in_features=D, **extra, **kw)
