@@ -35,8 +35,11 @@ DEFAULT_GATES = [g for g in VARIANTS if g != "topk_search_refit"]
 #: the paper's tuning grid (Appendix D, "Synthetic Data"): the trainer's axes, then the values of
 #: each gate's hyperparameters (the hyperparameters a study run of that gate takes)
 TRAINER_GRID: dict[str, list[float]] = {"lr": [1e-3, 1e-2, 1e-1], "epochs": [25, 50, 75, 100]}
+_DSELECT_K_AXES = {"gamma": [5.0, 10.0, 15.0], "entropy_reg": [0.001, 0.005, 0.01, 0.1]}
 GATE_GRID: dict[str, dict[str, list[float]]] = {
-    "dselect_k": {"gamma": [5.0, 10.0, 15.0], "entropy_reg": [0.001, 0.005, 0.01, 0.1]},
+    "dselect_k": _DSELECT_K_AXES,
+    # DSelectKExtended (the spread-init variant, ours): DSelect-k's axes
+    "dselect_k_extended": _DSELECT_K_AXES,
     "topk": {},
     # not in the paper (COMET came later); its γ and λ mean what DSelect-k's do: the same axes
     "comet": {"gamma": [5.0, 10.0, 15.0], "entropy_reg": [0.001, 0.005, 0.01, 0.1]},
