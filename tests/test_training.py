@@ -123,7 +123,7 @@ def test_gate_observers_do_not_change_the_run() -> None:
         x = torch.randn(120, 4, generator=g)
         data = TaskData(x, [x[:, :1], x[:, 1:2]])
         model = MultiGateMoE(
-            StackedMLP(4, 4, [8], dropout=0.5),
+            StackedMLP(4, 4, [8], dropout=0.5, final_activation=True),
             DSelectK(4, 2, num_gates=2, gamma=2.0),
             StackedMLP(2, 8, [1], activation="identity"),
         )

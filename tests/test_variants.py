@@ -213,7 +213,11 @@ def test_a_ramp_schedules_a_gate_in_train_and_resumes_from_a_checkpoint(tmp_path
     def run(epochs: int, ckpt: object) -> tuple[float, float]:
         torch.manual_seed(0)
         gates = DSelectK(4, 2, num_gates=2, gamma=2.0)
-        model = MultiGateMoE(StackedMLP(4, 3, [4]), gates, StackedMLP(2, 4, [1]))
+        model = MultiGateMoE(
+            StackedMLP(4, 3, [4], final_activation=True),
+            gates,
+            StackedMLP(2, 4, [1], final_activation=True),
+        )
         x = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
         data = TaskData(x, [x[:, :1], x[:, 1:2]])
         cfg = TrainConfig(

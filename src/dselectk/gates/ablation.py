@@ -199,6 +199,21 @@ class DSelectKExtended(DSelectK):
         init: "paper" (default): Z (static) or the Z rows of the layer (per-example)
             ~ U(-γ/100, γ/100) (with γ per gate: gate t's rows ~ U(-γ_t/100, γ_t/100)), so every
             S(Z_ij) starts strictly inside (0, 1); "spread": as "paper" plus the offset above.
+
+    Examples:
+        >>> from dselectk.gates import DSelectK, DSelectKExtended
+        >>> _ = torch.manual_seed(0)
+        >>> plain = DSelectK(8, k=2)
+        >>> _ = torch.manual_seed(0)
+        >>> same = DSelectKExtended(8, k=2)  # at its defaults: DSelectK, draw for draw
+        >>> torch.equal(same().weights, plain().weights)
+        True
+        >>> gate = DSelectKExtended(8, k=2, diversity=0.1, init="spread")
+        >>> bits = gate.bits()  # selectors start leaning to distinct codes: S ≈ 0.84 or 0.16
+        >>> bool(((bits - 0.5).abs() > 0.3).all())
+        True
+        >>> float(gate().aux_loss.detach()) > 0  # μ Σ P(two selectors pick the same code)
+        True
     """
 
     _removed_keywords: ClassVar[Mapping[str, str]] = (

@@ -210,8 +210,8 @@ def gate_names() -> list[str]:
     Examples:
         >>> from dselectk.gates.registry import gate_names
         >>> gate_names()
-        ['ablation_annealing', 'ablation_entropy', 'comet', 'dselect_k', 'gumbel_softmax',
-         'softmax', 'topk']
+        ['ablation_annealing', 'ablation_entropy', 'comet', 'dselect_k', 'dselect_k_extended',
+         'gumbel_softmax', 'softmax', 'topk']
     """
     return sorted(GATES)
 
