@@ -14,7 +14,7 @@ from torch import Tensor
 from benchmarks.common import Report, row
 from benchmarks.mmoe import adam, ours_mmoe, train_step
 from benchmarks.timing import compare
-from dselectk.gates import DSelectK
+from dselectk.gates import DSelectK, DSelectKExtended
 from dselectk.layers import StackedMLP
 from dselectk.models import MoE
 
@@ -68,13 +68,14 @@ def _inference_rows(dev: torch.device, quick: bool) -> list[dict]:
     b, n, k = (1024 if quick else 4096), 8, 2
     torch.manual_seed(2)
     xi = torch.randn(b, 64, device=dev)
-    gate = DSelectK(n, k, in_features=64, init="spread").to(dev)
+    gate = DSelectKExtended(n, k, in_features=64, init="spread").to(dev)
     with torch.no_grad():
         gate.proj.weight.mul_(1e3)  # every bit binary: each example uses <= k experts
-    experts = StackedMLP(n, 64, [256]).to(dev)
+    experts = StackedMLP(n, 64, [256], final_activation=True).to(dev)
     routed = MoE(experts, gate).eval()
     dense_all = MoE(experts, gate, conditional=False).eval()
-    selected = StackedMLP(k, 64, [256]).to(dev)  # a dense model of only k experts
+    # a dense model of only k experts
+    selected = StackedMLP(k, 64, [256], final_activation=True).to(dev)
 
     def dense_selected() -> Tensor:
         w = gate(xi).weights[:, :k].unsqueeze(1)  # same gate cost, k columns

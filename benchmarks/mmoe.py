@@ -32,7 +32,7 @@ def ours_mmoe(
     """Our MMoE: n Dense-256 experts on 64 features, a static DSelect-k (k=2) bank, towers."""
     torch.manual_seed(0)
     return MultiGateMoE(
-        StackedMLP(n, 64, [256]),
+        StackedMLP(n, 64, [256], final_activation=True),
         DSelectK(n, 2, num_gates=tasks),
         StackedMLP(tasks, 256, list(tower), final_activation=False),
         conditional=conditional,

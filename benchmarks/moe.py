@@ -109,8 +109,8 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
             reps = 5 if tokens < 8192 else 3
         torch.manual_seed(0)
         ours = SparseMoEFeedForward(d_model, d_ff, n, "topk", k, balance_weight=0.0).to(dev)
-        assert isinstance(ours.router, TopKGate)
-        grouped = GroupedMoE(ours.router, d_model, d_ff, n, k).to(dev)
+        assert isinstance(ours.gate, TopKGate)
+        grouped = GroupedMoE(ours.gate, d_model, d_ff, n, k).to(dev)
         x = torch.randn(1, tokens, d_model, device=dev, requires_grad=True)
         g = torch.randn_like(x)
         dense = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
