@@ -66,7 +66,7 @@ def test_renormalize_is_a_switch_and_keeps_its_value_spelling() -> None:
 
     p = build_parser()
     base = ["reproduce", "token-moe", "--out", "x"]
-    assert p.parse_args(base).renormalize is False
+    assert p.parse_args(base).renormalize is True  # the default: measured best per token
     assert p.parse_args([*base, "--renormalize"]).renormalize is True
     assert p.parse_args([*base, "--no-renormalize"]).renormalize is False
     assert p.parse_args([*base, "--renormalize", "true"]).renormalize is True

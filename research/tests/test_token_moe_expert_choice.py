@@ -9,6 +9,7 @@ from dselectk_research import token_moe as TM
 
 def test_the_char_lm_router_builds_expert_choice_layers() -> None:
     hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8)
+    hp["renormalize"] = False  # the default (True) is token routing's only
     model = TM.build_model(TM.ROUTERS["expert_choice"], hp)
     assert all(m.routing == "expert" for m in model.moe_layers)
     assert TM.ROUTERS["expert_choice"].identity()["routing"] == "expert"

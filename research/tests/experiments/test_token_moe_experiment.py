@@ -82,7 +82,10 @@ def test_routers_are_variants() -> None:
     assert list(TM.ROUTERS) == ["dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity",
                                 "expert_choice"]  # fmt: skip
     assert TM.DEFAULT_ROUTERS == ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
-    hp = dict(TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0)
+    hp = dict(
+        TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0,
+        entropy_reg=0.01,
+    )
     dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].gate
     assert (
         dk.binarizes
@@ -271,10 +274,12 @@ def test_router_k_gives_dselect_k_routers_more_selectors_than_dispatched_experts
     tmp_path: Path,
 ) -> None:
     """--router-k 3: every DSelect-k router (distinct codes too) has 3 selectors, the layer
-    still dispatches k = 2 experts a token; Top-k and the default command are unchanged."""
+    still dispatches k = 2 experts a token; Top-k is unchanged. The default is k + 1 (at most
+    n), stored as that number; a record without one (None) means k selectors."""
     from dselectk_research.token_moe.model import build_model, train_run
 
-    assert TM.TokenMoEConfig(tmp_path).record_hparams()["router_k"] is None  # the default
+    assert TM.TokenMoEConfig(tmp_path).record_hparams()["router_k"] == 3  # the default: k + 1
+    assert TM.TokenMoEConfig(tmp_path, k=2, num_experts=2).record_hparams()["router_k"] == 2
     small = dict(d_model=16, d_ff=16, num_experts=4, seq_len=16, batch_size=8, val_windows=16)
     cfg = TM.TokenMoEConfig(tmp_path, router_k=3, steps=12, **small)
     assert cfg.record_hparams()["router_k"] == 3

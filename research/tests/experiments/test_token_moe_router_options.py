@@ -42,7 +42,8 @@ def test_every_record_stores_every_setting(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("router", ["topk", "dselect_k_distinct", "expert_choice"])
 def test_capacity_factor_reaches_every_layer_and_only_when_set(router: str) -> None:
-    hp = dict(TM.DEFAULTS, **_TINY)
+    # renormalize (the default) applies to token routing only
+    hp = dict(TM.DEFAULTS, **_TINY, renormalize=TM.ROUTERS[router].routing == "token")
     torch.manual_seed(0)
     plain = TM.build_model(TM.ROUTERS[router], hp)
     torch.manual_seed(0)

@@ -91,7 +91,11 @@ class TokenMoEConfig:
     lr: float = _flag(2e-3, positive_float, "learning rate")
     balance_loss_weight: float = _flag(0.01, nonnegative_float, "weight of the load-balancing loss")
     gamma: float = _flag(1.0, hparam_type(_DK["gamma"]), "DSelect-k's γ")
-    entropy_reg: float = _flag(0.01, hparam_type(_DK["entropy_reg"]), "DSelect-k's λ")
+    entropy_reg: float = _flag(
+        0.0,
+        hparam_type(_DK["entropy_reg"]),
+        "DSelect-k's λ (0 measured best per token; the paper's 0.01 was worse)",
+    )
     entropy_reg_end: float | None = _flag(
         None,
         hparam_type(_DK["entropy_reg"]),
@@ -104,14 +108,15 @@ class TokenMoEConfig:
         None,
         int_at_least(1),
         "selectors of a DSelect-k router; the layer still sends a token to its --k largest "
-        "weights (default: --k)",
+        "weights (default: --k + 1, at most --num-experts)",
     )
     val_windows: int = _flag(
         2048, int_at_least(1), "validation windows, at most (fewer if the validation part is short)"
     )
     renormalize: bool = setting(
-        False,
-        "rescale a token's kept weights to sum to 1 when the top-k cut drops some",
+        True,
+        "rescale a token's kept weights to sum to 1 when the top-k cut drops some (token "
+        "routing only: --no-renormalize for expert choice)",
         action=Switch,
     )
     capacity_factor: float | None = _flag(
@@ -129,7 +134,9 @@ class TokenMoEConfig:
             )
         if self.k > self.num_experts:
             raise ValueError(f"--k {self.k}: at most --num-experts ({self.num_experts})")
-        if self.router_k is not None and not self.k <= self.router_k <= self.num_experts:
+        if self.router_k is None:  # the default, stored as the number it stands for
+            object.__setattr__(self, "router_k", min(self.k + 1, self.num_experts))
+        if not self.k <= self.router_k <= self.num_experts:
             raise ValueError(
                 f"--router-k {self.router_k}: from --k ({self.k}) to --num-experts "
                 f"({self.num_experts})"
@@ -137,7 +144,8 @@ class TokenMoEConfig:
         expert_routed = [g for g in self.gates if ROUTERS[g].routing == "expert"]
         if self.renormalize and expert_routed:
             raise ValueError(
-                f"--renormalize true: applies to token routing only, not to --gates {expert_routed}"
+                f"--renormalize (the default): applies to token routing only, not to --gates "
+                f"{' '.join(expert_routed)}; add --no-renormalize"
             )
         if self.entropy_warmup and self.entropy_reg_end is None:
             raise ValueError(
@@ -161,7 +169,7 @@ class TokenMoEConfig:
         )
 
     def hparams(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in DEFAULTS}
+        return {name: getattr(self, name) for name in SETTINGS}
 
     def variant(self, router: str) -> Variant:
         """The router's variant, with the λ ramp of --entropy-reg-end for the routers whose
@@ -180,10 +188,14 @@ class TokenMoEConfig:
 
 #: the fields of the run config that say which runs and where, not how each trains
 NOT_SETTINGS = frozenset({"out", "gates", "seeds", "first_seed", "telemetry"})
-#: the default study (``dselectk reproduce token-moe``): the settings every record stores
-DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(TokenMoEConfig) if f.name not in NOT_SETTINGS
-}
+#: the settings every record stores (its identity), by name
+SETTINGS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(TokenMoEConfig) if f.name not in NOT_SETTINGS
+)
+#: the default study (``dselectk reproduce token-moe``): the measured recommendation per token
+#: (λ = 0, renormalised, one selector more than the k experts dispatched), as its records store
+#: it (``router_k`` resolved to a number)
+DEFAULTS: dict[str, Any] = TokenMoEConfig(Path("results/token_moe")).hparams()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
