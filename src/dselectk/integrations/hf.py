@@ -300,6 +300,20 @@ def _is_custom_code(cls: Any) -> bool:
     return bool(cls._dselectk_base.is_custom_code())
 
 
+def _can_set_experts_implementation(cls: Any) -> bool:
+    """The replaced class' answer. transformers reads the source of the class' module for
+    ``@use_experts_implementation``; this subclass lives in this module, whose source has none, so
+    without this it would fall back to the ``"eager"`` experts (a Python loop over the experts
+    hit, which ``torch.compile(fullgraph=True)`` cannot trace, and another summation order than
+    the family's default ``"grouped_mm"``)."""
+    return bool(cls._dselectk_base._can_set_experts_implementation())
+
+
+def _can_set_attn_implementation(cls: Any) -> bool:
+    """The replaced class' answer (transformers reads the class' module source, as above)."""
+    return bool(cls._dselectk_base._can_set_attn_implementation())
+
+
 def _no_auto_class(cls: Any, auto_class: Any = None) -> None:
     """These classes are registered with the auto classes by :func:`register`; transformers'
     ``register_for_auto_class`` (called when a folder is loaded with ``trust_remote_code``)
@@ -350,6 +364,8 @@ def _hooked_class(cls: type) -> type:
             "_init_weights": _init_weights,
             "_initialize_weights": _initialize_weights,
             "is_custom_code": classmethod(_is_custom_code),
+            "_can_set_experts_implementation": classmethod(_can_set_experts_implementation),
+            "_can_set_attn_implementation": classmethod(_can_set_attn_implementation),
             "from_pretrained": classmethod(_from_pretrained_hooked),
             "save_pretrained": _save_pretrained,
             "register_for_auto_class": classmethod(_no_auto_class),
