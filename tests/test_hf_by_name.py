@@ -61,6 +61,19 @@ def test_from_config_and_auto_from_pretrained_by_name(family: str, tmp_path: Pat
     assert type(again) is type(model)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_by_name_class_picks_the_family_implementations(family: str) -> None:
+    """transformers picks the experts and attention implementations from the source of the
+    model class' module; the DSelectK<Model> class (defined in dselectk) gets the family's own
+    (``grouped_mm`` experts, not the ``eager`` loop fullgraph compile cannot trace), in either
+    order of first construction."""
+    ours = transformers.AutoModelForCausalLM.from_config(hf.with_routers(_config(family)))
+    plain = _model_cls(family)(_config(family))
+    for attr in ("_experts_implementation", "_attn_implementation"):
+        assert getattr(ours.config, attr) == getattr(plain.config, attr), attr
+    assert ours.config._experts_implementation == "grouped_mm"
+
+
 def test_replace_routers_then_save_loads_by_name(tmp_path: Path) -> None:
     """A model built plain and swapped afterwards (replace_routers) saves the same way."""
     torch.manual_seed(0)
