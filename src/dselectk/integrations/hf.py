@@ -114,15 +114,26 @@ by ``init_weights`` like every other weight (eager construction, the meta device
 weight conversions apply to the new model type, less a renaming of the original router's weight
 (Granite-MoE's ``router.layer.weight``, which the gate replaces).
 
-**Without this package**, transformers does not know ``dselectk_<model_type>``: ``config.json``'s
-``auto_map`` names the file ``save_pretrained`` writes beside it (:data:`AUTO_FILE`, which only
-imports dselectk), so ``from_pretrained`` raises a ValueError asking for
-``trust_remote_code=True``, and with it transformers' ImportError naming the missing dselectk
-package (its hint ``pip install dselectk`` is transformers' wording: install dselectk from a clone
-of its repository); it never builds fresh routers. With dselectk installed but not imported,
-``trust_remote_code=True`` loads the model. A folder saved by the first release of this adapter
-(the family's own model type) still loads through :func:`from_pretrained`; plain transformers
-loads it with fresh softmax routers, which :func:`check_loaded` detects.
+**Without this package**, transformers does not know ``dselectk_<model_type>``, and
+``config.json``'s ``auto_map`` names the file ``save_pretrained`` writes beside it
+(:data:`AUTO_FILE`, which only imports dselectk); ``AutoModelForCausalLM.from_pretrained`` (or
+``AutoConfig``) never builds fresh routers. It raises, in this order (transformers' wording):
+
+1. without ``trust_remote_code``: a ValueError, "The repository <folder> contains custom code
+   which must be executed to correctly load the model ... Please pass the argument
+   `trust_remote_code=True`" (in an interactive session a ``[y/N]`` prompt first). It names the
+   folder, not dselectk: transformers asks this before it looks the model type up whenever
+   ``auto_map`` names an ``AutoConfig``, and says nothing of the config. (Without the
+   ``auto_map``, its error would name the model type ``dselectk_<model_type>`` but advise
+   upgrading transformers, and the route below would be lost.)
+2. with ``trust_remote_code=True``: an ImportError, "This modeling file requires the following
+   packages that were not found in your environment: dselectk. Run `pip install dselectk`"
+   (install dselectk from a clone of its repository).
+
+With dselectk installed but not imported, ``trust_remote_code=True`` loads the model. A folder
+saved by the first release of this adapter (the family's own model type) still loads through
+:func:`from_pretrained`; plain transformers loads it with fresh softmax routers, which
+:func:`check_loaded` detects.
 
 Tested transformers versions: see ``pyproject.toml``'s ``transformers`` extra and
 ``make test-transformers-floor``.
