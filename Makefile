@@ -36,7 +36,8 @@ test-all: install
 # `transformers` extra), in a venv of its own; `make test` runs them on the installed version.
 TRANSFORMERS_FLOOR ?= 5.23.0
 FLOOR_VENV ?= .venv-transformers-floor
-HF_TESTS := tests/test_hf_adapter.py tests/test_hf_persistence.py tests/test_hf_by_name.py
+HF_TESTS := tests/test_hf_adapter.py tests/test_hf_persistence.py tests/test_hf_by_name.py \
+	tests/test_token_moe_hf.py
 
 test-transformers-floor:
 	$(PYTHON) -m venv $(FLOOR_VENV)

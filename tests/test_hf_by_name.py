@@ -61,6 +61,19 @@ def test_from_config_and_auto_from_pretrained_by_name(family: str, tmp_path: Pat
     assert type(again) is type(model)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_by_name_class_picks_the_family_implementations(family: str) -> None:
+    """transformers picks the experts and attention implementations from the source of the
+    model class' module; the DSelectK<Model> class (defined in dselectk) gets the family's own
+    (``grouped_mm`` experts, not the ``eager`` loop fullgraph compile cannot trace), in either
+    order of first construction."""
+    ours = transformers.AutoModelForCausalLM.from_config(hf.with_routers(_config(family)))
+    plain = _model_cls(family)(_config(family))
+    for attr in ("_experts_implementation", "_attn_implementation"):
+        assert getattr(ours.config, attr) == getattr(plain.config, attr), attr
+    assert ours.config._experts_implementation == "grouped_mm"
+
+
 def test_replace_routers_then_save_loads_by_name(tmp_path: Path) -> None:
     """A model built plain and swapped afterwards (replace_routers) saves the same way."""
     torch.manual_seed(0)
@@ -125,8 +138,14 @@ def test_plain_transformers_refuses_the_folder(tmp_path: Path) -> None:
     lines = [line for line in out.stdout.splitlines() if "|" in line or line == "LOADED"]
     assert "LOADED" not in lines, out.stdout + out.stderr
     assert len(lines) == 2, out.stdout + out.stderr
+    # step 1 (no flag): transformers asks for trust_remote_code and names the folder, whose
+    # auto_map file says what it needs; step 2 (the flag): the missing package by name
     assert "ValueError |" in lines[0] and "trust_remote_code=True" in lines[0]
-    assert "ImportError |" in lines[1] and "pip install dselectk" in lines[1]
+    assert str(tmp_path) in lines[0]
+    auto_file = (tmp_path / hf.AUTO_FILE).read_text()
+    assert "import dselectk" in auto_file and 'pip install -e ".[transformers]"' in auto_file
+    assert "ImportError |" in lines[1] and "not found in your environment: dselectk" in lines[1]
+    assert "pip install dselectk" in lines[1]
     code = (
         "import torch, transformers\n"
         f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, "
@@ -221,14 +240,34 @@ def test_gate_compiles_to_one_graph_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_model_compiles_to_one_graph(family: str) -> None:
+# Mixtral through aot_eager runs with the default tests (15-25 s on a busy 2-core machine); every
+# other family and backend with -m slow (aot_eager: 10-45 s a family; inductor, which compiles
+# C++: 40-190 s a family there).
+_COMPILE_CASES = [
+    pytest.param(
+        family,
+        backend,
+        marks=() if (family, backend) == ("mixtral", "aot_eager") else pytest.mark.slow,
+        id=f"{family}-{backend}",
+    )
+    for backend in ("aot_eager", "inductor")
+    for family in sorted(FAMILIES)
+]
+
+
+@pytest.mark.parametrize(("family", "backend"), _COMPILE_CASES)
+def test_model_compiles_to_one_graph(family: str, backend: str) -> None:
+    """torch.compile(fullgraph=True) of the whole model built by name (DSelect-k routers, the
+    family's default grouped_mm experts): one graph, the eager logits. Not bit for bit: the
+    compiled graph computes the same operations in another order (aot_eager's decompositions;
+    inductor's fused C++ loops), a few float32 ulps of logits of size ~0.4 (measured up to
+    1.2e-7); the tolerance is 1e-5 relative plus 1e-6 absolute."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf.with_routers(_config(family))).eval()
+    assert model.config._experts_implementation == "grouped_mm"
     with torch.no_grad():
         want = model(input_ids=_ids(), use_cache=False).logits
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
         got = compiled(input_ids=_ids(), use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
