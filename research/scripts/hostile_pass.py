@@ -8,8 +8,14 @@ tiny settings, one thread, and is classified:
 * ``silent``    — exit code or results wrong without saying so;
 * ``loss``      — good results destroyed.
 
-Run: ``.venv/bin/python scripts/hostile_pass.py [--only SUBSTRING] [--keep DIR]``
-(about 5-10 minutes on two busy cores). Exit code 1 when any case is not refused/right.
+Cases come in groups: ``old`` (the first rounds) and ``new`` (a later round written as a new
+user and a careless one would; their names start with ``new``); the counts are printed per group.
+
+Run: ``python research/scripts/hostile_pass.py [--only SUBSTRING] [--keep DIR] [--json FILE]``
+(about 15-25 minutes on two busy cores). The command under test is this checkout's
+``.venv/bin/dselectk`` when there is one, else ``python -m dselectk.cli`` with this checkout's
+``src`` and ``research/src`` first on ``PYTHONPATH`` (so a worktree tests its own code).
+Exit code 1 when any case is not refused/right.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +42,17 @@ CLI = [str(ROOT / ".venv" / "bin" / "dselectk")]
 SRC = os.environ.get("HOSTILE_SRC")
 if SRC or not Path(CLI[0]).exists():
     CLI = [sys.executable, "-m", "dselectk.cli"]
+#: the child processes' PYTHONPATH: HOSTILE_SRC, else this checkout's sources (without a
+#: .venv here, the interpreter's installed dselectk could be another checkout's)
+_CHILD_PATH = (
+    SRC
+    if SRC
+    else None
+    if Path(CLI[0]).name == "dselectk"
+    else os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "research" / "src"), os.environ.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+)
 
 Result = subprocess.CompletedProcess
 
@@ -49,6 +67,7 @@ class Case:
     interrupt_at: str | None = None  # SIGINT at this pause point ("record-saved@2")
     loss_check: Callable[[Path], bool] | None = None  # True: nothing good was lost
     needs: list[str] = field(default_factory=list)
+    group: str = "old"  # "new": a later round of cases (counted apart)
 
 
 def _sigint_default() -> None:
@@ -59,8 +78,8 @@ def _sigint_default() -> None:
 
 def run_cli(argv: list[str], cwd: Path, interrupt_at: str | None) -> Result:
     env = {**os.environ, "DSELECTK_VERIFY": "0", "PYTHONWARNINGS": "ignore"}
-    if SRC:
-        env["PYTHONPATH"] = SRC
+    if _CHILD_PATH:
+        env["PYTHONPATH"] = _CHILD_PATH
     cmd = [sys.executable, "-c", _LIB_HARNESS, argv[1]] if argv[:1] == ["@py"] else [*CLI, *argv]
     if interrupt_at is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -929,6 +948,319 @@ def cases() -> list[Case]:
         )
     )
     c.extend(library_cases())
+    c.extend(new_cli_cases())
+    c.extend(new_library_cases())
+    return c
+
+
+# -- a second round: cases written as a new user and a careless one would ------------------
+_NEW_PRELUDE = """
+import math, os, torch
+from torch import nn
+from dselectk import (DSelectK, MoE, MoEBank, MultiGateMoE, SparseMoEFeedForward, SwapSearch,
+    TaskData, TopKGate, TrainConfig, make_gate, train)
+from dselectk.layers import GatedMLP, StackedMLP, make_towers
+from dselectk.models import SharedBottom
+NAN, INF = float("nan"), float("inf")
+def mtl(tasks=2):
+    torch.manual_seed(0)
+    g = DSelectK(4, 2, in_features=6, num_gates=tasks)
+    return MultiGateMoE(StackedMLP(4, 6, [5]), g, make_towers(tasks, 5, [1]))
+def data(n=20, tasks=2):
+    torch.manual_seed(1)
+    return TaskData(torch.randn(n, 6), [torch.randn(n, 1) for _ in range(tasks)])
+def cfg(**kw):
+    return TrainConfig(**{"epochs": 1, "batch_size": 8, "progress": False, "threads": 1, **kw})
+"""
+
+
+def new_library_cases() -> list[Case]:
+    """Constructors and calls of every public layer and model with bad numbers, types, shapes
+    and paths; training data, configurations, callbacks and checkpoints; the swap search, the
+    export functions and the transformers adapter."""
+    c: list[Case] = []
+
+    def refuse(name: str, code: str, *words: str) -> None:
+        c.append(Case("new lib " + name, ["@py", _NEW_PRELUDE + code], "refuse",
+                      check=says(*words) if words else None, group="new"))  # fmt: skip
+
+    def ok(name: str, code: str) -> None:  # the code asserts what is right
+        c.append(Case("new lib " + name, ["@py", _NEW_PRELUDE + code], "ok", group="new"))
+
+    # expert banks and towers
+    refuse("StackedMLP dropout=NAN", "StackedMLP(2, 5, [4], dropout=NAN)", "dropout")
+    refuse("StackedMLP dropout='0.1'", "StackedMLP(2, 5, [4], dropout='0.1')", "dropout")
+    refuse("StackedMLP final_activation='False' (a string: truthy)",
+           "StackedMLP(2, 5, [4], final_activation='False')", "final_activation")  # fmt: skip
+    refuse("StackedMLP layer_sizes=[4, 0]", "StackedMLP(2, 5, [4, 0])", "layer_sizes")
+    refuse("StackedMLP layer_sizes=(4.0,)", "StackedMLP(2, 5, (4.0,))", "layer_sizes")
+    refuse("StackedMLP layer_sizes=4 (not a list)", "StackedMLP(2, 5, 4)", "layer_sizes")
+    refuse("StackedMLP activation='ReLU'", "StackedMLP(2, 5, [4], activation='ReLU')", "activation")
+    refuse("StackedMLP forward 7 features into 5",
+           "StackedMLP(2, 5, [4])(torch.randn(3, 7))", "in_features")  # fmt: skip
+    refuse("make_towers num_tasks=0", "make_towers(0, 4, [1])", "num")
+    refuse("make_towers sizes=[]", "make_towers(2, 4, [])", "sizes")
+    refuse("make_towers sizes=1 (not a list)", "make_towers(2, 4, 1)", "sizes")
+    refuse("GatedMLP hidden_features=0", "GatedMLP(4, 8, 0)", "hidden_features")
+    refuse("GatedMLP in_features=8.0", "GatedMLP(4, 8.0, 16)", "in_features")
+    refuse("GatedMLP activation='swish'", "GatedMLP(4, 8, 16, activation='swish')", "activation")
+    # the per-token layer
+    ff = "SparseMoEFeedForward(16, 32, 4, 'topk', 2, "
+    for kw, word in (
+        ("capacity_factor=NAN", "capacity_factor"), ("capacity_factor=-1.0", "capacity_factor"),
+        ("capacity_factor='1.25'", "capacity_factor"), ("balance_weight=INF", "balance_weight"),
+        ("balance_weight=-0.1", "balance_weight"), ("renormalize='no'", "renormalize"),
+        ("gated='yes'", "gated"), ("routing='tokens'", "routing"), ("selectors=0", "selectors"),
+        ("activation='swish'", "activation"),
+    ):  # fmt: skip
+        refuse(f"SparseMoEFeedForward {kw}", ff + kw + ")", word)
+    refuse("SparseMoEFeedForward d_ff=0", "SparseMoEFeedForward(16, 0, 4, 'topk', 2)", "d_ff")
+    refuse("SparseMoEFeedForward k=0", "SparseMoEFeedForward(16, 32, 4, 'topk', 0)", "k")
+    refuse("SparseMoEFeedForward gate='dselectk' (near miss)",
+           "SparseMoEFeedForward(16, 32, 4, 'dselectk')", "dselect_k")  # fmt: skip
+    refuse("SparseMoEFeedForward forward d_model 8 into 16",
+           ff + ")(torch.randn(2, 3, 8))", "16")  # fmt: skip
+    # models
+    refuse("MoE gate given by name", "MoE(StackedMLP(4, 6, [3]), 'dselect_k')", "gate")
+    refuse("MoE experts an nn.Linear", "MoE(nn.Linear(6, 3), DSelectK(4, 2))", "experts")
+    refuse("MoE conditional='no'",
+           "MoE(StackedMLP(4, 6, [3]), DSelectK(4, 2), conditional='no')", "conditional")  # fmt: skip
+    refuse("MultiGateMoE gates=[]", "MultiGateMoE(StackedMLP(4, 6, [5]), [])", "gates")
+    refuse("MultiGateMoE 3 towers for 2 tasks",
+           "MultiGateMoE(StackedMLP(4, 6, [5]), DSelectK(4, 2, num_gates=2), make_towers(3, 5, [1]))",
+           "towers")  # fmt: skip
+    refuse("MultiGateMoE forward 5 features into 6", "mtl()(torch.randn(4, 5))", "6")
+    refuse("MultiGateMoE forward a 1-d input", "mtl()(torch.randn(6))", "shape")
+    mb = "MoEBank(StackedMLP(8, 6, [1]), DSelectK(4, 2, num_gates=4), "
+    refuse("MoEBank members=0", mb + "0)", "members")
+    refuse("MoEBank members=2.5", mb + "2.5)", "members")
+    refuse("MoEBank gates by name", "MoEBank(StackedMLP(8, 6, [1]), 'dselect_k', 2)", "gates")
+    refuse("MoEBank experts an nn.Linear",
+           "MoEBank(nn.Linear(6, 1), DSelectK(4, 2, num_gates=4), 2)", "experts")  # fmt: skip
+    refuse("SharedBottom towers=[]", "SharedBottom(nn.Linear(6, 4), [])", "towers")
+    em = "from dselectk.layers.embedding import MovieLensEmbedding\n"
+    refuse("MovieLensEmbedding num_users=0", em + "MovieLensEmbedding(0, 10)", "num_users")
+    refuse("MovieLensEmbedding num_users=-5", em + "MovieLensEmbedding(-5, 10)", "num_users")
+    refuse("MovieLensEmbedding num_items=10.5", em + "MovieLensEmbedding(10, 10.5)", "num_items")
+    refuse("MovieLensEmbedding side of 2", em + "MovieLensEmbedding(10, 10, side=(3, 2))", "side")
+    refuse("MovieLensEmbedding dims without 'item'",
+           em + "MovieLensEmbedding(10, 10, dims={'user': 8})", "dims")  # fmt: skip
+    # gates by name and their inputs
+    refuse("make_gate 'dselectk' suggests dselect_k", "make_gate('dselectk', 8, k=2)", "dselect_k")
+    refuse("make_gate 'top_k' suggests topk", "make_gate('top_k', 8, k=2)", "topk")
+    refuse("make_gate gama=1.0 (typo)", "make_gate('dselect_k', 8, k=2, gama=1.0)", "gama")
+    refuse("make_gate name=3", "make_gate(3, 8)", "name")
+    refuse("DSelectK forward 5 features into 6",
+           "DSelectK(8, 2, in_features=6)(torch.randn(4, 5))", "6")  # fmt: skip
+    refuse("DSelectK forward a long input",
+           "DSelectK(8, 2, in_features=6)(torch.ones(4, 6, dtype=torch.long))", "float")  # fmt: skip
+    refuse("TopKGate per-example forward without input",
+           "TopKGate(8, 2, in_features=6)(None)", "input")  # fmt: skip
+    # training data, configuration, callbacks, checkpoints
+    refuse("TaskData 10 inputs 9 targets",
+           "TaskData(torch.randn(10, 3), [torch.randn(9, 1)])", "ys[0]")  # fmt: skip
+    refuse("TaskData x a list", "TaskData([[1.0, 2.0]], [torch.randn(1, 1)])", "x")
+    refuse("train on zero examples",
+           "train(mtl(), data(0), 'mse', cfg())", "train_data")  # fmt: skip
+    refuse("train NaN inputs", "d = data()\nd.x[3, 1] = NAN\ntrain(mtl(), d, 'mse', cfg())", "nan")
+    ok("train int targets for MSE (trained or refused naming ys)",
+       "d = data()\nd = TaskData(d.x, [y.round().long() for y in d.ys])\n"
+       "try:\n    h = train(mtl(), d, 'mse', cfg())\nexcept ValueError as e:\n"
+       "    assert 'ys[' in str(e), e\nelse:\n    assert all(math.isfinite(v) for v in h.train_loss)")  # fmt: skip
+    ok("train batch_size 1000 > 20 examples (one batch an epoch)",
+       "h = train(mtl(), data(), 'mse', cfg(batch_size=1000, epochs=2))\n"
+       "assert len(h.train_loss) == 2, h.train_loss")  # fmt: skip
+    refuse("train callbacks=3", "train(mtl(), data(), 'mse', cfg(), callbacks=3)", "callbacks")
+    refuse("train callbacks=['x']", "train(mtl(), data(), 'mse', cfg(), callbacks=['x'])",
+           "callbacks")  # fmt: skip
+    refuse("train losses='mae'", "train(mtl(), data(), 'mae', cfg())", "mae")
+    refuse("train 1 loss for 2 tasks", "train(mtl(), data(), ['mse'], cfg())", "loss")
+    refuse("train 3 target tensors for 2 tasks", "train(mtl(), data(tasks=3), 'mse', cfg())", "3")
+    refuse("train config a dict", "train(mtl(), data(), 'mse', {'lr': 0.1})", "config")
+    refuse("TrainConfig lr='0.01'", "TrainConfig(lr='0.01')", "lr")
+    refuse("TrainConfig epochs=1.5", "TrainConfig(epochs=1.5)", "epochs")
+    refuse("TrainConfig batch_size=True", "TrainConfig(batch_size=True)", "batch_size")
+    refuse("TrainConfig task_weights=[1, NAN]", "TrainConfig(task_weights=[1.0, NAN])",
+           "task_weights")  # fmt: skip
+    refuse("TrainConfig progress='no'", "TrainConfig(progress='no')", "progress")
+    refuse("train task_weights of 3 for 2 tasks",
+           "train(mtl(), data(), 'mse', cfg(task_weights=[1.0, 1.0, 1.0]))", "task_weights")  # fmt: skip
+    refuse("train checkpoint= a user's text file (kept)",
+           "open('notes.txt', 'w').write('my notes')\n"
+           "try:\n    train(mtl(), data(), 'mse', cfg(checkpoint='notes.txt'))\nfinally:\n"
+           "    assert open('notes.txt').read() == 'my notes', 'notes.txt overwritten'",
+           "notes.txt")  # fmt: skip
+    refuse("train checkpoint= a directory",
+           "os.makedirs('ckdir', exist_ok=True)\ntrain(mtl(), data(), 'mse', cfg(checkpoint='ckdir'))",
+           "ckdir")  # fmt: skip
+    refuse("train resume another model's checkpoint",
+           "train(mtl(), data(), 'mse', cfg(checkpoint='ck3.pt'))\n"
+           "train(mtl(3), data(tasks=3), 'mse', cfg(checkpoint='ck3.pt'))", "ck3.pt")  # fmt: skip
+    # swap search, export, transformers
+    s = "g = DSelectK(8, 2, num_gates=3)\nf = lambda: torch.zeros(3)\n"
+    refuse("SwapSearch gate an nn.Linear", "SwapSearch(nn.Linear(2, 2), lambda: 0, at=[1])", "gate")
+    refuse("SwapSearch at=[-1]", s + "SwapSearch(g, f, at=[-1])", "at")
+    refuse("SwapSearch at=5 (not a list)", s + "SwapSearch(g, f, at=5)", "at")
+    refuse("SwapSearch binarize_at=[2.5]", s + "SwapSearch(g, f, at=[1], binarize_at=[2.5])",
+           "binarize_at")  # fmt: skip
+    refuse("SwapSearch skip_nonfinite='no'", s + "SwapSearch(g, f, at=[1], skip_nonfinite='no')",
+           "skip_nonfinite")  # fmt: skip
+    x = "from dselectk.export import export_program, freeze, to_onnx, verify\nm = mtl().eval()\n"
+    refuse("export_program wrong input width", x + "export_program(m, torch.randn(16, 5))", "6")
+    refuse("freeze force='no'", x + "freeze(m, force='no')", "force")
+    refuse("verify seed=NAN", x + "verify(lambda xs: m(*xs).outputs, m, torch.randn(8, 6), seed=NAN)",
+           "seed")  # fmt: skip
+    hf = (
+        "import transformers\nfrom dselectk.integrations import hf\n"
+        "cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=8, "
+        "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, "
+        "num_experts_per_tok=2)\n"
+    )
+    refuse("hf replace_routers on a model without routers",
+           hf + "hf.replace_routers(nn.Sequential(nn.Linear(4, 4)), 'dselect_k')", "router")  # fmt: skip
+    refuse("hf replace_routers selectors=0",
+           hf + "hf.replace_routers(transformers.MixtralForCausalLM(cfg), 'dselect_k', selectors=0)",
+           "selectors")  # fmt: skip
+    refuse("hf replace_routers unknown gate 'dselectk'",
+           hf + "hf.replace_routers(transformers.MixtralForCausalLM(cfg), 'dselectk')", "dselect")  # fmt: skip
+    refuse("hf with_routers on a dense Llama config",
+           hf + "hf.with_routers(transformers.LlamaConfig(vocab_size=32, hidden_size=16, "
+           "intermediate_size=8, num_hidden_layers=1, num_attention_heads=2))", "config")  # fmt: skip
+    return c
+
+
+def _symlink_loop(path: str) -> Callable[[Path], None]:
+    def setup(work: Path) -> None:
+        p = work / path
+        if not p.is_symlink():
+            p.symlink_to(p.name)  # a link to itself
+
+    return setup
+
+
+def _copy_data(dst: str) -> Callable[[Path], None]:
+    def setup(work: Path) -> None:
+        if not (work / dst).exists():
+            shutil.copytree(work / "data", work / dst)
+
+    return setup
+
+
+def _records(dst: str, n: int) -> Callable[[Result, Path], bool]:
+    def check(r: Result, w: Path) -> bool:
+        try:
+            return json.loads((w / dst / "summary.json").read_text())["records"] == n
+        except (OSError, ValueError, KeyError):
+            return False
+
+    return check
+
+
+def new_cli_cases() -> list[Case]:
+    """Odd values of every study's flags, paths with spaces, loops and files, tuning records
+    with empty or odd entries, interrupted and changed reruns."""
+    c: list[Case] = []
+
+    def add(name: str, argv: list[str], expect: str = "refuse", **kw: Any) -> None:
+        c.append(Case("new " + name, argv, expect, group="new", **kw))
+
+    x = ["--out", "x"]
+    add("demo --tasks -2", [*DEMO[:1], "--tasks", "-2", *DEMO[3:]], check=says("--tasks"))
+    add("demo --tasks ''", [*DEMO[:1], "--tasks", "", *DEMO[3:]], check=says("--tasks"))
+    add("demo --examples 1e400", [*DEMO[:3], "--examples", "1e400", *DEMO[5:]],
+        check=says("--examples"))  # fmt: skip
+    add("demo --epochs 0", [*DEMO[:5], "--epochs", "0", "--no-progress"], check=says("--epochs"))
+    add("demo --restarts 0", [*DEMO, "--restarts", "0"], check=says("--restarts"))
+    add("demo --seed nan", [*DEMO, "--seed", "nan"], check=says("--seed"))
+    add("synthetic --lr 1e400", [*SYN, "--lr", "1e400", *x], check=says("--lr"))
+    add("synthetic --gamma -1", [*SYN, "--gamma=-1", *x], check=says("--gamma"))
+    add("synthetic --reps -1", [*SYN, "--reps=-1", *x], check=says("--reps"))
+    add("synthetic --threads 0", [*SYN, "--threads", "0", *x], check=says("--threads"))
+    add("synthetic --entropy-reg nan", [*SYN, "--entropy-reg", "nan", *x],
+        check=says("--entropy-reg"))  # fmt: skip
+    add("synthetic --seed -5", [*SYN, "--seed=-5", *x], check=says("--seed"))
+    add("synthetic --n-train 0", [*SYN, "--n-train", "0", *x], check=says("--n-train"))
+    add("synthetic --out with spaces", [*SYN, "--out", "my results"], "ok",
+        check=_records("my results", 1))  # fmt: skip
+    add("report on a folder with spaces", ["report", "my results"], "ok")
+    add("synthetic --out a symlink loop", [*SYN, "--out", "loop"], setup=_symlink_loop("loop"))
+    add("synthetic --out under a file", [*SYN, "--out", "fnew/sub"], setup=write("fnew", "x"))
+    add("report on a symlink loop", ["report", "loop2"], setup=_symlink_loop("loop2"))
+    add("report ''", ["report", ""])
+    tuned = [
+        ("empty entry", {"hparams": {"topk": {"default": {}}}}, ("n1.json", "topk")),
+        ("empty entry for T", {"hparams": {"topk": {"16": {}}}}, ("n2.json", "topk")),
+        ("non-numeric task key", {"hparams": {"topk": {"sixteen": {"lr": 0.05},
+                                                       "default": {"lr": 0.01}}}},
+         ("n3.json", "sixteen")),
+        ("task key '16.0'", {"hparams": {"topk": {"16.0": {"lr": 0.05},
+                                                  "default": {"lr": 0.01}}}}, ("n4.json", "16.0")),
+        ("unknown hparam", {"hparams": {"topk": {"default": {"lr": 0.01, "gamma": 3.0}}}},
+         ("n5.json", "gamma")),
+        ("typo hparam", {"hparams": {"topk": {"16": {"lr": 0.01, "lrr": 0.1}}}}, ("n6.json", "lrr")),
+        ("unknown gate", {"hparams": {"topk": {"16": {"lr": 0.01}}, "top-k": {"16": {}}}},
+         ("n7.json", "top-k")),
+        ("lr nan", {"hparams": {"topk": {"16": {"lr": "NaN"}}}}, ("n8.json", "lr")),
+    ]  # fmt: skip
+    for i, (what, rec, words) in enumerate(tuned):
+        add(f"synthetic --tuned {what}", [*SYN, "--tuned", words[0], *x], check=says(*words),
+            setup=write(words[0], json.dumps(rec)))  # fmt: skip
+        del i
+    add("synthetic --tuned binary bytes", [*SYN, "--tuned", "nb.json", *x], check=says("nb.json"),
+        setup=lambda w: (w / "nb.json").write_bytes(b"\xff\xfe\x00\x81"))  # fmt: skip
+    add("synthetic --tuned empty file", [*SYN, "--tuned", "ne.json", *x], check=says("ne.json"),
+        setup=write("ne.json", ""))  # fmt: skip
+    add("synthetic --tuned selected_hparams with empty hparams",
+        [*SYN, "--tuned", "ns.json", *x], check=says("ns.json"),
+        setup=write("ns.json", json.dumps({"topk/16": {"hparams": {}}})))  # fmt: skip
+    add("recovery --tuned empty entry", [*REC, "--tuned", "r1.json", *x],
+        check=says("r1.json", "topk"),
+        setup=write("r1.json", json.dumps({"hparams": {"topk": {}}})))  # fmt: skip
+    add("recovery --tuned typo hparam", [*REC, "--tuned", "r2.json", *x],
+        check=says("r2.json", "epoch"),
+        setup=write("r2.json", json.dumps({"hparams": {"topk": {"epoch": 3}}})))  # fmt: skip
+    add("recovery --experts 0", [*REC, "--experts", "0", *x], check=says("--experts"))
+    add("recovery --k -1", [*REC, "--k=-1", *x], check=says("--k"))
+    add("recovery --lrs ''", [*REC[:-3], "--lrs", "", "--no-progress", *x], check=says("--lrs"))
+    add("recovery --epochs 0", [*REC[:-5], "--epochs", "0", *REC[-3:], *x],
+        check=says("--epochs"))  # fmt: skip
+    add("recovery --record-every -1", [*REC, "--record-every=-1", *x],
+        check=says("--record-every"))  # fmt: skip
+    add("selection --shapes 16/0", [*SEL[:4], "--shapes", "16/0", *SEL[6:], *x],
+        check=says("--shapes"))  # fmt: skip
+    add("selection --shapes 16/20 (k > experts)", [*SEL[:4], "--shapes", "16/20", *SEL[6:], *x],
+        check=says("--shapes"))  # fmt: skip
+    add("selection --epochs nan", [*SEL, "--epochs", "nan", *x], check=says("--epochs"))
+    add("movielens --alphas nan", ml("--alphas", "nan", *x), check=says("--alphas"))
+    add("movielens --alphas -0.5", ml("--alphas=-0.5", *x), check=says("--alphas"))
+    add("movielens --data-dir ''", [*ml()[:4], "--data-dir", "", *ml()[6:], *x])
+    add("movielens --data-dir with spaces", [*ml()[:4], "--data-dir", "my data", *ml()[6:],
+        "--out", "ml sp"], "ok", setup=_copy_data("my data"), check=_records("ml sp", 1))  # fmt: skip
+    add("multi-mnist --n-train -1", mm("--n-train=-1", *x), check=says("--n-train"))
+    add("multi-mnist --n-val 0", mm("--n-val", "0", *x), check=says("--n-val"))
+    add("multi-mnist --repetitions 0", mm("--repetitions", "0", *x), check=says("--repetitions"))
+    add("token-moe --steps 0", [*TOK, "--steps", "0", *x], check=says("--steps"))
+    add("token-moe --d-model 0", [*TOK, "--d-model", "0", *x], check=says("--d-model"))
+    add("token-moe --layers 0", [*TOK, "--layers", "0", *x], check=says("--layers"))
+    add("token-moe --capacity-factor nan", [*TOK, "--capacity-factor", "nan", *x],
+        check=says("--capacity-factor"))  # fmt: skip
+    add("token-moe --balance-loss-weight -1", [*TOK, "--balance-loss-weight=-1", *x],
+        check=says("--balance-loss-weight"))  # fmt: skip
+    add("token-moe --out a file", [*TOK, "--out", "ftok"], setup=write("ftok", "keep"),
+        loss_check=lambda w: (w / "ftok").read_text() == "keep")  # fmt: skip
+    # interrupted, then rerun; reruns with changed flags
+    nint = [*SYN, "--reps", "3", "--batch-reps", "1", "--out", "nint"]
+    add("synthetic Ctrl-C after one record", nint, "130", interrupt_at="record-saved@1")
+    add("report on the interrupted synthetic says partial", ["report", "nint"], "ok",
+        check=report_says("nint", "partial"))  # fmt: skip
+    add("synthetic rerun after Ctrl-C completes", nint, "ok", check=_records("nint", 3))
+    add("synthetic rerun with --lr changed into the finished folder",
+        [*nint[:-2], "--lr", "0.05", "--out", "nint"], "ok",
+        check=lambda r, w: _records("nint", 6)(r, w) or "--lr" in r.stderr)  # fmt: skip
+    add("report after the changed rerun", ["report", "nint"], "ok")
+    rint = [*REC, "--reps", "2", "--out", "rint"]
+    add("recovery Ctrl-C mid-run", rint, "130", interrupt_at="record-saved@1")
+    add("recovery rerun after Ctrl-C completes", rint, "ok", check=_records("rint", 2))
     return c
 
 
@@ -942,6 +1274,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     make_data(work)
     counts: Counter[str] = Counter()
+    by_group: dict[str, Counter[str]] = {}
     results = []
     for case in cases():
         if a.only and a.only not in case.name:
@@ -956,18 +1289,23 @@ def main() -> int:
         res = run_cli(case.argv, work, case.interrupt_at)
         verdict, why = classify(case, res, work)
         counts[verdict] += 1
-        results.append({"case": case.name, "verdict": verdict, "why": why, "rc": res.returncode})
+        by_group.setdefault(case.group, Counter())[verdict] += 1
+        results.append(
+            {"case": case.name, "group": case.group, "verdict": verdict, "why": why,
+             "rc": res.returncode}
+        )  # fmt: skip
         print(f"{verdict:>10}  {case.name} ({time.perf_counter() - t0:.0f}s): {why}", flush=True)
         if case.name.startswith("report while"):
             stop_background()
-    print(
-        "\n"
-        + ", ".join(
-            f"{k}: {counts[k]}" for k in ("refused", "right", "traceback", "silent", "loss")
-        )
-    )
+    kinds = ("refused", "right", "traceback", "silent", "loss")
+    print()
+    for group, cnt in [*sorted(by_group.items()), ("all", counts)]:
+        total = sum(cnt.values())
+        print(f"{group}: total {total}, " + ", ".join(f"{k}: {cnt[k]}" for k in kinds))
     if a.json:
-        a.json.write_text(json.dumps({"counts": counts, "results": results}, indent=1))
+        a.json.write_text(
+            json.dumps({"counts": counts, "by_group": by_group, "results": results}, indent=1)
+        )
     stop_background()
     if a.keep is None:
         shutil.rmtree(work, ignore_errors=True)
