@@ -18,6 +18,7 @@ Run: ``python research/scripts/hostile_pass.py [--only SUBSTRING] [--keep DIR] [
 Exit code 1 when any case is not refused/right.
 """
 
+# ruff: noqa: E501
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,9 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_SBATCH = shutil.which("sbatch") is not None
@@ -76,10 +77,131 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+#: A warm starter: a process that has imported torch and dselectk once and forks a child per
+#: case (on a busy machine ``import torch`` alone takes 10-20 s of wall time). The child sets
+#: its own working folder, environment, SIGINT handler and stdout/stderr files, then runs
+#: ``python -m dselectk.cli ARGV`` (``runpy``) or a library case, and exits with its exit code
+#: (an uncaught exception: its traceback and exit code 1; Ctrl-C uncaught: killed by SIGINT).
+#: ``HOSTILE_FORK=0`` runs every case in a fresh interpreter instead.
+_ZYGOTE = r"""
+import json, os, runpy, signal, sys, traceback
+import torch, dselectk, dselectk.cli
+try:
+    import dselectk_research.cli
+except ImportError:
+    pass
+HARNESS = sys.argv[1]
+proto = os.fdopen(os.dup(1), "w", buffering=1)
+for line in sys.stdin:
+    job = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(job["cwd"])
+            os.environ.clear(); os.environ.update(job["env"])
+            null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0)
+            for fd, path in ((1, job["out"]), (2, job["err"])):
+                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); os.dup2(f, fd)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                if job["lib"] is not None:
+                    sys.argv = ["-c", job["lib"]]
+                    exec(compile(HARNESS, "<harness>", "exec"), {"__name__": "__main__"})
+                else:
+                    sys.argv = ["dselectk", *job["argv"]]
+                    runpy.run_module("dselectk.cli", run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except KeyboardInterrupt:
+                traceback.print_exc(); sys.stdout.flush(); sys.stderr.flush()
+                signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush(); sys.stderr.flush()
+            finally:
+                os._exit(code)
+    proto.write(json.dumps({"pid": pid}) + "\n")
+    _, status = os.waitpid(pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    proto.write(json.dumps({"rc": rc}) + "\n")
+"""
+
+
+class _Warm:
+    """The warm starter process (see ``_ZYGOTE``), started on first use."""
+
+    proc: subprocess.Popen[str] | None = None
+
+    @classmethod
+    def run(cls, argv: list[str], cwd: Path, env: dict[str, str], interrupt: Callable[[int], None] | None) -> Result:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen(
+                [sys.executable, "-c", _ZYGOTE, _LIB_HARNESS], cwd=cwd, env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        assert cls.proc.stdin is not None and cls.proc.stdout is not None
+        out, err = cwd / f".out-{time.time_ns()}", cwd / f".err-{time.time_ns()}"
+        lib = argv[1] if argv[:1] == ["@py"] else None
+        job = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err),
+               "lib": lib}  # fmt: skip
+        cls.proc.stdin.write(json.dumps(job) + "\n")
+        cls.proc.stdin.flush()
+        pid = json.loads(cls.proc.stdout.readline())["pid"]
+        if interrupt is not None:
+            interrupt(pid)
+        rc = json.loads(cls.proc.stdout.readline())["rc"]
+        texts = []
+        for path in (out, err):
+            try:
+                texts.append(path.read_text(errors="replace"))
+                path.unlink()
+            except OSError:
+                texts.append("")
+        return subprocess.CompletedProcess(["dselectk", *argv], rc, texts[0], texts[1])
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            assert cls.proc.stdin is not None
+            cls.proc.stdin.close()
+            cls.proc.wait(timeout=60)
+        cls.proc = None
+
+
+WARM = os.environ.get("HOSTILE_FORK", "1") != "0" and hasattr(os, "fork")
+
+
 def run_cli(argv: list[str], cwd: Path, interrupt_at: str | None) -> Result:
     env = {**os.environ, "DSELECTK_VERIFY": "0", "PYTHONWARNINGS": "ignore"}
     if _CHILD_PATH:
         env["PYTHONPATH"] = _CHILD_PATH
+    if WARM:
+        if interrupt_at is None:
+            return _Warm.run(argv, cwd, env, None)
+        barrier = cwd / f".barrier-{time.time_ns()}"
+        env["DSELECTK_PAUSE_AT"] = f"{interrupt_at}@{barrier}"
+
+        def interrupt(pid: int) -> None:  # Ctrl-C at the pause point
+            deadline = time.time() + 300
+            while not barrier.exists() and time.time() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    return
+                time.sleep(0.05)
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:
+                pass
+
+        return _Warm.run(argv, cwd, env, interrupt)
     cmd = [sys.executable, "-c", _LIB_HARNESS, argv[1]] if argv[:1] == ["@py"] else [*CLI, *argv]
     if interrupt_at is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -151,7 +273,7 @@ def library_cases() -> list[Case]:
     v = "from dselectk.export import verify, export_program\nm = model()\n"
     for kw, word in (
         ("atol=NAN", "atol"), ("rtol=NAN", "rtol"), ("atol=INF", "atol"), ("atol=-1e-5", "atol"),
-        ("rtol=-1.0", "rtol"), ("batch_sizes=[]", "batch_sizes"), ("batch_sizes=[0]", "batch_sizes"),  # noqa: E501
+        ("rtol=-1.0", "rtol"), ("batch_sizes=[]", "batch_sizes"), ("batch_sizes=[0]", "batch_sizes"),
         ("batch_sizes=[-3, 4]", "batch_sizes"), ("batch_sizes=[2.5]", "batch_sizes"),
         ("atol='1e-5'", "atol"), ("batch_sizes=8", "batch_sizes"),
     ):  # fmt: skip
@@ -241,8 +363,8 @@ def library_cases() -> list[Case]:
     refuse("gamma setter 1e-19", "g = DSelectK(8, 2)\ng.gamma = 1e-19", "gamma")
     ok(
         "token-moe balance loss of an empty batch",
-        "from dselectk.layers.token_moe import balance_loss\nw = torch.zeros(0, 4, requires_grad=True)\n"  # noqa: E501
-        "l = balance_loss(w, torch.zeros(4, dtype=torch.long))\nassert l.item() == 0.0\nl.backward()",  # noqa: E501
+        "from dselectk.layers.token_moe import balance_loss\nw = torch.zeros(0, 4, requires_grad=True)\n"
+        "l = balance_loss(w, torch.zeros(4, dtype=torch.long))\nassert l.item() == 0.0\nl.backward()",
     )
     hf = (
         "import transformers\nfrom dselectk.integrations import hf\n"
@@ -1307,6 +1429,7 @@ def main() -> int:
             json.dumps({"counts": counts, "by_group": by_group, "results": results}, indent=1)
         )
     stop_background()
+    _Warm.stop()
     if a.keep is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if counts["traceback"] + counts["silent"] + counts["loss"] == 0 else 1

@@ -41,7 +41,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates.base import Gate
+from dselectk._validate import check_flag
+from dselectk.gates.base import Gate, check_positive_int
 from dselectk.gates.fixed import FixedGate
 from dselectk.io import HOST
 from dselectk.layers.experts import ExpertList, StackedMLP
@@ -296,6 +297,7 @@ def verify(
         True
     """
     batch_sizes = _check_tolerances(batch_sizes, atol, rtol)
+    seed = check_positive_int("seed", seed, 0)
     args = _as_tuple(example_inputs)
     gen = torch.Generator().manual_seed(seed)
     wrapped = _Predictions(model)
@@ -651,6 +653,7 @@ def freeze(model: nn.Module, *, force: bool = False) -> nn.Module:
         >>> all(torch.allclose(a, b) for a, b in zip(frozen(x).outputs, model(x).outputs))
         True
     """
+    check_flag("force", force)
     if not isinstance(model, MoE | MultiGateMoE):
         raise TypeError(f"freeze takes a MoE or MultiGateMoE, got {type(model).__name__}")
     frozen = copy.deepcopy(model).eval()

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
+from dselectk._validate import near_miss
 from dselectk.gates.ablation import INITS, DSelectKExtended, SoftmaxSelectorGate
 from dselectk.gates.base import Gate
 from dselectk.gates.comet import COMETGate
@@ -226,10 +227,14 @@ def gate_spec(name: str) -> GateSpec:
         >>> gate_spec("dselectk")
         Traceback (most recent call last):
             ...
-        ValueError: unknown gate 'dselectk'; expected one of [...]
+        ValueError: unknown gate 'dselectk' (did you mean 'dselect_k'?); expected one of [...]
     """
+    if not isinstance(name, str):
+        raise TypeError(f"the gate name must be a str, got the {type(name).__name__} {name!r}")
     if name not in GATES:
-        raise ValueError(f"unknown gate {name!r}; expected one of {gate_names()}")
+        raise ValueError(
+            f"unknown gate {name!r}{near_miss(name, GATES)}; expected one of {gate_names()}"
+        )
     return GATES[name]
 
 

@@ -13,6 +13,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from dselectk._validate import check_sizes
+from dselectk.gates.base import check_positive_int
+
 __all__ = ["EMBED_DIMS", "MovieLensEmbedding"]
 
 #: embedding sizes of the columns
@@ -46,6 +49,22 @@ class MovieLensEmbedding(nn.Module):
         dims: Mapping[str, int] = EMBED_DIMS,
     ) -> None:
         super().__init__()
+        check_positive_int("num_users", num_users)
+        check_positive_int("num_items", num_items)
+        if side is not None:
+            side = check_sizes("side", side)
+            if len(side) != 4:
+                raise ValueError(
+                    f"side must be (num_age_buckets, num_genders, num_occupations, num_genres), "
+                    f"4 sizes, got {len(side)}"
+                )
+        if not isinstance(dims, Mapping):
+            raise TypeError(f"dims must be a mapping of embedding sizes, got {type(dims).__name__}")
+        needed = ["user", "item"] + (["age", "gender", "occupation", "genres"] if side else [])
+        absent = [k for k in needed if k not in dims]
+        if absent:
+            raise ValueError(f"dims must give the embedding size of {absent} (see EMBED_DIMS)")
+        check_sizes("dims", [dims[k] for k in needed])
         self.user = nn.Embedding(num_users, dims["user"])
         self.item = nn.Embedding(num_items, dims["item"])
         self.out_features = dims["user"] + dims["item"]

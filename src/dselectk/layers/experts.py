@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dselectk._validate import check_flag, check_number, check_sizes
 from dselectk.gates.base import check_positive_int
 
 __all__ = ["ExpertList", "GatedMLP", "StackedMLP", "grouped_linear", "make_towers"]
@@ -163,6 +164,9 @@ class StackedMLP(nn.Module):
         final_activation: bool = False,
     ) -> None:
         super().__init__()
+        layer_sizes = check_sizes("layer_sizes", layer_sizes)
+        check_number("dropout", dropout, minimum=0.0, maximum=1.0, open_max=True)
+        check_flag("final_activation", final_activation, allow_none=True)
         self.num_members = check_positive_int("num_members", num_members)
         self.in_features = check_positive_int("in_features", in_features)
         if len(layer_sizes) == 0:
@@ -441,4 +445,5 @@ def make_towers(num_tasks: int, in_features: int, sizes: Sequence[int]) -> Stack
         >>> tuple(towers(torch.randn(4, 8)).shape)  # (tasks, batch, out)
         (2, 4, 1)
     """
-    return StackedMLP(num_tasks, in_features, list(sizes), final_activation=False)
+    check_positive_int("num_tasks", num_tasks)
+    return StackedMLP(num_tasks, in_features, list(check_sizes("sizes", sizes)), final_activation=False)

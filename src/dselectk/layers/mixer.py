@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dselectk._validate import check_flag
 from dselectk.layers.experts import StackedMLP
 
 __all__ = ["ExpertMixer", "active_experts", "exporting", "mix"]
@@ -105,7 +106,7 @@ class ExpertMixer(nn.Module):
             )
         self.experts = experts
         self.num_experts = n
-        self.conditional = bool(conditional)
+        self.conditional = bool(check_flag("conditional", conditional))
 
     def mix(self, x: Tensor, weights: Tensor) -> Tensor:
         """(T, B, D) mixtures. Experts no weight uses are skipped, forward and backward.

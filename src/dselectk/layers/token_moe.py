@@ -68,6 +68,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from dselectk._validate import check_choice, check_flag, check_number
 from dselectk.gates.base import Gate, check_nonnegative, check_positive_int
 from dselectk.gates.registry import GATES, make_gate
 from dselectk.layers.experts import GatedMLP, StackedMLP
@@ -275,8 +276,12 @@ class SparseMoEFeedForward(nn.Module):
             if key in _RENAMED:
                 raise TypeError(f"SparseMoEFeedForward: {key}= is now {_RENAMED[key]}")
             raise TypeError(f"SparseMoEFeedForward got an unexpected keyword argument {key!r}")
-        if routing not in ("token", "expert"):
-            raise ValueError(f"routing must be 'token' or 'expert', got {routing!r}")
+        check_choice("routing", routing, ("token", "expert"))
+        check_flag("renormalize", renormalize, allow_none=True)
+        check_flag("gated", gated)
+        check_positive_int("d_ff", d_ff)
+        if capacity_factor is not None:
+            check_number("capacity_factor", capacity_factor, minimum=0.0, open_min=True)
         if routing == "expert" and renormalize:
             raise ValueError("renormalize applies to token routing only (routing='token')")
         if renormalize is None:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from dselectk.gates.base import Gate
+from dselectk.gates.base import Gate, check_positive_int
 from dselectk.layers.experts import StackedMLP
 
 __all__ = ["LOSS_BLOCK_WEIGHTS", "BankOutput", "MoEBank"]
@@ -90,8 +90,14 @@ class MoEBank(nn.Module):
 
     def __init__(self, experts: StackedMLP, gates: Gate, members: int) -> None:
         super().__init__()
-        if members < 1:
-            raise ValueError(f"members must be >= 1, got {members}")
+        members = check_positive_int("members", members)
+        if not isinstance(gates, Gate):
+            raise TypeError(f"gates must be a dselectk Gate bank, got {type(gates).__name__}")
+        if not isinstance(getattr(experts, "num_members", None), int):
+            raise TypeError(
+                f"experts must be an expert bank (dselectk.layers.StackedMLP), got "
+                f"{type(experts).__name__}"
+            )
         if experts.num_members % members:
             raise ValueError(
                 f"experts has {experts.num_members} members, not a multiple of members={members}"

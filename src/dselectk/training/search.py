@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dselectk._validate import check_flag
 from dselectk.gates.base import Gate
 from dselectk.gates.hyperparameter import check_positive_int
 from dselectk.models.bank import MoEBank
@@ -433,6 +434,7 @@ class SwapSearch(Callback):
         if not callable(self.member_loss):
             raise TypeError(f"member_loss must be callable, got {type(self.member_loss).__name__}")
         _check_search_args(self.sweeps, self.tol, self.scale)
+        check_flag("skip_nonfinite", self.skip_nonfinite)
         for name, steps in (("at", self.at), ("binarize_at", self.binarize_at)):
             if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
                 raise TypeError(f"{name} must be a sequence of steps (ints >= 1), got {steps!r}")
