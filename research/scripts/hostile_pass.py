@@ -37,7 +37,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_SBATCH = shutil.which("sbatch") is not None
+
+
+def _slurm_reachable() -> bool:
+    """sbatch installed and its controller answering (``sinfo`` succeeds)."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+HAS_SBATCH = _slurm_reachable()
 CLI = [str(ROOT / ".venv" / "bin" / "dselectk")]
 #: HOSTILE_SRC=DIR: run the package in DIR (a copy of src/, e.g. of an older commit) instead
 SRC = os.environ.get("HOSTILE_SRC")
@@ -140,7 +152,13 @@ class _Warm:
     proc: subprocess.Popen[str] | None = None
 
     @classmethod
-    def run(cls, argv: list[str], cwd: Path, env: dict[str, str], interrupt: Callable[[int], None] | None) -> Result:
+    def run(
+        cls,
+        argv: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        interrupt: Callable[[int], None] | None,
+    ) -> Result:
         if cls.proc is None or cls.proc.poll() is not None:
             cls.proc = subprocess.Popen(
                 [sys.executable, "-c", _ZYGOTE, _LIB_HARNESS], cwd=cwd, env=env,
@@ -707,7 +725,7 @@ def cases() -> list[Case]:
     )
     add(
         Case(
-            "synthetic --executor slurm" + (" (sbatch present)" if HAS_SBATCH else " (no sbatch)"),
+            "synthetic --executor slurm" + (" (Slurm up)" if HAS_SBATCH else " (no Slurm)"),
             [*SYN, "--executor", "slurm", "--out", "slurmx"],
             "ok" if HAS_SBATCH else "refuse",  # a local Slurm (.ci/run starts one) runs it
         )
@@ -1119,7 +1137,7 @@ def new_library_cases() -> list[Case]:
     refuse("StackedMLP layer_sizes=4 (not a list)", "StackedMLP(2, 5, 4)", "layer_sizes")
     refuse("StackedMLP activation='ReLU'", "StackedMLP(2, 5, [4], activation='ReLU')", "activation")
     refuse("StackedMLP forward 7 features into 5",
-           "StackedMLP(2, 5, [4])(torch.randn(3, 7))", "in_features")  # fmt: skip
+           "StackedMLP(2, 5, [4])(torch.randn(3, 7))", "5 features")  # fmt: skip
     refuse("make_towers num_tasks=0", "make_towers(0, 4, [1])", "num")
     refuse("make_towers sizes=[]", "make_towers(2, 4, [])", "sizes")
     refuse("make_towers sizes=1 (not a list)", "make_towers(2, 4, 1)", "sizes")
@@ -1184,7 +1202,10 @@ def new_library_cases() -> list[Case]:
     refuse("TaskData x a list", "TaskData([[1.0, 2.0]], [torch.randn(1, 1)])", "x")
     refuse("train on zero examples",
            "train(mtl(), data(0), 'mse', cfg())", "train_data")  # fmt: skip
-    refuse("train NaN inputs", "d = data()\nd.x[3, 1] = NAN\ntrain(mtl(), d, 'mse', cfg())", "nan")
+    ok("train NaN inputs: a TrainingDivergedError naming the inputs (documented)",
+       "from dselectk.training import TrainingDivergedError\nd = data()\nd.x[3, 1] = NAN\n"
+       "try:\n    train(mtl(), d, 'mse', cfg())\nexcept TrainingDivergedError as e:\n"
+       "    assert 'inputs x' in str(e), e\nelse:\n    raise SystemExit('trained on NaN inputs')")  # fmt: skip
     ok("train int targets for MSE (trained or refused naming ys)",
        "d = data()\nd = TaskData(d.x, [y.round().long() for y in d.ys])\n"
        "try:\n    h = train(mtl(), d, 'mse', cfg())\nexcept ValueError as e:\n"
@@ -1215,6 +1236,12 @@ def new_library_cases() -> list[Case]:
     refuse("train checkpoint= a directory",
            "os.makedirs('ckdir', exist_ok=True)\ntrain(mtl(), data(), 'mse', cfg(checkpoint='ckdir'))",
            "ckdir")  # fmt: skip
+    refuse("train checkpoint= in a missing folder (refused before training)",
+           "train(mtl(), data(), 'mse', cfg(checkpoint='no/such/ck.pt'))", "no/such")  # fmt: skip
+    refuse("train checkpoint=''", "train(mtl(), data(), 'mse', cfg(checkpoint=''))", "checkpoint")
+    refuse("train callbacks= one Callback, not a list",
+           "from dselectk.training import GateRecorder\n"
+           "train(mtl(), data(), 'mse', cfg(), callbacks=GateRecorder(torch.randn(2, 6), 1))", "callbacks")  # fmt: skip
     refuse("train resume another model's checkpoint",
            "train(mtl(), data(), 'mse', cfg(checkpoint='ck3.pt'))\n"
            "train(mtl(3), data(tasks=3), 'mse', cfg(checkpoint='ck3.pt'))", "ck3.pt")  # fmt: skip
@@ -1239,7 +1266,7 @@ def new_library_cases() -> list[Case]:
         "num_experts_per_tok=2)\n"
     )
     refuse("hf replace_routers on a model without routers",
-           hf + "hf.replace_routers(nn.Sequential(nn.Linear(4, 4)), 'dselect_k')", "router")  # fmt: skip
+           hf + "hf.replace_routers(nn.Sequential(nn.Linear(4, 4)), 'dselect_k')", "moe block")  # fmt: skip
     refuse("hf replace_routers selectors=0",
            hf + "hf.replace_routers(transformers.MixtralForCausalLM(cfg), 'dselect_k', selectors=0)",
            "selectors")  # fmt: skip

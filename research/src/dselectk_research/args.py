@@ -268,6 +268,35 @@ def read_json_object(path: str | Path, flag: str) -> tuple[dict[str, Any], str]:
     return obj, hashlib.sha256(data).hexdigest()[:16]
 
 
+def check_tuned_entry(where: str, entry: object) -> dict[str, Any]:
+    """One entry of a user's tuning record (``{hyperparameter: value}``) as a dict; an empty or
+    non-object entry is a ValueError naming ``where``: it would silently train with the
+    built-in settings while the report credits the file."""
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"{where}: expected an object {{hyperparameter: value}}, got {type(entry).__name__}"
+        )
+    if not entry:
+        raise ValueError(
+            f"{where}: the entry is empty (it would train with the built-in settings while "
+            "the report credits the file); give its hyperparameters or remove the entry"
+        )
+    return dict(entry)
+
+
+def check_task_key(where: str, key: object) -> str:
+    """A tuning record's task-count key: ``"default"`` or a task count written as a plain
+    integer >= 1 (``"16"``); anything else (``"16.0"``, ``"sixteen"``) would never be looked
+    up, so it is a ValueError naming ``where``."""
+    text = str(key)
+    if text == "default" or (text.isdigit() and str(int(text)) == text and int(text) >= 1):
+        return text
+    raise ValueError(
+        f'{where}: task key {text!r} is neither a task count (an integer such as "16") nor '
+        '"default"; it would never be used'
+    )
+
+
 #: the share of the machine's memory a data set may take
 MEMORY_FRACTION = 0.5
 

@@ -254,6 +254,8 @@ class Gate(nn.Module):
             raise ValueError(f"{type(self).__name__} is per-example: forward needs an input x")
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.dim() < 2 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"x must have shape (batch, {self.in_features}) or (..., {self.in_features}) "

@@ -212,6 +212,8 @@ class StackedMLP(nn.Module):
             raise ValueError(
                 f"x must have {self.in_features} features in its last dim, got {tuple(x.shape)}"
             )
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         act = _ACTIVATIONS[self.activation]
         last = len(self.weights) - 1
         h = x
@@ -446,4 +448,6 @@ def make_towers(num_tasks: int, in_features: int, sizes: Sequence[int]) -> Stack
         (2, 4, 1)
     """
     check_positive_int("num_tasks", num_tasks)
-    return StackedMLP(num_tasks, in_features, list(check_sizes("sizes", sizes)), final_activation=False)
+    return StackedMLP(
+        num_tasks, in_features, list(check_sizes("sizes", sizes)), final_activation=False
+    )

@@ -258,6 +258,20 @@ def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def check_path(path: str | Path) -> Path:
+    """``TrainConfig.checkpoint`` checked before training: not a folder, in a folder that
+    exists (a ValueError naming it; a missing folder would fail only when the first epoch ends,
+    its training lost)."""
+    if not isinstance(path, (str, Path)) or str(path).strip() == "":
+        raise ValueError(f"checkpoint must be a file path such as 'run.pt', got {path!r}")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"checkpoint={str(path)!r} is a folder; give a file path such as run.pt")
+    if not p.parent.is_dir():
+        raise ValueError(f"checkpoint={str(path)!r}: the folder {str(p.parent)!r} does not exist")
+    return p
+
+
 def check_resumable(
     path: str | Path, saved: dict[str, Any] | None, now: dict[str, Any], resume: str
 ) -> None:

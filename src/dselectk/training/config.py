@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dselectk._validate import check_flag, check_number
 from dselectk.gates.base import check_nonnegative, check_positive_int
 from dselectk.optim import OPTIMIZERS
 from dselectk.runtime import PARALLEL_MIN_WORK, policy_threads
@@ -188,8 +189,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        check_number("lr", self.lr, minimum=0.0, open_min=True)
+        check_flag("progress", self.progress)
         if self.progress_unit not in ("step", "epoch"):
             raise ValueError(f"progress_unit must be step or epoch, got {self.progress_unit!r}")
         check_positive_int("batch_size", self.batch_size)

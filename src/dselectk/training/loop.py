@@ -127,6 +127,13 @@ def train(
     cfg = config or TrainConfig()
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(cfg).__name__}")
+    if isinstance(callbacks, (str, bytes, Callback)) or not isinstance(callbacks, Sequence):
+        raise TypeError(
+            "callbacks must be a list of Callback objects or callables (wrap a single one in a "
+            f"list), got the {type(callbacks).__name__} {callbacks!r}"
+        )
+    if cfg.checkpoint is not None:
+        checkpoint.check_path(cfg.checkpoint)
     if cfg.seed is not None:
         seed_everything(cfg.seed)
     run = _Run(model, train_data, losses, cfg, val_data, schedulers, optimizer, callbacks, loss_fn)

@@ -15,6 +15,7 @@ from dselectk.variants import TRAINER_HPARAMS, Variant
 from dselectk_research.args import (
     add_config_arguments,
     check_fits,
+    check_tuned_entry,
     config_from_args,
     existing_file,
     file_digest,
@@ -159,6 +160,8 @@ def tuned_hparams(
             f"it has {sorted(table) or 'none'}"
         )
     entry = table.get(variant.tuned_name, {})
+    if path:
+        entry = check_tuned_entry(f"{where}: hparams.{variant.tuned_name}", entry)
     base = {k: v for k, v in BASE_HPARAMS.items() if k in (*TRAINER_HPARAMS, *variant.spec.hparams)}
     hp = variant.check_hparams({**base, **entry}, f"{where}: hparams.{variant.tuned_name}")
     return hp if epochs is None else {**hp, "epochs": epochs}

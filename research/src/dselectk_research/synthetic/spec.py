@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dselectk.variants import Ramp, Variant
-from dselectk_research.args import read_json_object
+from dselectk_research.args import check_task_key, check_tuned_entry, read_json_object
 from dselectk_research.catalog import select
 from dselectk_research.seeds import derive_seed
 
@@ -106,6 +106,7 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
                     f"{where}: expected a tuning record (with 'hparams') or a "
                     f"selected_hparams.json ('gate/T' keys), found key {key!r}"
                 )
+            check_task_key(f"{where}: {key}", t)
             per_gate.setdefault(gate, {})[t] = dict(sel["hparams"])
         rec = {"source": f"selections of {path}", "hparams": per_gate}
     table = rec["hparams"]
@@ -117,7 +118,12 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
             f"{where}: 'hparams' must map gate -> T (or \"default\") -> {{hyperparameter: value}}"
         )
     for gate, per_t in table.items():
+        if path is not None and not per_t:
+            raise ValueError(f'{where}: {gate} has no entries (give a "default" or one per T)')
         for t, hp in per_t.items():
+            if path is not None:  # a user's file: every key is used, every entry says something
+                check_task_key(f"{where}: {gate}", t)
+                check_tuned_entry(f"{where}: {gate}/{t}", hp)
             variant_of(gate).check_hparams(hp, f"{where}: {gate}/{t}")
     if digest is None:
         return rec
