@@ -100,3 +100,134 @@ def test_models_on_an_empty_batch(static: bool, training: bool, conditional: boo
     )
     mmoe.train(training)
     assert [tuple(o.shape) for o in mmoe(torch.zeros(0, 4)).outputs] == [(0, 1), (0, 1)]
+
+
+# -- constructor arguments: one check per class (dselectk._validate) ---------------------------
+# ruff: noqa: E501
+def _mtl(tasks: int = 2) -> torch.nn.Module:
+    from dselectk import MultiGateMoE
+    from dselectk.layers import StackedMLP, make_towers
+
+    torch.manual_seed(0)
+    return MultiGateMoE(
+        StackedMLP(4, 6, [5]),
+        DSelectK(4, 2, in_features=6, num_gates=tasks),
+        make_towers(tasks, 5, [1]),
+    )
+
+
+def _flag_sites() -> list[tuple[str, object]]:
+    from dselectk import MoE, SparseMoEFeedForward, SwapSearch, TrainConfig
+    from dselectk.export import freeze
+    from dselectk.layers import StackedMLP
+
+    return [
+        ("final_activation", lambda v: StackedMLP(2, 5, [4], final_activation=v)),
+        ("renormalize", lambda v: SparseMoEFeedForward(16, 32, 4, "topk", 2, renormalize=v)),
+        ("gated", lambda v: SparseMoEFeedForward(16, 32, 4, "topk", 2, gated=v)),
+        ("conditional", lambda v: MoE(StackedMLP(4, 6, [3]), DSelectK(4, 2), conditional=v)),
+        ("force", lambda v: freeze(_mtl().eval(), force=v)),
+        ("progress", lambda v: TrainConfig(progress=v)),
+        (
+            "skip_nonfinite",
+            lambda v: SwapSearch(
+                DSelectK(8, 2, num_gates=3), lambda: torch.zeros(3), at=[1], skip_nonfinite=v
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("value", ["False", "no", 1, None])
+def test_a_flag_given_a_string_or_number_is_refused_not_taken_for_true(value: object) -> None:
+    # bool("False") is True: a string would have switched the setting on while saying "False"
+    for name, build in _flag_sites():
+        if value is None and name in ("final_activation", "renormalize"):
+            continue  # None is their documented default
+        with pytest.raises(TypeError, match=rf"{name} must be True(, | or )False"):
+            build(value)  # type: ignore[operator]
+    for _, build in _flag_sites():
+        build(False)  # type: ignore[operator]  # a real bool still builds
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        ("StackedMLP(2, 5, [4], dropout=float('nan'))", "dropout must be a finite number"),
+        ("StackedMLP(2, 5, [4], dropout='0.1')", "dropout must be a number"),
+        ("StackedMLP(2, 5, [4], dropout=1.0)", "dropout must be a finite number >= 0.0 and < 1.0"),
+        ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor=float('nan'))", "capacity_factor"),
+        ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor='1.25')", "capacity_factor must be a number"),
+        ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor=0.0)", "capacity_factor must be a finite number > 0"),
+        ("TrainConfig(lr='0.01')", "lr must be a number"),
+        ("TrainConfig(lr=float('inf'))", "lr must be a finite number > 0"),
+        ("StackedMLP(2, 5, 4)", "layer_sizes must be a list or tuple of ints"),
+        ("StackedMLP(2, 5, (4.0,))", r"layer_sizes\[0\] must be an int"),
+        ("StackedMLP(2, 5, [4, 0])", r"layer_sizes\[1\] must be >= 1"),
+        ("make_towers(2, 4, 1)", "sizes must be a list or tuple of ints"),
+        ("make_towers(0, 4, [1])", "num_tasks must be >= 1"),
+        ("SparseMoEFeedForward(16, 0, 4, 'topk', 2)", "d_ff must be >= 1"),
+        ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, routing='tokens')", "did you mean 'token'"),
+        ("make_gate('dselectk', 8, k=2)", "did you mean 'dselect_k'"),
+        ("make_gate('top_k', 8, k=2)", "did you mean 'topk'"),
+        ("make_gate(3, 8)", "gate name must be a str"),
+        ("MoEBank(StackedMLP(8, 6, [1]), DSelectK(4, 2, num_gates=4), 2.5)", "members must be an int"),
+        ("MoEBank(StackedMLP(8, 6, [1]), 'dselect_k', 2)", "gates must be a dselectk Gate"),
+        ("MoEBank(torch.nn.Linear(6, 1), DSelectK(4, 2, num_gates=4), 2)", "experts must be an expert bank"),
+        ("MovieLensEmbedding(-5, 10)", "num_users must be >= 1"),
+        ("MovieLensEmbedding(10, 10.5)", "num_items must be an int"),
+        ("MovieLensEmbedding(10, 10, side=(3, 2))", "side must be"),
+        ("MovieLensEmbedding(10, 10, dims={'user': 8})", r"dims must give the embedding size of \['item'\]"),
+        ("verify(lambda xs: [], _mtl(), torch.randn(8, 6), seed=float('nan'))", "seed must be an int"),
+    ],
+)  # fmt: skip
+def test_constructor_numbers_sizes_and_names_are_checked(build: str, match: str) -> None:
+    from dselectk import MoEBank, SparseMoEFeedForward, TrainConfig  # noqa: F401
+    from dselectk.export import verify  # noqa: F401
+    from dselectk.layers import StackedMLP, make_towers  # noqa: F401
+    from dselectk.layers.embedding import MovieLensEmbedding  # noqa: F401
+
+    with pytest.raises((TypeError, ValueError), match=match):
+        eval(build)  # the table above
+
+
+def test_integer_inputs_to_gates_and_expert_banks_are_refused_by_dtype() -> None:
+    from dselectk.layers import StackedMLP
+
+    x = torch.ones(4, 6, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor, got torch\.int64"):
+        DSelectK(8, 2, in_features=6)(x)
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor, got torch\.int64"):
+        StackedMLP(2, 6, [4])(x)
+    assert StackedMLP(2, 6, [4])(x.double().float()).shape == (2, 4, 4)
+
+
+def test_train_callbacks_and_checkpoint_paths_are_checked_before_training(tmp_path: Path) -> None:
+    from dselectk import TaskData, TrainConfig, train
+    from dselectk.training import GateRecorder
+
+    data = TaskData(torch.randn(20, 6), [torch.randn(20, 1), torch.randn(20, 1)])
+
+    def cfg(**kw: object) -> TrainConfig:
+        return TrainConfig(epochs=1, batch_size=8, progress=False, threads=1, **kw)  # type: ignore[arg-type]
+
+    model = _mtl()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="callbacks must be a list"):
+        train(model, data, "mse", cfg(), callbacks=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="wrap a single one in a list"):
+        train(model, data, "mse", cfg(), callbacks=GateRecorder(torch.randn(2, 6), 1))  # type: ignore[arg-type]
+    (tmp_path / "ckdir").mkdir()
+    for path, match in (
+        (tmp_path / "ckdir", "is a folder"),
+        (tmp_path / "no" / "such" / "ck.pt", "does not exist"),
+        ("", "must be a file path"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            train(model, data, "mse", cfg(checkpoint=path))
+    # refused before any step: the model is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(ValueError, match=r"notes\.txt"):
+        train(model, data, "mse", cfg(checkpoint=notes))
+    assert notes.read_text() == "my notes"  # a user's file is never overwritten
