@@ -15,7 +15,17 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["check_choice", "check_flag", "check_number", "check_sizes", "near_miss"]
+import torch
+from torch import Tensor
+
+__all__ = [
+    "check_choice",
+    "check_flag",
+    "check_input_like",
+    "check_number",
+    "check_sizes",
+    "near_miss",
+]
 
 
 def check_flag(name: str, value: object, *, allow_none: bool = False) -> bool | None:
@@ -133,3 +143,34 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     if value not in pool:
         raise ValueError(f"{name} must be one of {pool}, got {value!r}{near_miss(value, pool)}")
     return value
+
+
+def _autocasting(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # older torch: no device argument
+        return bool(torch.is_autocast_enabled())
+
+
+def check_input_like(x: Tensor, param: Tensor, name: str = "x") -> None:
+    """``x`` on ``param``'s device and (outside autocast) of its dtype: a TypeError/ValueError
+    saying what to convert, instead of a matmul's error from deep inside the module (a float64
+    array from NumPy into a float32 model is the common case).
+
+    Examples:
+        >>> try:
+        ...     check_input_like(torch.ones(2, dtype=torch.float64), torch.ones(2))
+        ... except TypeError as e:
+        ...     print(str(e).split(":")[0])
+        x is torch.float64 but the parameters are torch.float32
+    """
+    if x.device != param.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the parameters are on {param.device}: move the input "
+            f"({name}.to({str(param.device)!r})) or the model"
+        )
+    if x.dtype != param.dtype and not _autocasting(x.device.type):
+        raise TypeError(
+            f"{name} is {x.dtype} but the parameters are {param.dtype}: convert the input "
+            f"({name}.to({param.dtype})) or the model (model.to({x.dtype}))"
+        )

@@ -45,6 +45,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from dselectk._validate import check_input_like
 from dselectk.gates.hyperparameter import (
     HyperParameter,
     check_nonnegative,
@@ -256,6 +257,8 @@ class Gate(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        if self.proj is not None:
+            check_input_like(x, self.proj.weight)
         if x.dim() < 2 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"x must have shape (batch, {self.in_features}) or (..., {self.in_features}) "

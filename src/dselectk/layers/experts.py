@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dselectk._validate import check_flag, check_number, check_sizes
+from dselectk._validate import check_flag, check_input_like, check_number, check_sizes
 from dselectk.gates.base import check_positive_int
 
 __all__ = ["ExpertList", "GatedMLP", "StackedMLP", "grouped_linear", "make_towers"]
@@ -214,6 +214,7 @@ class StackedMLP(nn.Module):
             )
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        check_input_like(x, self.weights[0])
         act = _ACTIVATIONS[self.activation]
         last = len(self.weights) - 1
         h = x

@@ -282,6 +282,8 @@ class SparseMoEFeedForward(nn.Module):
         check_positive_int("d_ff", d_ff)
         if capacity_factor is not None:
             check_number("capacity_factor", capacity_factor, minimum=0.0, open_min=True)
+        if gate_kwargs is not None and not isinstance(gate_kwargs, dict):
+            raise TypeError(f"gate_kwargs must be a dict or None, got {type(gate_kwargs).__name__}")
         if routing == "expert" and renormalize:
             raise ValueError("renormalize applies to token routing only (routing='token')")
         if renormalize is None:

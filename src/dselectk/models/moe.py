@@ -55,6 +55,12 @@ class MultiTaskOutput(NamedTuple):
     """(T, n) for static gates, (B, T, n) otherwise; None for :class:`SharedBottom`."""
 
 
+def _check_bottom(bottom: nn.Module | None) -> nn.Module | None:
+    if bottom is not None and not callable(bottom):
+        raise TypeError(f"bottom must be a module (or None), got {type(bottom).__name__}")
+    return bottom
+
+
 class MoE(nn.Module):
     """A mixture of experts with one gate: Σ_i f_i(x) g(x)_i (Eq. 1).
 
@@ -152,7 +158,7 @@ class MultiGateMoE(nn.Module):
             if g.num_experts != n:
                 raise ValueError(f"gate {i} has num_experts={g.num_experts}, experts has {n}")
         self.towers = self._check_towers(towers)
-        self.bottom = bottom
+        self.bottom = _check_bottom(bottom)
 
     def _check_towers(self, towers: Sequence[nn.Module] | nn.Module | None) -> nn.Module | None:
         if towers is None:
@@ -225,8 +231,10 @@ class SharedBottom(nn.Module):
         bottom: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        if not callable(shared):
+            raise TypeError(f"shared must be a module, got {type(shared).__name__}")
         self.shared = shared
-        self.bottom = bottom
+        self.bottom = _check_bottom(bottom)
         if isinstance(towers, nn.Module) and not isinstance(towers, nn.ModuleList):
             count = getattr(towers, "num_members", None)
             if not isinstance(count, int):

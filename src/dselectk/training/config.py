@@ -202,6 +202,15 @@ class TrainConfig:
             raise ValueError(f"nonfinite must be raise, skip or warn, got {self.nonfinite!r}")
         if self.resume not in ("strict", "force"):
             raise ValueError(f"resume must be strict or force, got {self.resume!r}")
+        for name in ("seed", "shuffle_seed"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name), 0)
+        if self.position is not None:
+            check_positive_int("position", self.position, 0)
+        if not isinstance(self.desc, str):
+            raise TypeError(f"desc must be a str, got {type(self.desc).__name__}")
+        if isinstance(self.task_weights, (str, bytes)):
+            raise TypeError(f"task_weights must be a list of numbers, got {self.task_weights!r}")
         if self.task_weights is not None:
             for w in self.task_weights:
                 check_nonnegative("task_weights[i]", w)

@@ -132,6 +132,17 @@ def train(
             "callbacks must be a list of Callback objects or callables (wrap a single one in a "
             f"list), got the {type(callbacks).__name__} {callbacks!r}"
         )
+    if isinstance(schedulers, (str, bytes)) or not isinstance(schedulers, Sequence):
+        raise TypeError(
+            f"schedulers must be a list of schedulers, got the {type(schedulers).__name__} "
+            f"{schedulers!r}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer over the model's parameters, or None "
+            f"(then TrainConfig.optimizer names it), got the {type(optimizer).__name__} "
+            f"{optimizer!r}"
+        )
     if cfg.checkpoint is not None:
         checkpoint.check_path(cfg.checkpoint)
     if cfg.seed is not None:

@@ -90,7 +90,15 @@ class TaskData:
 
 
 def _resolve_losses(losses: str | LossFn | Sequence[str | LossFn], num_tasks: int) -> list[LossFn]:
-    items = [losses] * num_tasks if isinstance(losses, str) or callable(losses) else list(losses)
+    if isinstance(losses, str) or callable(losses):
+        items = [losses] * num_tasks
+    elif isinstance(losses, (list, tuple)):
+        items = list(losses)
+    else:
+        raise TypeError(
+            f"losses must be a loss name ({sorted(LOSSES)}), a loss function or a list of them "
+            f"(one per task), got the {type(losses).__name__} {losses!r}"
+        )
     if len(items) != num_tasks:
         raise ValueError(f"losses must name one loss per task ({num_tasks}), got {len(items)}")
     out = []
@@ -99,8 +107,10 @@ def _resolve_losses(losses: str | LossFn | Sequence[str | LossFn], num_tasks: in
             if item not in LOSSES:
                 raise ValueError(f"unknown loss {item!r}; expected one of {sorted(LOSSES)}")
             out.append(LOSSES[item])
-        else:
+        elif callable(item):
             out.append(item)
+        else:
+            raise TypeError(f"losses: each loss must be a name or a function, got {item!r}")
     return out
 
 
@@ -193,6 +203,8 @@ def run_losses(
         raise ValueError(
             f"task_weights must have one weight per task ({len(fns)}), got {len(weights)}"
         )
+    if fns and not any(float(w) > 0 for w in weights):
+        raise ValueError(f"task_weights are all 0 ({weights}): no task's loss would train")
     if cfg.early_stopping_patience is not None and val_data is None:
         raise ValueError("early_stopping_patience needs val_data")
     if val_data is not None:
