@@ -231,3 +231,65 @@ def test_train_callbacks_and_checkpoint_paths_are_checked_before_training(tmp_pa
     with pytest.raises(ValueError, match=r"notes\.txt"):
         train(model, data, "mse", cfg(checkpoint=notes))
     assert notes.read_text() == "my notes"  # a user's file is never overwritten
+
+
+def test_inputs_of_another_dtype_or_device_than_the_parameters_say_what_to_convert() -> None:
+    from dselectk import TaskData, TrainConfig, train
+
+    model = _mtl()
+    x64 = torch.from_numpy(np.random.default_rng(0).normal(size=(20, 6)))  # float64, as NumPy
+    with pytest.raises(
+        TypeError, match=r"x is torch\.float64 but the parameters are torch\.float32"
+    ):
+        model(x64)
+    with pytest.raises(TypeError, match=r"x\.to\(torch\.float32\)"):
+        train(model, TaskData(x64, [x64[:, :1], x64[:, 1:2]]), "mse", TrainConfig(progress=False))
+    with pytest.raises(ValueError, match="x is on meta but the parameters are on cpu"):
+        model(torch.randn(4, 6, device="meta"))
+    assert model(x64.float()).outputs[0].shape == (20, 1)  # converted: it runs
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast mixes dtypes on purpose
+        assert _mtl()(torch.randn(4, 6).bfloat16()).outputs[0].shape == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"losses": 3}, "losses must be a loss name"),
+        ({"losses": ["mse", 3]}, "each loss must be a name or a function"),
+        ({"schedulers": 3}, "schedulers must be a list"),
+        ({"optimizer": "adam"}, r"optimizer must be a torch\.optim\.Optimizer"),
+        ({"task_weights": [0.0, 0.0]}, "task_weights are all 0"),
+    ],
+)
+def test_train_arguments_of_the_wrong_kind_are_refused_before_training(
+    kw: dict[str, object], match: str
+) -> None:
+    from dselectk import TaskData, TrainConfig, train
+
+    model, data = _mtl(), TaskData(torch.randn(20, 6), [torch.randn(20, 1), torch.randn(20, 1)])
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = TrainConfig(epochs=1, progress=False, task_weights=kw.pop("task_weights", None))  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError), match=match):
+        train(model, data, kw.pop("losses", "mse"), cfg, **kw)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        ("TrainConfig(seed='0')", "seed must be an int"),
+        ("TrainConfig(seed=1.5)", "seed must be an int"),
+        ("TrainConfig(shuffle_seed=-3)", "shuffle_seed must be >= 0"),
+        ("TrainConfig(task_weights='11')", "task_weights must be a list of numbers"),
+        ("TrainConfig(position=-1)", "position must be >= 0"),
+        ("TrainConfig(desc=3)", "desc must be a str"),
+        ("MultiGateMoE(StackedMLP(4, 6, [5]), DSelectK(4, 2, num_gates=2), bottom=3)", "bottom must be a module"),
+        ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, gate_kwargs=3)", "gate_kwargs must be a dict"),
+    ],
+)  # fmt: skip
+def test_settings_of_the_wrong_kind_are_refused_at_construction(build: str, match: str) -> None:
+    from dselectk import MultiGateMoE, SparseMoEFeedForward, TrainConfig  # noqa: F401
+    from dselectk.layers import StackedMLP  # noqa: F401
+
+    with pytest.raises((TypeError, ValueError), match=match):
+        eval(build)  # the table above

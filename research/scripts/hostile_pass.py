@@ -1245,6 +1245,27 @@ def new_library_cases() -> list[Case]:
     refuse("train resume another model's checkpoint",
            "train(mtl(), data(), 'mse', cfg(checkpoint='ck3.pt'))\n"
            "train(mtl(3), data(tasks=3), 'mse', cfg(checkpoint='ck3.pt'))", "ck3.pt")  # fmt: skip
+    refuse("train float64 data (from NumPy) into a float32 model",
+           "import numpy as np\nrng = np.random.default_rng(0)\nx = torch.from_numpy(rng.normal(size=(20, 6)))\n"
+           "train(mtl(), TaskData(x, [x[:, :1], x[:, 1:2]]), 'mse', cfg())", "float64")  # fmt: skip
+    refuse(
+        "MultiGateMoE forward on the meta device", "mtl()(torch.randn(4, 6, device='meta'))", "meta"
+    )
+    refuse("train optimizer='adam' (a name, not an Optimizer)",
+           "train(mtl(), data(), 'mse', cfg(), optimizer='adam')", "optimizer")  # fmt: skip
+    refuse("train schedulers=3", "train(mtl(), data(), 'mse', cfg(), schedulers=3)", "schedulers")
+    refuse("train losses=3", "train(mtl(), data(), 3, cfg())", "losses")
+    refuse("train task_weights all 0 (nothing would train)",
+           "train(mtl(), data(), 'mse', cfg(task_weights=[0.0, 0.0]))", "task_weights")  # fmt: skip
+    refuse(
+        "TrainConfig task_weights='11' (a string)", "TrainConfig(task_weights='11')", "task_weights"
+    )
+    refuse("TrainConfig seed='0'", "TrainConfig(seed='0')", "seed")
+    refuse("TrainConfig shuffle_seed=-3", "TrainConfig(shuffle_seed=-3)", "shuffle_seed")
+    refuse("MultiGateMoE bottom=3",
+           "MultiGateMoE(StackedMLP(4, 6, [5]), DSelectK(4, 2, in_features=6, num_gates=2), "
+           "make_towers(2, 5, [1]), bottom=3)", "bottom")  # fmt: skip
+    refuse("SparseMoEFeedForward gate_kwargs=3", ff + "gate_kwargs=3)", "gate_kwargs")
     # swap search, export, transformers
     s = "g = DSelectK(8, 2, num_gates=3)\nf = lambda: torch.zeros(3)\n"
     refuse("SwapSearch gate an nn.Linear", "SwapSearch(nn.Linear(2, 2), lambda: 0, at=[1])", "gate")
@@ -1403,9 +1424,12 @@ def new_cli_cases() -> list[Case]:
     add("report on the interrupted synthetic says partial", ["report", "nint"], "ok",
         check=report_says("nint", "partial"))  # fmt: skip
     add("synthetic rerun after Ctrl-C completes", nint, "ok", check=_records("nint", 3))
-    add("synthetic rerun with --lr changed into the finished folder",
-        [*nint[:-2], "--lr", "0.05", "--out", "nint"], "ok",
-        check=_records("nint", 3))  # the report: the current flags' 3 runs, not all 6
+    add(
+        "synthetic rerun with --lr changed into the finished folder",
+        [*nint[:-2], "--lr", "0.05", "--out", "nint"],
+        "ok",
+        check=_records("nint", 3),
+    )  # the report: the current flags' 3 runs, not all 6
     add("report after the changed rerun (the last command's runs)", ["report", "nint"], "ok",
         check=lambda r, w: _records("nint", 3)(r, w) and report_says("nint", "0.05")(r, w))  # fmt: skip
     rint = [*REC, "--reps", "2", "--out", "rint"]
