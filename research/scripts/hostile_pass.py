@@ -1345,7 +1345,7 @@ def new_cli_cases() -> list[Case]:
     add("synthetic --lr 1e400", [*SYN, "--lr", "1e400", *x], check=says("--lr"))
     add("synthetic --gamma -1", [*SYN, "--gamma=-1", *x], check=says("--gamma"))
     add("synthetic --reps -1", [*SYN, "--reps=-1", *x], check=says("--reps"))
-    add("synthetic --threads 0", [*SYN, "--threads", "0", *x], check=says("--threads"))
+    add("synthetic --threads -1", [*SYN, "--threads=-1", *x], check=says("--threads"))
     add("synthetic --entropy-reg nan", [*SYN, "--entropy-reg", "nan", *x],
         check=says("--entropy-reg"))  # fmt: skip
     add("synthetic --seed -5", [*SYN, "--seed=-5", *x], check=says("--seed"))
