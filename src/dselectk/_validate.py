@@ -116,7 +116,14 @@ def check_sizes(name: str, values: object, *, minimum: int = 1) -> tuple[int, ..
 
 
 def near_miss(value: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` to ``value``, else ``""``."""
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to ``value``, else ``""``.
+
+    Examples:
+        >>> near_miss("dselectk", ["dselect_k", "topk"])
+        " (did you mean 'dselect_k'?)"
+        >>> near_miss("xyz", ["dselect_k", "topk"])
+        ''
+    """
     pool = list(choices)
     by_key = {c.replace("_", "").replace("-", "").lower(): c for c in pool}
     key = value.replace("_", "").replace("-", "").lower()
