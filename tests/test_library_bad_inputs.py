@@ -293,3 +293,31 @@ def test_settings_of_the_wrong_kind_are_refused_at_construction(build: str, matc
 
     with pytest.raises((TypeError, ValueError), match=match):
         eval(build)  # the table above
+
+
+def test_a_selector_count_a_gate_would_ignore_is_refused() -> None:
+    from dselectk import SparseMoEFeedForward
+
+    for gate in ("topk", "softmax", make_gate("softmax", 4, in_features=16)):
+        with pytest.raises(ValueError, match="selectors=5 applies to the selector gates"):
+            SparseMoEFeedForward(16, 32, 4, gate, 2, selectors=5)
+    from dselectk.gates import Gate
+
+    def gate_k(layer: torch.nn.Module) -> int:
+        (gate,) = [m for m in layer.modules() if isinstance(m, Gate)]
+        return int(gate.k)
+
+    assert gate_k(SparseMoEFeedForward(16, 32, 4, "dselect_k", 2, selectors=4)) == 4
+    assert gate_k(SparseMoEFeedForward(16, 32, 4, "topk", 2)) == 2  # the default: no error
+
+
+def test_bank_weights_of_the_wrong_shape_are_refused() -> None:
+    from dselectk import MoEBank
+    from dselectk.layers import StackedMLP
+
+    bank = MoEBank(StackedMLP(8, 6, [1]), DSelectK(4, 2, num_gates=4), 2)
+    x = torch.randn(5, 6)
+    with pytest.raises(ValueError, match=r"weights must have shape \(2, 2, 4\) or \(4, 4\)"):
+        bank(x, torch.rand(3, 3, 3))
+    w = torch.softmax(torch.randn(4, 4), -1)
+    assert torch.equal(bank(x, w).pred, bank(x, w.view(2, 2, 4)).pred)

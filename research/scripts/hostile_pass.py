@@ -1266,6 +1266,10 @@ def new_library_cases() -> list[Case]:
            "MultiGateMoE(StackedMLP(4, 6, [5]), DSelectK(4, 2, in_features=6, num_gates=2), "
            "make_towers(2, 5, [1]), bottom=3)", "bottom")  # fmt: skip
     refuse("SparseMoEFeedForward gate_kwargs=3", ff + "gate_kwargs=3)", "gate_kwargs")
+    refuse("SparseMoEFeedForward topk selectors=5 (ignored by Top-k)", ff + "selectors=5)",
+           "selectors")  # fmt: skip
+    refuse("MoEBank forward weights of the wrong shape",
+           mb + "2)(torch.randn(5, 6), torch.rand(3, 3, 3))", "weights")  # fmt: skip
     # swap search, export, transformers
     s = "g = DSelectK(8, 2, num_gates=3)\nf = lambda: torch.zeros(3)\n"
     refuse("SwapSearch gate an nn.Linear", "SwapSearch(nn.Linear(2, 2), lambda: 0, at=[1])", "gate")

@@ -282,6 +282,15 @@ class SparseMoEFeedForward(nn.Module):
         check_positive_int("d_ff", d_ff)
         if capacity_factor is not None:
             check_number("capacity_factor", capacity_factor, minimum=0.0, open_min=True)
+        uses_selectors = isinstance(gate, str) and gate != "topk" and gate in GATES
+        uses_selectors = uses_selectors and GATES[gate].takes_k
+        if selectors is not None and selectors != 3 and not uses_selectors:  # 3: the default
+            named = gate if isinstance(gate, str) else type(gate).__name__
+            raise ValueError(
+                f"selectors={selectors} applies to the selector gates built by name (DSelect-k, "
+                f"COMET, the ablations); gate {named!r} does not use it (Top-k sends each token "
+                "to k experts: set k)"
+            )
         if gate_kwargs is not None and not isinstance(gate_kwargs, dict):
             raise TypeError(f"gate_kwargs must be a dict or None, got {type(gate_kwargs).__name__}")
         if routing == "expert" and renormalize:

@@ -131,6 +131,13 @@ class MoEBank(nn.Module):
             out = self.gates()
             weights, aux = out.weights, out.aux_loss
         else:
+            shapes = ((self.members, self.num_tasks, self.num_experts),
+                      (self.members * self.num_tasks, self.num_experts))  # fmt: skip
+            if tuple(weights.shape) not in shapes:
+                raise ValueError(
+                    f"weights must have shape {shapes[0]} or {shapes[1]} (members, tasks, "
+                    f"experts), got {tuple(weights.shape)}"
+                )
             aux = x.new_zeros(())
         return BankOutput(torch.bmm(self._members_view(weights), self.expert_outputs(x)), aux)
 
