@@ -320,4 +320,4 @@ def test_bank_weights_of_the_wrong_shape_are_refused() -> None:
     with pytest.raises(ValueError, match=r"weights must have shape \(2, 2, 4\) or \(4, 4\)"):
         bank(x, torch.rand(3, 3, 3))
     w = torch.softmax(torch.randn(4, 4), -1)
-    assert torch.equal(bank(x, w).pred, bank(x, w.view(2, 2, 4)).pred)
+    assert torch.equal(bank(x, w).outputs, bank(x, w.view(2, 2, 4)).outputs)

@@ -38,6 +38,10 @@ def _write(tmp_path: Path, rec: Any) -> Path:
         ({"hparams": {"topk": {"0": {"lr": 0.05}, "default": {"lr": 0.01}}}}, ["'0'"]),
         ({"topk/16": {"hparams": {}}}, ["topk/16", "empty"]),
         ({"topk/016": {"hparams": {"lr": 0.01}}}, ["'016'"]),
+        (
+            {"hparams": {"topk": {"16": {"lr": 0.01}}, "top-k": {"16": {}}}},
+            ["unknown gate 'top-k'"],
+        ),
     ],
 )
 def test_synthetic_entries_that_say_nothing_or_are_never_used_are_refused(

@@ -118,7 +118,8 @@ def load_tuned(path: str | Path | None = None) -> dict[str, Any]:
             f"{where}: 'hparams' must map gate -> T (or \"default\") -> {{hyperparameter: value}}"
         )
     for gate, per_t in table.items():
-        variant_of(gate)  # an unknown gate name first
+        if gate not in VARIANTS:  # an unknown gate name first
+            raise ValueError(f"{where}: unknown gate {gate!r}; expected one of {sorted(VARIANTS)}")
         if path is not None and not per_t:
             raise ValueError(f'{where}: {gate} has no entries (give a "default" or one per T)')
         for t, hp in per_t.items():
