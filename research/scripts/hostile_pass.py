@@ -1240,8 +1240,8 @@ def new_library_cases() -> list[Case]:
            "train(mtl(), data(), 'mse', cfg(checkpoint='no/such/ck.pt'))", "no/such")  # fmt: skip
     refuse("train checkpoint=''", "train(mtl(), data(), 'mse', cfg(checkpoint=''))", "checkpoint")
     refuse("train callbacks= one Callback, not a list",
-           "from dselectk.training import GateRecorder\n"
-           "train(mtl(), data(), 'mse', cfg(), callbacks=GateRecorder(torch.randn(2, 6), 1))", "callbacks")  # fmt: skip
+           "from dselectk.training import Callback\n"
+           "train(mtl(), data(), 'mse', cfg(), callbacks=Callback())", "callbacks")  # fmt: skip
     refuse("train resume another model's checkpoint",
            "train(mtl(), data(), 'mse', cfg(checkpoint='ck3.pt'))\n"
            "train(mtl(3), data(tasks=3), 'mse', cfg(checkpoint='ck3.pt'))", "ck3.pt")  # fmt: skip
