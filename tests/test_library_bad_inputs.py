@@ -154,7 +154,7 @@ def test_a_flag_given_a_string_or_number_is_refused_not_taken_for_true(value: ob
     [
         ("StackedMLP(2, 5, [4], dropout=float('nan'))", "dropout must be a finite number"),
         ("StackedMLP(2, 5, [4], dropout='0.1')", "dropout must be a number"),
-        ("StackedMLP(2, 5, [4], dropout=1.0)", "dropout must be a finite number >= 0.0 and < 1.0"),
+        ("StackedMLP(2, 5, [4], dropout=1.0)", "dropout must be a finite number >= 0 and < 1"),
         ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor=float('nan'))", "capacity_factor"),
         ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor='1.25')", "capacity_factor must be a number"),
         ("SparseMoEFeedForward(16, 32, 4, 'topk', 2, capacity_factor=0.0)", "capacity_factor must be a finite number > 0"),

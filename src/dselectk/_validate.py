@@ -64,7 +64,7 @@ def check_number(
         >>> check_number("dropout", float("nan"), minimum=0.0)
         Traceback (most recent call last):
         ...
-        ValueError: dropout must be a finite number >= 0.0, got nan
+        ValueError: dropout must be a finite number >= 0, got nan
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if not (hasattr(value, "item") and getattr(value, "ndim", None) == 0):
@@ -73,8 +73,8 @@ def check_number(
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a real number, got {value!r}")
     v = float(value)
-    lo = "" if minimum is None else f"{'>' if open_min else '>='} {minimum}"
-    hi = "" if maximum is None else f"{'<' if open_max else '<='} {maximum}"
+    lo = "" if minimum is None else f"{'>' if open_min else '>='} {minimum:g}"
+    hi = "" if maximum is None else f"{'<' if open_max else '<='} {maximum:g}"
     rule = " and ".join(p for p in (lo, hi) if p)
     bad = not math.isfinite(v)
     if minimum is not None and (v < minimum or (open_min and v == minimum)):
