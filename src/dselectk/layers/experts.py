@@ -166,7 +166,7 @@ class StackedMLP(nn.Module):
         super().__init__()
         layer_sizes = check_sizes("layer_sizes", layer_sizes)
         check_number("dropout", dropout, minimum=0.0, maximum=1.0, open_max=True)
-        check_flag("final_activation", final_activation, allow_none=True)
+        check_flag("final_activation", final_activation)
         self.num_members = check_positive_int("num_members", num_members)
         self.in_features = check_positive_int("in_features", in_features)
         if len(layer_sizes) == 0:

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor, nn
 
 from dselectk.gates.base import Gate
-from dselectk.layers.experts import StackedMLP
 from dselectk.layers.mixer import ExpertMixer
 
 __all__ = ["MoE", "MoEOutput", "MultiGateMoE", "MultiTaskOutput", "SharedBottom"]
