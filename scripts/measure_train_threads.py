@@ -25,9 +25,10 @@ SIZES = [(16, 16, 32), (32, 64, 64), (64, 128, 128), (128, 256, 256), (256, 512,
 def step_ms(d: int, h: int, b: int, threads: int, steps: int = 12) -> float:
     torch.manual_seed(0)
     model = MultiGateMoE(
-        StackedMLP(8, d, [h], final_activation=True), make_gate("softmax", 8, num_gates=2, in_features=d),
+        StackedMLP(8, d, [h], final_activation=True),
+        make_gate("softmax", 8, num_gates=2, in_features=d),
         make_towers(2, h, [1]),
-    )  # fmt: skip
+    )
     x = torch.randn(b * steps, d)
     data = TaskData(x, [x[:, :1], x[:, 1:2]])
     cfg = TrainConfig(epochs=1, batch_size=b, progress=False, threads=threads, seed=None)
@@ -45,9 +46,10 @@ def main() -> None:
     for d, h, b in SIZES:
         torch.manual_seed(0)
         model = MultiGateMoE(
-            StackedMLP(8, d, [h], final_activation=True), make_gate("softmax", 8, num_gates=2, in_features=d),
+            StackedMLP(8, d, [h], final_activation=True),
+            make_gate("softmax", 8, num_gates=2, in_features=d),
             make_towers(2, h, [1]),
-        )  # fmt: skip
+        )
         params = sum(q.numel() for q in model.parameters())
         one, two = [], []
         step_ms(d, h, b, 1, 2)  # warm up

@@ -271,3 +271,16 @@ def test_model_compiles_to_one_graph(family: str, backend: str) -> None:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
         got = compiled(input_ids=_ids(), use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_with_routers_refuses_configs_it_cannot_apply_to() -> None:
+    """A config of a model without MoE blocks (Llama) or no config at all is refused up front,
+    never returned as a DSelect-k config whose routers no model would get."""
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="LlamaConfig is not a supported MoE family"):
+        hf.with_routers(
+            LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2), "dselect_k"
+        )
+    with pytest.raises(TypeError, match="config: expected a transformers PretrainedConfig"):
+        hf.with_routers({"a": 1}, "dselect_k")

@@ -83,7 +83,13 @@ def test_routers_are_variants() -> None:
                                 "expert_choice"]  # fmt: skip
     assert TM.DEFAULT_ROUTERS == ("dselect_k", "topk", "dselect_k_distinct", "dselect_k_diversity")
     hp = dict(
-        TM.DEFAULTS, d_model=16, d_ff=16, heads=2, num_experts=4, seq_len=8, gamma=2.0,
+        TM.DEFAULTS,
+        d_model=16,
+        d_ff=16,
+        heads=2,
+        num_experts=4,
+        seq_len=8,
+        gamma=2.0,
         entropy_reg=0.01,
     )
     dk = TM.build_model(TM.ROUTERS["dselect_k"], hp).moe_layers[0].gate

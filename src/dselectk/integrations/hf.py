@@ -769,6 +769,7 @@ def with_routers(
     """
     import copy
 
+    _check_supported_config(config)
     new = copy.deepcopy(config)
     entry = router_config(
         gate,
@@ -780,6 +781,26 @@ def with_routers(
     setattr(new, CONFIG_KEY, entry)
     _set_config_class(new, True)
     return new
+
+
+def _check_supported_config(config: Any) -> None:
+    """A TypeError unless ``config`` is a transformers config, a ValueError unless its class (or
+    a base of it) is one of :data:`SUPPORTED_CONFIGS` (a family whose routers this module
+    replaces): a config of a model without MoE blocks would otherwise be credited with routers
+    it never gets."""
+    from transformers import PretrainedConfig
+
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(
+            f"config: expected a transformers PretrainedConfig (e.g. MixtralConfig), "
+            f"got {type(config).__name__}"
+        )
+    if not any(c.__name__ in SUPPORTED_CONFIGS for c in type(config).__mro__):
+        raise ValueError(
+            f"config: {type(config).__name__} is not a supported MoE family; with_routers takes "
+            f"one of {', '.join(SUPPORTED_CONFIGS)} (for a model already built, "
+            "replace_routers finds its MoE blocks)"
+        )
 
 
 def replace_routers(

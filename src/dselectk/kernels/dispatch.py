@@ -103,8 +103,6 @@ def _small_on_host(entries: int, logits: Tensor, gamma: Tensor) -> bool:
     )
 
 
-
-
 #: the Triton kernels (:mod:`.triton_cuda`) take CUDA problems of at most this many bits
 #: (N = 2**M codes per selector, held in one program's registers): up to 128 experts. Checked
 #: compiled on an H200 at M = 1 and 7 (float32 and float64); at M = 10 (float64) the check failed

@@ -114,7 +114,9 @@ def train(
         >>> x = torch.randn(64, 4)
         >>> data = TaskData(x, [x[:, :1] * 2, x[:, 1:2] - x[:, 2:3]])
         >>> model = MultiGateMoE(
-        ...     StackedMLP(4, 4, [8], final_activation=True), make_gate("softmax", 4, num_gates=2), make_towers(2, 8, [1])
+        ...     StackedMLP(4, 4, [8], final_activation=True),
+        ...     make_gate("softmax", 4, num_gates=2),
+        ...     make_towers(2, 8, [1]),
         ... )
         >>> hist = train(model, data, "mse", TrainConfig(epochs=2, progress=False))
         >>> len(hist.train_loss), hist.diverged
