@@ -321,3 +321,17 @@ def test_bank_weights_of_the_wrong_shape_are_refused() -> None:
         bank(x, torch.rand(3, 3, 3))
     w = torch.softmax(torch.randn(4, 4), -1)
     assert torch.equal(bank(x, w).outputs, bank(x, w.view(2, 2, 4)).outputs)
+
+
+@pytest.mark.parametrize("value", ["1", b"1", True])
+def test_a_gate_hyperparameter_is_a_number_not_text_or_a_flag(value: object) -> None:
+    """``float("1")`` and ``float(True)`` would succeed: text and flags are refused, in the
+    constructor and by assignment, naming the hyperparameter."""
+    from dselectk.gates import DSelectK
+
+    with pytest.raises(TypeError, match="gamma must be a number"):
+        DSelectK(4, 2, gamma=value)  # type: ignore[arg-type]
+    gate = DSelectK(4, 2)
+    with pytest.raises(TypeError, match="entropy_reg must be a number"):
+        gate.entropy_reg = value  # type: ignore[assignment]
+    assert float(gate.entropy_reg) == 0.0

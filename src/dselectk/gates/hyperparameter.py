@@ -224,6 +224,10 @@ class HyperParameter:
             self._check_minimum(float(v.min()))
 
     def _check_number(self, value: object) -> float:
+        if isinstance(value, (str, bytes, bool)):  # float("1") would accept text, bools are flags
+            raise TypeError(
+                f"{self.name} must be a number or one number per gate, got {type(value).__name__}"
+            )
         try:
             v = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
