@@ -162,7 +162,8 @@ def _autocasting(device_type: str) -> bool:
 def check_input_like(x: Tensor, param: Tensor, name: str = "x") -> None:
     """``x`` on ``param``'s device and (outside autocast) of its dtype: a TypeError/ValueError
     saying what to convert, instead of a matmul's error from deep inside the module (a float64
-    array from NumPy into a float32 model is the common case).
+    array from NumPy into a float32 model is the common case). A ``param`` on the meta device
+    (offloaded weights that a hook loads at call time) matches any device.
 
     Examples:
         >>> try:
@@ -171,7 +172,9 @@ def check_input_like(x: Tensor, param: Tensor, name: str = "x") -> None:
         ...     print(str(e).split(":")[0])
         x is torch.float64 but the parameters are torch.float32
     """
-    if x.device != param.device:
+    # parameters on the meta device are placeholders that a hook fills at call time
+    # (accelerate's offloading: ``device_map`` with "disk"/"cpu" offload): no device to match
+    if x.device != param.device and param.device.type != "meta":
         raise ValueError(
             f"{name} is on {x.device} but the parameters are on {param.device}: move the input "
             f"({name}.to({str(param.device)!r})) or the model"
