@@ -97,3 +97,12 @@ def run_module(
         cwd=REPO_ROOT,
         timeout=timeout,
     )
+
+
+def load_average() -> float:
+    """The 1-minute load average, rounded (-1.0 where the platform has none): the load a
+    benchmark row records beside its timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0

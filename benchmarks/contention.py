@@ -24,7 +24,6 @@ size times plain single-threaded NumPy work (what the spinners do to any one-thr
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections.abc import Callable
 from functools import partial
@@ -32,7 +31,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from benchmarks.common import Report, dselect_out, fwd_bwd
+from benchmarks.common import Report, dselect_out, fwd_bwd, load_average
 from benchmarks.mmoe import adam, ours_mmoe, train_step
 from benchmarks.small_batch import BUSY_PROCESSES, Busy
 from benchmarks.timing import compare
@@ -111,13 +110,6 @@ def measure(steps: dict[str, dict[str, Step]], reps: int) -> dict[str, dict[str,
     return out
 
 
-def _load() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return -1.0
-
-
 def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     if dev.type != "cpu":
         print("contention: CPU only, skipped")
@@ -128,11 +120,11 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     steps = cases(batches)
     idle, busy, loads = [], [], []
     for _ in range(blocks):
-        loads.append(_load())
+        loads.append(load_average())
         idle.append(measure(steps, reps))
         with Busy(BUSY_PROCESSES):
             busy.append(measure(steps, reps))
-            loads.append(_load())
+            loads.append(load_average())
     rows = []
     for case, fns in steps.items():
         for way in fns:

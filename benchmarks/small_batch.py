@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import Report, dselect_out, fwd_bwd, topk_out
+from benchmarks.common import Report, dselect_out, fwd_bwd, load_average, topk_out
 from benchmarks.timing import compare
 from dselectk.gates import DSelectK, TopKGate
 from dselectk.runtime import exit_with_parent, intra_op_threads
@@ -145,13 +145,6 @@ def measure(
     return out
 
 
-def _load() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return -1.0
-
-
 def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     batches = tuple(getattr(args, "small_batches", None) or BATCHES)
     reps = getattr(args, "small_reps", 0) or (15 if args.quick else 40)
@@ -160,7 +153,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     rows = []
     idle: dict[int, dict[int, dict[str, dict[str, float]]]] = {}
     for threads in thread_list:
-        load = _load()
+        load = load_average()
         idle[threads] = t = measure(batches, threads, reps, dev)
         for b in batches:
             d, tk, d1 = (t[b][name]["median_ms"] for name in ("dselect", "topk", "dselect_1t"))
@@ -205,7 +198,7 @@ def contention_rows(
     for _ in range(blocks):
         idle.append(measure(batches, 2, reps, dev))
         with Busy(BUSY_PROCESSES):
-            loads.append(_load())
+            loads.append(load_average())
             busy.append(measure(batches, 2, reps, dev))
     rows = []
     for b in batches:

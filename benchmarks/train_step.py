@@ -30,7 +30,6 @@ baseline's (interleaved rounds, one process), baseline / ours = steps/s ours / s
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.common import Report, row
+from benchmarks.common import Report, load_average, row
 from benchmarks.timing import compare
 from dselectk.layers.embedding import EMBED_DIMS
 from dselectk.models import MoEBank
@@ -220,13 +219,6 @@ def _compiled(
     return f"{took:.0f} s"
 
 
-def _load() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return -1.0
-
-
 @dataclass
 class Family:
     """One model's contenders: name -> step, the (case, ours, baseline) rows, the config."""
@@ -317,9 +309,9 @@ def measure(family: Family, threads: int, reps: int, dev: torch.device) -> list[
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        load = _load()
+        load = load_average()
         t = compare(family.fns, dev, reps=reps, warmup=min(3, reps))
-        load_after = _load()
+        load_after = load_average()
     finally:
         torch.set_num_threads(before)
     rows = []
