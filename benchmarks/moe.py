@@ -19,7 +19,12 @@ balance loss) against
 - ``dense``: not an MoE but the floor under any exact one: the experts' GEMMs in one piece, a
   single GELU FFN of the same sizes over all N·k routed rows, forward + backward. Its row's
   ratio (dense / ours) is the share of that floor our layer reaches; hf / dense is the most any
-  exact implementation could gain over the Hugging Face block on this machine.
+  exact implementation could gain over the Hugging Face block on this machine;
+- ``balanced``: not an MoE either but the ceiling of any per-expert one: our experts' weights as
+  one batched matmul (``baddbmm``) over n equal blocks of N·k/n rows, forward + backward, no
+  routing, gather or combine, and no block larger than another. Its row ``balanced vs dense``
+  (dense / balanced) is the most of the dense floor that splitting the rows among n experts can
+  keep with torch's GEMMs on this machine, however the layer dispatches.
 
 Rows: ours' median, the baseline's median (interleaved), baseline / ours (> 1: we are faster)
 and tokens/s. Float32, on the suite's thread count.
@@ -31,6 +36,7 @@ import argparse
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.common import Report, row
@@ -91,6 +97,24 @@ def _experts_only(layer: SparseMoEFeedForward, counts: list[int]) -> Any:
     return run
 
 
+def _balanced(layer: SparseMoEFeedForward, rows: int) -> Any:
+    """The layer's experts as one batched matmul per layer over equal row blocks (see above)."""
+    experts = layer.experts
+    n, last = experts.num_members, len(experts.weights) - 1
+    if rows % n:
+        raise ValueError(f"rows must be a multiple of the {n} experts, got {rows}")
+
+    def run(x: Tensor) -> Tensor:
+        h = x.view(n, rows // n, x.shape[-1])
+        for i, (w, b) in enumerate(zip(experts.weights, experts.biases)):
+            h = torch.baddbmm(b.unsqueeze(1), h, w)
+            if i < last:
+                h = F.gelu(h)
+        return h.reshape(rows, -1)
+
+    return run
+
+
 def _step(fn: Any, x: Tensor, g: Tensor) -> Any:
     def run() -> None:
         out = fn(x)
@@ -122,6 +146,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         }
         counts = ours.route(x.detach().reshape(-1, d_model)).counts
         fns["experts"] = _step(_experts_only(ours, counts), xk, torch.randn_like(xk))
+        fns["balanced"] = _step(_balanced(ours, tokens * k), xk, torch.randn_like(xk))
         hf = _hf_block(d_model, d_ff, n, k)
         if hf is not None:
             hf = hf.to(dev)
@@ -131,6 +156,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         t = compare(fns, dev, reps=reps, warmup=2)
         cfg = {"tokens": tokens, "d_model": d_model, "d_ff": d_ff, "n": n, "k": k}
         pairs = [("ours", b) for b in ("grouped", "hf", "experts", "dense")]
+        pairs += [("balanced", "dense")]
         pairs += [("swiglu", "hf")] if "hf" in t else []
         for mine, base in pairs:
             if base in t:
@@ -155,5 +181,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
         "target: >= 1.5x the Hugging Face block (ratio = base/ours); hf: SwiGLU, FLOP-matched; "
         "swiglu vs hf: ours hosting the hf block's weights; experts: our per-expert GEMMs alone; "
         "dense: the experts' GEMMs in one piece (ratio = the share of that floor reached; the "
-        f"most any exact MoE could gain over hf here, hf / dense: {ceilings or 'n/a'})",
+        f"most any exact MoE could gain over hf here, hf / dense: {ceilings or 'n/a'}); "
+        "balanced vs dense: the experts' GEMMs as one batched matmul on equal blocks, the most "
+        "of the dense floor any per-expert split keeps here",
     )
