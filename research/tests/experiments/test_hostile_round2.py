@@ -257,6 +257,24 @@ def test_tuned_file_credited_by_content_and_identity_follows_content(tmp_path: P
     assert _summary(out)["records"] == 1  # the report summarises the current file's run only
 
 
+def test_overrides_are_credited_to_the_command_line_not_the_record(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    tuned = tmp_path / "t.json"
+    body = {"source": "my search", "hparams": {"topk": {"default": {"lr": 0.02, "epochs": 1}}}}
+    tuned.write_text(json.dumps(body))
+    assert main([*SYN, "--tuned", str(tuned), "--lr", "0.03", "--out", str(out)]) == 0
+    sel = json.loads((out / "selected_hparams.json").read_text())["topk/16"]
+    assert sel["hparams"]["lr"] == 0.03 and sel["hparams"]["epochs"] == 1
+    # --epochs 1 (in SYN) is the record's own value: the record is credited with it
+    assert sel["source"].endswith("), with --lr 0.03 from the command line")
+    assert "with --lr 0.03 from the command line" in (out / "report.md").read_text()
+    # without a changed value the record alone is credited
+    plain = tmp_path / "p"
+    assert main([*SYN, "--tuned", str(tuned), "--out", str(plain)]) == 0
+    sel = json.loads((plain / "selected_hparams.json").read_text())["topk/16"]
+    assert "command line" not in sel["source"]
+
+
 def test_recovery_report_credits_the_tuned_file(tmp_path: Path) -> None:
     out = tmp_path / "o"
     tuned = tmp_path / "t.json"

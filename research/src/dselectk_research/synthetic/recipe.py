@@ -139,6 +139,18 @@ class SyntheticConfig:
         return {"num_experts": self.experts or num_tasks // 4, "k": self.k}
 
 
+def _with_overrides(
+    source: str, args: SyntheticConfig, hp: dict[str, Any], base: dict[str, Any]
+) -> str:
+    """``source`` naming the command-line values that changed the record's (``base``: the
+    record's values for the variant), so that a report does not credit the record with them."""
+    used = {k: x for k, x in args.overrides().items() if k in hp and base.get(k) != x}
+    if not used:
+        return source
+    flags = ", ".join(f"--{k.replace('_', '-')} {x:g}" for k, x in sorted(used.items()))
+    return f"{source}, with {flags} from the command line"
+
+
 def run_cell(
     args: SyntheticConfig,
     cell: tuple[str, int],
@@ -169,7 +181,12 @@ def run_cell(
     else:
         tuned = load_tuned(args.tuned)
         hp = resolve_hparams(v, t, tuned, args.overrides())
-        selection = {"hparams": hp, "source": tuned.get("source", "tuned")}
+        selection = {
+            "hparams": hp,
+            "source": _with_overrides(
+                tuned.get("source", "tuned"), args, hp, resolve_hparams(v, t, tuned, {})
+            ),
+        }
     jobs = [(r, init_seed(args.seed, gate, t, r)) for r in range(args.repetitions)]
 
     def config(r: int, s: int) -> dict[str, Any]:
