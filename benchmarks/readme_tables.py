@@ -14,7 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["entry_with", "item_table", "latest_document", "load_entry", "main", "tables"]
+__all__ = [
+    "entry_with",
+    "item_table",
+    "latest_document",
+    "load_entry",
+    "main",
+    "synthetic_table",
+    "tables",
+]
 
 HISTORY = Path(__file__).resolve().parent / "results" / "history.jsonl"
 """The suite's history (``benchmarks.suite.HISTORY``; this module imports no torch, so that the
@@ -102,6 +110,21 @@ def _generic(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _mb(v: Any) -> str:
+    return f"{v:.3g} MB" if isinstance(v, (int, float)) else "–"
+
+
+def _memory(rows: list[dict[str, Any]]) -> list[str]:
+    """The memory item: its ``ours_ms`` / ``base_ms`` fields hold megabytes, not times."""
+    out = ["| case | ours | baseline | baseline / ours | config |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['case']} | {_mb(r.get('ours_ms'))} | {_mb(r.get('base_ms'))} "
+            f"| {_ratio(r.get('ratio'))} | {r.get('config', '')} |"
+        )
+    return out
+
+
 def _steps(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, (int, float)) else "–"
 
@@ -127,6 +150,7 @@ _FORMATS = {
     "contention": _contention,
     "small_batch_contention": _contention,
     "train_step": _train_step,
+    "memory": _memory,
 }
 
 
@@ -209,6 +233,79 @@ def gpu_gate_table(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _runs(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The runs of a ``bench_synthetic --json`` record: the document itself when it is one run,
+    else its values that are runs (a record collecting several, by name)."""
+    if "fused_s" in doc:
+        return {"run": doc}
+    return {k: v for k, v in doc.items() if isinstance(v, dict) and "fused_s" in v}
+
+
+def _seconds(v: Any) -> str:
+    return f"{v:.3g} s" if isinstance(v, (int, float)) else "–"
+
+
+def _hours(v: Any) -> str:
+    return f"{v / 3600:.2f} h" if isinstance(v, (int, float)) else "–"
+
+
+def synthetic_table(doc: dict[str, Any], commit: str = "") -> str:
+    """The Markdown of a ``python -m benchmarks.bench_synthetic --json`` record (one run, or runs
+    by name): per run, the fused loss against the autograd loss and the batched model against
+    one repetition at a time (wall time of the same steps, baseline / ours), and the estimate of
+    the Appendix C.1 protocol's final phase; for two runs that differ only in ``jobs`` (same
+    threads, same epochs), the estimate with more processes against the one with fewer.
+
+    Raises:
+        ValueError: the document holds no run.
+    """
+    runs = _runs(doc)
+    if not runs:
+        raise ValueError("bench-tables: the record holds no bench_synthetic run (no fused_s)")
+    out = [
+        f"_{doc.get('command', 'python -m benchmarks.bench_synthetic')}_, commit {commit or '?'}"
+    ]
+    if doc.get("note"):
+        out.append(f"({doc['note']})")
+    out += [
+        "",
+        "| run | threads, processes | case | ours | baseline | baseline / ours |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        tp = f"{r.get('threads', '?')}, {r.get('jobs', '?')}"
+        out.append(
+            f"| {name} | {tp} | fused loss vs autograd loss | {_seconds(r.get('fused_s'))} "
+            f"| {_seconds(r.get('composed_s'))} | {_ratio(r.get('fused_ratio'))} |"
+        )
+        out.append(
+            f"| {name} | {tp} | batched vs one at a time | {_seconds(r.get('batched_s'))} "
+            f"| {_seconds(r.get('sequential_s'))} | {_ratio(r.get('ratio'))} |"
+        )
+        out.append(
+            f"| {name} | {tp} | C.1 final phase, estimate (epochs: {r.get('epochs_from', '?')}) "
+            f"| {_hours(r.get('full_estimate_s'))} | – | – |"
+        )
+    names = list(runs)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ra, rb = runs[a], runs[b]
+            same = all(ra.get(k) == rb.get(k) for k in ("threads", "epochs_from"))
+            if not same or ra.get("jobs") == rb.get("jobs"):
+                continue
+            more, fewer = (a, b) if (ra.get("jobs") or 0) > (rb.get("jobs") or 0) else (b, a)
+            est_m, est_f = runs[more].get("full_estimate_s"), runs[fewer].get("full_estimate_s")
+            numbers = all(isinstance(v, (int, float)) for v in (est_m, est_f))
+            ratio = est_f / est_m if numbers and est_m else None
+            out.append(
+                f"| {more} vs {fewer} | {runs[more].get('threads', '?')}, "
+                f"{runs[more].get('jobs', '?')} vs {runs[fewer].get('jobs', '?')} "
+                f"| C.1 final phase, estimate: {runs[more].get('jobs')} processes vs "
+                f"{runs[fewer].get('jobs')} | {_hours(est_m)} | {_hours(est_f)} | {_ratio(ratio)} |"
+            )
+    return "\n".join(out) + "\n"
+
+
 def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
     """The Markdown a documentation page's ``<!-- bench-tables key=value ... -->`` line stands
     for (``docs/hooks.py`` renders them when the site is built), paths relative to ``root``:
@@ -219,15 +316,27 @@ def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
       only those);
     - ``record=PATH``: a result document written by ``--record`` (its commit is
       ``commit_of(PATH)``, the commit that recorded the file, when it holds none);
-    - ``gpu-gate=PATH``: also ``python -m benchmarks.gpu_gate``'s table.
+    - ``gpu-gate=PATH``: also ``python -m benchmarks.gpu_gate``'s table;
+    - ``synthetic=PATH``, alone: a ``python -m benchmarks.bench_synthetic --json`` record's table
+      (:func:`synthetic_table`; its commit is ``commit_of(PATH)``).
 
     Raises:
         ValueError: an unknown key, a missing file, or an item no run holds.
     """
-    known = {"item", "history", "entry", "items", "record", "gpu-gate"}
+    known = {"item", "history", "entry", "items", "record", "gpu-gate", "synthetic"}
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"bench-tables: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    if "synthetic" in options:
+        if len(options) > 1:
+            others = sorted(set(options) - {"synthetic"})
+            raise ValueError(f"bench-tables: synthetic= stands alone, got also {others}")
+        path = root / options["synthetic"]
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as err:
+            raise ValueError(f"bench-tables: cannot read {path}: {err}") from err
+        return synthetic_table(dict(doc), commit_of(path) if commit_of else "")
     history = root / options.get("history", "benchmarks/results/history.jsonl")
     if "record" in options:
         path = root / options["record"]

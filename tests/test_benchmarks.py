@@ -347,6 +347,59 @@ def test_page_tables_are_rendered_from_the_history_with_their_provenance(tmp_pat
             tables.render(bad, tmp_path)
 
 
+def _synthetic_run(jobs: int, estimate_s: float, epochs: str = "sel.json") -> dict[str, object]:
+    return {
+        "batched_s": 0.5, "sequential_s": 2.0, "ratio": 4.0,
+        "fused_s": 0.1, "composed_s": 0.3, "fused_ratio": 3.0,
+        "threads": 2, "jobs": jobs, "epochs_from": epochs, "full_estimate_s": estimate_s,
+        "rows": [],
+    }  # fmt: skip
+
+
+def test_synthetic_record_renders_its_runs_and_the_processes_comparison(tmp_path: Path) -> None:
+    tables = importlib.import_module("benchmarks.readme_tables")
+    doc = {
+        "command": "python benchmarks/bench_synthetic.py --jobs 2 --json",
+        "two": _synthetic_run(2, 3600.0),
+        "one": _synthetic_run(1, 5400.0),
+        "other_epochs": _synthetic_run(1, 9000.0, epochs="100"),
+        "note": "a note",
+    }
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    md = tables.render({"synthetic": "s.json"}, tmp_path, lambda path: "ddd")
+    assert md.startswith("_python benchmarks/bench_synthetic.py --jobs 2 --json_, commit ddd\n")
+    assert "(a note)" in md
+    assert "| two | 2, 2 | fused loss vs autograd loss | 0.1 s | 0.3 s | 3.00× |" in md
+    assert "| one | 2, 1 | batched vs one at a time | 0.5 s | 2 s | 4.00× |" in md
+    assert "| two | 2, 2 | C.1 final phase, estimate (epochs: sel.json) | 1.00 h | – | – |" in md
+    # the two runs that differ only in processes: 5400 s / 3600 s
+    assert (
+        "| two vs one | 2, 2 vs 1 | C.1 final phase, estimate: 2 processes vs 1 "
+        "| 1.00 h | 1.50 h | 1.50× |"
+    ) in md
+    assert "vs other_epochs" not in md and "other_epochs vs" not in md  # other epochs: no pair
+    # bench_synthetic's own --json output (one run, unnamed)
+    (tmp_path / "one.json").write_text(json.dumps(_synthetic_run(1, 7200.0)))
+    single = tables.render({"synthetic": "one.json"}, tmp_path)
+    assert "commit ?" in single and "| run | 2, 1 | C.1 final phase, estimate" in single
+    assert "2.00 h" in single and " vs run" not in single
+    (tmp_path / "empty.json").write_text(json.dumps({"command": "x"}))
+    for bad, match in (
+        ({"synthetic": "s.json", "item": "moe"}, "stands alone"),
+        ({"synthetic": "missing.json"}, "cannot read"),
+        ({"synthetic": "empty.json"}, "holds no bench_synthetic run"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tables.render(bad, tmp_path)
+
+
+def test_memory_table_shows_megabytes() -> None:
+    tables = importlib.import_module("benchmarks.readme_tables")
+    row = {"case": "peak", "ours_ms": 110.0, "base_ms": 2420.0, "ratio": 22.0, "config": "B=1"}
+    entry = {"items": {"memory": {"title": "memory", "rows": [row]}}}
+    assert "| peak | 110 MB | 2.42e+03 MB | 22.00× | B=1 |" in tables.item_table(entry, "memory")
+
+
 def test_docs_hook_replaces_bench_tables_lines() -> None:
     pytest.importorskip("mkdocs")
     spec = importlib.util.spec_from_file_location("docs_hooks", REPO_ROOT / "docs" / "hooks.py")
