@@ -172,7 +172,7 @@ def run(rep: Report, dev: torch.device, args: argparse.Namespace) -> None:
     ceilings = ", ".join(
         f"{r['case'].split(':')[0]}: {r['hf_over_dense']:.2f}x"
         for r in rows
-        if r["case"].endswith("vs dense") and "hf_over_dense" in r
+        if r["case"].endswith(": vs dense") and "hf_over_dense" in r
     )
     rep.table(
         "moe",
