@@ -306,6 +306,28 @@ def synthetic_table(doc: dict[str, Any], commit: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
+def _entry_at(path: Path, commit: str, items: str) -> dict[str, Any]:
+    """The newest line of the history at ``path`` measured at a commit starting with ``commit``
+    that holds every item of the comma-separated ``items`` (any line when empty)."""
+    if len(commit) < 7:
+        raise ValueError(f"bench-tables: commit= needs at least 7 hex digits, got {commit!r}")
+    wanted = [n for n in items.split(",") if n]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ValueError(f"bench-tables: cannot read {path}: {err}") from err
+    for line in reversed(lines):
+        if not line.strip():
+            continue
+        entry = _normalise(json.loads(line))
+        if str(entry.get("commit", "")).startswith(commit) and all(
+            n in entry.get("items", {}) for n in wanted
+        ):
+            return entry
+    held = f" holding {wanted}" if wanted else ""
+    raise ValueError(f"bench-tables: no run at commit {commit}{held} in {path}")
+
+
 def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
     """The Markdown a documentation page's ``<!-- bench-tables key=value ... -->`` line stands
     for (``docs/hooks.py`` renders them when the site is built), paths relative to ``root``:
@@ -313,7 +335,9 @@ def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
     - ``item=NAME``: the newest run of the history holding item NAME: its facts line and table;
     - ``history=PATH`` (default ``benchmarks/results/history.jsonl``) with ``entry=N`` (the
       N-th line, negative from the end): that run's facts line and all its tables (``items=a,b``:
-      only those);
+      only those); or with ``commit=PREFIX`` instead of ``entry``: the newest line measured at
+      the commit starting with PREFIX (of those holding ``items``, when given), so that a page
+      keeps showing that run when newer runs are appended;
     - ``record=PATH``: a result document written by ``--record`` (its commit is
       ``commit_of(PATH)``, the commit that recorded the file, when it holds none);
     - ``gpu-gate=PATH``: also ``python -m benchmarks.gpu_gate``'s table;
@@ -323,7 +347,7 @@ def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
     Raises:
         ValueError: an unknown key, a missing file, or an item no run holds.
     """
-    known = {"item", "history", "entry", "items", "record", "gpu-gate", "synthetic"}
+    known = {"item", "history", "entry", "commit", "items", "record", "gpu-gate", "synthetic"}
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"bench-tables: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -347,6 +371,10 @@ def render(options: dict[str, str], root: Path, commit_of: Any = None) -> str:
         except (LookupError, OSError) as err:
             raise ValueError(f"bench-tables: {err}") from err
         return f"{facts(entry)}\n\n{item_table(entry, options['item'])}"
+    elif "commit" in options:
+        if "entry" in options:
+            raise ValueError("bench-tables: give entry= or commit=, not both")
+        entry = _entry_at(history, options["commit"], options.get("items", ""))
     else:
         try:
             entry = load_entry(history, int(options.get("entry", "-1")))

@@ -338,10 +338,21 @@ def test_page_tables_are_rendered_from_the_history_with_their_provenance(tmp_pat
     record.write_text(_history_line("", {"bank": [row]}))
     rec = tables.render({"record": "r.json"}, tmp_path, lambda path: "ccc")
     assert "commit ccc" in rec and "**bank**" in rec
+    # a run chosen by its commit stays chosen when newer runs are appended
+    hist.write_text(hist.read_text() + _history_line("aaa1234", {"gate": [row]}) + "\n")
+    by_commit = tables.render({**opts, "commit": "aaa1234"}, tmp_path)
+    assert "commit aaa1234" in by_commit and "**gate**" in by_commit
+    hist.write_text(hist.read_text() + _history_line("ddd4567", {"gate": [row]}) + "\n")
+    assert tables.render({**opts, "commit": "aaa1234"}, tmp_path) == by_commit
+    assert "commit ddd4567" in tables.render(opts, tmp_path)
     for bad, match in (
         ({**opts, "item": "nothing"}, "no run of the benchmark item"),
         ({**opts, "colour": "red"}, "unknown keys"),
         ({**opts, "items": "moe"}, "holds no item"),
+        ({**opts, "commit": "bbb0000"}, "no run at commit bbb0000"),
+        ({**opts, "commit": "aaa1234", "items": "moe"}, "no run at commit aaa1234 holding"),
+        ({**opts, "commit": "aaa1234", "entry": "-1"}, "not both"),
+        ({**opts, "commit": "aa"}, "at least 7"),
     ):
         with pytest.raises(ValueError, match=match):
             tables.render(bad, tmp_path)
