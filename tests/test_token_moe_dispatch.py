@@ -63,3 +63,39 @@ def test_block_still_matches_dense_reference() -> None:
     torch.testing.assert_close(out, block.dense_reference(x))
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("experts", ["stacked", "gated"])
+def test_no_grad_pass_equals_the_autograd_pass_bit_for_bit(experts: str) -> None:
+    """Without autograd the experts and the combine skip their autograd nodes; the numbers
+    must be those of the tracked pass exactly, for the grouped experts and the whole block."""
+    from dselectk.layers.experts import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = StackedMLP(4, 6, [5, 3]) if experts == "stacked" else GatedMLP(4, 6, 5, 3)
+    counts = [3, 0, 2, 4]
+    x = torch.randn(sum(counts), 6)
+    tracked = mlp.forward_grouped(x, counts)
+    assert tracked.grad_fn is not None
+    with torch.no_grad():
+        plain = mlp.forward_grouped(x, counts)
+    assert plain.grad_fn is None and torch.equal(plain, tracked)
+
+    gated = experts == "gated"
+    # a zero weight among a token's k largest dispatches nothing; a capacity drops pairs
+    for gate, capacity in (("topk", None), ("topk", 0.5), ("dselect_k", None)):
+        block = SparseMoEFeedForward(
+            6, 10, 4, gate, 2, capacity_factor=capacity, gated=gated, balance_weight=0.1
+        )
+        if gate == "dselect_k":  # saturated selectors: every token's weight on one expert
+            with torch.no_grad():
+                block.gate.proj.weight.zero_()
+                block.gate.proj.bias.fill_(10.0)
+        tokens = torch.randn(3, 5, 6)
+        want = block(tokens)
+        if gate == "dselect_k":
+            assert sum(block.last_stats["load"].tolist()) == 15  # the 15 zero pairs dropped
+        with torch.inference_mode():
+            got = block(tokens)
+        assert want.output.grad_fn is not None
+        assert torch.equal(got.output, want.output) and torch.equal(got.aux_loss, want.aux_loss)

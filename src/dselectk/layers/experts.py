@@ -38,6 +38,23 @@ def _check_counts(x: Tensor, weight: Tensor, counts: Sequence[int]) -> tuple[int
     return cs
 
 
+def _grouped_products(
+    x: Tensor, weight: Tensor, bias: Tensor | None, counts: Sequence[int]
+) -> Tensor:
+    """``x[rows of e] @ weight[e] (+ bias[e])`` for each member, into one (N, b) buffer."""
+    out = x.new_empty(x.shape[0], weight.shape[2])
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            blk = slice(start, start + c)
+            if bias is None:
+                torch.mm(x[blk], weight[e], out=out[blk])
+            else:
+                torch.addmm(bias[e], x[blk], weight[e], out=out[blk])
+            start += c
+    return out
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ weight[e] (+ bias[e])`` for consecutive row blocks.
 
@@ -52,16 +69,7 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, counts: tuple[int, ...]
     ) -> Tensor:
-        out = x.new_empty(x.shape[0], weight.shape[2])
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                blk = slice(start, start + c)
-                if bias is None:
-                    torch.mm(x[blk], weight[e], out=out[blk])
-                else:
-                    torch.addmm(bias[e], x[blk], weight[e], out=out[blk])
-                start += c
+        out = _grouped_products(x, weight, bias, counts)
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
         ctx.has_bias = bias is not None
@@ -124,7 +132,10 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts: Seque
         raise ValueError(
             f"bias must be ({weight.shape[0]}, {weight.shape[2]}), got {tuple(bias.shape)}"
         )
-    return _GroupedLinear.apply(x, weight, bias, cs)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _GroupedLinear.apply(x, weight, bias, cs)
+    return _grouped_products(x, weight, bias, cs)  # no autograd node to build
 
 
 class StackedMLP(nn.Module):
@@ -257,17 +268,7 @@ class StackedMLP(nn.Module):
         )
         h = x
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-            if tracked:
-                h = grouped_linear(h, w, b, counts)
-            else:
-                out = h.new_empty(h.shape[0], w.shape[2])
-                start = 0
-                for member, c in enumerate(counts):
-                    if c:
-                        blk = slice(start, start + c)
-                        torch.addmm(b[member], h[blk], w[member], out=out[blk])
-                    start += c
-                h = out
+            h = grouped_linear(h, w, b, counts) if tracked else _grouped_products(h, w, b, counts)
             if i < last or self.final_activation:
                 if self.activation == "relu" and not tracked:
                     h.relu_()

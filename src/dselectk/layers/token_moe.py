@@ -473,15 +473,15 @@ class SparseMoEFeedForward(nn.Module):
         top_w, top_e = weights.topk(k, dim=-1)  # (N, k), largest first: rank-major priority
         if self.renormalize:
             top_w = top_w / top_w.sum(-1, keepdim=True).clamp_min(torch.finfo(top_w.dtype).tiny)
-        # Pairs in rank-major order (all first choices, then second, ...), then by token.
+        # Pairs in rank-major order (all first choices, then second, ...), then by token:
+        # pair i is token i mod N's choice of rank i // N.
         flat_w = top_w.t().reshape(-1)
-        flat_e = top_e.t().reshape(-1)
-        flat_t = torch.arange(big_n, device=x.device).repeat(k)
         live = (flat_w > 0).nonzero().squeeze(1)  # zero weights dispatch nothing
-        flat_w, flat_e, flat_t = flat_w[live], flat_e[live], flat_t[live]
-        routed = torch.bincount(flat_e, minlength=n)
-        order = torch.sort(flat_e, stable=True).indices  # by expert; priority kept within
-        flat_w, flat_e, flat_t = flat_w[order], flat_e[order], flat_t[order]
+        live_e = top_e.t().reshape(-1)[live]
+        routed = torch.bincount(live_e, minlength=n)
+        order = torch.sort(live_e, stable=True)  # by expert; priority kept within
+        pair = live[order.indices]
+        flat_w, flat_e, flat_t = flat_w[pair], order.values, pair.remainder(big_n)
         cap = self.capacity(big_n)
         dropped = 0
         if cap is not None:
@@ -504,15 +504,20 @@ class SparseMoEFeedForward(nn.Module):
         r = self.route(flat)
         # (P, d): one gather, one grouped matmul per layer
         y = self.experts.forward_grouped(flat.index_select(0, r.token), r.counts)
-        out = _Combine.apply(y, r.pair_weight.to(y.dtype), r.token, flat.shape[0])
+        pair_weight = r.pair_weight.to(y.dtype)
+        if torch.is_grad_enabled() and (y.requires_grad or pair_weight.requires_grad):
+            out = _Combine.apply(y, pair_weight, r.token, flat.shape[0])
+        else:  # the same sums without an autograd node
+            out = y.new_zeros(flat.shape[0], y.shape[1])
+            out.index_add_(0, r.token, y * pair_weight.unsqueeze(1))
         # A token whose gate weights are not finite (a NaN input) is routed to no expert;
         # its output must say so (NaN), not read as a valid zero. On the CPU a check (no
         # pass over the output when every token is fine); elsewhere one masked add, no sync.
-        bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
         if out.device.type != "cpu":
+            bad = ~torch.isfinite(r.weights).all(-1, keepdim=True)
             out = out + torch.where(bad, torch.nan, 0.0).to(out.dtype)
-        elif bool(bad.any()):
-            out = out.masked_fill(bad, torch.nan)
+        elif not bool(torch.isfinite(r.weights).all()):
+            out = out.masked_fill(~torch.isfinite(r.weights).all(-1, keepdim=True), torch.nan)
         aux = r.gate_aux
         if self.balance_weight > 0:
             aux = aux + self.balance_weight * balance_loss(r.weights, r.routed)
