@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,12 @@ def _small_batch(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _blocks_range(r: dict[str, Any]) -> str:
+    """A contention row's range of busy / idle over its blocks, and their number."""
+    ratios = r.get("ratios") or []
+    return f"{min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)})" if ratios else "–"
+
+
 def _contention(rows: list[dict[str, Any]]) -> list[str]:
     if rows and "way" in rows[0]:  # the contention item: 2 threads vs the thread policy
         out = [
@@ -78,12 +85,10 @@ def _contention(rows: list[dict[str, Any]]) -> list[str]:
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
-            ratios = r.get("ratios") or []
-            span = f"{min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)})" if ratios else "–"
             step = r["case"].removesuffix(" " + str(r["way"]))
             out.append(
                 f"| {step} | {r['way']} | {_ms(r.get('base_ms'))} | {_ms(r['ours_ms'])} "
-                f"| {_ratio(r.get('ratio'))} | {span} |"
+                f"| {_ratio(r.get('ratio'))} | {_blocks_range(r)} |"
             )
         return out
     out = [
@@ -91,11 +96,9 @@ def _contention(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratios = r.get("ratios") or []
-        span = f"{min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)})" if ratios else "–"
         out.append(
             f"| {r.get('gate')} | {r.get('B')} | {_ms(r.get('base_ms'))} | {_ms(r['ours_ms'])} "
-            f"| {_ratio(r.get('ratio'))} | {span} |"
+            f"| {_ratio(r.get('ratio'))} | {_blocks_range(r)} |"
         )
     return out
 
@@ -191,13 +194,18 @@ def tables(entry: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _newest_first(path: Path) -> Iterator[dict[str, Any]]:
+    """The runs of the history at ``path``, newest first (normalised, see :func:`_normalise`)."""
+    for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            yield _normalise(json.loads(line))
+
+
 def entry_with(path: Path, item: str, skip: int = 0) -> dict[str, Any]:
     """The newest line of the history at ``path`` that holds ``item`` (``skip``: that many
     such lines newer than it are passed over). A LookupError when there is none."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     seen = 0
-    for line in reversed(lines):
-        entry = _normalise(json.loads(line))
+    for entry in _newest_first(path):
         if item in entry.get("items", {}):
             if seen == skip:
                 return dict(entry)
@@ -313,17 +321,13 @@ def _entry_at(path: Path, commit: str, items: str) -> dict[str, Any]:
         raise ValueError(f"bench-tables: commit= needs at least 7 hex digits, got {commit!r}")
     wanted = [n for n in items.split(",") if n]
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        for entry in _newest_first(path):
+            if str(entry.get("commit", "")).startswith(commit) and all(
+                n in entry.get("items", {}) for n in wanted
+            ):
+                return entry
     except OSError as err:
         raise ValueError(f"bench-tables: cannot read {path}: {err}") from err
-    for line in reversed(lines):
-        if not line.strip():
-            continue
-        entry = _normalise(json.loads(line))
-        if str(entry.get("commit", "")).startswith(commit) and all(
-            n in entry.get("items", {}) for n in wanted
-        ):
-            return entry
     held = f" holding {wanted}" if wanted else ""
     raise ValueError(f"bench-tables: no run at commit {commit}{held} in {path}")
 

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from _doc_patterns import BENCH_TABLES, COMMIT_HASH
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "performance.md"
-MARKER = re.compile(r"^<!-- bench-tables((?:\s+[\w-]+=\S+)*)\s*-->$", re.MULTILINE)
+MARKER = BENCH_TABLES
 
 # What a measurement typed into prose looks like. Sizes and constants of the API (2¹⁸, B = 4096,
 # 16 ulps) match none of these.
 MEASURED = {
-    "commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"),
+    "commit hash": COMMIT_HASH,
     "time": re.compile(r"\d(?:[\d.,]*\d)?\s?(?:ms|µs|us|ns|s|sec|min|minutes|h|hours)\b"),
     "ratio": re.compile(r"\d(?:[\d.,]*\d)?\s?(?:×|x\b)"),
     "percentage": re.compile(r"\d\s?%"),

@@ -16,16 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from _doc_patterns import BENCH_TABLES, COMMIT_HASH
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXCLUDED = {DOCS / "changelog.md"}
-# A page's table lines, replaced at build time by tables that state their runs' provenance.
-BENCH_TABLES = re.compile(r"^<!-- bench-tables(?:\s+[\w-]+=\S+)*\s*-->$", re.MULTILINE)
 
 PROVENANCE = {
-    # 7 to 40 hex digits with at least one digit and one letter a-f: a (short) commit hash, not
-    # a word ("deface", "added") or a number ("1000000").
-    "commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"),
+    "commit hash": COMMIT_HASH,
     "date": re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),
     "clock time": re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?\s*(?:UTC|GMT|[ap]\.?m\.?)?(?!\d)"),
     "UTC": re.compile(r"\bUTC\b"),
